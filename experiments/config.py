@@ -1,0 +1,303 @@
+"""Config schema, validation, and the preflight check that runs before Hydra launches anything.
+
+Bad input gets one clear line that names the key and what is allowed (DESIGN §4), before any data is loaded
+or any process starts. The same `validate()` runs in the preflight (for every job of a sweep) and in each job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from gem import algorithms, data as gdata, engines, models
+from gem.engines.sim import STALENESS_MODELS
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("algorithm", "engine", "model", "data", "logger", "experiment")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class Config:
+    """Top-level keys (DESIGN §4). Types here are enforced by Hydra when the config is composed."""
+
+    algorithm: Any = MISSING
+    engine: Any = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    logger: Any = MISSING
+    workers: int = 4
+    lr: float = 0.05
+    momentum: float = 0.9
+    batch_size: int = 64
+    epochs: int = 1  # full passes over the training set, per worker
+    seed: int = 0
+    device: str = "cpu"
+    resume: bool = False
+
+
+# Group schemas, checked by `validate` (the algorithm's own keys come from its module's Params dataclass).
+@dataclass
+class EngineConfig:
+    name: str = "sim"
+    staleness: str = "round_robin"
+    straggler_fraction: float = 0.25
+    straggler_slowdown: float = 4.0
+
+
+@dataclass
+class ModelConfig:
+    name: str = "mnist_cnn"
+
+
+@dataclass
+class SyntheticConfig:
+    num_classes: int = 10
+    train_size: int = 5000
+    val_size: int = 1000
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    name: str = "digits"
+    root: str = "data"
+    download: bool = False
+    augment: bool = True
+    synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    project: str = "gem"
+    entity: Any = None
+    group: Any = None
+    log_every: int = 10  # commits between W&B rows (every evaluation row is logged)
+
+
+@dataclass
+class LoggerConfig:
+    flush_every: int = 1000  # commit rows buffered before a parquet part is written
+    flush_seconds: float = 30.0  # ... or seconds, whichever comes first
+    eval_every: int = 100  # commits between evaluations of the central variable
+    eval_train_size: int = 2048
+    progress: bool = True
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+
+
+GROUP_SCHEMAS = {"engine": EngineConfig, "model": ModelConfig, "data": DataConfig, "logger": LoggerConfig}
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+register()
+
+
+class ConfigError(ValueError):
+    """One line for the user: which key is wrong and what is allowed."""
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _merge_checked(schema, node, prefix: str, what: str):
+    """Merge a group's node into its dataclass schema; unknown keys and wrong types become ConfigError."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
+    except OmegaConfBaseException as e:
+        key = f"{prefix}.{e.full_key}" if getattr(e, "full_key", None) else prefix
+        allowed = ", ".join(f.name for f in dataclasses.fields(schema))
+        msg = str(e).splitlines()[0]
+        if "not in struct" in msg or "Key '" in msg and "not" in msg:
+            raise ConfigError(f"{key} is not a key of {what}; its keys are: {allowed}") from None
+        raise ConfigError(f"{key}: {msg}") from None
+
+
+def algorithm_params(cfg: DictConfig):
+    """The algorithm's Params dataclass filled from cfg.lr, cfg.momentum and cfg.algorithm.*"""
+    name = cfg.algorithm.name
+    module = algorithms.get(name)
+    node = {k: v for k, v in OmegaConf.to_container(cfg.algorithm, resolve=True).items() if k != "name"}
+    fields = {f.name for f in dataclasses.fields(module.Params)}
+    for k in node:
+        if k not in fields or k in ("lr", "momentum"):
+            allowed = ", ".join(sorted(fields - {"lr", "momentum"})) or "none"
+            raise ConfigError(f"algorithm.{k} is not a parameter of algorithm={name}; its parameters are: "
+                              f"{allowed} (lr and momentum are top-level keys)")
+    return _merge_checked(module.Params, {**node, "lr": cfg.lr, "momentum": cfg.momentum},
+                          "algorithm", f"algorithm={name}")
+
+
+def validate(cfg: DictConfig) -> dict:
+    """Raise ConfigError with one clear line on the first bad value. Cheap: loads no data.
+
+    Returns the groups checked against their schemas (dataclass instances with every default filled in).
+    """
+    name = cfg.algorithm.get("name")
+    if name not in algorithms.ALGORITHMS:
+        raise ConfigError(f"algorithm={name} is not an algorithm; choose one of: {', '.join(algorithms.ALGORITHMS)}")
+    for key, cond, allowed in (
+        ("workers", cfg.workers >= 1, "an integer >= 1"),
+        ("lr", cfg.lr > 0, "a number > 0"),
+        ("momentum", 0 <= cfg.momentum < 1, "a number in [0, 1)"),
+        ("batch_size", cfg.batch_size >= 1, "an integer >= 1"),
+        ("epochs", cfg.epochs >= 1, "an integer >= 1"),
+    ):
+        if not cond:
+            raise ConfigError(f"{key}={cfg[key]} is not allowed; {key} must be {allowed}")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", cfg.device):
+        raise ConfigError(f"device={cfg.device} is not allowed; use cpu, cuda or cuda:N")
+    if cfg.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={cfg.device}: no CUDA device is available on this machine; use device=cpu")
+    algorithm_params(cfg)
+    checked = {g: _merge_checked(s, cfg[g], g, g) for g, s in GROUP_SCHEMAS.items()}
+    eng, mod, dat, log = checked["engine"], checked["model"], checked["data"], checked["logger"]
+    if eng.name not in engines.ENGINES:
+        raise ConfigError(f"engine={eng.name} is not an engine; choose one of: {', '.join(engines.ENGINES)}")
+    if eng.staleness not in STALENESS_MODELS:
+        raise ConfigError(f"engine.staleness={eng.staleness} is not allowed; choose one of: "
+                          f"{', '.join(STALENESS_MODELS)}")
+    if mod.name not in models.MODELS:
+        raise ConfigError(f"model={mod.name} is not a model; choose one of: {', '.join(models.MODELS)}")
+    if dat.name not in gdata.DATASETS:
+        raise ConfigError(f"data={dat.name} is not a dataset; choose one of: {', '.join(gdata.DATASETS)}")
+    fixed = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
+    want = models.input_shape(mod.name)
+    if dat.name in fixed and fixed[dat.name] != want:
+        raise ConfigError(f"model={mod.name} expects {'x'.join(map(str, want))} inputs but data={dat.name} gives "
+                          f"{'x'.join(map(str, fixed[dat.name]))}; pick a matching model")
+    if log.wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"logger.wandb.mode={log.wandb.mode} is not allowed; choose one of: {', '.join(WANDB_MODES)}")
+    for key in ("flush_every", "eval_every"):
+        if getattr(log, key) < 1:
+            raise ConfigError(f"logger.{key}={getattr(log, key)} is not allowed; it must be an integer >= 1")
+    if cfg.resume:
+        raise ConfigError("resume=true is not supported yet: checkpoints arrive with the process engine; "
+                          "use resume=false")
+    train = gdata.train_size(dat.name, data_root(dat.root), dat.synthetic.train_size)
+    if train is not None and cfg.batch_size > train:
+        raise ConfigError(f"batch_size={cfg.batch_size} is larger than a worker's shard: data={dat.name} has "
+                          f"{train} training examples, and every worker draws from all of them")
+    return checked
+
+
+# ------------------------------------------------------------------------------------------ preflight
+
+
+def _one_line(exc: Exception) -> str:
+    """Reduce a Hydra/OmegaConf composition error to its first meaningful line, naming the key."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
+    text = str(cause).strip().splitlines()
+    first = text[0] if text else type(exc).__name__
+    key = getattr(cause, "full_key", None)
+    field = {f.name: f for f in dataclasses.fields(Config)}.get(key or "")
+    if field is not None and "could not be converted" in str(cause):
+        value = re.search(r"Value '([^']*)'", str(cause))
+        got = value.group(1) if value else "?"
+        return f"{key}={got} is not allowed; {key} must be of type {getattr(field.type, '__name__', field.type)}"
+    m = re.search(r"Key '([^']+)' is not in struct", str(exc) + str(cause))
+    if m or "not in struct" in first:
+        bad = (key or (m.group(1) if m else "?"))
+        return f"{bad} is not a config key; top-level keys are: {', '.join(f.name for f in dataclasses.fields(Config))}"
+    return f"{key}: {first}" if key and key not in first else first
+
+
+def expand(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """The override lists of every job a command would launch, including an experiment's sweeper params."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    parsed = parser.parse_overrides(overrides)
+    if not multirun:
+        return [overrides]
+    base = [o.input_line for o in parsed if not o.is_sweep_override()]
+    hcfg = compose(base, return_hydra_config=True)
+    params = OmegaConf.select(hcfg, "hydra.sweeper.params") or {}
+    extra = [f"{k}={v}" for k, v in params.items()]
+    every = parser.parse_overrides(extra + overrides)
+    # later overrides (the command line) win over the experiment's, as in Hydra's own sweeper
+    by_key = {}
+    for o in every:
+        by_key[o.key_or_group] = o
+    jobs = BasicSweeper.split_arguments(list(by_key.values()), None)
+    return [job for batch in jobs for job in batch]
+
+
+def compose(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose("config", overrides=overrides, return_hydra_config=return_hydra_config)
+
+
+def check_job(overrides: list[str]) -> tuple[DictConfig, dict]:
+    """Compose and validate one job's config; raise ConfigError with one line on bad input."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for o in OverridesParser.create().parse_overrides(overrides):
+        if o.key_or_group in GROUPS and not o.is_delete():
+            value = o.value()
+            if isinstance(value, str) and value not in options(o.key_or_group):
+                raise ConfigError(f"{o.key_or_group}={value} is not an option; choose one of: "
+                                  f"{', '.join(options(o.key_or_group))}")
+    try:
+        cfg = compose([o for o in overrides if not o.startswith("hydra")])
+    except Exception as e:  # composition errors: wrong types, unknown keys
+        raise ConfigError(_one_line(e)) from None
+    try:
+        return cfg, validate(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_one_line(e)) from None
+
+
+def preflight(argv: list[str]) -> None:
+    """Validate every job of the command before Hydra starts; on bad input print one line and exit 2."""
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        args, _ = get_args_parser().parse_known_args(argv)
+    except SystemExit:
+        return  # let Hydra report its own usage errors
+    if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_name \
+            or args.config_path or args.config_dir or args.experimental_rerun:
+        return
+    try:
+        jobs = expand(args.overrides, args.multirun)
+        datasets = set()
+        for job in jobs:
+            _, checked = check_job(job)
+            d = checked["data"]
+            datasets.add((d.name, data_root(d.root), d.download))
+        for name, root, download in sorted(datasets):
+            gdata.ensure_available(name, root, download)
+    except (ConfigError, gdata.DatasetMissing) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OmegaConfBaseException as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+    except Exception as e:  # a malformed override, say: Hydra's first line is clear enough
+        msg = str(e).strip().splitlines()
+        print(f"error: {msg[0] if msg else type(e).__name__}", file=sys.stderr)
+        sys.exit(2)
+
+
+def data_root(root: str) -> str:
+    return os.path.abspath(os.path.expanduser(root))

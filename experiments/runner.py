@@ -1,0 +1,163 @@
+"""Turns a resolved config into objects, runs an engine, and writes the run directory.
+
+Run directory (DESIGN §4): `summary.json`, `metrics.parquet` (one row per commit), `eval.parquet` (the
+central variable every `logger.eval_every` commits and at the end), `tensors.parquet` (per-tensor diagnostics,
+for algorithms that log them), `wandb/` (unless disabled) and Hydra's `.hydra/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from experiments import wandb_logger
+from experiments.config import ConfigError, algorithm_params, data_root, validate
+from gem import data as gdata, engines, models
+from gem.engines import Job, Result
+from gem.metrics import Recorder
+
+
+def build_job(cfg: DictConfig, checked: dict, log=print) -> Job:
+    """Everything the engine needs, resolved here in the parent: no Hydra object crosses into an engine."""
+    workers = cfg.workers
+    d, eng = checked["data"], checked["engine"]
+    if cfg.algorithm.name == "sgd" and workers != 1:
+        log(f"gem: algorithm=sgd is sequential momentum SGD: running 1 worker (workers={workers} ignored)")
+        workers = 1
+    shape = models.input_shape(cfg.model.name)
+    dataset = gdata.load_dataset(d.name, data_root(d.root), d.download, synthetic=dataclasses.asdict(d.synthetic),
+                                 shape=shape, augment=d.augment)
+    if dataset.shape != shape:
+        raise ConfigError(f"model={cfg.model.name} expects {'x'.join(map(str, shape))} inputs but data="
+                          f"{cfg.data.name} gives {'x'.join(map(str, dataset.shape))}")
+    if cfg.batch_size > len(dataset.train_y):
+        raise ConfigError(f"batch_size={cfg.batch_size} is larger than a worker's shard: data={cfg.data.name} "
+                          f"has {len(dataset.train_y)} training examples")
+    engine = {k: v for k, v in dataclasses.asdict(eng).items() if k != "name"}
+    return Job(algorithm=cfg.algorithm.name, hp=algorithm_params(cfg), model=cfg.model.name, data=dataset,
+               workers=workers, batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed, device=cfg.device,
+               engine=engine, eval_every=cfg.logger.eval_every, eval_train_size=cfg.logger.eval_train_size)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    # disable=None: shown on a terminal, silent in CI logs and pipes
+    return tqdm(total=total, unit="commit", disable=None if enabled else True, dynamic_ncols=True,
+                smoothing=0.05, mininterval=0.5)
+
+
+def _finite_or_none(x):
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None) -> dict:
+    """Run one job and write its directory. Returns the summary. Never raises for a failed or diverged run."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    summary = {"status": "failed", "algorithm": cfg.algorithm.name, "engine": cfg.engine.name,
+               "workers": cfg.workers, "model": cfg.model.name, "data": cfg.data.name, "seed": cfg.seed,
+               "lr": cfg.lr, "momentum": cfg.momentum, "batch_size": cfg.batch_size, "epochs": cfg.epochs,
+               "steps": 0, "final_train_loss": None, "val_loss": None, "val_accuracy": None,
+               "mean_staleness": None, "wall_time_s": None, "reason": "", "run_dir": str(run_dir),
+               "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    recorder = wandb = result = None
+    try:
+        job = build_job(cfg, validate(cfg))
+        summary["workers"] = job.workers
+        print(f"gem: algorithm={job.algorithm} engine={cfg.engine.name} workers={job.workers} model={job.model} "
+              f"data={cfg.data.name} ({len(job.data.train_y)} train / {len(job.data.val_y)} val) -> {run_dir}")
+        log_cfg = cfg.logger
+        wandb = wandb_logger.start(log_cfg.wandb.mode, run_dir, OmegaConf.to_container(cfg, resolve=True),
+                                   project=log_cfg.wandb.project, entity=log_cfg.wandb.entity,
+                                   group=log_cfg.wandb.group or wandb_group, name=wandb_name)
+        window = getattr(job.hp, "window", 1)
+        from gem.engines.core import worker_steps
+
+        total = job.workers * math.ceil(worker_steps(job) / window)
+        recorder = Recorder(run_dir, flush_every=log_cfg.flush_every, flush_seconds=log_cfg.flush_seconds,
+                            sink=wandb, sink_every=log_cfg.wandb.log_every,
+                            progress=_progress(total, log_cfg.progress))
+        result = engines.get(cfg.engine.name).run(job, recorder)
+    except ConfigError as e:
+        result = Result("failed", 0, reason=str(e))
+        print(f"error: {e}", file=sys.stderr)
+    except gdata.DatasetMissing as e:
+        result = Result("failed", 0, reason=str(e))
+        print(f"error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        result = Result("failed", recorder.commits if recorder else 0, reason="interrupted (Ctrl-C or SIGTERM)")
+        raise
+    except Exception as e:
+        result = Result("failed", recorder.commits if recorder else 0, reason=f"{type(e).__name__}: {e}")
+        (run_dir / "error.txt").write_text(traceback.format_exc())
+        print(f"error: run failed with {type(e).__name__}: {e} (traceback in {run_dir / 'error.txt'})",
+              file=sys.stderr)
+    finally:
+        if recorder is not None:
+            recorder.close()
+            ev = recorder.last_eval or {}
+            summary.update(final_train_loss=_finite_or_none(recorder.final_train_loss),
+                           val_loss=_finite_or_none(ev.get("val_loss")), val_accuracy=ev.get("val_accuracy"),
+                           mean_staleness=_finite_or_none(recorder.mean_staleness))
+        if result is None:  # an exception that is not an Exception (SystemExit, say)
+            result = Result("failed", recorder.commits if recorder else 0, reason="interrupted")
+        summary.update(status=result.status, steps=result.steps, reason=result.reason,
+                       wall_time_s=round(time.perf_counter() - t0, 3))
+        if wandb is not None:
+            summary["wandb"] = wandb.where
+            try:
+                wandb.finish(summary, exit_code=0 if summary["status"] == "completed" else 1)
+            except Exception:
+                pass
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    def num(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    lines = [
+        f"status          {s['status']}" + (f"  ({s['reason']})" if s.get("reason") else ""),
+        f"algorithm       {s['algorithm']}  engine={s['engine']}  workers={s['workers']}",
+        f"commits         {s['steps']}",
+        f"train loss      {num(s['final_train_loss'], '.4f')}  (mean of the last 10% of commits)",
+        f"val loss        {num(s['val_loss'], '.4f')}",
+        f"val accuracy    {num(s['val_accuracy'], '.4f')}",
+        f"mean staleness  {num(s['mean_staleness'], '.2f')}",
+        f"wall time       {num(s['wall_time_s'], '.1f')} s",
+        f"run directory   {s['run_dir']}",
+    ]
+    if s.get("wandb"):
+        lines.append(f"W&B run         {s['wandb']}")
+    return "\n".join(lines)
+
+
+def main(cfg: DictConfig) -> dict:
+    """Hydra's task function (run.py hands it the composed config)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    group = name = None
+    if multirun:  # W&B groups runs by sweep; the job's overrides name it
+        group = "/".join(Path(hc.sweep.dir).parts[-2:])
+        name = hc.job.override_dirname or f"job{hc.job.num}"
+    summary = run(cfg, Path(hc.runtime.output_dir), wandb_group=group, wandb_name=name)
+    print(format_summary(summary), flush=True)
+    # A failed job ends a single run with an error code; in a sweep the other jobs go on. A diverged run is a
+    # result, not an error.
+    if summary["status"] == "failed" and not multirun:
+        sys.exit(1)
+    return summary

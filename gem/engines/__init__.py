@@ -1,0 +1,46 @@
+"""Engines decide who runs the workers and in which order (DESIGN §3). Algorithms do not know about them.
+
+Every engine has `run(job, recorder) -> Result`, where `job` is a plain, picklable `Job` (no Hydra objects),
+so that child processes never need Hydra's resolvers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+ENGINES = ("sim",)
+
+
+@dataclass
+class Job:
+    """Everything an engine needs, resolved in the parent process."""
+
+    algorithm: str
+    hp: Any  # the algorithm's Params dataclass
+    model: str
+    data: Any  # gem.data.Dataset, already in memory
+    workers: int
+    batch_size: int
+    epochs: int
+    seed: int
+    device: str = "cpu"
+    engine: dict = field(default_factory=dict)  # engine-specific options (cfg.engine minus name)
+    eval_every: int = 100  # commits between evaluations of the central variable
+    eval_train_size: int = 2048  # training examples used for the periodic train-loss estimate
+
+
+@dataclass
+class Result:
+    status: str  # completed | diverged | failed
+    steps: int  # commits applied by the parameter server
+    reason: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def get(name: str) -> ModuleType:
+    if name not in ENGINES:
+        raise ValueError(f"engine={name} is not an engine; choose one of: {', '.join(ENGINES)}")
+    return importlib.import_module(f"gem.engines.{name}")

@@ -1,0 +1,51 @@
+"""Pieces every engine shares: building the model, evaluating the central variable, the step budget."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from gem.data import Dataset
+from gem.models import FlatModel, build_model
+
+
+def build_flat_model(job, seed_offset: int = 0) -> FlatModel:
+    """The job's model with the seed's initialisation, as a FlatModel on the job's device."""
+    torch.manual_seed(job.seed + seed_offset)
+    return FlatModel(build_model(job.model, num_classes=job.data.num_classes), device=job.device)
+
+
+def worker_steps(job) -> int:
+    """Local gradient steps per worker: `epochs` full passes over the training set (DESIGN §1)."""
+    return job.epochs * (len(job.data.train_y) // job.batch_size)
+
+
+class Evaluator:
+    """Evaluates the central variable on the validation split and on a fixed training subset.
+
+    It has its own copy of the model, so evaluating never disturbs a worker's parameters.
+    """
+
+    def __init__(self, job, data: Dataset):
+        self.model = build_flat_model(job)
+        self.data = data
+        k = min(job.eval_train_size, len(data.train_y))
+        idx = torch.randperm(len(data.train_y), generator=torch.Generator().manual_seed(job.seed))[:k]
+        self.train_x, self.train_y = data.train_x[idx], data.train_y[idx]
+
+    def __call__(self, theta: torch.Tensor, step: int, t0: float, **extra) -> dict:
+        self.model.load(theta)
+        val_loss, val_acc = self.model.evaluate(self.data.val_x, self.data.val_y)
+        train_loss, train_acc = self.model.evaluate(self.train_x, self.train_y)
+        return {"step": step, "time_s": time.perf_counter() - t0, "val_loss": val_loss,
+                "val_accuracy": val_acc, "train_loss": train_loss, "train_accuracy": train_acc, **extra}
+
+
+def finite(theta: torch.Tensor) -> bool:
+    return bool(torch.isfinite(theta).all())
+
+
+def is_bad(loss: float) -> bool:
+    return not math.isfinite(loss)

@@ -1,0 +1,150 @@
+"""The coordinator's recorder: per-commit rows, evaluation rows and per-tensor rows, written cheaply.
+
+Rows are buffered in memory and flushed as numbered parquet parts (`<name>.parts/part-NNNNNN.parquet`) every
+`flush_every` rows or `flush_seconds`, so a crash loses at most one flush interval and whatever was flushed
+stays readable. `close()` merges the parts into one `<name>.parquet` file. `read_table()` reads either form.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+TABLES = ("metrics", "eval", "tensors")
+
+
+class PartWriter:
+    """Appends row batches to a parquet dataset of numbered part files, then merges them on close."""
+
+    def __init__(self, run_dir: Path, name: str):
+        self.final = run_dir / f"{name}.parquet"
+        self.parts = run_dir / f"{name}.parts"
+        self.rows: list[dict] = []
+        existing = sorted(self.parts.glob("part-*.parquet")) if self.parts.exists() else []
+        self.next_part = len(existing)
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        self.parts.mkdir(parents=True, exist_ok=True)
+        table = pa.Table.from_pylist(self.rows)
+        tmp = self.parts / f".part-{self.next_part:06d}.tmp"
+        pq.write_table(table, tmp)
+        os.replace(tmp, self.parts / f"part-{self.next_part:06d}.parquet")  # atomic: never a torn part
+        self.next_part += 1
+        self.rows = []
+
+    def close(self) -> None:
+        self.flush()
+        if not self.parts.exists():
+            return
+        files = sorted(self.parts.glob("part-*.parquet"))
+        if self.final.exists():  # a resumed run: keep what the earlier attempt merged
+            files.insert(0, self.final)
+        if files:
+            table = pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")
+            tmp = self.final.with_suffix(".parquet.tmp")
+            pq.write_table(table, tmp)
+            os.replace(tmp, self.final)
+        shutil.rmtree(self.parts)
+
+
+def read_table(run_dir: str | os.PathLike, name: str = "metrics") -> pd.DataFrame:
+    """One table of a run directory, merged file plus any parts left by a run that did not close."""
+    run_dir = Path(run_dir)
+    frames = []
+    if (run_dir / f"{name}.parquet").exists():
+        frames.append(pd.read_parquet(run_dir / f"{name}.parquet"))
+    parts = run_dir / f"{name}.parts"
+    if parts.exists():
+        frames += [pd.read_parquet(f) for f in sorted(parts.glob("part-*.parquet"))]
+    if not frames:
+        return pd.DataFrame()
+    return pd.concat(frames, ignore_index=True)
+
+
+class Recorder:
+    """Receives rows from an engine (in the coordinating process only) and writes the run directory tables.
+
+    `sink(kind, row)` is an optional extra consumer of rows (the W&B logger); `progress` an optional tqdm bar
+    advanced once per commit.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, flush_every: int = 1000, flush_seconds: float = 30.0,
+                 sink: Callable[[str, dict], None] | None = None, progress=None, sink_every: int = 1):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.writers = {name: PartWriter(self.run_dir, name) for name in TABLES}
+        self.flush_every, self.flush_seconds = flush_every, flush_seconds
+        self.sink, self.sink_every, self.progress = sink, max(1, sink_every), progress
+        self.losses: list[float] = []
+        self.staleness_sum = 0
+        self.commits = 0
+        self.last_eval: dict | None = None
+        self._pending = 0
+        self._last_flush = time.monotonic()
+        self._loss_ema: float | None = None
+
+    def commit(self, row: dict, tensors: list[dict] | None = None) -> None:
+        self.writers["metrics"].add(row)
+        for t in tensors or ():
+            self.writers["tensors"].add(t)
+        self.commits += 1
+        loss = float(row["loss"])
+        self.losses.append(loss)
+        self.staleness_sum += int(row["staleness"])
+        if math.isfinite(loss):
+            self._loss_ema = loss if self._loss_ema is None else 0.98 * self._loss_ema + 0.02 * loss
+        if self.sink is not None and self.commits % self.sink_every == 0:
+            self.sink("commit", row)
+        if self.progress is not None:
+            self.progress.update(1)
+            if self.commits % 20 == 0 and self._loss_ema is not None:
+                self.progress.set_postfix(loss=f"{self._loss_ema:.4f}", refresh=False)
+        self._pending += 1
+        if self._pending >= self.flush_every or time.monotonic() - self._last_flush > self.flush_seconds:
+            self.flush()
+
+    def eval(self, row: dict) -> None:
+        self.writers["eval"].add(row)
+        self.last_eval = row
+        if self.sink is not None:
+            self.sink("eval", row)
+        # evaluation rows are few and precious: write them at once
+        self.writers["eval"].flush()
+
+    def flush(self) -> None:
+        for w in self.writers.values():
+            w.flush()
+        self._pending = 0
+        self._last_flush = time.monotonic()
+
+    def close(self) -> None:
+        for w in self.writers.values():
+            w.close()
+        if self.progress is not None:
+            self.progress.close()
+
+    @property
+    def final_train_loss(self) -> float:
+        """Mean loss over the last 10% of commits (at least one)."""
+        if not self.losses:
+            return float("nan")
+        k = max(1, len(self.losses) // 10)
+        tail = self.losses[-k:]
+        return sum(tail) / len(tail)
+
+    @property
+    def mean_staleness(self) -> float:
+        return self.staleness_sum / self.commits if self.commits else float("nan")

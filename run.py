@@ -1,0 +1,22 @@
+"""Entry point: `python run.py [overrides]` for one run, `python run.py -m [sweep]` for a sweep.
+
+It only validates the command (one clear line on bad input, before anything starts) and hands Hydra's
+composed config to experiments.runner.
+"""
+
+import sys
+
+import hydra
+
+from experiments import runner
+from experiments.config import preflight
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg):
+    return runner.main(cfg)
+
+
+if __name__ == "__main__":
+    preflight(sys.argv[1:])
+    main()
