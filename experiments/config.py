@@ -211,9 +211,9 @@ def _one_line(exc: Exception) -> str:
         value = re.search(r"Value '([^']*)'", str(cause))
         got = value.group(1) if value else "?"
         return f"{key}={got} is not allowed; {key} must be of type {getattr(field.type, '__name__', field.type)}"
-    m = re.search(r"Key '([^']+)' is not in struct", str(exc) + str(cause))
-    if m or "not in struct" in first:
-        bad = (key or (m.group(1) if m else "?"))
+    m = re.search(r"Key '([^']+)' (is )?not in", str(exc) + str(cause))
+    if m:
+        bad = key or m.group(1)
         return f"{bad} is not a config key; top-level keys are: {', '.join(f.name for f in dataclasses.fields(Config))}"
     return f"{key}: {first}" if key and key not in first else first
 
@@ -257,10 +257,19 @@ def check_job(overrides: list[str]) -> tuple[DictConfig, dict]:
             if isinstance(value, str) and value not in options(o.key_or_group):
                 raise ConfigError(f"{o.key_or_group}={value} is not an option; choose one of: "
                                   f"{', '.join(options(o.key_or_group))}")
+    overrides = [o for o in overrides if not o.startswith("hydra")]
     try:
-        cfg = compose([o for o in overrides if not o.startswith("hydra")])
+        cfg = compose(overrides)
     except Exception as e:  # composition errors: wrong types, unknown keys
-        raise ConfigError(_one_line(e)) from None
+        line = _one_line(e)
+        group = line.split(".", 1)[0] if " is not a config key" in line else None
+        if group in GROUPS:  # an unknown key inside a group: list the keys that group has
+            choice = [o for o in overrides if o.split("=", 1)[0] == group]
+            node = compose(choice)[group]
+            what = f"{group}={node.name}" if "name" in node else group
+            line = (f"{line.split(' ', 1)[0]} is not a key of {what}; its keys are: {', '.join(node)}"
+                    + (" (lr and momentum are top-level keys)" if group == "algorithm" else ""))
+        raise ConfigError(line) from None
     try:
         return cfg, validate(cfg)
     except OmegaConfBaseException as e:

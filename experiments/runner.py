@@ -103,14 +103,15 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
         print(f"error: run failed with {type(e).__name__}: {e} (traceback in {run_dir / 'error.txt'})",
               file=sys.stderr)
     finally:
+        if result is None:  # an exception that is not an Exception (SystemExit, say)
+            result = Result("failed", recorder.commits if recorder else 0, reason="interrupted")
         if recorder is not None:
             recorder.close()
-            ev = recorder.last_eval or {}
+            # validation numbers describe the final central variable only: a diverged or failed run has none
+            ev = recorder.last_eval if recorder.last_eval and recorder.last_eval["step"] == result.steps else {}
             summary.update(final_train_loss=_finite_or_none(recorder.final_train_loss),
                            val_loss=_finite_or_none(ev.get("val_loss")), val_accuracy=ev.get("val_accuracy"),
                            mean_staleness=_finite_or_none(recorder.mean_staleness))
-        if result is None:  # an exception that is not an Exception (SystemExit, say)
-            result = Result("failed", recorder.commits if recorder else 0, reason="interrupted")
         summary.update(status=result.status, steps=result.steps, reason=result.reason,
                        wall_time_s=round(time.perf_counter() - t0, 3))
         if wandb is not None:

@@ -147,9 +147,10 @@ def load_digits(shape=(1, 28, 28), val_size: int = 297) -> Dataset:
 
 
 def _download_failed(what: str, folder: str, files, reason: str) -> DatasetMissing:
-    return DatasetMissing(
-        f"data={what}: files not found in {folder} ({reason}); put {', '.join(files)} there, "
-        f"or set data.download=true on a machine with internet")
+    hint = "or set data.download=true on a machine with internet" if "download=false" in reason \
+        else "or run once where the download can reach the internet"
+    return DatasetMissing(f"data={what}: files not found in {folder} ({reason}); put {', '.join(files)} there, "
+                          f"{hint}")
 
 
 def load_mnist(root: str, download: bool = False) -> Dataset:

@@ -1,0 +1,26 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Real MNIST digits live beside the checkout (../shared/data); GEM_SHARED_DATA can point elsewhere.
+SHARED_DATA = Path(os.environ.get("GEM_SHARED_DATA", ROOT.parent / "shared" / "data"))
+
+
+@pytest.fixture
+def mnist_root():
+    if not (SHARED_DATA / "MNIST" / "raw" / "train-images-idx3-ubyte").is_file():
+        pytest.skip(f"real MNIST digits not found in {SHARED_DATA}/MNIST/raw (set GEM_SHARED_DATA to their root)")
+    return str(SHARED_DATA)
+
+
+@pytest.fixture(autouse=True)
+def _no_wandb_network(monkeypatch):
+    # Tests never talk to W&B servers, whatever the developer's environment says.
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")

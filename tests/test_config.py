@@ -1,0 +1,109 @@
+"""Configs compose, and every bad input gets one clear line (naming the key and what is allowed) before
+anything starts."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from experiments.config import ConfigError, check_job, compose, expand, options, preflight, validate
+
+
+def test_default_config_composes_and_validates():
+    cfg = compose([])
+    for key in ("algorithm", "engine", "model", "data", "logger", "workers", "lr", "momentum", "batch_size",
+                "epochs", "seed", "device", "resume"):
+        assert key in cfg, key
+    assert cfg.data.name == "digits" and cfg.model.name == "mnist_cnn"
+    assert (cfg.lr, cfg.momentum, cfg.batch_size) == (0.05, 0.9, 64)  # the paper's MNIST settings
+    validate(cfg)
+
+
+@pytest.mark.parametrize("group", ["algorithm", "engine", "model", "data", "logger"])
+def test_every_group_option_composes(group):
+    for option in options(group):
+        overrides = [f"{group}={option}"]
+        if group == "model" and option == "alexnet_cifar":
+            overrides.append("data=synthetic")
+        if group == "data" and option == "cifar10":
+            overrides.append("model=alexnet_cifar")
+        cfg = compose(overrides)
+        validate(cfg)
+
+
+BAD = [
+    (["algorithm=foo"], "algorithm=foo is not an option; choose one of: "),
+    (["engine=warp"], "engine=warp is not an option; choose one of: "),
+    (["model=resnet"], "model=resnet is not an option; choose one of: alexnet_cifar, mnist_cnn"),
+    (["data=imagenet"], "data=imagenet is not an option; choose one of: cifar10, digits, mnist, synthetic"),
+    (["workers=0"], "workers=0 is not allowed; workers must be an integer >= 1"),
+    (["workers=two"], "workers=two is not allowed; workers must be of type int"),
+    (["lr=0"], "lr=0.0 is not allowed; lr must be a number > 0"),
+    (["lr=-0.1"], "lr=-0.1 is not allowed; lr must be a number > 0"),
+    (["lr=abc"], "lr=abc is not allowed; lr must be of type float"),
+    (["batch_size=0"], "batch_size=0 is not allowed; batch_size must be an integer >= 1"),
+    (["batch_size=2000"], "batch_size=2000 is larger than a worker's shard: data=digits has 1500 training"),
+    (["epochs=0"], "epochs=0 is not allowed; epochs must be an integer >= 1"),
+    (["momentum=1.0"], "momentum=1.0 is not allowed; momentum must be a number in [0, 1)"),
+    (["foo=1"], "foo is not a config key; top-level keys are: algorithm, engine"),
+    (["algorithm.kapa=2"], "algorithm.kapa is not a key of algorithm=sgd; its keys are: name"),
+    (["logger.wandb.mode=loud"], "logger.wandb.mode=loud is not allowed; choose one of: offline, online, disabled"),
+    (["engine.staleness=fast"], "engine.staleness=fast is not allowed; choose one of: round_robin"),
+    (["device=tpu"], "device=tpu is not allowed; use cpu, cuda or cuda:N"),
+    (["model=alexnet_cifar", "data=digits", "data=mnist"], "model=alexnet_cifar expects 3x32x32 inputs but data=mnist"),
+]
+
+
+@pytest.mark.parametrize("overrides,line", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_input_gets_one_clear_line(overrides, line, capsys):
+    with pytest.raises(SystemExit) as e:
+        preflight(overrides)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, f"expected exactly one line, got:\n{err}"
+    assert err.startswith("error: " + line), err
+
+
+def test_bad_value_inside_a_sweep_is_caught_before_any_job(capsys):
+    with pytest.raises(SystemExit):
+        preflight(["-m", "lr=0.1,-1", "workers=1,2"])
+    assert capsys.readouterr().err.startswith("error: lr=-1.0 is not allowed")
+
+
+def test_missing_dataset_offline_names_files_and_folder(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        preflight(["data=mnist", f"data.root={tmp_path}", "data.download=false"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert str(tmp_path / "MNIST" / "raw") in err and "train-images-idx3-ubyte" in err
+
+
+def test_cuda_requested_without_cuda(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit):
+        preflight(["device=cuda"])
+    assert "device=cuda: no CUDA device is available" in capsys.readouterr().err
+
+
+def test_good_input_passes_and_sweeps_expand():
+    preflight(["workers=1", "lr=0.01"])  # returns without exiting
+    jobs = expand(["algorithm=sgd", "lr=0.1,0.01", "seed=0,1,2"], multirun=True)
+    assert len(jobs) == 6
+    with pytest.raises(ConfigError):
+        check_job(["workers=-3"])
+
+
+def test_help_and_cfg_flags_are_left_to_hydra():
+    preflight(["--help"])
+    preflight(["--cfg", "job"])
+
+
+def test_real_command_prints_one_line_and_exits_2():
+    p = subprocess.run([sys.executable, "run.py", "lr=-1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip() == "error: lr=-1.0 is not allowed; lr must be a number > 0"
+    assert not (ROOT / "outputs").exists() or not any("lr=-1" in str(x) for x in (ROOT / "outputs").rglob("*"))

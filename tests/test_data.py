@@ -1,0 +1,506 @@
+"""Tests of gem.data: the loaders, augmentation, per-worker streams and the synthetic task."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gem.data as gd
+from gem.data import (CIFAR_MEAN, CIFAR_STD, MNIST_MEAN, MNIST_STD, DatasetMissing, WorkerStream,
+                      crop_and_flip, ensure_available, load_cifar10, load_digits, load_mnist, make_synthetic,
+                      train_size)
+
+MNIST_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+               "t10k-labels-idx1-ubyte")
+CIFAR_NAMES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch",
+               "batches.meta")
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def shared_data_root() -> Path:
+    """The shared data folder: $GEM_SHARED_DATA if set, else <repo>/../shared/data."""
+    env = os.environ.get("GEM_SHARED_DATA")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def mnist_root_or_skip() -> Path:
+    root = shared_data_root()
+    raw = root / "MNIST" / "raw"
+    missing = [f for f in MNIST_NAMES if not (raw / f).is_file()]
+    if missing:
+        pytest.skip(f"MNIST files not available: {', '.join(missing)} missing from {raw} "
+                    f"(set GEM_SHARED_DATA to the folder holding MNIST/raw/)")
+    return root
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """An IDX file (MNIST's format) parsed independently of torchvision: big-endian header, then uint8."""
+    raw = path.read_bytes()
+    ndim = raw[3]
+    assert raw[2] == 0x08  # unsigned byte
+    dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    root = mnist_root_or_skip()
+    return root, load_mnist(str(root), download=False)
+
+
+# ------------------------------------------------------------------------------------------- digits
+
+
+def test_load_digits_shapes_split_sizes_and_labels():
+    ds = load_digits()
+    assert ds.name == "digits"
+    assert ds.train_x.shape == (1500, 1, 28, 28)
+    assert ds.val_x.shape == (297, 1, 28, 28)
+    assert ds.train_x.dtype == torch.float32
+    assert ds.train_y.dtype == torch.int64 and ds.val_y.dtype == torch.int64
+    assert ds.train_y.shape == (1500,) and ds.val_y.shape == (297,)
+    assert set(ds.train_y.tolist()) == set(range(10))
+    assert set(ds.val_y.tolist()) == set(range(10))
+    assert ds.num_classes == 10 and ds.shape == (1, 28, 28)
+    # pixels are [0, 1] intensities normalised with MNIST's statistics
+    assert ds.train_x.min().item() == pytest.approx((0 - MNIST_MEAN) / MNIST_STD, abs=1e-5)
+    assert ds.train_x.max().item() == pytest.approx((1 - MNIST_MEAN) / MNIST_STD, abs=1e-5)
+
+
+def test_load_digits_split_is_a_partition_of_all_digits():
+    from sklearn.datasets import load_digits as sk_digits
+
+    ds = load_digits()
+    counts = torch.bincount(ds.train_y, minlength=10) + torch.bincount(ds.val_y, minlength=10)
+    assert counts.tolist() == np.bincount(sk_digits().target, minlength=10).tolist()
+
+
+def test_load_digits_split_is_identical_across_calls():
+    a, b = load_digits(), load_digits()
+    assert torch.equal(a.train_x, b.train_x) and torch.equal(a.train_y, b.train_y)
+    assert torch.equal(a.val_x, b.val_x) and torch.equal(a.val_y, b.val_y)
+    # the split does not depend on the global RNG either
+    torch.manual_seed(12345)
+    c = load_digits()
+    assert torch.equal(a.val_y, c.val_y) and torch.equal(a.val_x, c.val_x)
+
+
+def test_load_digits_other_shape_keeps_the_same_split():
+    a = load_digits()
+    b = load_digits(shape=(3, 32, 32))
+    assert b.train_x.shape == (1500, 3, 32, 32) and b.val_x.shape == (297, 3, 32, 32)
+    assert torch.equal(a.train_y, b.train_y) and torch.equal(a.val_y, b.val_y)
+    assert torch.equal(b.train_x[:, 0], b.train_x[:, 2])  # grey images replicated over channels
+
+
+# -------------------------------------------------------------------------------------------- MNIST
+
+
+def test_load_mnist_real_files_sizes_dtype_labels(mnist):
+    _, ds = mnist
+    assert ds.name == "mnist"
+    assert ds.train_x.shape == (5000, 1, 28, 28)
+    assert ds.val_x.shape == (1309, 1, 28, 28)
+    assert ds.train_x.dtype == torch.float32 and ds.val_x.dtype == torch.float32
+    assert ds.train_y.dtype == torch.int64 and ds.val_y.dtype == torch.int64
+    assert ds.train_y.shape == (5000,) and ds.val_y.shape == (1309,)
+    assert set(ds.train_y.tolist()) == set(range(10))
+    assert set(ds.val_y.tolist()) <= set(range(10))
+    assert ds.augment is False
+
+
+def test_load_mnist_real_files_normalisation(mnist):
+    _, ds = mnist
+    # normalised with MNIST's usual statistics: roughly zero mean and unit variance
+    assert abs(ds.train_x.mean().item()) < 0.1
+    assert abs(ds.train_x.std().item() - 1.0) < 0.1
+    assert abs(ds.val_x.mean().item()) < 0.1
+    assert abs(ds.val_x.std().item() - 1.0) < 0.1
+
+
+def test_load_mnist_matches_the_idx_files_pixel_for_pixel(mnist):
+    root, ds = mnist
+    raw = root / "MNIST" / "raw"
+    for x, y, prefix in ((ds.train_x, ds.train_y, "train"), (ds.val_x, ds.val_y, "t10k")):
+        images = read_idx(raw / f"{prefix}-images-idx3-ubyte")
+        labels = read_idx(raw / f"{prefix}-labels-idx1-ubyte")
+        expected = (torch.from_numpy(images.astype(np.float32)) / 255.0 - MNIST_MEAN) / MNIST_STD
+        torch.testing.assert_close(x[:, 0], expected, rtol=0, atol=1e-5)
+        assert y.tolist() == labels.astype(np.int64).tolist()
+
+
+# ------------------------------------------------------------------------------------------ CIFAR-10
+
+
+def write_cifar(root: Path, per_batch: int = 3, test_size: int = 4, seed: int = 0):
+    """Small files in CIFAR-10's python layout under root/cifar-10-batches-py; returns what was written.
+
+    Each batch is a pickled dict with "data" (uint8 N×3072: the R plane, then G, then B, each 32×32
+    row-major), "labels", "batch_label" and "filenames"; batches.meta holds "label_names". The real files are
+    Python 2 pickles whose byte-string keys torchvision reads as str (pickle.load(..., encoding="latin1")),
+    so str keys here are what torchvision sees.
+    """
+    rng = np.random.default_rng(seed)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    written = {}
+    for name, n in [(f"data_batch_{i}", per_batch) for i in range(1, 6)] + [("test_batch", test_size)]:
+        data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+        labels = rng.integers(0, 10, size=n).tolist()
+        with open(folder / name, "wb") as f:
+            pickle.dump({"data": data, "labels": labels, "batch_label": f"{name} of 5",
+                         "filenames": [f"{name}_{i}.png" for i in range(n)]}, f)
+        written[name] = (data, labels)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"num_cases_per_batch": per_batch, "num_vis": 3072,
+                     "label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
+                                     "ship", "truck"]}, f)
+    return written
+
+
+def expected_cifar(batches):
+    data = np.concatenate([d for d, _ in batches]).reshape(-1, 3, 32, 32)  # (N, channel, row, col)
+    labels = [lbl for _, ls in batches for lbl in ls]
+    mean = torch.tensor(CIFAR_MEAN)[None, :, None, None]
+    std = torch.tensor(CIFAR_STD)[None, :, None, None]
+    return (torch.from_numpy(data.astype(np.float32)) / 255.0 - mean) / std, labels
+
+
+def check_cifar(ds, written, per_batch=3, test_size=4):
+    assert ds.name == "cifar10"
+    assert ds.train_x.shape == (5 * per_batch, 3, 32, 32)
+    assert ds.val_x.shape == (test_size, 3, 32, 32)
+    assert ds.train_x.dtype == torch.float32 and ds.train_y.dtype == torch.int64
+    ex, ey = expected_cifar([written[f"data_batch_{i}"] for i in range(1, 6)])
+    torch.testing.assert_close(ds.train_x, ex, rtol=0, atol=1e-5)
+    assert ds.train_y.tolist() == ey
+    vx, vy = expected_cifar([written["test_batch"]])
+    torch.testing.assert_close(ds.val_x, vx, rtol=0, atol=1e-5)
+    assert ds.val_y.tolist() == vy
+
+
+def plant_known_pixels(tmp_path: Path, written):
+    """Make data_batch_2's second image zero but for three known values at asymmetric positions."""
+    data, _ = written["data_batch_2"]
+    data[1] = 0
+    # (channel, row, col) -> value; its byte offset in the image's row of `data` is channel*1024 + row*32 + col
+    known = {(0, 5, 7): 255, (1, 9, 2): 128, (2, 30, 1): 17}
+    for (c, r, col), v in known.items():
+        data[1, c * 1024 + r * 32 + col] = v
+    path = tmp_path / "cifar-10-batches-py" / "data_batch_2"
+    with open(path, "rb") as f:
+        entry = pickle.load(f)
+    entry["data"] = data
+    with open(path, "wb") as f:
+        pickle.dump(entry, f)
+    return known
+
+
+def check_known_pixels(ds, known, per_batch=3):
+    img = ds.train_x[per_batch + 1]  # second image of the second batch
+    for (c, r, col), v in known.items():
+        assert img[c, r, col].item() == pytest.approx((v / 255.0 - CIFAR_MEAN[c]) / CIFAR_STD[c], abs=1e-5)
+    zero = torch.tensor([(0 - m) / s for m, s in zip(CIFAR_MEAN, CIFAR_STD)])[:, None, None]
+    mask = torch.ones(3, 32, 32, dtype=torch.bool)
+    for (c, r, col) in known:
+        mask[c, r, col] = False
+    torch.testing.assert_close(img[mask], zero.expand(3, 32, 32)[mask], rtol=0, atol=1e-5)
+
+
+@pytest.mark.xfail(raises=DatasetMissing, strict=True,
+                   reason="bug in gem/data.py: CIFAR10Files overrides only _check_integrity, but torchvision's "
+                          "CIFAR10._load_meta still checks batches.meta against the real file's md5, so any "
+                          "batches.meta other than the original is rejected and reported as 'files not found'")
+def test_load_cifar10_reads_files_in_cifar_layout(tmp_path):
+    written = write_cifar(tmp_path)
+    known = plant_known_pixels(tmp_path, written)
+    ds = load_cifar10(str(tmp_path), download=False)
+    check_cifar(ds, written)
+    check_known_pixels(ds, known)
+
+
+def test_load_cifar10_layout_and_normalisation(tmp_path, monkeypatch):
+    """The same check with torchvision's md5 check of batches.meta bypassed (see the xfail above)."""
+    import torchvision.datasets.cifar as tv_cifar
+
+    monkeypatch.setattr(tv_cifar, "check_integrity", lambda fpath, md5=None: os.path.isfile(fpath))
+    written = write_cifar(tmp_path)
+    known = plant_known_pixels(tmp_path, written)
+    ds = load_cifar10(str(tmp_path), download=False)
+    check_cifar(ds, written)
+    check_known_pixels(ds, known)
+    assert ds.augment is True
+    assert load_cifar10(str(tmp_path), download=False, augment=False).augment is False
+
+
+# ----------------------------------------------------------------------------------- missing datasets
+
+
+def assert_names_files_and_folder(excinfo, names, folder: Path):
+    msg = str(excinfo.value)
+    for name in names:
+        assert name in msg
+    assert str(folder) in msg
+
+
+def test_load_mnist_missing_raises_dataset_missing(tmp_path):
+    with pytest.raises(DatasetMissing) as excinfo:
+        load_mnist(str(tmp_path), download=False)
+    assert_names_files_and_folder(excinfo, MNIST_NAMES, tmp_path / "MNIST" / "raw")
+
+
+def test_ensure_available_mnist_missing_raises(tmp_path):
+    with pytest.raises(DatasetMissing) as excinfo:
+        ensure_available("mnist", str(tmp_path), False)
+    assert_names_files_and_folder(excinfo, MNIST_NAMES, tmp_path / "MNIST" / "raw")
+
+
+def test_ensure_available_mnist_partial_folder_raises(tmp_path):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name in MNIST_NAMES[:3]:
+        (raw / name).write_bytes(b"")
+    with pytest.raises(DatasetMissing) as excinfo:
+        ensure_available("mnist", str(tmp_path), False)
+    assert_names_files_and_folder(excinfo, MNIST_NAMES, raw)
+
+
+def test_load_cifar10_missing_raises_dataset_missing(tmp_path):
+    with pytest.raises(DatasetMissing) as excinfo:
+        load_cifar10(str(tmp_path), download=False)
+    assert_names_files_and_folder(excinfo, CIFAR_NAMES, tmp_path / "cifar-10-batches-py")
+
+
+def test_ensure_available_cifar10_missing_raises(tmp_path):
+    with pytest.raises(DatasetMissing) as excinfo:
+        ensure_available("cifar10", str(tmp_path), False)
+    assert_names_files_and_folder(excinfo, CIFAR_NAMES, tmp_path / "cifar-10-batches-py")
+
+
+def test_ensure_available_passes_when_present_or_not_file_backed(tmp_path):
+    write_cifar(tmp_path)
+    ensure_available("cifar10", str(tmp_path), False)  # all files there: no error
+    ensure_available("digits", str(tmp_path / "nowhere"), False)
+    ensure_available("synthetic", str(tmp_path / "nowhere"), False)
+
+
+def test_ensure_available_mnist_on_shared_data():
+    ensure_available("mnist", str(mnist_root_or_skip()), False)
+
+
+def test_dataset_missing_is_a_runtime_error():
+    assert issubclass(DatasetMissing, RuntimeError)
+
+
+def test_load_dataset_rejects_unknown_name():
+    with pytest.raises(ValueError, match="imagenet"):
+        gd.load_dataset("imagenet")
+
+
+# ------------------------------------------------------------------------------------ crop and flip
+
+
+def find_windows(img: torch.Tensor, out: torch.Tensor, pad: int) -> list[tuple[int, int, bool]]:
+    """All (row offset, col offset, flipped) for which `out` is that window of the zero-padded `img`."""
+    c, h, w = img.shape
+    padded = torch.zeros(c, h + 2 * pad, w + 2 * pad)
+    padded[:, pad:pad + h, pad:pad + w] = img
+    found = []
+    for oy in range(2 * pad + 1):
+        for ox in range(2 * pad + 1):
+            window = padded[:, oy:oy + h, ox:ox + w]
+            for flipped in (False, True):
+                if torch.equal(window.flip(2) if flipped else window, out):
+                    found.append((oy, ox, flipped))
+    return found
+
+
+def test_crop_and_flip_keeps_shape_and_dtype():
+    x = torch.randn(5, 3, 32, 32)
+    out = crop_and_flip(x, torch.Generator().manual_seed(0))
+    assert out.shape == x.shape and out.dtype == x.dtype
+    out1 = crop_and_flip(torch.randn(4, 1, 28, 28), torch.Generator().manual_seed(0), pad=2)
+    assert out1.shape == (4, 1, 28, 28)
+
+
+def test_crop_and_flip_outputs_are_windows_of_the_padded_input():
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 32, 32) + 3.0  # distinct, non-zero pixels: every window is unique
+    out = crop_and_flip(x, torch.Generator().manual_seed(1), pad=4)
+    for i in range(len(x)):
+        assert len(find_windows(x[i], out[i], pad=4)) == 1, f"sample {i} is not a padded window"
+
+
+def test_crop_and_flip_randomises_offsets_and_flips():
+    """Over many samples every offset 0..8 occurs on both axes and about half the images are flipped."""
+    pad, n = 4, 600
+    x = torch.rand(n, 1, 8, 8) + 1.0  # non-zero, distinct
+    out = crop_and_flip(x, torch.Generator().manual_seed(2), pad=pad)
+    padded = F.pad(x, (pad, pad, pad, pad))
+    offsets = torch.full((n, 3), -1)
+    for oy in range(2 * pad + 1):
+        for ox in range(2 * pad + 1):
+            window = padded[:, :, oy:oy + 8, ox:ox + 8]
+            for flipped in (0, 1):
+                cand = window.flip(3) if flipped else window
+                hit = (cand == out).flatten(1).all(1)
+                assert (offsets[hit, 0] == -1).all(), "ambiguous match"
+                offsets[hit] = torch.tensor([oy, ox, flipped])
+    assert (offsets[:, 0] >= 0).all(), "some outputs are not windows of the padded input"
+    assert set(offsets[:, 0].tolist()) == set(range(9))
+    assert set(offsets[:, 1].tolist()) == set(range(9))
+    assert 0.4 < offsets[:, 2].float().mean().item() < 0.6
+    # offsets are drawn per sample, not shared by the batch
+    assert len({(a, b) for a, b in offsets[:, :2].tolist()}) > 60
+
+
+def test_crop_and_flip_is_deterministic_for_a_seeded_generator():
+    x = torch.randn(16, 3, 32, 32)
+    a = crop_and_flip(x, torch.Generator().manual_seed(7))
+    b = crop_and_flip(x, torch.Generator().manual_seed(7))
+    c = crop_and_flip(x, torch.Generator().manual_seed(8))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_dataset_batch_augments_only_when_asked():
+    x = torch.randn(10, 3, 32, 32) + 3.0
+    y = torch.arange(10)
+    plain = gd.Dataset("t", x, y, x[:2], y[:2], augment=False)
+    idx = torch.tensor([3, 1, 4])
+    bx, by = plain.batch(idx, torch.Generator().manual_seed(0))
+    assert torch.equal(bx, x[idx]) and torch.equal(by, y[idx])
+    aug = gd.Dataset("t", x, y, x[:2], y[:2], augment=True)
+    ax, ay = aug.batch(idx, torch.Generator().manual_seed(0))
+    assert torch.equal(ay, y[idx])
+    assert torch.equal(ax, crop_and_flip(x[idx], torch.Generator().manual_seed(0)))
+
+
+# ------------------------------------------------------------------------------------- WorkerStream
+
+
+def take(stream: WorkerStream, k: int) -> list[list[int]]:
+    return [stream.next_indices().tolist() for _ in range(k)]
+
+
+def test_worker_stream_epochs_cover_distinct_indices_and_drop_ragged_batch():
+    n, bs = 103, 10
+    s = WorkerStream(n, bs, seed=0, worker=0)
+    assert s.batches_per_epoch == 10
+    for epoch in range(3):
+        batches = take(s, 10)
+        assert s.epoch == epoch
+        assert all(len(b) == bs for b in batches)
+        flat = [i for b in batches for i in b]
+        assert len(set(flat)) == len(flat) == 100  # no repeats; 3 examples of the ragged batch dropped
+        assert all(0 <= i < n for i in flat)
+    s.next_indices()
+    assert s.epoch == 3
+
+
+def test_worker_stream_full_epochs_are_permutations():
+    s = WorkerStream(64, 8, seed=3, worker=1)
+    epochs = [sorted(i for b in take(s, 8) for i in b) for _ in range(3)]
+    assert all(e == list(range(64)) for e in epochs)
+
+
+def test_worker_stream_reshuffles_every_epoch():
+    s = WorkerStream(64, 8, seed=3, worker=1)
+    first, second = take(s, 8), take(s, 8)
+    assert first != second
+
+
+def test_worker_streams_differ_between_workers_and_repeat_for_same_seed_and_worker():
+    a0 = take(WorkerStream(100, 10, seed=5, worker=0), 25)
+    a1 = take(WorkerStream(100, 10, seed=5, worker=1), 25)
+    b0 = take(WorkerStream(100, 10, seed=5, worker=0), 25)
+    c0 = take(WorkerStream(100, 10, seed=6, worker=0), 25)
+    assert a0 == b0
+    assert a0 != a1
+    assert a0 != c0
+    assert a0[0] != a1[0]  # already the first batch differs
+
+
+def test_worker_stream_seeds_do_not_collide():
+    seeds = {gd._stream_seed(seed, worker) for seed in range(64) for worker in range(64)}
+    assert len(seeds) == 64 * 64
+
+
+# -------------------------------------------------------------------------------------------- synthetic
+
+
+@pytest.mark.parametrize("shape", [(3, 32, 32), (1, 28, 28)])
+def test_make_synthetic_shapes_and_classes(shape):
+    ds = make_synthetic(shape=shape, train_size=600, val_size=200, seed=0)
+    assert ds.train_x.shape == (600, *shape) and ds.val_x.shape == (200, *shape)
+    assert ds.train_y.shape == (600,) and ds.val_y.shape == (200,)
+    assert ds.train_x.dtype == torch.float32 and ds.train_y.dtype == torch.int64
+    assert set(ds.train_y.tolist()) == set(range(10))
+    assert ds.num_classes == 10 and ds.shape == shape
+    assert torch.isfinite(ds.train_x).all()
+
+
+def test_make_synthetic_num_classes():
+    ds = make_synthetic(shape=(1, 16, 16), num_classes=4, train_size=400, val_size=100)
+    assert ds.num_classes == 4
+    assert set(ds.train_y.tolist()) == set(range(4))
+
+
+def test_make_synthetic_is_deterministic_for_a_seed():
+    a = make_synthetic(shape=(3, 32, 32), train_size=300, val_size=100, seed=1)
+    torch.manual_seed(999)  # the global RNG must not matter
+    b = make_synthetic(shape=(3, 32, 32), train_size=300, val_size=100, seed=1)
+    c = make_synthetic(shape=(3, 32, 32), train_size=300, val_size=100, seed=2)
+    assert torch.equal(a.train_x, b.train_x) and torch.equal(a.train_y, b.train_y)
+    assert torch.equal(a.val_x, b.val_x) and torch.equal(a.val_y, b.val_y)
+    assert not torch.equal(a.train_x, c.train_x)
+
+
+@pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
+def test_make_synthetic_is_learnable_by_logistic_regression(shape):
+    ds = make_synthetic(shape=shape, train_size=2000, val_size=500, seed=0)
+
+    def features(x):
+        return F.adaptive_avg_pool2d(x, 8).flatten(1)
+
+    xt, xv = features(ds.train_x), features(ds.val_x)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(xt.shape[1], 10)
+    opt = torch.optim.Adam(lin.parameters(), lr=0.05)
+    for _ in range(200):
+        opt.zero_grad()
+        F.cross_entropy(lin(xt), ds.train_y).backward()
+        opt.step()
+    with torch.no_grad():
+        acc = (lin(xv).argmax(1) == ds.val_y).float().mean().item()
+    majority = torch.bincount(ds.val_y).max().item() / len(ds.val_y)
+    assert acc > 0.5 and acc > majority + 0.3, f"val accuracy {acc:.3f} (majority class {majority:.3f})"
+
+
+# ------------------------------------------------------------------------------------------ train_size
+
+
+def test_train_size_digits_matches_loader():
+    assert train_size("digits", "unused") == 1500 == len(load_digits().train_y)
+
+
+def test_train_size_synthetic():
+    assert train_size("synthetic", "unused", synthetic_train_size=1234) == 1234
+    assert train_size("synthetic", "unused") == 5000
+
+
+def test_train_size_mnist_from_idx_header():
+    assert train_size("mnist", str(mnist_root_or_skip())) == 5000
+
+
+def test_train_size_unknown_when_not_cheap(tmp_path):
+    assert train_size("mnist", str(tmp_path)) is None
+    assert train_size("cifar10", str(tmp_path)) is None
