@@ -18,7 +18,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from gem import algorithms, data as gdata, engines, models
+from gem import algorithms, engines, models
+from gem import data as gdata
 from gem.engines.sim import STALENESS_MODELS
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -241,7 +242,8 @@ def expand(overrides: list[str], multirun: bool) -> list[list[str]]:
 
 
 def compose(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose("config", overrides=overrides, return_hydra_config=return_hydra_config)

@@ -20,7 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments import wandb_logger
 from experiments.config import ConfigError, algorithm_params, data_root, validate
-from gem import data as gdata, engines, models
+from gem import data as gdata
+from gem import engines, models
 from gem.engines import Job, Result
 from gem.metrics import Recorder
 

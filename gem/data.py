@@ -48,7 +48,7 @@ class Dataset:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.train_x.shape[1:])
 
-    def to(self, device) -> "Dataset":
+    def to(self, device) -> Dataset:
         for k in ("train_x", "train_y", "val_x", "val_y"):
             setattr(self, k, getattr(self, k).to(device))
         return self
@@ -187,6 +187,13 @@ def _cifar_class():
         def _check_integrity(self) -> bool:
             folder = os.path.join(self.root, self.base_folder)
             return all(os.path.isfile(os.path.join(folder, f)) for f in CIFAR_FILES)
+
+        def _load_meta(self) -> None:  # torchvision md5-checks batches.meta here too; we only need the names
+            import pickle
+
+            with open(os.path.join(self.root, self.base_folder, self.meta["filename"]), "rb") as f:
+                self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+            self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
 
     return CIFAR10Files
 

@@ -105,7 +105,7 @@ class Recorder:
         self.losses.append(loss)
         self.staleness_sum += int(row["staleness"])
         if math.isfinite(loss):
-            self._loss_ema = loss if self._loss_ema is None else 0.98 * self._loss_ema + 0.02 * loss
+            self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
         if self.sink is not None and self.commits % self.sink_every == 0:
             self.sink("commit", row)
         if self.progress is not None:

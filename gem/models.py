@@ -106,7 +106,7 @@ class FlatModel:
         self.grad = torch.zeros(total, device=device)
         offset = 0
         self.slices = []
-        for (_, p), k in zip(named, self.numels):
+        for (_, p), k in zip(named, self.numels, strict=True):
             view = slice(offset, offset + k)
             self.param[view].copy_(p.data.flatten())
             p.data = self.param[view].view_as(p)

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
+
 from experiments.config import ConfigError, check_job, compose, expand, options, preflight, validate
 
 

@@ -12,9 +12,21 @@ import torch
 import torch.nn.functional as F
 
 import gem.data as gd
-from gem.data import (CIFAR_MEAN, CIFAR_STD, MNIST_MEAN, MNIST_STD, DatasetMissing, WorkerStream,
-                      crop_and_flip, ensure_available, load_cifar10, load_digits, load_mnist, make_synthetic,
-                      train_size)
+from gem.data import (
+    CIFAR_MEAN,
+    CIFAR_STD,
+    MNIST_MEAN,
+    MNIST_STD,
+    DatasetMissing,
+    WorkerStream,
+    crop_and_flip,
+    ensure_available,
+    load_cifar10,
+    load_digits,
+    load_mnist,
+    make_synthetic,
+    train_size,
+)
 
 MNIST_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
                "t10k-labels-idx1-ubyte")
@@ -208,37 +220,19 @@ def check_known_pixels(ds, known, per_batch=3):
     img = ds.train_x[per_batch + 1]  # second image of the second batch
     for (c, r, col), v in known.items():
         assert img[c, r, col].item() == pytest.approx((v / 255.0 - CIFAR_MEAN[c]) / CIFAR_STD[c], abs=1e-5)
-    zero = torch.tensor([(0 - m) / s for m, s in zip(CIFAR_MEAN, CIFAR_STD)])[:, None, None]
+    zero = torch.tensor([(0 - m) / s for m, s in zip(CIFAR_MEAN, CIFAR_STD, strict=True)])[:, None, None]
     mask = torch.ones(3, 32, 32, dtype=torch.bool)
     for (c, r, col) in known:
         mask[c, r, col] = False
     torch.testing.assert_close(img[mask], zero.expand(3, 32, 32)[mask], rtol=0, atol=1e-5)
 
 
-@pytest.mark.xfail(raises=DatasetMissing, strict=True,
-                   reason="bug in gem/data.py: CIFAR10Files overrides only _check_integrity, but torchvision's "
-                          "CIFAR10._load_meta still checks batches.meta against the real file's md5, so any "
-                          "batches.meta other than the original is rejected and reported as 'files not found'")
 def test_load_cifar10_reads_files_in_cifar_layout(tmp_path):
     written = write_cifar(tmp_path)
     known = plant_known_pixels(tmp_path, written)
     ds = load_cifar10(str(tmp_path), download=False)
     check_cifar(ds, written)
     check_known_pixels(ds, known)
-
-
-def test_load_cifar10_layout_and_normalisation(tmp_path, monkeypatch):
-    """The same check with torchvision's md5 check of batches.meta bypassed (see the xfail above)."""
-    import torchvision.datasets.cifar as tv_cifar
-
-    monkeypatch.setattr(tv_cifar, "check_integrity", lambda fpath, md5=None: os.path.isfile(fpath))
-    written = write_cifar(tmp_path)
-    known = plant_known_pixels(tmp_path, written)
-    ds = load_cifar10(str(tmp_path), download=False)
-    check_cifar(ds, written)
-    check_known_pixels(ds, known)
-    assert ds.augment is True
-    assert load_cifar10(str(tmp_path), download=False, augment=False).augment is False
 
 
 # ----------------------------------------------------------------------------------- missing datasets

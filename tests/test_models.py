@@ -8,11 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import gem.engines.core as core
 from gem.algorithms import sgd
 from gem.data import WorkerStream, make_synthetic
-from gem.engines import Job
-from gem.engines import sim
+from gem.engines import Job, core, sim
 from gem.metrics import Recorder, read_table
 from gem.models import AlexNetCifar, FlatModel, MnistCNN, build_model, input_shape
 
@@ -127,7 +125,7 @@ def test_flat_model_param_buffer_is_shared_with_the_module(flat_and_reference):
     new = torch.randn(flat.numel)
     flat.load(new)
     assert torch.equal(flat_params(m), new)
-    for p, s in zip(m.parameters(), flat.slices):
+    for p, s in zip(m.parameters(), flat.slices, strict=True):
         assert p.data_ptr() == flat.param[s].data_ptr()
         assert p.grad is not None and p.grad.data_ptr() == flat.grad[s].data_ptr()
 
@@ -152,7 +150,7 @@ def test_flat_model_grad_matches_an_ordinary_copy(flat_and_reference):
         assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
         torch.testing.assert_close(flat.grad, flat_grads(ref), rtol=1e-5, atol=1e-7)
         assert flat.grad.abs().sum() > 0
-        for p, s in zip(flat.module.parameters(), flat.slices):  # the module's .grad views see it too
+        for p, s in zip(flat.module.parameters(), flat.slices, strict=True):  # the module's .grad views see it too
             assert torch.equal(p.grad.flatten(), flat.grad[s])
 
 
@@ -187,9 +185,9 @@ def test_flat_model_evaluate_matches_manual_eval_mode(flat_and_reference):
 
 def test_sim_sgd_one_worker_equals_torch_sgd_with_momentum(tmp_path, monkeypatch):
     seed, bs, lr, mu = 3, 32, 0.05, 0.9
-    data = make_synthetic(shape=(1, 28, 28), train_size=512, val_size=64, seed=0)
+    data = make_synthetic(shape=(1, 28, 28), train_size=256, val_size=32, seed=0)
     job = Job(algorithm="sgd", hp=sgd.Params(lr=lr, momentum=mu), model="mnist_cnn", data=data, workers=1,
-              batch_size=bs, epochs=1, seed=seed, eval_every=10**9, eval_train_size=64)
+              batch_size=bs, epochs=1, seed=seed, eval_every=10**9, eval_train_size=32)
 
     seen = []
     original = core.Evaluator.__call__
@@ -202,7 +200,7 @@ def test_sim_sgd_one_worker_equals_torch_sgd_with_momentum(tmp_path, monkeypatch
     recorder = Recorder(tmp_path)
     result = sim.run(job, recorder)
     recorder.close()
-    steps = 512 // bs
+    steps = 256 // bs
     assert result.status == "completed" and result.steps == steps
     assert [s for s, _ in seen] == [0, steps]  # evaluated at the start and once at the end
     final = seen[-1][1]

@@ -7,8 +7,8 @@ import sys
 
 import pandas as pd
 import pytest
-
 from conftest import ROOT
+
 from experiments.config import compose
 from experiments.runner import run
 
