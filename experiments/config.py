@@ -7,6 +7,7 @@ or any process starts. The same `validate()` runs in the preflight (for every jo
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -36,14 +37,15 @@ class Config:
     model: Any = MISSING
     data: Any = MISSING
     logger: Any = MISSING
-    workers: int = 4
-    lr: float = 0.05
-    momentum: float = 0.9
-    batch_size: int = 64
-    epochs: int = 1  # full passes over the training set, per worker
-    seed: int = 0
-    device: str = "cpu"
-    resume: bool = False
+    # values live in conf/config.yaml (one source of defaults); the schema only fixes the types
+    workers: int = MISSING
+    lr: float = MISSING
+    momentum: float = MISSING
+    batch_size: int = MISSING
+    epochs: int = MISSING  # full passes over the training set, per worker
+    seed: int = MISSING
+    device: str = MISSING
+    resume: bool = MISSING
 
 
 # Group schemas, checked by `validate` (the algorithm's own keys come from its module's Params dataclass).
@@ -152,7 +154,7 @@ def validate(cfg: DictConfig) -> dict:
         raise ConfigError(f"algorithm={name} is not an algorithm; choose one of: {', '.join(algorithms.ALGORITHMS)}")
     for key, cond, allowed in (
         ("workers", cfg.workers >= 1, "an integer >= 1"),
-        ("lr", cfg.lr > 0, "a number > 0"),
+        ("lr", 0 < cfg.lr < math.inf, "a finite number > 0"),
         ("momentum", 0 <= cfg.momentum < 1, "a number in [0, 1)"),
         ("batch_size", cfg.batch_size >= 1, "an integer >= 1"),
         ("epochs", cfg.epochs >= 1, "an integer >= 1"),
@@ -185,17 +187,33 @@ def validate(cfg: DictConfig) -> dict:
                           f"{'x'.join(map(str, fixed[dat.name]))}; pick a matching model")
     if log.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={log.wandb.mode} is not allowed; choose one of: {', '.join(WANDB_MODES)}")
-    for key in ("flush_every", "eval_every"):
-        if getattr(log, key) < 1:
-            raise ConfigError(f"logger.{key}={getattr(log, key)} is not allowed; it must be an integer >= 1")
+    for key, value, cond, allowed in (
+        ("logger.flush_every", log.flush_every, log.flush_every >= 1, "an integer >= 1"),
+        ("logger.flush_seconds", log.flush_seconds, log.flush_seconds > 0, "a number > 0"),
+        ("logger.eval_every", log.eval_every, log.eval_every >= 1, "an integer >= 1"),
+        ("logger.eval_train_size", log.eval_train_size, log.eval_train_size >= 1, "an integer >= 1"),
+        ("logger.wandb.log_every", log.wandb.log_every, log.wandb.log_every >= 1, "an integer >= 1"),
+        ("engine.straggler_fraction", eng.straggler_fraction, 0 < eng.straggler_fraction <= 1, "a number in (0, 1]"),
+        ("engine.straggler_slowdown", eng.straggler_slowdown, eng.straggler_slowdown >= 1, "a number >= 1"),
+        ("data.synthetic.train_size", dat.synthetic.train_size, dat.synthetic.train_size >= 1, "an integer >= 1"),
+        ("data.synthetic.val_size", dat.synthetic.val_size, dat.synthetic.val_size >= 1, "an integer >= 1"),
+        ("data.synthetic.num_classes", dat.synthetic.num_classes, dat.synthetic.num_classes >= 2, "an integer >= 2"),
+    ):
+        if not cond:
+            raise ConfigError(f"{key}={value} is not allowed; it must be {allowed}")
     if cfg.resume:
         raise ConfigError("resume=true is not supported yet: checkpoints arrive with the process engine; "
                           "use resume=false")
-    train = gdata.train_size(dat.name, data_root(dat.root), dat.synthetic.train_size)
-    if train is not None and cfg.batch_size > train:
-        raise ConfigError(f"batch_size={cfg.batch_size} is larger than a worker's shard: data={dat.name} has "
-                          f"{train} training examples, and every worker draws from all of them")
     return checked
+
+
+def check_batch_size(cfg: DictConfig, data: DataConfig) -> None:
+    """batch_size must fit in a worker's shard (every worker draws from the whole training set). Checked once
+    the data is on disk; where the size is not cheap to know (cifar10), the runner checks after loading."""
+    train = gdata.train_size(data.name, data_root(data.root), data.synthetic.train_size)
+    if train is not None and cfg.batch_size > train:
+        raise ConfigError(f"batch_size={cfg.batch_size} is larger than a worker's shard: data={data.name} has "
+                          f"{train} training examples, and every worker draws from all of them")
 
 
 # ------------------------------------------------------------------------------------------ preflight
@@ -227,6 +245,9 @@ def expand(overrides: list[str], multirun: bool) -> list[list[str]]:
     parser = OverridesParser.create()
     parsed = parser.parse_overrides(overrides)
     if not multirun:
+        for o in parsed:
+            if o.is_sweep_override():
+                raise ConfigError(f"{o.input_line} is a sweep; add -m (--multirun) to run one job per value")
         return [overrides]
     base = [o.input_line for o in parsed if not o.is_sweep_override()]
     hcfg = compose(base, return_hydra_config=True)
@@ -257,8 +278,9 @@ def check_job(overrides: list[str]) -> tuple[DictConfig, dict]:
         if o.key_or_group in GROUPS and not o.is_delete():
             value = o.value()
             if isinstance(value, str) and value not in options(o.key_or_group):
-                raise ConfigError(f"{o.key_or_group}={value} is not an option; choose one of: "
-                                  f"{', '.join(options(o.key_or_group))}")
+                have = options(o.key_or_group)
+                raise ConfigError(f"{o.key_or_group}={value} is not an option; " + (
+                    f"choose one of: {', '.join(have)}" if have else f"no {o.key_or_group} configs exist yet"))
     overrides = [o for o in overrides if not o.startswith("hydra")]
     try:
         cfg = compose(overrides)
@@ -290,14 +312,15 @@ def preflight(argv: list[str]) -> None:
             or args.config_path or args.config_dir or args.experimental_rerun:
         return
     try:
-        jobs = expand(args.overrides, args.multirun)
-        datasets = set()
-        for job in jobs:
-            _, checked = check_job(job)
+        available = set()
+        for job in expand(args.overrides, args.multirun):
+            cfg, checked = check_job(job)
             d = checked["data"]
-            datasets.add((d.name, data_root(d.root), d.download))
-        for name, root, download in sorted(datasets):
-            gdata.ensure_available(name, root, download)
+            key = (d.name, data_root(d.root), d.download)
+            if key not in available:  # download or fail once per dataset, before any job starts
+                gdata.ensure_available(*key)
+                available.add(key)
+            check_batch_size(cfg, d)
     except (ConfigError, gdata.DatasetMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import signal
 import sys
 import time
 import traceback
@@ -20,9 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments import wandb_logger
 from experiments.config import ConfigError, algorithm_params, data_root, validate
+from gem import algorithms, engines, models
 from gem import data as gdata
-from gem import engines, models
 from gem.engines import Job, Result
+from gem.engines.core import worker_steps
 from gem.metrics import Recorder
 
 
@@ -30,8 +33,8 @@ def build_job(cfg: DictConfig, checked: dict, log=print) -> Job:
     """Everything the engine needs, resolved here in the parent: no Hydra object crosses into an engine."""
     workers = cfg.workers
     d, eng = checked["data"], checked["engine"]
-    if cfg.algorithm.name == "sgd" and workers != 1:
-        log(f"gem: algorithm=sgd is sequential momentum SGD: running 1 worker (workers={workers} ignored)")
+    if getattr(algorithms.get(cfg.algorithm.name), "SEQUENTIAL", False) and workers != 1:
+        log(f"gem: algorithm={cfg.algorithm.name} is sequential: running 1 worker (workers={workers} ignored)")
         workers = 1
     shape = models.input_shape(cfg.model.name)
     dataset = gdata.load_dataset(d.name, data_root(d.root), d.download, synthetic=dataclasses.asdict(d.synthetic),
@@ -60,18 +63,29 @@ def _finite_or_none(x):
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an exception so that the run directory is closed properly."""
+
+
+def _raise_on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None) -> dict:
-    """Run one job and write its directory. Returns the summary. Never raises for a failed or diverged run."""
+    """Run one job and write its directory. Returns the summary. Never raises for a failed or diverged run;
+    Ctrl-C and SIGTERM close the run directory (status failed) and are raised again."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     summary = {"status": "failed", "algorithm": cfg.algorithm.name, "engine": cfg.engine.name,
-               "workers": cfg.workers, "model": cfg.model.name, "data": cfg.data.name, "seed": cfg.seed,
-               "lr": cfg.lr, "momentum": cfg.momentum, "batch_size": cfg.batch_size, "epochs": cfg.epochs,
+               "workers": cfg.workers, "workers_requested": cfg.workers, "model": cfg.model.name,
+               "data": cfg.data.name, "seed": cfg.seed, "lr": cfg.lr, "momentum": cfg.momentum,
+               "batch_size": cfg.batch_size, "epochs": cfg.epochs,
                "steps": 0, "final_train_loss": None, "val_loss": None, "val_accuracy": None,
                "mean_staleness": None, "wall_time_s": None, "reason": "", "run_dir": str(run_dir),
                "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     recorder = wandb = result = None
+    old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm) if _main_thread() else None
     try:
         job = build_job(cfg, validate(cfg))
         summary["workers"] = job.workers
@@ -81,22 +95,18 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
         wandb = wandb_logger.start(log_cfg.wandb.mode, run_dir, OmegaConf.to_container(cfg, resolve=True),
                                    project=log_cfg.wandb.project, entity=log_cfg.wandb.entity,
                                    group=log_cfg.wandb.group or wandb_group, name=wandb_name)
-        window = getattr(job.hp, "window", 1)
-        from gem.engines.core import worker_steps
-
-        total = job.workers * math.ceil(worker_steps(job) / window)
+        # the engine drops a window cut short by the end of the budget, hence floor
+        total = job.workers * (worker_steps(job) // getattr(job.hp, "window", 1))
         recorder = Recorder(run_dir, flush_every=log_cfg.flush_every, flush_seconds=log_cfg.flush_seconds,
                             sink=wandb, sink_every=log_cfg.wandb.log_every,
-                            progress=_progress(total, log_cfg.progress))
+                            progress=_progress(total, log_cfg.progress), resume=cfg.resume)
         result = engines.get(cfg.engine.name).run(job, recorder)
-    except ConfigError as e:
+    except (ConfigError, gdata.DatasetMissing) as e:
         result = Result("failed", 0, reason=str(e))
         print(f"error: {e}", file=sys.stderr)
-    except gdata.DatasetMissing as e:
-        result = Result("failed", 0, reason=str(e))
-        print(f"error: {e}", file=sys.stderr)
-    except KeyboardInterrupt:
-        result = Result("failed", recorder.commits if recorder else 0, reason="interrupted (Ctrl-C or SIGTERM)")
+    except KeyboardInterrupt as e:
+        why = "SIGTERM" if isinstance(e, _Terminated) else "Ctrl-C"
+        result = Result("failed", recorder.commits if recorder else 0, reason=f"interrupted ({why})")
         raise
     except Exception as e:
         result = Result("failed", recorder.commits if recorder else 0, reason=f"{type(e).__name__}: {e}")
@@ -104,25 +114,35 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
         print(f"error: run failed with {type(e).__name__}: {e} (traceback in {run_dir / 'error.txt'})",
               file=sys.stderr)
     finally:
+        if old_sigterm is not None:
+            signal.signal(signal.SIGTERM, old_sigterm)
         if result is None:  # an exception that is not an Exception (SystemExit, say)
             result = Result("failed", recorder.commits if recorder else 0, reason="interrupted")
+        summary.update(status=result.status, steps=result.steps, reason=result.reason)
         if recorder is not None:
-            recorder.close()
+            try:
+                recorder.close()
+            except OSError as e:  # the flushed parts are still on disk and readable
+                summary["reason"] = (summary["reason"] + "; " if summary["reason"] else "") + str(e)
             # validation numbers describe the final central variable only: a diverged or failed run has none
             ev = recorder.last_eval if recorder.last_eval and recorder.last_eval["step"] == result.steps else {}
             summary.update(final_train_loss=_finite_or_none(recorder.final_train_loss),
                            val_loss=_finite_or_none(ev.get("val_loss")), val_accuracy=ev.get("val_accuracy"),
                            mean_staleness=_finite_or_none(recorder.mean_staleness))
-        summary.update(status=result.status, steps=result.steps, reason=result.reason,
-                       wall_time_s=round(time.perf_counter() - t0, 3))
+        summary["wall_time_s"] = round(time.perf_counter() - t0, 3)
         if wandb is not None:
             summary["wandb"] = wandb.where
-            try:
-                wandb.finish(summary, exit_code=0 if summary["status"] == "completed" else 1)
-            except Exception:
-                pass
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            wandb.finish(summary, exit_code=0 if summary["status"] == "completed" else 1)
+        tmp = run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, run_dir / "summary.json")  # atomic: a summary is whole or absent
     return summary
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def format_summary(s: dict) -> str:

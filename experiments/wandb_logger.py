@@ -41,16 +41,30 @@ class WandbLogger:
             pass
 
     def finish(self, summary: dict | None = None, exit_code: int = 0) -> None:
+        """Record the summary and close the run; a W&B failure here is reported, never raised."""
         try:
             if summary:
                 self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
-        finally:
+        except Exception as e:
+            print(f"gem: W&B summary not recorded ({type(e).__name__}: {e})", file=sys.stderr)
+        try:
             self.run.finish(exit_code=exit_code)
+        except Exception as e:
+            print(f"gem: W&B finish failed ({type(e).__name__}: {e})", file=sys.stderr)
+
+
+# Set after a failed wandb.init: later runs in this process (a sweep's jobs) skip W&B instead of each
+# paying the init timeout again.
+_unavailable: str | None = None
 
 
 def start(mode: str, run_dir: Path, config: dict, project: str = "gem", entity=None, group=None,
           name: str | None = None) -> WandbLogger | None:
+    global _unavailable
     if mode == "disabled":
+        return None
+    if _unavailable is not None:
+        print(f"gem: W&B is unavailable in this process ({_unavailable}); continuing without it", file=sys.stderr)
         return None
     if mode == "online" and not _has_api_key():
         print("gem: logger.wandb.mode=online but no W&B API key is set (WANDB_API_KEY or ~/.netrc); "
@@ -62,9 +76,9 @@ def start(mode: str, run_dir: Path, config: dict, project: str = "gem", entity=N
 
         run = wandb.init(project=project, entity=entity, group=group, name=name, dir=str(run_dir), mode=mode,
                          config=config, reinit="create_new",
-                         settings=wandb.Settings(init_timeout=90, console="off", x_disable_stats=True))
+                         settings=wandb.Settings(init_timeout=20, console="off", x_disable_stats=True))
     except Exception as e:  # no network, bad key, W&B service failure: the run goes on without W&B
-        print(f"gem: W&B could not start ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-              "continuing without it", file=sys.stderr)
+        _unavailable = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        print(f"gem: W&B could not start ({_unavailable}); continuing without it", file=sys.stderr)
         return None
     return WandbLogger(run)

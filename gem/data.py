@@ -146,6 +146,13 @@ def load_digits(shape=(1, 28, 28), val_size: int = 297) -> Dataset:
     return Dataset("digits", x[tr], y[tr], x[va], y[va])
 
 
+def _load_failed(what: str, folder: str, files, download: bool, error: Exception) -> DatasetMissing:
+    if all(os.path.isfile(os.path.join(folder, f)) for f in files):  # present but unreadable: say so
+        return DatasetMissing(f"data={what}: could not read the files in {folder} "
+                              f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
+    return _download_failed(what, folder, files, "download failed" if download else "data.download=false")
+
+
 def _download_failed(what: str, folder: str, files, reason: str) -> DatasetMissing:
     hint = "or set data.download=true on a machine with internet" if "download=false" in reason \
         else "or run once where the download can reach the internet"
@@ -162,8 +169,7 @@ def load_mnist(root: str, download: bool = False) -> Dataset:
         train = MNIST(root, train=True, download=download)
         val = MNIST(root, train=False, download=False)
     except Exception as e:  # torchvision raises RuntimeError when missing, URLError etc. when offline
-        raise _download_failed("mnist", folder, MNIST_FILES,
-                               "download failed" if download else "data.download=false") from e
+        raise _load_failed("mnist", folder, MNIST_FILES, download, e) from e
 
     def prep(ds):
         x = ds.data.to(torch.float32).div_(255.0).unsqueeze(1)
@@ -206,8 +212,7 @@ def load_cifar10(root: str, download: bool = False, augment: bool = True) -> Dat
         train = cls(root, train=True, download=download)
         val = cls(root, train=False, download=False)
     except Exception as e:
-        raise _download_failed("cifar10", folder, CIFAR_FILES,
-                               "download failed" if download else "data.download=false") from e
+        raise _load_failed("cifar10", folder, CIFAR_FILES, download, e) from e
     mean = torch.tensor(CIFAR_MEAN)[None, :, None, None]
     std = torch.tensor(CIFAR_STD)[None, :, None, None]
 

@@ -24,10 +24,13 @@ TABLES = ("metrics", "eval", "tensors")
 class PartWriter:
     """Appends row batches to a parquet dataset of numbered part files, then merges them on close."""
 
-    def __init__(self, run_dir: Path, name: str):
+    def __init__(self, run_dir: Path, name: str, resume: bool = False):
         self.final = run_dir / f"{name}.parquet"
         self.parts = run_dir / f"{name}.parts"
         self.rows: list[dict] = []
+        if not resume:  # a fresh run in a reused directory must not inherit an earlier run's rows
+            self.final.unlink(missing_ok=True)
+            shutil.rmtree(self.parts, ignore_errors=True)
         existing = sorted(self.parts.glob("part-*.parquet")) if self.parts.exists() else []
         self.next_part = len(existing)
 
@@ -38,7 +41,8 @@ class PartWriter:
         if not self.rows:
             return
         self.parts.mkdir(parents=True, exist_ok=True)
-        table = pa.Table.from_pylist(self.rows)
+        # through pandas so that every key of every row becomes a column, not only the first row's
+        table = pa.Table.from_pandas(pd.DataFrame(self.rows), preserve_index=False)
         tmp = self.parts / f".part-{self.next_part:06d}.tmp"
         pq.write_table(table, tmp)
         os.replace(tmp, self.parts / f"part-{self.next_part:06d}.parquet")  # atomic: never a torn part
@@ -53,7 +57,7 @@ class PartWriter:
         if self.final.exists():  # a resumed run: keep what the earlier attempt merged
             files.insert(0, self.final)
         if files:
-            table = pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")
+            table = pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive")
             tmp = self.final.with_suffix(".parquet.tmp")
             pq.write_table(table, tmp)
             os.replace(tmp, self.final)
@@ -82,10 +86,11 @@ class Recorder:
     """
 
     def __init__(self, run_dir: str | os.PathLike, flush_every: int = 1000, flush_seconds: float = 30.0,
-                 sink: Callable[[str, dict], None] | None = None, progress=None, sink_every: int = 1):
+                 sink: Callable[[str, dict], None] | None = None, progress=None, sink_every: int = 1,
+                 resume: bool = False):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.writers = {name: PartWriter(self.run_dir, name) for name in TABLES}
+        self.writers = {name: PartWriter(self.run_dir, name, resume=resume) for name in TABLES}
         self.flush_every, self.flush_seconds = flush_every, flush_seconds
         self.sink, self.sink_every, self.progress = sink, max(1, sink_every), progress
         self.losses: list[float] = []
@@ -131,10 +136,16 @@ class Recorder:
         self._last_flush = time.monotonic()
 
     def close(self) -> None:
-        for w in self.writers.values():
-            w.close()
         if self.progress is not None:
             self.progress.close()
+        errors = []
+        for w in self.writers.values():
+            try:
+                w.close()
+            except Exception as e:  # keep closing the others; the parts stay readable with read_table
+                errors.append(f"{w.final.name}: {type(e).__name__}: {e}")
+        if errors:
+            raise OSError("could not merge " + "; ".join(errors))
 
     @property
     def final_train_loss(self) -> float:

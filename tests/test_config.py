@@ -39,8 +39,14 @@ BAD = [
     (["data=imagenet"], "data=imagenet is not an option; choose one of: cifar10, digits, mnist, synthetic"),
     (["workers=0"], "workers=0 is not allowed; workers must be an integer >= 1"),
     (["workers=two"], "workers=two is not allowed; workers must be of type int"),
-    (["lr=0"], "lr=0.0 is not allowed; lr must be a number > 0"),
-    (["lr=-0.1"], "lr=-0.1 is not allowed; lr must be a number > 0"),
+    (["lr=0"], "lr=0.0 is not allowed; lr must be a finite number > 0"),
+    (["lr=-0.1"], "lr=-0.1 is not allowed; lr must be a finite number > 0"),
+    (["lr=inf"], "lr=inf is not allowed; lr must be a finite number > 0"),
+    (["algorithm=sgd,sgd"], "algorithm=sgd,sgd is a sweep; add -m (--multirun)"),
+    (["experiment=fig1"], "experiment=fig1 is not an option; no experiment configs exist yet"),
+    (["engine.straggler_fraction=0"], "engine.straggler_fraction=0.0 is not allowed; it must be a number in (0, 1]"),
+    (["logger.flush_seconds=-1"], "logger.flush_seconds=-1.0 is not allowed; it must be a number > 0"),
+    (["data=synthetic", "data.synthetic.train_size=-5"], "data.synthetic.train_size=-5 is not allowed"),
     (["lr=abc"], "lr=abc is not allowed; lr must be of type float"),
     (["batch_size=0"], "batch_size=0 is not allowed; batch_size must be an integer >= 1"),
     (["batch_size=2000"], "batch_size=2000 is larger than a worker's shard: data=digits has 1500 training"),
@@ -102,8 +108,10 @@ def test_help_and_cfg_flags_are_left_to_hydra():
     preflight(["--cfg", "job"])
 
 
-def test_real_command_prints_one_line_and_exits_2():
-    p = subprocess.run([sys.executable, "run.py", "lr=-1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_real_command_prints_one_line_and_exits_2(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "run.py"), "lr=-1"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
     assert p.returncode == 2
-    assert p.stderr.strip() == "error: lr=-1.0 is not allowed; lr must be a number > 0"
-    assert not (ROOT / "outputs").exists() or not any("lr=-1" in str(x) for x in (ROOT / "outputs").rglob("*"))
+    assert p.stderr.strip() == "error: lr=-1.0 is not allowed; lr must be a finite number > 0"
+    assert p.stdout == ""
+    assert list(tmp_path.iterdir()) == [], "bad input must not create a run directory"

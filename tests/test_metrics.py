@@ -54,7 +54,7 @@ def test_part_writer_resumes_after_a_crash_and_after_a_close(tmp_path):
     for i in range(3):
         w.add(row(i))
     w.close()
-    w = PartWriter(tmp_path, "metrics")
+    w = PartWriter(tmp_path, "metrics", resume=True)
     for i in range(3, 7):
         w.add(row(i))
         if i % 2 == 0:
@@ -63,7 +63,7 @@ def test_part_writer_resumes_after_a_crash_and_after_a_close(tmp_path):
     assert len(parts(tmp_path)) == 2
     assert read_table(tmp_path)["step"].tolist() == list(range(7))  # merged file first, then the parts
     # second attempt continues the numbering and merges everything, in order
-    w = PartWriter(tmp_path, "metrics")
+    w = PartWriter(tmp_path, "metrics", resume=True)
     assert w.next_part == 2
     w.add(row(7))
     w.flush()
@@ -71,6 +71,29 @@ def test_part_writer_resumes_after_a_crash_and_after_a_close(tmp_path):
     w.close()
     assert not (tmp_path / "metrics.parts").exists()
     assert read_table(tmp_path)["step"].tolist() == list(range(8))
+
+
+def test_a_fresh_run_in_a_reused_directory_starts_empty(tmp_path):
+    w = PartWriter(tmp_path, "metrics")
+    for i in range(3):
+        w.add(row(i))
+    w.flush()
+    w.close()
+    w = PartWriter(tmp_path, "metrics")  # not a resume: the earlier rows must not leak in
+    w.add(row(0))
+    w.close()
+    assert read_table(tmp_path)["step"].tolist() == [0]
+
+
+def test_rows_with_extra_keys_keep_every_column(tmp_path):
+    w = PartWriter(tmp_path, "metrics")
+    w.add(row(0))
+    w.add(row(1, pi=0.5))  # a key the first buffered row lacks
+    w.add({**row(2), "staleness": 1.5})  # int in one row, float in another
+    w.close()
+    df = read_table(tmp_path)
+    assert df["pi"].isna().tolist() == [True, False, True]
+    assert df["staleness"].tolist()[-1] == 1.5
 
 
 def test_part_writer_merges_parts_with_different_columns(tmp_path):

@@ -12,6 +12,8 @@ import torch
 
 from gem.algorithms import Commit
 
+SEQUENTIAL = True  # the proxy: always one worker, whatever `workers` says
+
 
 @dataclass(frozen=True)
 class Params:
@@ -19,7 +21,7 @@ class Params:
     momentum: float = 0.9
 
 
-def init_state(theta: torch.Tensor, hp: Params) -> dict[str, torch.Tensor]:
+def init_state(theta: torch.Tensor, hp: Params, layout=()) -> dict[str, torch.Tensor]:
     return {"m": torch.zeros_like(theta)}
 
 

@@ -37,7 +37,6 @@ class Result:
     status: str  # completed | diverged | failed
     steps: int  # commits applied by the parameter server
     reason: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 def get(name: str) -> ModuleType:

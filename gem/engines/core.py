@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -46,6 +45,3 @@ class Evaluator:
 def finite(theta: torch.Tensor) -> bool:
     return bool(torch.isfinite(theta).all())
 
-
-def is_bad(loss: float) -> bool:
-    return not math.isfinite(loss)

@@ -37,7 +37,6 @@ class VirtualWorker:
     x: torch.Tensor  # the worker's local (stale) parameters
     state: dict
     stream: WorkerStream
-    slowdown: float = 1.0
     steps: int = 0  # local gradient steps done
     pulled_at: int = 0  # clock value of the worker's last pull
 
@@ -76,11 +75,12 @@ def run(job: Job, recorder) -> Result:
     opts = dict(job.engine)
     schedule = Schedule(opts.get("staleness", "round_robin"), n, job.seed,
                         opts.get("straggler_fraction", 0.25), opts.get("straggler_slowdown", 4.0))
+    layout = list(zip(model.tensor_names, model.slices, strict=True))
     workers = []
     for w in range(n):
         # With a single worker its local copy can be the model's own buffer: no copy on load.
         x = model.param if n == 1 else theta.clone()
-        workers.append(VirtualWorker(w, x, algo.init_state(theta, hp),
+        workers.append(VirtualWorker(w, x, algo.init_state(theta, hp, layout),
                                      WorkerStream(len(data.train_y), job.batch_size, job.seed, w)))
     evaluate = Evaluator(job, data)
     names = model.tensor_names
@@ -111,7 +111,8 @@ def run(job: Job, recorder) -> Result:
         staleness = t - wk.pulled_at
         algo.server_rule(theta, commit.delta, staleness, hp)
         t += 1
-        wk.x.copy_(theta)  # pull
+        if commit.pull:
+            wk.x.copy_(theta)
         wk.pulled_at = t
         row = {"step": t, "worker": w, "worker_step": wk.steps, "staleness": staleness,
                "loss": loss_sum / local, "time_s": time.perf_counter() - t0, "sim_time": now,
