@@ -176,7 +176,13 @@ def main(cfg: DictConfig) -> dict:
     if multirun:  # W&B groups runs by sweep; the job's overrides name it
         group = "/".join(Path(hc.sweep.dir).parts[-2:])
         name = hc.job.override_dirname or f"job{hc.job.num}"
-    summary = run(cfg, Path(hc.runtime.output_dir), wandb_group=group, wandb_name=name)
+    try:
+        summary = run(cfg, Path(hc.runtime.output_dir), wandb_group=group, wandb_name=name)
+    except KeyboardInterrupt as e:  # the run directory is already closed, with status failed
+        why, code = ("SIGTERM", 143) if isinstance(e, _Terminated) else ("Ctrl-C", 130)
+        print(f"gem: interrupted by {why}; the run directory {hc.runtime.output_dir} is closed "
+              "(status failed, rows up to the interruption kept)", file=sys.stderr)
+        sys.exit(code)
     print(format_summary(summary), flush=True)
     # A failed job ends a single run with an error code; in a sweep the other jobs go on. A diverged run is a
     # result, not an error.
