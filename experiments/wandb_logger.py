@@ -1,8 +1,9 @@
 """Weights & Biases, from the coordinating process only. Offline by default; it never hangs or fails a run.
 
 - `offline`: the run is written under `<run_dir>/wandb/`; `wandb sync <run_dir>/wandb/offline-run-*` uploads it.
-- `online`: only when an API key is configured (WANDB_API_KEY or ~/.netrc); otherwise it falls back to
-  offline and says so. A failed `wandb.init` (no network, say) is reported and the run goes on without W&B.
+- `online`: only when an API key is configured (WANDB_API_KEY or ~/.netrc); otherwise it logs offline and
+  says so. An online `wandb.init` that fails (no network: it gives up after 20 s) falls back to offline too,
+  and later runs of the same sweep go offline at once. If even offline fails, the run goes on without W&B.
 - `disabled`: nothing is imported or written.
 """
 
@@ -53,14 +54,19 @@ class WandbLogger:
             print(f"gem: W&B finish failed ({type(e).__name__}: {e})", file=sys.stderr)
 
 
-# Set after a failed wandb.init: later runs in this process (a sweep's jobs) skip W&B instead of each
-# paying the init timeout again.
-_unavailable: str | None = None
+# Why W&B cannot be used as asked in this process, once that is known: later runs of a sweep then fall back at
+# once instead of each paying the init timeout again.
+_online_failed: str | None = None  # online init failed (no network, say): log offline from now on
+_unavailable: str | None = None  # even offline init failed: no W&B in this process
+
+
+def _short(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def start(mode: str, run_dir: Path, config: dict, project: str = "gem", entity=None, group=None,
           name: str | None = None) -> WandbLogger | None:
-    global _unavailable
+    global _online_failed, _unavailable
     if mode == "disabled":
         return None
     if _unavailable is not None:
@@ -70,6 +76,10 @@ def start(mode: str, run_dir: Path, config: dict, project: str = "gem", entity=N
         print("gem: logger.wandb.mode=online but no W&B API key is set (WANDB_API_KEY or ~/.netrc); "
               "logging offline instead", file=sys.stderr)
         mode = "offline"
+    if mode == "online" and _online_failed is not None:
+        print(f"gem: W&B online failed earlier in this process ({_online_failed}); logging offline instead",
+              file=sys.stderr)
+        mode = "offline"
     os.environ.setdefault("WANDB_SILENT", "true")
     try:
         import wandb
@@ -77,8 +87,12 @@ def start(mode: str, run_dir: Path, config: dict, project: str = "gem", entity=N
         run = wandb.init(project=project, entity=entity, group=group, name=name, dir=str(run_dir), mode=mode,
                          config=config, reinit="create_new",
                          settings=wandb.Settings(init_timeout=20, console="off", x_disable_stats=True))
-    except Exception as e:  # no network, bad key, W&B service failure: the run goes on without W&B
-        _unavailable = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    except Exception as e:  # no network, bad key, W&B service failure: the run goes on regardless
+        if mode == "online":
+            _online_failed = _short(e)
+            print(f"gem: W&B online could not start ({_online_failed}); logging offline instead", file=sys.stderr)
+            return start("offline", run_dir, config, project, entity, group, name)
+        _unavailable = _short(e)
         print(f"gem: W&B could not start ({_unavailable}); continuing without it", file=sys.stderr)
         return None
     return WandbLogger(run)

@@ -122,3 +122,30 @@ def test_signal_closes_the_run_directory(tmp_path, sig, code, why):
     m = pd.read_parquet(d / "metrics.parquet")
     assert len(m) == summary["steps"] >= 5
     assert m["step"].tolist() == list(range(1, len(m) + 1))
+
+
+def test_online_init_failure_falls_back_to_offline_once_per_process(tmp_path, monkeypatch, capsys):
+    import wandb
+
+    from experiments import wandb_logger
+
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.setattr(wandb_logger, "_online_failed", None)
+    monkeypatch.setattr(wandb_logger, "_unavailable", None)
+    real_init, modes = wandb.init, []
+
+    def init(**kw):  # W&B servers unreachable: online init fails, offline works
+        modes.append(kw["mode"])
+        if kw["mode"] == "online":
+            raise wandb.errors.CommError("no such host")
+        return real_init(**kw)
+
+    monkeypatch.setattr(wandb, "init", init)
+    for job in ("a", "b"):
+        logger = wandb_logger.start("online", tmp_path / job, {"x": 1}, name=job)
+        assert logger is not None
+        logger("commit", {"step": 1, "loss": 0.5})
+        logger.finish({"status": "completed"})
+        assert list((tmp_path / job / "wandb").glob("offline-run-*"))
+    assert modes == ["online", "offline", "offline"]  # the second job does not retry online
+    assert "logging offline instead" in capsys.readouterr().err
