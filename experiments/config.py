@@ -207,12 +207,11 @@ def validate(cfg: DictConfig) -> dict:
     return checked
 
 
-def check_batch_size(cfg: DictConfig, data: DataConfig) -> None:
-    """batch_size must fit in a worker's shard (every worker draws from the whole training set). Checked once
-    the data is on disk; where the size is not cheap to know (cifar10), the runner checks after loading."""
-    train = gdata.train_size(data.name, data_root(data.root), data.synthetic.train_size)
-    if train is not None and cfg.batch_size > train:
-        raise ConfigError(f"batch_size={cfg.batch_size} is larger than a worker's shard: data={data.name} has "
+def check_batch_size(batch_size: int, data: str, train: int | None) -> None:
+    """batch_size must fit in a worker's shard: every worker draws from all `train` examples. The preflight
+    checks it once the data is on disk (where the size is cheap to read); the runner checks it after loading."""
+    if train is not None and batch_size > train:
+        raise ConfigError(f"batch_size={batch_size} is larger than a worker's shard: data={data} has "
                           f"{train} training examples, and every worker draws from all of them")
 
 
@@ -320,7 +319,7 @@ def preflight(argv: list[str]) -> None:
             if key not in available:  # download or fail once per dataset, before any job starts
                 gdata.ensure_available(*key)
                 available.add(key)
-            check_batch_size(cfg, d)
+            check_batch_size(cfg.batch_size, d.name, gdata.train_size(d.name, key[1], d.synthetic.train_size))
     except (ConfigError, gdata.DatasetMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

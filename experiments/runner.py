@@ -21,7 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from experiments import wandb_logger
-from experiments.config import ConfigError, algorithm_params, data_root, validate
+from experiments.config import ConfigError, algorithm_params, check_batch_size, data_root, validate
 from gem import algorithms, engines, models
 from gem import data as gdata
 from gem.engines import Job, Result
@@ -39,12 +39,8 @@ def build_job(cfg: DictConfig, checked: dict, log=print) -> Job:
     shape = models.input_shape(cfg.model.name)
     dataset = gdata.load_dataset(d.name, data_root(d.root), d.download, synthetic=dataclasses.asdict(d.synthetic),
                                  shape=shape, augment=d.augment)
-    if dataset.shape != shape:
-        raise ConfigError(f"model={cfg.model.name} expects {'x'.join(map(str, shape))} inputs but data="
-                          f"{cfg.data.name} gives {'x'.join(map(str, dataset.shape))}")
-    if cfg.batch_size > len(dataset.train_y):
-        raise ConfigError(f"batch_size={cfg.batch_size} is larger than a worker's shard: data={cfg.data.name} "
-                          f"has {len(dataset.train_y)} training examples")
+    # validate() has matched the model to the data's shape; only the loaded size is new here (cifar10)
+    check_batch_size(cfg.batch_size, d.name, len(dataset.train_y))
     engine = {k: v for k, v in dataclasses.asdict(eng).items() if k != "name"}
     return Job(algorithm=cfg.algorithm.name, hp=algorithm_params(cfg), model=cfg.model.name, data=dataset,
                workers=workers, batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed, device=cfg.device,

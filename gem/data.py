@@ -150,12 +150,12 @@ def _load_failed(what: str, folder: str, files, download: bool, error: Exception
     if all(os.path.isfile(os.path.join(folder, f)) for f in files):  # present but unreadable: say so
         return DatasetMissing(f"data={what}: could not read the files in {folder} "
                               f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
-    return _download_failed(what, folder, files, "download failed" if download else "data.download=false")
+    return _download_failed(what, folder, files, download)
 
 
-def _download_failed(what: str, folder: str, files, reason: str) -> DatasetMissing:
-    hint = "or set data.download=true on a machine with internet" if "download=false" in reason \
-        else "or run once where the download can reach the internet"
+def _download_failed(what: str, folder: str, files, download: bool) -> DatasetMissing:
+    reason, hint = (("download failed", "or run once where the download can reach the internet") if download
+                    else ("data.download=false", "or set data.download=true on a machine with internet"))
     return DatasetMissing(f"data={what}: files not found in {folder} ({reason}); put {', '.join(files)} there, "
                           f"{hint}")
 
@@ -277,7 +277,7 @@ def ensure_available(name: str, root: str, download: bool, timeout_s: float = 30
     if all(os.path.isfile(os.path.join(folder, f)) for f in files):
         return
     if not download:
-        raise _download_failed(name, folder, files, "data.download=false")
+        raise _download_failed(name, folder, files, download=False)
     import socket
 
     old = socket.getdefaulttimeout()
