@@ -129,19 +129,27 @@ def _merge_checked(schema, node, prefix: str, what: str):
         raise ConfigError(f"{key}: {msg}") from None
 
 
+# Params fields filled from top-level keys rather than from algorithm.*
+TOP_LEVEL_PARAMS = ("lr", "momentum", "workers")
+
+
 def algorithm_params(cfg: DictConfig):
-    """The algorithm's Params dataclass filled from cfg.lr, cfg.momentum and cfg.algorithm.*"""
+    """The algorithm's Params dataclass filled from cfg.lr, cfg.momentum (cfg.workers if it has that field)
+    and cfg.algorithm.*"""
     name = cfg.algorithm.name
     module = algorithms.get(name)
     node = {k: v for k, v in OmegaConf.to_container(cfg.algorithm, resolve=True).items() if k != "name"}
     fields = {f.name for f in dataclasses.fields(module.Params)}
     for k in node:
-        if k not in fields or k in ("lr", "momentum"):
-            allowed = ", ".join(sorted(fields - {"lr", "momentum"})) or "none"
+        if k not in fields or k in TOP_LEVEL_PARAMS:
+            allowed = ", ".join(sorted(fields - set(TOP_LEVEL_PARAMS))) or "none"
             raise ConfigError(f"algorithm.{k} is not a parameter of algorithm={name}; its parameters are: "
-                              f"{allowed} (lr and momentum are top-level keys)")
-    return _merge_checked(module.Params, {**node, "lr": cfg.lr, "momentum": cfg.momentum},
-                          "algorithm", f"algorithm={name}")
+                              f"{allowed} (lr, momentum and workers are top-level keys)")
+    top = {k: cfg[k] for k in TOP_LEVEL_PARAMS if k in fields}
+    try:
+        return _merge_checked(module.Params, {**node, **top}, "algorithm", f"algorithm={name}")
+    except ValueError as e:  # Params.__post_init__ (gem.algorithms.require): already one line
+        raise ConfigError(str(e).splitlines()[0]) from None
 
 
 def validate(cfg: DictConfig) -> dict:
@@ -291,7 +299,7 @@ def check_job(overrides: list[str]) -> tuple[DictConfig, dict]:
             node = compose(choice)[group]
             what = f"{group}={node.name}" if "name" in node else group
             line = (f"{line.split(' ', 1)[0]} is not a key of {what}; its keys are: {', '.join(node)}"
-                    + (" (lr and momentum are top-level keys)" if group == "algorithm" else ""))
+                    + (" (lr, momentum and workers are top-level keys)" if group == "algorithm" else ""))
         raise ConfigError(line) from None
     try:
         return cfg, validate(cfg)

@@ -125,6 +125,8 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
             summary.update(final_train_loss=_finite_or_none(recorder.final_train_loss),
                            val_loss=_finite_or_none(ev.get("val_loss")), val_accuracy=ev.get("val_accuracy"),
                            mean_staleness=_finite_or_none(recorder.mean_staleness))
+            if recorder.pi_median is not None:
+                summary["pi_median"] = recorder.pi_median
         summary["wall_time_s"] = round(time.perf_counter() - t0, 3)
         if wandb is not None:
             summary["wandb"] = wandb.where
@@ -153,6 +155,8 @@ def format_summary(s: dict) -> str:
         f"val loss        {num(s['val_loss'], '.4f')}",
         f"val accuracy    {num(s['val_accuracy'], '.4f')}",
         f"mean staleness  {num(s['mean_staleness'], '.2f')}",
+        *([f"median pi       {s['pi_median']:.3f}  (median over commits of each commit's median)"]
+          if s.get("pi_median") is not None else []),
         f"wall time       {num(s['wall_time_s'], '.1f')} s",
         f"run directory   {s['run_dir']}",
     ]

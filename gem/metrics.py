@@ -100,6 +100,7 @@ class Recorder:
         self._pending = 0
         self._last_flush = time.monotonic()
         self._loss_ema: float | None = None
+        self.pi_medians: list[float] = []  # GEM's per-commit median π, for the summary
 
     def commit(self, row: dict, tensors: list[dict] | None = None) -> None:
         self.writers["metrics"].add(row)
@@ -111,12 +112,17 @@ class Recorder:
         self.staleness_sum += int(row["staleness"])
         if math.isfinite(loss):
             self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
+        if "pi_median" in row:
+            self.pi_medians.append(float(row["pi_median"]))
         if self.sink is not None and self.commits % self.sink_every == 0:
             self.sink("commit", row)
         if self.progress is not None:
             self.progress.update(1)
             if self.commits % 20 == 0 and self._loss_ema is not None:
-                self.progress.set_postfix(loss=f"{self._loss_ema:.4f}", refresh=False)
+                post = {"loss": f"{self._loss_ema:.4f}"}
+                if self.pi_medians:
+                    post["pi"] = f"{self.pi_medians[-1]:.3f}"
+                self.progress.set_postfix(post, refresh=False)
         self._pending += 1
         if self._pending >= self.flush_every or time.monotonic() - self._last_flush > self.flush_seconds:
             self.flush()
@@ -155,6 +161,14 @@ class Recorder:
         k = max(1, len(self.losses) // 10)
         tail = self.losses[-k:]
         return sum(tail) / len(tail)
+
+    @property
+    def pi_median(self) -> float | None:
+        """GEM: the median over all commits of each commit's median π (None for other algorithms)."""
+        if not self.pi_medians:
+            return None
+        values = sorted(v for v in self.pi_medians if math.isfinite(v))
+        return values[(len(values) - 1) // 2] if values else None
 
     @property
     def mean_staleness(self) -> float:

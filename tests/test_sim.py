@@ -1,6 +1,8 @@
 """The `sim` engine with several virtual workers: commit order, staleness, determinism, and the algorithm
 interface contract (pull, layout, per-tensor rows, θ before the worker's own commit)."""
 
+import dataclasses
+import math
 import sys
 import types
 from dataclasses import dataclass
@@ -81,7 +83,7 @@ def make_stub(log):
         log["layout"] = [(name, sl.start, sl.stop) for name, sl in layout]
         return {"s": theta.clone(), "prev_delta": None}
 
-    def worker_rule(state, x, grad, theta, hp):
+    def worker_rule(state, x, grad, theta, hp, server):
         # θ − s, with s copied at the previous call, must equal this worker's previous commit (n = 1)
         if state["prev_delta"] is not None:
             log["drift_err"].append(float((theta - state["s"] - state["prev_delta"]).abs().max()))
@@ -96,8 +98,8 @@ def make_stub(log):
     def layout_of(state, log):
         return [(n, slice(a, b)) for n, a, b in log["layout"]]
 
-    def server_rule(theta, delta, staleness, hp):
-        theta.add_(delta)
+    def server_rule(theta, commit, staleness, hp, server):
+        theta.add_(commit.delta)
 
     mod.init_state, mod.worker_rule, mod.server_rule = init_state, worker_rule, server_rule
     return mod
@@ -124,3 +126,59 @@ def test_interface_contract(data, tmp_path, monkeypatch, pull):
     t = pd.read_parquet(tmp_path / "tensors.parquet")
     assert len(t) == len(m) * 10 and set(t["tensor"]) == set(names)
     assert (t["stub_norm"] > 0).all()
+
+
+# ------------------------------------------------------------------------------- every algorithm on sim
+
+ASYNC = [a for a in algorithms.ALGORITHMS if a != "sgd"]
+
+
+def hp_for(name, n, **kw):
+    params = algorithms.get(name).Params
+    fields = {f.name for f in dataclasses.fields(params)}
+    kw = {**({"workers": n} if "workers" in fields else {}), **kw}
+    if "window" in fields:
+        kw.setdefault("window", 2)
+    return params(**kw)
+
+
+@pytest.mark.parametrize("name", ASYNC)
+def test_each_algorithm_runs_with_round_robin_staleness(data, tmp_path, name):
+    n = 3
+    result, m = run(job(data, n, algorithm=name, hp=hp_for(name, n), epochs=2), tmp_path)
+    window = getattr(hp_for(name, n), "window", 1)
+    commits_per_worker = 2 * (192 // 32) // window
+    assert result.status == "completed" and result.steps == n * commits_per_worker == len(m)
+    assert m["step"].tolist() == list(range(1, len(m) + 1))
+    assert (m["staleness"].iloc[n:] == n - 1).all()
+    assert m["loss"].map(math.isfinite).all()
+    assert set(m.groupby("worker")["worker_step"].max()) == {commits_per_worker * window}
+
+
+def test_gem_writes_pi_and_energies_per_commit_and_per_tensor(data, tmp_path):
+    result, m = run(job(data, 4, algorithm="gem", hp=hp_for("gem", 4), staleness="exponential"), tmp_path)
+    for col in ("pi_median", "pi_mean", "pi_zero_frac", "pi_max_frac", "proxy_energy", "central_energy"):
+        assert m[col].notna().all(), col
+    assert ((m["pi_median"] >= 0) & (m["pi_median"] <= 5)).all()
+    assert ((m["pi_zero_frac"] >= 0) & (m["pi_zero_frac"] <= 1)).all()
+    t = pd.read_parquet(tmp_path / "tensors.parquet")
+    assert len(t) == 10 * len(m)
+    assert {"step", "worker", "tensor", "tensor_index", "pi_median", "pi_mean", "pi_zero_frac"} <= set(t.columns)
+    # a heatmap needs one value per (commit, tensor)
+    assert t.pivot(index="step", columns="tensor_index", values="pi_median").shape == (len(m), 10)
+
+
+@pytest.mark.parametrize("name, extra", [("gem", {}), ("gem", {"proxy": "global"}), ("eamsgd", {}),
+                                         ("adaptive", {})])
+def test_algorithms_are_deterministic_for_a_seed(data, tmp_path, name, extra):
+    j = lambda: job(data, 4, algorithm=name, hp=hp_for(name, 4, **extra), staleness="exponential", seed=5)  # noqa: E731
+    _, a = run(j(), tmp_path / "a")
+    _, b = run(j(), tmp_path / "b")
+    pd.testing.assert_frame_equal(a.drop(columns="time_s"), b.drop(columns="time_s"))
+
+
+def test_diverging_gem_or_downpour_stops_with_diverged(data, tmp_path):
+    for name in ("downpour", "gem"):
+        hp = hp_for(name, 4, lr=1e6)
+        result, m = run(job(data, 4, algorithm=name, hp=hp), tmp_path / name)
+        assert result.status == "diverged" and "non-finite" in result.reason

@@ -21,15 +21,15 @@ class Params:
     momentum: float = 0.9
 
 
-def init_state(theta: torch.Tensor, hp: Params, layout=()) -> dict[str, torch.Tensor]:
+def init_state(theta: torch.Tensor, hp: Params, layout=()) -> dict:
     return {"m": torch.zeros_like(theta)}
 
 
-def worker_rule(state, x, grad, theta, hp: Params) -> Commit:
+def worker_rule(state, x, grad, theta, hp: Params, server=None) -> Commit:
     m = state["m"]
     m.mul_(hp.momentum).add_(grad, alpha=-hp.lr)
     return Commit(delta=m)
 
 
-def server_rule(theta: torch.Tensor, delta: torch.Tensor, staleness: int, hp: Params) -> None:
-    theta.add_(delta)
+def server_rule(theta: torch.Tensor, commit: Commit, staleness: int, hp: Params, server=None) -> None:
+    theta.add_(commit.delta)

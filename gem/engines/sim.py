@@ -82,6 +82,7 @@ def run(job: Job, recorder) -> Result:
         x = model.param if n == 1 else theta.clone()
         workers.append(VirtualWorker(w, x, algo.init_state(theta, hp, layout),
                                      WorkerStream(len(data.train_y), job.batch_size, job.seed, w)))
+    server = algorithms.init_server(algo, theta, hp)  # server-side algorithm state next to θ (GEM global proxy)
     evaluate = Evaluator(job, data)
     names = model.tensor_names
 
@@ -105,11 +106,11 @@ def run(job: Job, recorder) -> Result:
             if not math.isfinite(loss):
                 return Result("diverged", t, reason=f"non-finite loss {loss} at worker {w}, "
                                                     f"worker step {wk.steps} (commit {t + 1})")
-            commit = algo.worker_rule(wk.state, wk.x, model.grad, theta, hp)
+            commit = algo.worker_rule(wk.state, wk.x, model.grad, theta, hp, server)
         if commit is None:  # the budget ended inside a communication window: nothing left to send
             continue
         staleness = t - wk.pulled_at
-        algo.server_rule(theta, commit.delta, staleness, hp)
+        algo.server_rule(theta, commit, staleness, hp, server)
         t += 1
         if commit.pull:
             wk.x.copy_(theta)

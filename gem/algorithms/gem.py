@@ -1,0 +1,127 @@
+"""Gradient Energy Matching (Hermans & Louppe 2018), DESIGN §1.
+
+Each worker keeps the proxy, its own estimate of sequential momentum SGD, m ← μm + Δθ with Δθ = −η∇L,
+and rescales its update element by element so that the kinetic energy of the central variable matches the
+proxy's (paper eq. 27):
+
+    π = (κ|m| − |θ − s|) / (|Δθ| + ε),   clamped to [0, π_max]        commit πΔθ;   server: θ ← θ + πΔθ
+
+θ − s is how far the central variable moved since this worker's previous commit, its own commit included:
+s is a copy of θ taken just before the server applies this worker's commit (worker_rule runs exactly then).
+With one worker and κ = 1, θ − s is the worker's previous commit and GEM reduces to matching momentum SGD.
+
+`proxy=global` (beyond the paper, its future work): the parameter server estimates the proxy from all
+workers. Each commit carries the worker's m, and the server keeps their running average M, over all commits
+until n have arrived, then an exponential average with weight 1/n (about the last n commits, one per
+worker). Workers use κ|M| in place of κ|m|: the same scale, with the noise of n workers averaged out.
+
+Per-commit diagnostics (DESIGN §2): the median, mean and fraction-zero of π over all elements and per
+parameter tensor, the fraction clamped at π_max, the proxy energy ½‖κm‖² (κM with the global proxy), and
+the central energy ½‖θ − s + πΔθ‖². The median is the lower median (torch.median's convention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gem.algorithms import Commit, positive, require, scratch
+
+PROXIES = ("local", "global")
+
+
+@dataclass(frozen=True)
+class Params:
+    lr: float = 0.05
+    momentum: float = 0.9
+    workers: int = 1  # n, filled from the top-level `workers`: the global proxy's averaging window
+    kappa: float = 1.0  # κ: proxy energy amplification (paper App. B; fig8 sweeps 1 to 4)
+    pi_max: float = 5.0  # upper clamp of π; the authors' code uses 5 "for numerical stability"
+    eps: float = 1e-12  # ε in |Δθ| + ε, as in the authors' code
+    proxy: str = "local"  # local: each worker's momentum (the paper); global: estimated at the server
+
+    def __post_init__(self):
+        require(positive(self.kappa), "kappa", self.kappa, "a number > 0 (the paper uses kappa >= 1)")
+        require(positive(self.pi_max), "pi_max", self.pi_max, "a number > 0")
+        require(positive(self.eps), "eps", self.eps, "a number > 0")
+        require(self.proxy in PROXIES, "proxy", self.proxy, f"one of: {', '.join(PROXIES)}")
+
+
+def init_state(theta: torch.Tensor, hp: Params, layout=()) -> dict:
+    return {"m": torch.zeros_like(theta),  # the worker's proxy momentum
+            "stale": theta.clone(),  # s: θ just before this worker's previous commit (at start: θ₀)
+            "layout": list(layout)}
+
+
+def init_server(theta: torch.Tensor, hp: Params) -> dict:
+    if hp.proxy != "global":
+        return {}
+    return {"proxy": torch.zeros_like(theta), "proxy_commits": torch.zeros((), dtype=torch.long)}
+
+
+def worker_rule(state, x, grad, theta, hp: Params, server=None) -> Commit:
+    m, stale = state["m"], state["stale"]
+    update = torch.mul(grad, -hp.lr, out=scratch(grad, "update"))  # Δθ
+    m.mul_(hp.momentum).add_(update)
+    central = torch.sub(theta, stale, out=scratch(theta, "central"))  # θ − s
+    stale.copy_(theta)  # the next commit's s: θ as it is now, before this commit lands
+    proxy = server["proxy"] if hp.proxy == "global" else m
+    pi = torch.abs(proxy, out=scratch(m, "pi")).mul_(hp.kappa)
+    tmp = torch.abs(central, out=scratch(m, "tmp"))
+    pi.sub_(tmp)
+    torch.abs(update, out=tmp).add_(hp.eps)
+    pi.div_(tmp).clamp_(0.0, hp.pi_max)
+    delta = update.mul_(pi)  # πΔθ, the commit
+    central.add_(delta)  # θ − s + πΔθ: the central variable's movement over this worker's cycle
+    metrics, tensors = pi_stats(pi, state["layout"], hp.pi_max)
+    metrics["proxy_energy"] = 0.5 * hp.kappa**2 * float(proxy.dot(proxy))
+    metrics["central_energy"] = 0.5 * float(central.dot(central))
+    payload = {"m": m} if hp.proxy == "global" else {}
+    return Commit(delta=delta, metrics=metrics, tensors=tensors, payload=payload)
+
+
+def server_rule(theta: torch.Tensor, commit: Commit, staleness: int, hp: Params, server=None) -> None:
+    theta.add_(commit.delta)
+    if hp.proxy == "global":
+        server["proxy_commits"] += 1
+        k = min(int(server["proxy_commits"]), max(hp.workers, 1))
+        server["proxy"].mul_(1 - 1 / k).add_(commit.payload["m"], alpha=1 / k)
+
+
+def _lower_median(a):
+    k = (a.size - 1) // 2
+    return float(np.partition(a, k)[k])
+
+
+def pi_stats(pi: torch.Tensor, layout, pi_max: float) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """(overall metrics, per-tensor lists in layout order) of π."""
+    if pi.device.type != "cpu":  # the GPU does the selection itself; one transfer of the results
+        return _pi_stats_torch(pi, layout, pi_max)
+    # numpy's introselect is about 15x faster than torch.median on CPU: a median per commit stays cheap
+    a = pi.numpy()
+    zero = a == 0
+    metrics = {"pi_median": _lower_median(a), "pi_mean": float(a.mean()),
+               "pi_zero_frac": float(np.count_nonzero(zero)) / a.size,
+               "pi_max_frac": float(np.count_nonzero(a == pi_max)) / a.size}
+    tensors = {"pi_median": [], "pi_mean": [], "pi_zero_frac": []}
+    for _, sl in layout:
+        part = a[sl]
+        tensors["pi_median"].append(_lower_median(part))
+        tensors["pi_mean"].append(float(part.mean()))
+        tensors["pi_zero_frac"].append(float(np.count_nonzero(zero[sl])) / part.size)
+    return metrics, tensors
+
+
+def _pi_stats_torch(pi, layout, pi_max):
+    zero = pi == 0
+    parts = [pi[sl] for _, sl in layout]
+    values = torch.stack([pi.median(), pi.mean(), zero.float().mean(), (pi == pi_max).float().mean(),
+                          *(p.median() for p in parts), *(p.mean() for p in parts),
+                          *(zero[sl].float().mean() for _, sl in layout)]).tolist()
+    k = len(parts)
+    metrics = dict(zip(("pi_median", "pi_mean", "pi_zero_frac", "pi_max_frac"), values[:4], strict=True))
+    tensors = {"pi_median": values[4:4 + k], "pi_mean": values[4 + k:4 + 2 * k],
+               "pi_zero_frac": values[4 + 2 * k:]}
+    return metrics, tensors

@@ -1,0 +1,304 @@
+"""Each update rule against tensors computed by hand (DESIGN §1, §2). A wrong sign or factor fails here."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from gem import algorithms
+from gem.algorithms import adaptive, agn, downpour, eamsgd, easgd, gem, sgd
+from experiments.config import CONF_DIR
+
+T = torch.tensor
+LAYOUT = [("a", slice(0, 4)), ("b", slice(4, 6))]
+
+
+def close(a, b, tol=1e-6):
+    return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32),
+                          atol=tol, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------- GEM
+# lr = 1 and μ = 0.5, so Δθ = −g and m = m0/2 − g. s = 1 everywhere, θ = s + (θ − s).
+M0 = [4.0, 0.0, 0.0, 20.0, 2.0, -4.0]
+GRAD = [1.0, 2.0, 1.0, 1.0, 0.0, -1.0]
+DRIFT = [0.5, 0.0, 3.0, 0.0, 0.0, 0.25]  # θ − s
+# m = [1, -2, -1, 9, 1, -1]; Δθ = [-1, -2, -1, -1, 0, 1]
+# π = (|m| − |θ − s|)/|Δθ| = [0.5, 1, -2 -> 0, 9 -> 5, 1/ε -> 5, 0.75]
+PI = [0.5, 1.0, 0.0, 5.0, 5.0, 0.75]
+
+
+def gem_commit(kappa=1.0, pi_max=5.0, proxy="local", server=None):
+    hp = gem.Params(lr=1.0, momentum=0.5, kappa=kappa, pi_max=pi_max, proxy=proxy)
+    stale = torch.ones(6)
+    state = gem.init_state(stale, hp, LAYOUT)
+    state["m"].copy_(T(M0))
+    theta = stale + T(DRIFT)
+    commit = gem.worker_rule(state, theta.clone(), T(GRAD), theta, hp, server or {})
+    return commit, state, theta
+
+
+def test_gem_pi_and_commit_by_hand():
+    commit, state, theta = gem_commit()
+    delta = [p * -g for p, g in zip(PI, GRAD, strict=True)]  # πΔθ = [-0.5, -2, 0, -5, 0, 0.75]
+    assert close(commit.delta, delta)
+    assert close(state["m"], [1, -2, -1, 9, 1, -1])
+    assert torch.equal(state["stale"], theta)  # the next θ − s counts from θ just before this commit
+    assert commit.pull and not commit.payload
+
+
+def test_gem_clamps_at_zero_and_pi_max():
+    commit, _, _ = gem_commit(pi_max=0.8)  # π = [0.5, 0.8, 0, 0.8, 0.8, 0.75]
+    assert close(commit.delta, [-0.5, -1.6, 0.0, -0.8, 0.0, 0.75])
+    assert commit.metrics["pi_zero_frac"] == pytest.approx(1 / 6)
+    assert commit.metrics["pi_max_frac"] == pytest.approx(3 / 6)
+
+
+def test_gem_kappa_scales_the_proxy():
+    commit, _, _ = gem_commit(kappa=2.0)  # π = (2|m| − |θ − s|)/|Δθ| = [1.5, 2, 0, 5, 5, 1.75]
+    assert close(commit.delta, [-1.5, -4.0, 0.0, -5.0, 0.0, -1.75 * -1])
+    assert commit.metrics["proxy_energy"] == pytest.approx(0.5 * 4 * 89)
+
+
+def test_gem_metrics_by_hand():
+    commit, _, _ = gem_commit()
+    m = commit.metrics
+    assert m["pi_median"] == pytest.approx(0.75)  # lower median of [0, .5, .75, 1, 5, 5]
+    assert m["pi_mean"] == pytest.approx(12.25 / 6)
+    assert m["pi_zero_frac"] == pytest.approx(1 / 6)
+    assert m["proxy_energy"] == pytest.approx(0.5 * 89)  # ½‖κm‖², ‖m‖² = 1+4+1+81+1+1
+    # ½‖θ − s + πΔθ‖²: θ − s + πΔθ = [0, −2, 3, −5, 0, 1]
+    assert m["central_energy"] == pytest.approx(0.5 * 39)
+    t = commit.tensors  # a = [.5, 1, 0, 5], b = [5, .75]
+    assert t["pi_median"] == pytest.approx([0.5, 0.75])
+    assert t["pi_mean"] == pytest.approx([6.5 / 4, 5.75 / 2])
+    assert t["pi_zero_frac"] == pytest.approx([0.25, 0.0])
+
+
+def test_gem_drift_includes_the_workers_own_previous_commit():
+    hp = gem.Params(lr=0.1, momentum=0.9)
+    theta = torch.zeros(6)
+    a, b = gem.init_state(theta, hp, LAYOUT), gem.init_state(theta, hp, LAYOUT)
+    g = T([1.0, -1.0, 2.0, 0.5, -0.5, 1.0])
+    c1 = gem.worker_rule(a, theta.clone(), g, theta, hp, {})
+    d1 = c1.delta.clone()
+    gem.server_rule(theta, c1, 0, hp, {})
+    c2 = gem.worker_rule(b, theta.clone(), 2 * g, theta, hp, {})
+    d2 = c2.delta.clone()
+    gem.server_rule(theta, c2, 1, hp, {})
+    assert torch.equal(a["stale"], torch.zeros(6)) and torch.equal(b["stale"], d1)
+    c3 = gem.worker_rule(a, theta.clone(), g, theta, hp, {})
+    # the central movement since a's previous commit is a's own commit plus b's, plus this one
+    assert c3.metrics["central_energy"] == pytest.approx(0.5 * float((d1 + d2 + c3.delta).pow(2).sum()), rel=1e-5)
+
+
+def test_gem_matches_the_proxy_energy_when_pi_is_not_clamped():
+    # n = 1, κ = 1, a constant gradient: θ − s is the worker's previous commit, and π makes the central
+    # movement over the cycle, previous commit plus this one, exactly as large as the proxy's momentum
+    hp = gem.Params(lr=0.1, momentum=0.5)
+    theta = torch.zeros(3)
+    state = gem.init_state(theta, hp, [("w", slice(0, 3))])
+    pis = []
+    for _ in range(40):
+        c = gem.worker_rule(state, theta.clone(), torch.ones(3), theta, hp, {})
+        gem.server_rule(theta, c, 0, hp, {})
+        pis.append(c.metrics["pi_median"])
+        assert c.metrics["central_energy"] == pytest.approx(c.metrics["proxy_energy"], rel=1e-5)
+    assert pis[:3] == pytest.approx([1.0, 0.5, 1.25])  # |m|/|Δθ| = 1, 1.5, 1.75 minus the previous π
+    assert pis[-1] + pis[-2] == pytest.approx(2.0, rel=1e-4)  # |m| → η/(1 − μ) = 2|Δθ|
+
+
+def test_gem_global_proxy_is_the_servers_average_of_worker_momenta():
+    hp = gem.Params(lr=1.0, momentum=0.5, proxy="global", workers=2)
+    theta = torch.zeros(6)
+    server = gem.init_server(theta, hp)
+    ms = [torch.full((6,), v) for v in (2.0, 4.0, 8.0)]
+    for m in ms:
+        gem.server_rule(theta, algorithms.Commit(delta=torch.zeros(6), payload={"m": m}), 0, hp, server)
+    # the mean until n commits have arrived, then an exponential average with weight 1/n
+    assert close(server["proxy"], torch.full((6,), ((2 + 4) / 2) / 2 + 8 / 2))
+    # a worker uses κ|M| from the server, not its own m
+    server = {"proxy": T(M0) / 2 - T(GRAD), "proxy_commits": torch.tensor(5)}  # = the local m of gem_commit
+    commit, state, _ = gem_commit(proxy="global", server=server)
+    assert close(commit.delta, [p * -g for p, g in zip(PI, GRAD, strict=True)])
+    server["proxy"].zero_()
+    commit, _, _ = gem_commit(proxy="global", server=server)
+    assert close(commit.delta, torch.zeros(6))  # no proxy energy at the server: nothing to commit
+    assert commit.payload["m"] is not None and close(commit.payload["m"], state["m"])
+
+
+# --------------------------------------------------------------------------- DOWNPOUR, adaptive, AGN
+
+
+def test_downpour_commits_the_momentum_step():
+    hp = downpour.Params(lr=0.1, momentum=0.5)
+    theta = torch.zeros(2)
+    state = downpour.init_state(theta, hp)
+    state["m"].copy_(T([1.0, -2.0]))
+    c = downpour.worker_rule(state, theta.clone(), T([1.0, 1.0]), theta, hp, {})
+    assert close(c.delta, [0.5 - 0.1, -1.0 - 0.1]) and c.pull
+    downpour.server_rule(theta, c, 7, hp, {})  # however stale, added as it is
+    assert close(theta, [0.4, -1.1])
+
+
+@pytest.mark.parametrize("module, scale", [(downpour, 1.0), (agn, 0.5)])
+def test_window_accumulates_local_steps(module, scale):
+    hp = module.Params(lr=0.1, momentum=0.5, window=2)
+    theta, x = torch.zeros(2), torch.zeros(2)
+    state = module.init_state(theta, hp)
+    g = T([1.0, -1.0])
+    assert module.worker_rule(state, x, g, theta, hp, {}) is None
+    assert close(x, [-0.1, 0.1])  # the local copy moved by m1 = −ηg
+    c = module.worker_rule(state, x, g, theta, hp, {})
+    # m2 = μm1 − ηg = −0.15g; the window's difference x − s = m1 + m2 = −0.25g, and AGN divides it by λ = 2
+    assert close(c.delta, [-0.25 * scale, 0.25 * scale])
+    x.copy_(theta)  # the engine pulls; the next window starts afresh
+    assert module.worker_rule(state, x, g, theta, hp, {}) is None
+    c = module.worker_rule(state, x, g, theta, hp, {})
+    m3, m4 = -0.175, -0.1875  # μ = 0.5 carries across windows
+    assert close(c.delta, [(m3 + m4) * scale, -(m3 + m4) * scale])
+
+
+def test_agn_default_window_divides_by_ten():
+    hp = agn.Params(lr=1.0, momentum=0.0)
+    assert hp.window == 10
+    theta, x = torch.zeros(1), torch.zeros(1)
+    state = agn.init_state(theta, hp)
+    commits = [agn.worker_rule(state, x, T([1.0]), theta, hp, {}) for _ in range(10)]
+    assert all(c is None for c in commits[:9])
+    assert close(commits[9].delta, [-1.0])  # ten steps of −1, averaged
+    assert close(x, [-9.0])  # nine local steps taken; the tenth is in the commit
+
+
+@pytest.mark.parametrize("tau", [0, 1, 3, 29])
+def test_adaptive_divides_by_staleness_plus_one(tau):
+    hp = adaptive.Params()
+    theta = torch.ones(3)
+    adaptive.server_rule(theta, algorithms.Commit(delta=torch.full((3,), 6.0)), tau, hp, {})
+    assert close(theta, torch.full((3,), 1 + 6 / (tau + 1)))
+
+
+def test_adaptive_worker_is_downpours():
+    hp_a, hp_d = adaptive.Params(lr=0.1, momentum=0.9), downpour.Params(lr=0.1, momentum=0.9)
+    theta = torch.zeros(2)
+    sa, sd = adaptive.init_state(theta, hp_a), downpour.init_state(theta, hp_d)
+    for g in (T([1.0, 2.0]), T([-1.0, 0.5])):
+        ca = adaptive.worker_rule(sa, theta.clone(), g, theta, hp_a, {})
+        cd = downpour.worker_rule(sd, theta.clone(), g, theta, hp_d, {})
+        assert torch.equal(ca.delta, cd.delta)
+
+
+# ------------------------------------------------------------------------------------------- EASGD
+
+
+def test_easgd_elastic_difference_and_symmetric_update():
+    hp = easgd.Params(lr=0.1, window=1, alpha=0.5)
+    x, theta = T([1.0, 2.0]), T([0.0, 4.0])
+    c = easgd.worker_rule(easgd.init_state(theta, hp), x, T([1.0, 1.0]), theta, hp, {})
+    assert close(c.delta, [0.5, -1.0])  # E = α(x − θ)
+    assert close(x, [1 - 0.5 - 0.1, 2 + 1.0 - 0.1])  # x ← x − E − ηg
+    assert not c.pull  # the worker keeps its own variable
+    easgd.server_rule(theta, c, 0, hp, {})
+    assert close(theta, [0.5, 3.0])  # θ ← θ + E
+    assert close(x + theta, [1 + 0 - 0.1, 2 + 4 - 0.1])  # the elastic force conserves x + θ
+
+
+def test_easgd_window_and_moving_rate():
+    hp = easgd.Params(lr=0.1, workers=10, window=3)
+    assert easgd.moving_rate(hp) == pytest.approx(0.09)  # β/n with β = 0.9
+    assert easgd.moving_rate(dataclasses.replace(hp, rho=2.0)) == pytest.approx(0.2)  # α = ηρ
+    assert easgd.moving_rate(dataclasses.replace(hp, alpha=0.3)) == pytest.approx(0.3)
+    x, theta = torch.zeros(1), T([9.0])
+    state = easgd.init_state(theta, hp)
+    assert easgd.worker_rule(state, x, T([1.0]), theta, hp, {}) is None
+    assert easgd.worker_rule(state, x, T([1.0]), theta, hp, {}) is None
+    assert close(x, [-0.2])  # two plain SGD steps; the top-level momentum is not used
+    c = easgd.worker_rule(state, x, T([1.0]), theta, hp, {})
+    assert close(c.delta, [0.09 * (-0.2 - 9.0)])
+    assert close(x, [-0.2 - 0.09 * (-9.2) - 0.1])
+
+
+# ------------------------------------------------------------------------------------------ EAMSGD
+
+
+def eamsgd_reference(steps, a, x0, theta0, lr, delta, alpha, window, lookahead_sign=1.0):
+    """Zhang et al. Algorithm 2, written out literally, on f(x) = ½ a x²."""
+    xh, v, theta = x0.clone(), torch.zeros_like(x0), theta0.clone()
+    out = []
+    for t in range(steps):
+        if t % window == 0 and t > 0:
+            e = alpha * (xh - theta)
+            xh, theta = xh - e, theta + e
+        g = a * (xh + lookahead_sign * delta * v)
+        v = delta * v - lr * g
+        xh = xh + v
+        out.append((xh.clone(), theta.clone()))
+    return out
+
+
+def test_eamsgd_matches_algorithm_2_with_the_lookahead_ahead_of_the_worker():
+    a, x0, theta0 = T([1.0, 3.0]), T([2.0, -1.0]), T([0.5, 0.5])
+    hp = eamsgd.Params(lr=0.1, momentum=0.9, window=3, alpha=0.2)
+    ref = eamsgd_reference(12, a, x0, theta0, 0.1, 0.9, 0.2, 3)
+    wrong = eamsgd_reference(12, a, x0, theta0, 0.1, 0.9, 0.2, 3, lookahead_sign=-1.0)
+    x, theta = x0.clone(), theta0.clone()
+    state = eamsgd.init_state(theta, hp)
+    ours = []
+    for _ in range(12):
+        c = eamsgd.worker_rule(state, x, a * x, theta, hp, {})  # the engine's gradient, at x
+        if c is not None:
+            assert not c.pull
+            eamsgd.server_rule(theta, c, 0, hp, {})
+        ours.append((x - 0.9 * state["v"], theta.clone()))  # x̂ = x − δv
+    # our exchange comes right after steps 3, 6, 9, 12, Algorithm 2's at the start of t = 3, 6, 9: compare
+    # the states in between, where both have done the same exchanges
+    for i in (0, 1, 3, 4, 6, 7, 9, 10):
+        assert close(ours[i][0], ref[i][0], 1e-5) and close(ours[i][1], ref[i][1], 1e-5), i
+    assert not close(ours[10][0], wrong[10][0], 1e-2)  # a look-back (x̂ − δv) gives another path
+
+
+def test_eamsgd_gradient_point_is_ahead_along_the_velocity():
+    hp = eamsgd.Params(lr=0.1, momentum=0.5, window=100)
+    theta, x = torch.zeros(1), torch.zeros(1)
+    state = eamsgd.init_state(theta, hp)
+    eamsgd.worker_rule(state, x, T([-1.0]), theta, hp, {})  # v = 0.1, x̂ = 0.1
+    assert close(state["v"], [0.1])
+    assert close(x, [0.1 + 0.5 * 0.1])  # next gradient at x̂ + δv, further along v
+
+
+# ------------------------------------------------------------------------------------ sgd and the set
+
+
+def test_sgd_rule():
+    hp = sgd.Params(lr=0.1, momentum=0.5)
+    theta = torch.zeros(1)
+    state = sgd.init_state(theta, hp)
+    for expected in (-0.1, -0.25):
+        c = sgd.worker_rule(state, theta.clone(), T([1.0]), theta, hp, {})
+        sgd.server_rule(theta, c, 0, hp, {})
+    assert close(theta, [expected])
+
+
+@pytest.mark.parametrize("name", algorithms.ALGORITHMS)
+def test_every_algorithm_has_its_module_and_yaml(name):
+    module = algorithms.get(name)
+    for fn in ("init_state", "worker_rule", "server_rule"):
+        assert callable(getattr(module, fn)), f"{name}.{fn}"
+    hp = module.Params()  # defaults are valid
+    assert hp.lr > 0 and 0 <= hp.momentum < 1
+    assert (CONF_DIR / "algorithm" / f"{name}.yaml").exists()
+
+
+@pytest.mark.parametrize("module, key, value, message", [
+    (gem, "kappa", 0.0, "algorithm.kappa=0.0 is not allowed; kappa must be a number > 0"),
+    (gem, "pi_max", -1.0, "algorithm.pi_max=-1.0 is not allowed"),
+    (gem, "proxy", "both", "algorithm.proxy=both is not allowed; proxy must be one of: local, global"),
+    (gem, "eps", math.inf, "algorithm.eps=inf is not allowed"),
+    (downpour, "window", 0, "algorithm.window=0 is not allowed; window must be an integer >= 1"),
+    (easgd, "alpha", 1.5, "algorithm.alpha=1.5 is not allowed; alpha must be a number in (0, 1]"),
+])
+def test_bad_hyperparameters_get_one_line(module, key, value, message):
+    with pytest.raises(ValueError) as e:
+        module.Params(**{key: value})
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
