@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from experiments.config import CONF_DIR
 from gem import algorithms
 from gem.algorithms import adaptive, agn, downpour, eamsgd, easgd, gem, sgd
-from experiments.config import CONF_DIR
 
 T = torch.tensor
 LAYOUT = [("a", slice(0, 4)), ("b", slice(4, 6))]
@@ -274,10 +274,10 @@ def test_sgd_rule():
     hp = sgd.Params(lr=0.1, momentum=0.5)
     theta = torch.zeros(1)
     state = sgd.init_state(theta, hp)
-    for expected in (-0.1, -0.25):
+    for expected in (-0.1, -0.25):  # m = −0.1, then 0.5·(−0.1) − 0.1
         c = sgd.worker_rule(state, theta.clone(), T([1.0]), theta, hp, {})
         sgd.server_rule(theta, c, 0, hp, {})
-    assert close(theta, [expected])
+        assert close(theta, [expected])
 
 
 @pytest.mark.parametrize("name", algorithms.ALGORITHMS)

@@ -17,6 +17,7 @@ import torch
 
 from gem.algorithms import Commit, require
 
+
 @dataclass(frozen=True)
 class Params:
     lr: float = 0.05
