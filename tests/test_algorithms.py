@@ -302,3 +302,23 @@ def test_bad_hyperparameters_get_one_line(module, key, value, message):
     with pytest.raises(ValueError) as e:
         module.Params(**{key: value})
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("zero_frac, top_frac, size", [(0.0, 0.0, 1001), (0.3, 0.3, 1000), (0.6, 0.1, 999),
+                                                       (0.1, 0.6, 1000), (1.0, 0.0, 10), (0.0, 1.0, 11),
+                                                       (0.5, 0.0, 1000), (0.0, 0.5, 1000)])
+def test_pi_median_is_torch_lower_median_with_ties_at_the_clamps(zero_frac, top_frac, size):
+    g = torch.Generator().manual_seed(size)
+    u = torch.rand(size, generator=g)
+    pi = torch.rand(size, generator=g) * 5
+    pi[u < zero_frac] = 0.0
+    pi[u > 1 - top_frac] = 5.0
+    layout = [("a", slice(0, size // 3)), ("b", slice(size // 3, size))]
+    metrics, tensors = gem.pi_stats(pi, layout, 5.0)
+    assert metrics["pi_median"] == pi.median().item()
+    assert tensors["pi_median"] == [pi[sl].median().item() for _, sl in layout]
+    assert metrics["pi_zero_frac"] == pytest.approx(float((pi == 0).float().mean()))
+    torch_metrics, torch_tensors = gem._pi_stats_torch(pi, layout, 5.0)  # the GPU path, run on CPU here
+    assert torch_metrics == pytest.approx(metrics)
+    for key, values in tensors.items():
+        assert torch_tensors[key] == pytest.approx(values), key

@@ -182,3 +182,41 @@ def test_diverging_gem_or_downpour_stops_with_diverged(data, tmp_path):
         hp = hp_for(name, 4, lr=1e6)
         result, m = run(job(data, 4, algorithm=name, hp=hp), tmp_path / name)
         assert result.status == "diverged" and "non-finite" in result.reason
+
+
+MEMORY_PROBE = """
+import resource, sys, tempfile
+from gem import algorithms
+from gem.data import make_synthetic
+from gem.engines import Job, sim
+from gem.metrics import Recorder
+name, n = sys.argv[1], int(sys.argv[2])
+params = algorithms.get(name).Params
+hp = params(**({"workers": n} if "workers" in params.__dataclass_fields__ else {}))
+data = make_synthetic((1, 28, 28), train_size=32, val_size=32, seed=0)
+job = Job(algorithm=name, hp=hp, model="mnist_cnn", data=data, workers=n, batch_size=32, epochs=1, seed=0,
+          engine={"staleness": "round_robin"}, eval_every=10**9, eval_train_size=32)
+with tempfile.TemporaryDirectory() as d:
+    rec = Recorder(d)
+    assert sim.run(job, rec).status == "completed"
+    rec.close()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, copies", [("gem", 3), ("downpour", 2)])
+def test_memory_grows_by_the_workers_own_state_only(name, copies):
+    """100 virtual workers of mnist_cnn: each costs its stale copy x plus its algorithm state (GEM: momentum
+    and s; DOWNPOUR: momentum), and nothing else of model size. Peak RSS of n = 101 against n = 1."""
+    import subprocess
+
+    model_bytes = 163_790 * 4
+
+    def peak(n):
+        out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, name, str(n)], capture_output=True, text=True,
+                             timeout=300, check=True)
+        return int(out.stdout.split()[-1])
+
+    per_worker = (peak(101) - peak(1)) / 100 / model_bytes
+    assert per_worker <= copies + 0.5, f"{per_worker:.2f} model copies per worker"
