@@ -155,7 +155,7 @@ def format_summary(s: dict) -> str:
         f"val loss        {num(s['val_loss'], '.4f')}",
         f"val accuracy    {num(s['val_accuracy'], '.4f')}",
         f"mean staleness  {num(s['mean_staleness'], '.2f')}",
-        *([f"median pi       {s['pi_median']:.3f}  (median over commits of each commit's median)"]
+        *([f"median pi       {s['pi_median']:.3f}  (each commit's median over all elements, averaged over commits)"]
           if s.get("pi_median") is not None else []),
         f"wall time       {num(s['wall_time_s'], '.1f')} s",
         f"run directory   {s['run_dir']}",

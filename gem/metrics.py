@@ -164,11 +164,13 @@ class Recorder:
 
     @property
     def pi_median(self) -> float | None:
-        """GEM: the median over all commits of each commit's median π (None for other algorithms)."""
-        if not self.pi_medians:
-            return None
-        values = sorted(v for v in self.pi_medians if math.isfinite(v))
-        return values[(len(values) - 1) // 2] if values else None
+        """GEM: each commit's median π, averaged over commits (the level of a median-π curve, paper Fig. 3).
+
+        Not the median over commits: about half of π is clamped to 0 at a typical commit, so per-commit
+        medians jump between 0 and a few tenths, and their median says little. None for other algorithms.
+        """
+        values = [v for v in self.pi_medians if math.isfinite(v)]
+        return sum(values) / len(values) if values else None
 
     @property
     def mean_staleness(self) -> float:

@@ -131,32 +131,41 @@ def test_gem_global_proxy_is_the_servers_average_of_worker_momenta():
 # --------------------------------------------------------------------------- DOWNPOUR, adaptive, AGN
 
 
-def test_downpour_commits_the_momentum_step():
-    hp = downpour.Params(lr=0.1, momentum=0.5)
+def test_downpour_commits_a_plain_sgd_step_however_stale():
+    hp = downpour.Params(lr=0.1, momentum=0.9)  # the top-level momentum is GEM's proxy μ, not downpour's
+    theta = torch.zeros(2)
+    state = downpour.init_state(theta, hp)
+    for _ in range(2):  # no momentum carried from one commit to the next
+        c = downpour.worker_rule(state, theta.clone(), T([1.0, -2.0]), theta, hp, {})
+        assert close(c.delta, [-0.1, 0.2]) and c.pull
+    downpour.server_rule(theta, c, 7, hp, {})  # however stale, added as it is
+    assert close(theta, [-0.1, 0.2])
+
+
+def test_downpour_local_momentum():
+    hp = downpour.Params(lr=0.1, local_momentum=0.5)
     theta = torch.zeros(2)
     state = downpour.init_state(theta, hp)
     state["m"].copy_(T([1.0, -2.0]))
     c = downpour.worker_rule(state, theta.clone(), T([1.0, 1.0]), theta, hp, {})
-    assert close(c.delta, [0.5 - 0.1, -1.0 - 0.1]) and c.pull
-    downpour.server_rule(theta, c, 7, hp, {})  # however stale, added as it is
-    assert close(theta, [0.4, -1.1])
+    assert close(c.delta, [0.5 - 0.1, -1.0 - 0.1])  # m ← μ'm − ηg
 
 
 @pytest.mark.parametrize("module, scale", [(downpour, 1.0), (agn, 0.5)])
 def test_window_accumulates_local_steps(module, scale):
-    hp = module.Params(lr=0.1, momentum=0.5, window=2)
+    hp = module.Params(lr=0.1, local_momentum=0.5, window=2)
     theta, x = torch.zeros(2), torch.zeros(2)
     state = module.init_state(theta, hp)
     g = T([1.0, -1.0])
     assert module.worker_rule(state, x, g, theta, hp, {}) is None
     assert close(x, [-0.1, 0.1])  # the local copy moved by m1 = −ηg
     c = module.worker_rule(state, x, g, theta, hp, {})
-    # m2 = μm1 − ηg = −0.15g; the window's difference x − s = m1 + m2 = −0.25g, and AGN divides it by λ = 2
+    # m2 = μ'm1 − ηg = −0.15g; the window's difference x − s = m1 + m2 = −0.25g, and AGN divides it by λ = 2
     assert close(c.delta, [-0.25 * scale, 0.25 * scale])
     x.copy_(theta)  # the engine pulls; the next window starts afresh
     assert module.worker_rule(state, x, g, theta, hp, {}) is None
     c = module.worker_rule(state, x, g, theta, hp, {})
-    m3, m4 = -0.175, -0.1875  # μ = 0.5 carries across windows
+    m3, m4 = -0.175, -0.1875  # μ' = 0.5 carries across windows
     assert close(c.delta, [(m3 + m4) * scale, -(m3 + m4) * scale])
 
 
@@ -180,7 +189,7 @@ def test_adaptive_divides_by_staleness_plus_one(tau):
 
 
 def test_adaptive_worker_is_downpours():
-    hp_a, hp_d = adaptive.Params(lr=0.1, momentum=0.9), downpour.Params(lr=0.1, momentum=0.9)
+    hp_a, hp_d = adaptive.Params(lr=0.1, local_momentum=0.9), downpour.Params(lr=0.1, local_momentum=0.9)
     theta = torch.zeros(2)
     sa, sd = adaptive.init_state(theta, hp_a), downpour.init_state(theta, hp_d)
     for g in (T([1.0, 2.0]), T([-1.0, 0.5])):
@@ -296,6 +305,7 @@ def test_every_algorithm_has_its_module_and_yaml(name):
     (gem, "proxy", "both", "algorithm.proxy=both is not allowed; proxy must be one of: local, global"),
     (gem, "eps", math.inf, "algorithm.eps=inf is not allowed"),
     (downpour, "window", 0, "algorithm.window=0 is not allowed; window must be an integer >= 1"),
+    (agn, "local_momentum", 1.0, "algorithm.local_momentum=1.0 is not allowed; local_momentum must be a number in"),
     (easgd, "alpha", 1.5, "algorithm.alpha=1.5 is not allowed; alpha must be a number in (0, 1]"),
 ])
 def test_bad_hyperparameters_get_one_line(module, key, value, message):

@@ -207,3 +207,13 @@ def test_recorder_sink_receives_every_kth_commit_and_all_evals(tmp_path):
 
 def test_read_table_of_empty_run_dir(tmp_path):
     assert read_table(tmp_path).empty
+
+
+def test_recorder_averages_gems_per_commit_median_pi(tmp_path):
+    rec = Recorder(tmp_path)
+    for step, pi in enumerate([0.0, 0.3, 0.0, 0.5], start=1):
+        rec.commit({"step": step, "worker": 0, "worker_step": step, "staleness": 1, "loss": 1.0, "time_s": 0.0,
+                    "pi_median": pi})
+    rec.close()
+    assert rec.pi_median == pytest.approx(0.2)
+    assert Recorder(tmp_path / "other").pi_median is None  # not GEM: no π in the summary

@@ -162,3 +162,19 @@ def test_batch_larger_than_the_loaded_cifar_shard_fails_with_one_line(tmp_path, 
     assert summary["reason"] == ("batch_size=16 is larger than a worker's shard: data=cifar10 has 15 training "
                                  "examples, and every worker draws from all of them")
     assert capsys.readouterr().err.strip() == "error: " + summary["reason"]
+
+
+@pytest.mark.slow
+def test_algorithm_sweep_writes_one_directory_per_job(tmp_path):
+    """The issue's sweep shape on digits: every job gets its own directory and summary, GEM reports π, and a
+    diverged DOWNPOUR (lr far too large) does not make the sweep fail."""
+    p = run_py("-m", "algorithm=gem,downpour,adaptive", "workers=2,3", "lr=0.05", "epochs=1",
+               "logger.wandb.mode=disabled", f"hydra.sweep.dir={tmp_path}", timeout=600)
+    assert p.returncode == 0, p.stderr
+    runs = [json.loads((tmp_path / str(i) / "summary.json").read_text()) for i in range(6)]
+    assert [(r["algorithm"], r["workers"]) for r in runs] == [
+        (a, n) for a in ("gem", "downpour", "adaptive") for n in (2, 3)]
+    assert len({r["run_dir"] for r in runs}) == 6
+    assert all(r["status"] == "completed" and r["mean_staleness"] > 0 for r in runs)
+    assert all(("pi_median" in r) == (r["algorithm"] == "gem") for r in runs)
+    assert (tmp_path / "0" / "tensors.parquet").exists() and not (tmp_path / "2" / "tensors.parquet").exists()

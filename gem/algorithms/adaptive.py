@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Commit, downpour, require
+from gem.algorithms import Commit, downpour
 
 
 @dataclass(frozen=True)
@@ -20,9 +20,10 @@ class Params:
     lr: float = 0.05
     momentum: float = 0.9
     window: int = 1  # λ: local steps between commits
+    local_momentum: float = 0.0  # the workers' own momentum; 0: plain SGD steps, as downpour
 
     def __post_init__(self):
-        require(isinstance(self.window, int) and self.window >= 1, "window", self.window, "an integer >= 1")
+        downpour.check_local(self)
 
 
 init_state = downpour.init_state

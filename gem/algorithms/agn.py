@@ -1,6 +1,6 @@
 """Accumulated Gradient Normalisation (Hermans et al. 2017), DESIGN §2.
 
-Each worker takes λ local momentum-SGD steps, like DOWNPOUR, and commits the accumulated difference divided
+Each worker takes λ local SGD steps, like DOWNPOUR, and commits the accumulated difference divided
 by λ: the average step of the window rather than its sum. The server adds it: θ ← θ + Δ/1. Fewer, smaller,
 less noisy commits make the central variable robust to staleness. The authors recommend λ = 10–15.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Commit, downpour, require
+from gem.algorithms import Commit, downpour
 
 
 @dataclass(frozen=True)
@@ -19,9 +19,10 @@ class Params:
     lr: float = 0.05
     momentum: float = 0.9
     window: int = 10  # λ: local steps between commits, and the normaliser of the commit
+    local_momentum: float = 0.0  # the workers' own momentum; 0: plain SGD steps, as downpour
 
     def __post_init__(self):
-        require(isinstance(self.window, int) and self.window >= 1, "window", self.window, "an integer >= 1")
+        downpour.check_local(self)
 
 
 init_state = downpour.init_state

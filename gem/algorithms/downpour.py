@@ -1,12 +1,14 @@
-"""DOWNPOUR (Dean et al. 2012): workers take local momentum-SGD steps and commit the difference (DESIGN §2).
+"""DOWNPOUR (Dean et al. 2012): workers take local SGD steps and commit the difference (DESIGN §2).
 
-Each worker keeps its own momentum m ← μm − η∇L(x) and moves its local copy x ← x + m. Every `window` (λ)
-local steps it commits the accumulated difference x − s, where s is the θ it last pulled; the server adds it
-as it is, however stale: θ ← θ + Δ. With λ = 1 (the paper's setting) the commit is just m.
+Each worker moves its local copy by plain SGD steps, x ← x − η∇L(x). Every `window` (λ) local steps it
+commits the accumulated difference x − s, where s is the θ it last pulled; the server adds it as it is,
+however stale: θ ← θ + Δ. With λ = 1 (the paper's setting) the commit is −η∇L(s): the paper's
+θ ← θ − η∇L(θ_{t−τ}).
 
-Momentum is the top-level `momentum` (0.9, as for every algorithm in the paper's figures); set momentum=0
-for plain-SGD workers. Staleness adds implicit momentum on top (Mitliagkas et al. 2016), which is why
-DOWNPOUR breaks down as workers are added (paper Fig. 1).
+The top-level `momentum` is the proxy's μ (GEM, sgd) and is not used here. Staleness alone gives the group
+implicit momentum of about 1 − 1/n (Mitliagkas et al. 2016), which is why DOWNPOUR breaks down as workers are
+added (paper Fig. 1). `local_momentum` > 0 gives the workers their own momentum, m ← μ'm − η∇L(x) and
+x ← x + m, which on top of the implicit momentum breaks down much earlier (REPRODUCTION.md).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Commit, require
+from gem.algorithms import Commit, require, scratch
 
 
 @dataclass(frozen=True)
@@ -23,22 +25,34 @@ class Params:
     lr: float = 0.05
     momentum: float = 0.9
     window: int = 1  # λ: local steps between commits
+    local_momentum: float = 0.0  # the workers' own momentum; 0: plain SGD steps (DESIGN §2)
 
     def __post_init__(self):
-        require(isinstance(self.window, int) and self.window >= 1, "window", self.window, "an integer >= 1")
+        check_local(self)
+
+
+def check_local(hp) -> None:
+    """The checks shared by the local-step algorithms (downpour, adaptive, agn)."""
+    require(isinstance(hp.window, int) and hp.window >= 1, "window", hp.window, "an integer >= 1")
+    require(isinstance(hp.local_momentum, (int, float)) and 0 <= hp.local_momentum < 1, "local_momentum",
+            hp.local_momentum, "a number in [0, 1)")
 
 
 def init_state(theta: torch.Tensor, hp, layout=()) -> dict:
-    state = {"m": torch.zeros_like(theta), "local_steps": 0}
+    state = {"local_steps": 0}
+    if hp.local_momentum > 0:
+        state["m"] = torch.zeros_like(theta)
     if hp.window > 1:
         state["acc"] = torch.zeros_like(theta)  # x − s over the current window
     return state
 
 
 def local_steps(state, x, grad, hp, normalise: bool) -> Commit | None:
-    """One local momentum step; the commit (x − s, or (x − s)/λ) at the end of each window of λ steps."""
-    m = state["m"]
-    m.mul_(hp.momentum).add_(grad, alpha=-hp.lr)
+    """One local SGD step; the commit (x − s, or (x − s)/λ) at the end of each window of λ steps."""
+    if "m" in state:
+        m = state["m"].mul_(hp.local_momentum).add_(grad, alpha=-hp.lr)
+    else:  # plain SGD: the step lives only until it is added to x, or committed and applied
+        m = torch.mul(grad, -hp.lr, out=scratch(grad, "step"))
     state["local_steps"] += 1
     if hp.window == 1:
         return Commit(delta=m)  # x − s after one step; the server only reads it
