@@ -114,7 +114,7 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
             signal.signal(signal.SIGTERM, old_sigterm)
         if result is None:  # an exception that is not an Exception (SystemExit, say)
             result = Result("failed", recorder.commits if recorder else 0, reason="interrupted")
-        summary.update(status=result.status, steps=result.steps, reason=result.reason)
+        summary.update(status=result.status, steps=result.steps, reason=result.reason, **result.extra)
         if recorder is not None:
             try:
                 recorder.close()

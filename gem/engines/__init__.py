@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-ENGINES = ("sim",)
+ENGINES = ("sim", "process")
 
 
 @dataclass
@@ -37,6 +37,7 @@ class Result:
     status: str  # completed | diverged | failed
     steps: int  # commits applied by the parameter server
     reason: str = ""
+    extra: dict = field(default_factory=dict)  # engine-specific summary fields (the process engine's lost workers)
 
 
 def get(name: str) -> ModuleType:

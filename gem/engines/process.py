@@ -1,0 +1,314 @@
+"""The `process` engine: n real worker processes on one machine, θ in shared memory (DESIGN §3).
+
+Workers are OS processes started with `spawn`. The central variable θ, the algorithm's server-side tensors and
+the clock t live in shared memory, and so does the training set, so that no worker holds a copy of it.
+
+The parameter server is the coordinating process (the one that runs `run`), and it serves commits first in,
+first out. A worker that has a gradient asks for the server's turn over its own pipe, stamped with the
+system-wide monotonic clock; the coordinator hands out turns in the order of those stamps, one at a time. A
+worker that has the turn runs its worker rule against the live θ, applies its commit with the server rule,
+measures its staleness τ = t − (t at its last pull) and advances t, and pulls, all in place in shared memory,
+then hands the turn back with its metrics row. Turns are exclusive, so staleness is measured under the
+server's lock, and a worker never waits behind a faster one that asks again (the original code's polling in
+rank order starved high ranks). Only the coordinator writes files and W&B.
+
+Each worker has its own pipe, so a worker killed mid-run (SIGKILL included) cannot leave a shared lock held:
+the coordinator notices its process sentinel, records the loss, and goes on with the others. Every wait has a
+timeout, workers exit when the coordinator disappears, and the coordinator stops every child on the way out,
+Ctrl-C and SIGTERM included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import time
+from collections import deque
+from multiprocessing import connection
+
+import torch
+import torch.multiprocessing as tmp
+
+from gem import algorithms
+from gem.data import WorkerStream
+from gem.engines import Job, Result
+from gem.engines.core import Evaluator, build_flat_model, finite, worker_steps
+
+START_TIMEOUT_S = 300.0  # a spawned worker imports torch and builds its model: slow on a loaded machine
+TURN_TIMEOUT_S = 120.0  # a worker holding the server's turn does elementwise work only; longer means hung
+POLL_S = 1.0  # how often a waiting worker checks that the coordinator is still alive
+
+
+def threads_per_process(workers: int) -> int:
+    """floor(cores / processes), at least 1 (DESIGN §3)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, workers))
+
+
+# ----------------------------------------------------------------------------------------------- worker
+
+
+class _CoordinatorGone(Exception):
+    pass
+
+
+def _recv(conn, parent) -> tuple:
+    """The next message from the coordinator; gives up if the coordinator has died."""
+    while not conn.poll(POLL_S):
+        if parent is not None and not parent.is_alive():
+            raise _CoordinatorGone()
+    return conn.recv()
+
+
+def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Tensor, conn, threads: int,
+            t0: float):
+    """One worker process: local gradients, and, at each of its turns, the worker and server rules."""
+    import multiprocessing
+    import traceback
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the coordinator stops us
+    torch.set_num_threads(threads)
+    parent = multiprocessing.parent_process()
+    try:
+        algo = algorithms.get(job.algorithm)
+        hp, data = job.hp, job.data
+        model = build_flat_model(job)
+        torch.manual_seed(job.seed * 1_000_003 + 7919 * (w + 1))  # this worker's dropout draws
+        x = model.param  # the worker's local copy: gradients are taken right here, no copy per step
+        x.copy_(theta)
+        layout = list(zip(model.tensor_names, model.slices, strict=True))
+        state = algo.init_state(theta, hp, layout)
+        stream = WorkerStream(len(data.train_y), job.batch_size, job.seed, w)
+        budget = worker_steps(job)
+        pulled_at = 0
+        conn.send(("ready",))
+        loss_sum, local = 0.0, 0
+        for step in range(1, budget + 1):
+            xb, yb = data.batch(stream.next_indices(), stream.generator)
+            loss = model.loss_and_grad(xb, yb)
+            loss_sum += loss
+            local += 1
+            conn.send(("turn", time.monotonic()))
+            if _recv(conn, parent)[0] != "go":
+                return
+            if not math.isfinite(loss):
+                conn.send(("diverged", f"non-finite loss {loss} at worker {w}, worker step {step}"))
+                return
+            commit = algo.worker_rule(state, x, model.grad, theta, hp, server)
+            row = tensors = None
+            if commit is not None:
+                t = int(clock)
+                staleness = t - pulled_at
+                algo.server_rule(theta, commit, staleness, hp, server)
+                t += 1
+                clock.fill_(t)
+                if commit.pull:
+                    x.copy_(theta)
+                pulled_at = t
+                row = {"step": t, "worker": w, "worker_step": step, "staleness": staleness,
+                       "loss": loss_sum / local, "time_s": time.time() - t0, **commit.metrics}
+                tensors = commit.tensors or None
+                loss_sum, local = 0.0, 0
+            conn.send(("done", row, tensors))
+        conn.send(("finished",))
+        _recv(conn, parent)  # hold on until the coordinator has read everything ("stop")
+    except (_CoordinatorGone, BrokenPipeError, EOFError, ConnectionResetError):
+        return
+    except Exception as e:  # tell the coordinator why, then die
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        except OSError:
+            pass
+
+
+# ------------------------------------------------------------------------------------------ coordinator
+
+
+@dataclasses.dataclass
+class _Child:
+    index: int
+    process: object
+    conn: object
+    finished: bool = False
+    lost: str = ""  # why the worker was lost, if it was
+
+
+def _share(job: Job) -> Job:
+    """The job with its dataset in shared memory: spawned workers map it instead of copying it."""
+    data = dataclasses.replace(job.data)
+    for k in ("train_x", "train_y"):
+        setattr(data, k, getattr(data, k).share_memory_())
+    # workers never evaluate: send them no validation split
+    data.val_x, data.val_y = data.val_x[:0].clone(), data.val_y[:0].clone()
+    return dataclasses.replace(job, data=data)
+
+
+def run(job: Job, recorder) -> Result:
+    if job.device != "cpu":
+        raise ValueError("engine=process runs on device=cpu only (its central variable lives in shared host "
+                         "memory); use engine=sim for device=cuda")
+    algo = algorithms.get(job.algorithm)
+    n = job.workers
+    threads = threads_per_process(n)
+    torch.set_num_threads(threads)  # the coordinator evaluates between commits
+    model = build_flat_model(job)
+    theta = model.param.clone().share_memory_()
+    server = {k: v.share_memory_() for k, v in algorithms.init_server(algo, theta, job.hp).items()}
+    clock = torch.zeros((), dtype=torch.long).share_memory_()
+    evaluate = Evaluator(job, job.data)
+    t0_wall, t0 = time.time(), time.perf_counter()  # one origin: workers stamp time_s with the wall clock
+    shared = _share(job)
+    ctx = tmp.get_context("spawn")
+    children: list[_Child] = []
+    try:
+        for w in range(n):
+            parent_conn, child_conn = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(w, shared, theta, server, clock, child_conn, threads, t0_wall),
+                            name=f"gem-worker-{w}", daemon=True)
+            p.start()
+            child_conn.close()
+            children.append(_Child(w, p, parent_conn))
+        return _serve(job, recorder, children, theta, evaluate, t0)
+    finally:
+        _stop(children)
+
+
+def _stop(children: list[_Child], grace_s: float = 5.0) -> None:
+    """Stop every child: ask, then terminate, then kill. Never waits forever."""
+    for c in children:
+        try:
+            c.conn.send(("stop",))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + grace_s
+    for c in children:
+        c.process.join(max(0.0, deadline - time.monotonic()))
+    for c in children:
+        if c.process.is_alive():
+            c.process.terminate()
+    for c in children:
+        c.process.join(2.0)
+        if c.process.is_alive():
+            c.process.kill()
+            c.process.join(2.0)
+    for c in children:
+        c.conn.close()
+
+
+def _serve(job: Job, recorder, children: list[_Child], theta, evaluate, t0: float) -> Result:
+    recorder.eval(evaluate(theta, 0, t0))
+    by_conn = {c.conn: c for c in children}
+    by_sentinel = {c.process.sentinel: c for c in children}
+    waiting: deque[tuple[float, _Child]] = deque()  # turn requests, oldest first
+    ready = set()
+    steps = 0
+    lost: list[str] = []
+
+    def lose(c: _Child, why: str) -> None:
+        if not c.lost and not c.finished:
+            code = c.process.exitcode
+            c.lost = f"worker {c.index} lost at commit {steps} ({why}" + (
+                f", exit code {code})" if code is not None else ")")
+            lost.append(c.lost)
+
+    def active() -> list[_Child]:
+        return [c for c in children if not c.finished and not c.lost]
+
+    def read(c: _Child) -> tuple | None:
+        try:
+            return c.conn.recv()
+        except (EOFError, OSError):
+            lose(c, "its pipe closed")
+            return None
+
+    started = time.monotonic()
+    while active():
+        timeout = START_TIMEOUT_S if len(ready) < len(children) else TURN_TIMEOUT_S
+        live = active()
+        events = connection.wait([c.conn for c in live] + [c.process.sentinel for c in live], timeout=timeout)
+        if not events:
+            if len(ready) < len(children) and time.monotonic() - started >= START_TIMEOUT_S:
+                return Result("failed", steps, reason=f"workers did not start within {START_TIMEOUT_S:.0f} s")
+            return Result("failed", steps, reason=f"no worker sent anything for {timeout:.0f} s")
+        for e in events:
+            if e in by_sentinel:
+                c = by_sentinel[e]
+                if c.conn.poll():  # read what it said before it died
+                    events.append(c.conn)
+                    continue
+                lose(c, "process died")
+                continue
+            c = by_conn[e]
+            while not c.lost and c.conn.poll():
+                msg = read(c)
+                if msg is None:
+                    break
+                if msg[0] == "ready":
+                    ready.add(c.index)
+                elif msg[0] == "turn":
+                    waiting.append((msg[1], c))
+                elif msg[0] == "finished":
+                    c.finished = True
+                elif msg[0] == "error":
+                    lose(c, f"raised {msg[1]}")
+            if c.process.exitcode is not None and not c.finished:
+                lose(c, "process died")
+        # first in, first out: the oldest request across all workers gets the next turn
+        waiting = deque(sorted((r for r in waiting if not r[1].lost), key=lambda r: r[0]))
+        while waiting:
+            _, c = waiting.popleft()
+            outcome = _turn(c, lose)
+            if outcome is None:
+                continue
+            if outcome[0] == "diverged":
+                return Result("diverged", steps, reason=outcome[1])
+            _, row, tensors = outcome
+            if row is None:
+                continue
+            steps = row["step"]
+            recorder.commit(row, [{"step": steps, "worker": c.index, "tensor": name, "tensor_index": i,
+                                   **{k: v[i] for k, v in tensors.items()}}
+                                  for i, name in enumerate(evaluate.model.tensor_names)] if tensors else None)
+            if steps % job.eval_every == 0:
+                if not finite(theta):
+                    return Result("diverged", steps, reason=f"non-finite central variable at commit {steps}")
+                recorder.eval(evaluate(theta, steps, t0))
+    if not finite(theta):
+        return Result("diverged", steps, reason=f"non-finite central variable at commit {steps}")
+    if not any(c.finished for c in children):
+        return Result("failed", steps, reason="; ".join(lost) or "no worker finished")
+    if steps % job.eval_every != 0:
+        recorder.eval(evaluate(theta, steps, t0))
+    extra = {"lost_workers": [c.index for c in children if c.lost]}
+    return Result("completed", steps, reason="; ".join(lost), extra=extra)
+
+
+def _turn(c: _Child, lose) -> tuple | None:
+    """Give worker c the server's turn and wait for it to hand it back. None if the worker was lost."""
+    try:
+        c.conn.send(("go",))
+    except OSError:
+        lose(c, "its pipe closed")
+        return None
+    ready = connection.wait([c.conn, c.process.sentinel], timeout=TURN_TIMEOUT_S)
+    if not ready:
+        c.process.kill()  # hung while holding the turn: it must not touch θ again
+        lose(c, f"held the server's turn for more than {TURN_TIMEOUT_S:.0f} s")
+        return None
+    if c.conn not in ready and not c.conn.poll():
+        lose(c, "process died during its turn")
+        return None
+    try:
+        msg = c.conn.recv()
+    except (EOFError, OSError):
+        lose(c, "process died during its turn")
+        return None
+    if msg[0] == "error":
+        lose(c, f"raised {msg[1]}")
+        return None
+    if msg[0] not in ("done", "diverged"):
+        lose(c, f"unexpected message {msg[0]!r} during its turn")
+        return None
+    return msg
