@@ -55,6 +55,7 @@ class EngineConfig:
     staleness: str = "round_robin"
     straggler_fraction: float = 0.25
     straggler_slowdown: float = 4.0
+    checkpoint_every: int = 0  # commits between checkpoints (engine=process); 0: none
 
 
 @dataclass
@@ -203,15 +204,16 @@ def validate(cfg: DictConfig) -> dict:
         ("logger.wandb.log_every", log.wandb.log_every, log.wandb.log_every >= 1, "an integer >= 1"),
         ("engine.straggler_fraction", eng.straggler_fraction, 0 < eng.straggler_fraction <= 1, "a number in (0, 1]"),
         ("engine.straggler_slowdown", eng.straggler_slowdown, eng.straggler_slowdown >= 1, "a number >= 1"),
+        ("engine.checkpoint_every", eng.checkpoint_every, eng.checkpoint_every >= 0, "an integer >= 0 (0: none)"),
         ("data.synthetic.train_size", dat.synthetic.train_size, dat.synthetic.train_size >= 1, "an integer >= 1"),
         ("data.synthetic.val_size", dat.synthetic.val_size, dat.synthetic.val_size >= 1, "an integer >= 1"),
         ("data.synthetic.num_classes", dat.synthetic.num_classes, dat.synthetic.num_classes >= 2, "an integer >= 2"),
     ):
         if not cond:
             raise ConfigError(f"{key}={value} is not allowed; it must be {allowed}")
-    if cfg.resume:
-        raise ConfigError("resume=true is not supported yet: checkpoints arrive with the process engine; "
-                          "use resume=false")
+    if cfg.resume and cfg.engine.name != "process":
+        raise ConfigError(f"resume=true is not supported by engine={cfg.engine.name}: only engine=process writes "
+                          "checkpoints; use resume=false")
     return checked
 
 

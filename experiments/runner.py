@@ -25,11 +25,12 @@ from experiments.config import ConfigError, algorithm_params, check_batch_size, 
 from gem import algorithms, engines, models
 from gem import data as gdata
 from gem.engines import Job, Result
-from gem.engines.core import worker_steps
+from gem.engines.core import CheckpointError, check_resumable, read_manifest, worker_steps
 from gem.metrics import Recorder
 
 
-def build_job(cfg: DictConfig, checked: dict, log=print) -> Job:
+def build_job(cfg: DictConfig, checked: dict, log=print, run_dir: Path | None = None,
+              resume: dict | None = None) -> Job:
     """Everything the engine needs, resolved here in the parent: no Hydra object crosses into an engine."""
     workers = cfg.workers
     d, eng = checked["data"], checked["engine"]
@@ -41,10 +42,12 @@ def build_job(cfg: DictConfig, checked: dict, log=print) -> Job:
                                  shape=shape, augment=d.augment)
     # validate() has matched the model to the data's shape; only the loaded size is new here (cifar10)
     check_batch_size(cfg.batch_size, d.name, len(dataset.train_y))
-    engine = {k: v for k, v in dataclasses.asdict(eng).items() if k != "name"}
+    engine = {k: v for k, v in dataclasses.asdict(eng).items() if k not in ("name", "checkpoint_every")}
     return Job(algorithm=cfg.algorithm.name, hp=algorithm_params(cfg), model=cfg.model.name, data=dataset,
                workers=workers, batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed, device=cfg.device,
-               engine=engine, eval_every=cfg.logger.eval_every, eval_train_size=cfg.logger.eval_train_size)
+               engine=engine, eval_every=cfg.logger.eval_every, eval_train_size=cfg.logger.eval_train_size,
+               run_dir=str(run_dir) if run_dir is not None else None, checkpoint_every=eng.checkpoint_every,
+               resume=resume)
 
 
 def _progress(total: int, enabled: bool):
@@ -83,7 +86,13 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
     recorder = wandb = result = None
     old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm) if _main_thread() else None
     try:
-        job = build_job(cfg, validate(cfg))
+        checked = validate(cfg)
+        manifest = read_manifest(run_dir) if cfg.resume else None  # before any data or process: one line
+        if manifest:
+            _check_not_completed(run_dir)
+        job = build_job(cfg, checked, run_dir=run_dir, resume=manifest)
+        if manifest:
+            check_resumable(manifest, job)  # before the recorder drops the rows after the checkpoint
         summary["workers"] = job.workers
         print(f"gem: algorithm={job.algorithm} engine={cfg.engine.name} workers={job.workers} model={job.model} "
               f"data={cfg.data.name} ({len(job.data.train_y)} train / {len(job.data.val_y)} val) -> {run_dir}")
@@ -95,9 +104,12 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
         total = job.workers * (worker_steps(job) // getattr(job.hp, "window", 1))
         recorder = Recorder(run_dir, flush_every=log_cfg.flush_every, flush_seconds=log_cfg.flush_seconds,
                             sink=wandb, sink_every=log_cfg.wandb.log_every,
-                            progress=_progress(total, log_cfg.progress), resume=cfg.resume)
+                            progress=_progress(total, log_cfg.progress),
+                            resume_step=manifest["step"] if manifest else None)
+        if manifest:
+            print(f"gem: resuming from the checkpoint at commit {manifest['step']} in {manifest['path']}")
         result = engines.get(cfg.engine.name).run(job, recorder)
-    except (ConfigError, gdata.DatasetMissing) as e:
+    except (ConfigError, CheckpointError, gdata.DatasetMissing) as e:
         result = Result("failed", 0, reason=str(e))
         print(f"error: {e}", file=sys.stderr)
     except KeyboardInterrupt as e:
@@ -135,6 +147,15 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, run_dir / "summary.json")  # atomic: a summary is whole or absent
     return summary
+
+
+def _check_not_completed(run_dir: Path) -> None:
+    try:
+        status = json.loads((run_dir / "summary.json").read_text()).get("status")
+    except (OSError, ValueError):
+        return  # killed before it could write one: the usual case for a resume
+    if status == "completed":
+        raise CheckpointError(f"resume=true: the run in {run_dir} has already completed; nothing to resume")
 
 
 def _main_thread() -> bool:

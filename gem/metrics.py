@@ -24,15 +24,31 @@ TABLES = ("metrics", "eval", "tensors")
 class PartWriter:
     """Appends row batches to a parquet dataset of numbered part files, then merges them on close."""
 
-    def __init__(self, run_dir: Path, name: str, resume: bool = False):
+    def __init__(self, run_dir: Path, name: str, resume: bool = False, keep_until: int | None = None):
         self.final = run_dir / f"{name}.parquet"
         self.parts = run_dir / f"{name}.parts"
         self.rows: list[dict] = []
         if not resume:  # a fresh run in a reused directory must not inherit an earlier run's rows
             self.final.unlink(missing_ok=True)
             shutil.rmtree(self.parts, ignore_errors=True)
+        elif keep_until is not None:
+            self.truncate(keep_until)
         existing = sorted(self.parts.glob("part-*.parquet")) if self.parts.exists() else []
         self.next_part = len(existing)
+
+    def truncate(self, step: int) -> None:
+        """Keep only rows with `step` <= step, merged into the final file: a resumed run starts from a
+        checkpoint at that step, so rows written after it by the killed attempt would be duplicates."""
+        files = ([self.final] if self.final.exists() else []) + (
+            sorted(self.parts.glob("part-*.parquet")) if self.parts.exists() else [])
+        if files:
+            table = pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive")
+            frame = table.to_pandas()
+            frame = frame[frame["step"] <= step]
+            tmp = self.final.with_suffix(".parquet.tmp")
+            pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), tmp)
+            os.replace(tmp, self.final)
+        shutil.rmtree(self.parts, ignore_errors=True)
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
@@ -87,10 +103,14 @@ class Recorder:
 
     def __init__(self, run_dir: str | os.PathLike, flush_every: int = 1000, flush_seconds: float = 30.0,
                  sink: Callable[[str, dict], None] | None = None, progress=None, sink_every: int = 1,
-                 resume: bool = False):
+                 resume: bool = False, resume_step: int | None = None):
+        """`resume_step`: continue a run from its checkpoint at that commit: rows after it are dropped and
+        the running totals are rebuilt from the rows kept."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.writers = {name: PartWriter(self.run_dir, name, resume=resume) for name in TABLES}
+        resume = resume or resume_step is not None
+        self.writers = {name: PartWriter(self.run_dir, name, resume=resume, keep_until=resume_step)
+                        for name in TABLES}
         self.flush_every, self.flush_seconds = flush_every, flush_seconds
         self.sink, self.sink_every, self.progress = sink, max(1, sink_every), progress
         self.losses: list[float] = []
@@ -101,6 +121,8 @@ class Recorder:
         self._last_flush = time.monotonic()
         self._loss_ema: float | None = None
         self.pi_medians: list[float] = []  # GEM's per-commit median π, for the summary
+        if resume_step is not None:
+            self._restore()
 
     def commit(self, row: dict, tensors: list[dict] | None = None) -> None:
         self.writers["metrics"].add(row)
@@ -126,6 +148,20 @@ class Recorder:
         self._pending += 1
         if self._pending >= self.flush_every or time.monotonic() - self._last_flush > self.flush_seconds:
             self.flush()
+
+    def _restore(self) -> None:
+        m = read_table(self.run_dir, "metrics")
+        if len(m):
+            self.losses = m["loss"].astype(float).tolist()
+            self.staleness_sum = int(m["staleness"].sum())
+            self.commits = len(m)
+            if "pi_median" in m:
+                self.pi_medians = m["pi_median"].dropna().astype(float).tolist()
+        ev = read_table(self.run_dir, "eval")
+        if len(ev):
+            self.last_eval = {k: (v.item() if hasattr(v, "item") else v) for k, v in ev.iloc[-1].items()}
+        if self.progress is not None:
+            self.progress.update(self.commits)
 
     def eval(self, row: dict) -> None:
         self.writers["eval"].add(row)

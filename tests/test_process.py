@@ -152,3 +152,71 @@ def test_ctrl_c_and_sigterm_leave_no_child_behind(tmp_path, sig, code):
     assert summary["status"] == "failed" and "interrupted" in summary["reason"]
     m = pd.read_parquet(d / "metrics.parquet")
     assert m["step"].tolist() == list(range(1, len(m) + 1))
+
+
+def _wait_for_checkpoint(d, p, at_least):
+    manifest = d / "checkpoint" / "manifest.json"
+    deadline = time.monotonic() + 240
+    while not (manifest.exists() and json.loads(manifest.read_text())["step"] >= at_least):
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            raise AssertionError(f"no checkpoint: {p.communicate()[1][-2000:]}")
+        time.sleep(0.2)
+    return json.loads(manifest.read_text())["step"]
+
+
+@pytest.mark.slow
+def test_resume_after_the_main_process_is_killed(tmp_path):
+    """SIGKILL the coordinator after a checkpoint; its workers must exit on their own; resume=true finishes
+    the run with every commit exactly once."""
+    from gem.metrics import read_table
+
+    args = ["epochs=8", "engine.checkpoint_every=25"]
+    p, d = _start(tmp_path, *args)
+    kids = _children(p.pid)
+    _wait_for_checkpoint(d, p, 50)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{k}").exists() for k in kids):  # orphans notice and exit (reaped by init)
+        assert time.monotonic() < deadline, "workers outlived their coordinator"
+        time.sleep(0.2)
+    step = json.loads((d / "checkpoint" / "manifest.json").read_text())["step"]
+    before = read_table(d)
+    assert len(before) >= step  # rows up to the checkpoint are on disk (and perhaps some after it)
+
+    r = subprocess.run([sys.executable, "run.py", "engine=process", "workers=3", "algorithm=gem",
+                        "logger.wandb.mode=disabled", "logger.flush_every=5", f"hydra.run.dir={d}", *args,
+                        "resume=true"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"resuming from the checkpoint at commit {step}" in r.stdout
+    budget = 8 * (1500 // 64)
+    summary, m, ev = check_run_dir(d, steps=3 * budget)  # each step exactly once, no gap
+    assert summary["status"] == "completed"
+    assert m.groupby("worker")["worker_step"].apply(list).tolist() == [list(range(1, budget + 1))] * 3
+    assert ev["step"].is_unique and ev["step"].is_monotonic_increasing
+    t = pd.read_parquet(d / "tensors.parquet")
+    assert len(t) == 10 * len(m) and not t.duplicated(["step", "tensor_index"]).any()
+
+
+def test_resume_refuses_a_missing_or_foreign_checkpoint_with_one_line(tmp_path, data):
+    from gem.engines.core import CheckpointError, check_resumable, read_manifest, write_manifest
+
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        read_manifest(tmp_path)
+    (tmp_path / "checkpoint" / "step-000000010").mkdir(parents=True)
+    write_manifest(tmp_path, 10, "step-000000010", job(data, 3), {})
+    with pytest.raises(CheckpointError, match="incomplete"):
+        read_manifest(tmp_path)
+    (tmp_path / "checkpoint" / "step-000000010" / "central.pt").write_bytes(b"not a checkpoint")
+    manifest = read_manifest(tmp_path)
+    with pytest.raises(CheckpointError, match="made with workers=3, this command has workers=2"):
+        check_resumable(manifest, job(data, 2))
+    r = subprocess.run([sys.executable, "run.py", "engine=process", "workers=3", "algorithm=gem", "epochs=1",
+                        "batch_size=32", "data=synthetic", "data.synthetic.train_size=256",
+                        "data.synthetic.val_size=64", "data.synthetic.seed=1", "logger.wandb.mode=disabled",
+                        f"hydra.run.dir={tmp_path}", "resume=true"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "cannot read checkpoint file" in errors[0], r.stderr
+    assert not _children(os.getpid())

@@ -30,6 +30,9 @@ class Job:
     engine: dict = field(default_factory=dict)  # engine-specific options (cfg.engine minus name)
     eval_every: int = 100  # commits between evaluations of the central variable
     eval_train_size: int = 2048  # training examples used for the periodic train-loss estimate
+    run_dir: str | None = None  # where checkpoints go (<run_dir>/checkpoint/)
+    checkpoint_every: int = 0  # commits between checkpoints; 0: none
+    resume: dict | None = None  # the manifest of the checkpoint to continue from (gem.engines.core)
 
 
 @dataclass

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -45,3 +48,67 @@ class Evaluator:
 def finite(theta: torch.Tensor) -> bool:
     return bool(torch.isfinite(theta).all())
 
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+# <run_dir>/checkpoint/manifest.json names the newest complete checkpoint, <run_dir>/checkpoint/step-NNNNNNNNN/.
+# It is written last, by rename, so a checkpoint is either complete and named, or ignored.
+
+CHECKPOINT = "checkpoint"
+# what must match between a checkpoint and the command that resumes it
+FINGERPRINT = ("algorithm", "model", "workers", "batch_size", "epochs", "seed")
+
+
+class CheckpointError(ValueError):
+    """One line: the checkpoint is missing, unreadable, or from another configuration."""
+
+
+def fingerprint(job) -> dict:
+    return {**{k: getattr(job, k) for k in FINGERPRINT}, "data": job.data.name, "hp": repr(job.hp)}
+
+
+def read_manifest(run_dir) -> dict:
+    path = Path(run_dir) / CHECKPOINT / "manifest.json"
+    if not path.exists():
+        raise CheckpointError(f"resume=true: no checkpoint in {path.parent}; resume needs the run directory "
+                              f"of a run that wrote checkpoints (hydra.run.dir=<that directory>)")
+    try:
+        manifest = json.loads(path.read_text())
+        step, folder = int(manifest["step"]), Path(run_dir) / CHECKPOINT / manifest["dir"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"resume=true: checkpoint manifest {path} is unreadable ({e})") from None
+    if not (folder / "central.pt").exists():
+        raise CheckpointError(f"resume=true: checkpoint {folder} is incomplete (no central.pt)")
+    return {**manifest, "step": step, "path": str(folder)}
+
+
+def check_resumable(manifest: dict, job) -> None:
+    ours = fingerprint(job)
+    for k, v in manifest.get("fingerprint", {}).items():
+        if ours.get(k) != v:
+            shown = "algorithm parameters" if k == "hp" else k
+            raise CheckpointError(f"resume=true: the checkpoint was made with {shown}={v}, this command has "
+                                  f"{shown}={ours.get(k)}; resume with the original command's overrides")
+
+
+def write_manifest(run_dir, step: int, folder: str, job, extra: dict) -> None:
+    base = Path(run_dir) / CHECKPOINT
+    tmp = base / "manifest.json.tmp"
+    tmp.write_text(json.dumps({"step": step, "dir": folder, "fingerprint": fingerprint(job), **extra}, indent=1))
+    os.replace(tmp, base / "manifest.json")
+
+
+def save_atomic(obj, path) -> None:
+    """torch.save to a temporary name, then rename: a file is whole or absent."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    """Tensors, numbers, lists and dicts only: weights_only=True never runs code from the file."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure to read is the same one line for the user
+        raise CheckpointError(f"resume=true: cannot read checkpoint file {path} ({type(e).__name__}: {e})") from None

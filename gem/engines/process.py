@@ -23,10 +23,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 import signal
 import time
 from collections import deque
 from multiprocessing import connection
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as tmp
@@ -34,7 +36,17 @@ import torch.multiprocessing as tmp
 from gem import algorithms
 from gem.data import WorkerStream
 from gem.engines import Job, Result
-from gem.engines.core import Evaluator, build_flat_model, finite, worker_steps
+from gem.engines.core import (
+    CHECKPOINT,
+    Evaluator,
+    build_flat_model,
+    check_resumable,
+    finite,
+    load_checkpoint,
+    save_atomic,
+    worker_steps,
+    write_manifest,
+)
 
 START_TIMEOUT_S = 300.0  # a spawned worker imports torch and builds its model: slow on a loaded machine
 TURN_TIMEOUT_S = 120.0  # a worker holding the server's turn does elementwise work only; longer means hung
@@ -62,6 +74,11 @@ def _recv(conn, parent) -> tuple:
     return conn.recv()
 
 
+def _plain(state: dict) -> dict:
+    """The checkpointable part of an algorithm state: tensors and numbers (not GEM's layout, say)."""
+    return {k: v for k, v in state.items() if isinstance(v, (torch.Tensor, int, float))}
+
+
 def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Tensor, conn, threads: int,
             t0: float):
     """One worker process: local gradients, and, at each of its turns, the worker and server rules."""
@@ -82,16 +99,38 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
         state = algo.init_state(theta, hp, layout)
         stream = WorkerStream(len(data.train_y), job.batch_size, job.seed, w)
         budget = worker_steps(job)
-        pulled_at = 0
+        done_steps, pulled_at, loss_sum, local = 0, 0, 0.0, 0
+        if job.resume is not None:
+            saved = load_checkpoint(os.path.join(job.resume["path"], f"worker-{w}.pt"))
+            x.copy_(saved["x"])
+            for k, v in saved["state"].items():
+                if isinstance(v, torch.Tensor):
+                    state[k].copy_(v)
+                else:
+                    state[k] = v
+            stream.epoch, stream.pos, stream.perm = saved["epoch"], saved["pos"], saved["perm"]
+            stream.generator.set_state(saved["generator"])
+            torch.set_rng_state(saved["rng"])
+            done_steps, pulled_at = saved["step"], saved["pulled_at"]
+            loss_sum, local = saved["loss_sum"], saved["local"]
         conn.send(("ready",))
-        loss_sum, local = 0.0, 0
-        for step in range(1, budget + 1):
+        for step in range(done_steps + 1, budget + 1):
+            # what a checkpoint needs to redo this step: the stream and RNGs before it, the window so far
+            before = {"epoch": stream.epoch, "pos": stream.pos, "perm": stream.perm,
+                      "generator": stream.generator.get_state(), "rng": torch.get_rng_state(),
+                      "loss_sum": loss_sum, "local": local}
             xb, yb = data.batch(stream.next_indices(), stream.generator)
             loss = model.loss_and_grad(xb, yb)
             loss_sum += loss
             local += 1
             conn.send(("turn", time.monotonic()))
-            if _recv(conn, parent)[0] != "go":
+            msg = _recv(conn, parent)
+            while msg[0] == "save":  # the server is checkpointing: our state as of our last turn
+                save_atomic({"x": x, "state": _plain(state), "step": step - 1, "pulled_at": pulled_at, **before},
+                            os.path.join(msg[1], f"worker-{w}.pt"))
+                conn.send(("saved",))
+                msg = _recv(conn, parent)
+            if msg[0] != "go":
                 return
             if not math.isfinite(loss):
                 conn.send(("diverged", f"non-finite loss {loss} at worker {w}, worker step {step}"))
@@ -157,20 +196,36 @@ def run(job: Job, recorder) -> Result:
     theta = model.param.clone().share_memory_()
     server = {k: v.share_memory_() for k, v in algorithms.init_server(algo, theta, job.hp).items()}
     clock = torch.zeros((), dtype=torch.long).share_memory_()
+    past = {"finished": [], "lost": [], "lost_workers": []}
+    if job.resume is not None:
+        check_resumable(job.resume, job)
+        central = load_checkpoint(os.path.join(job.resume["path"], "central.pt"))
+        theta.copy_(central["theta"])
+        for k, v in central["server"].items():
+            server[k].copy_(v)
+        clock.fill_(int(central["step"]))
+        past = {k: list(central[k]) for k in past}
+        for w in set(range(n)) - set(past["finished"]) - set(past["lost_workers"]):  # unreadable: say so now
+            load_checkpoint(os.path.join(job.resume["path"], f"worker-{w}.pt"))
     evaluate = Evaluator(job, job.data)
     t0_wall, t0 = time.time(), time.perf_counter()  # one origin: workers stamp time_s with the wall clock
+    if job.resume is not None:  # carry on the run's clock, so that time_s keeps increasing
+        t0_wall -= float(job.resume.get("time_s", 0.0))
+        t0 -= float(job.resume.get("time_s", 0.0))
     shared = _share(job)
     ctx = tmp.get_context("spawn")
     children: list[_Child] = []
     try:
         for w in range(n):
+            if w in past["finished"] or w in past["lost_workers"]:
+                continue  # done, or lost, before the checkpoint
             parent_conn, child_conn = ctx.Pipe()
             p = ctx.Process(target=_worker, args=(w, shared, theta, server, clock, child_conn, threads, t0_wall),
                             name=f"gem-worker-{w}", daemon=True)
             p.start()
             child_conn.close()
             children.append(_Child(w, p, parent_conn))
-        return _serve(job, recorder, children, theta, evaluate, t0)
+        return _serve(job, recorder, children, theta, server, evaluate, t0, int(clock), past)
     finally:
         _stop(children)
 
@@ -197,14 +252,35 @@ def _stop(children: list[_Child], grace_s: float = 5.0) -> None:
         c.conn.close()
 
 
-def _serve(job: Job, recorder, children: list[_Child], theta, evaluate, t0: float) -> Result:
-    recorder.eval(evaluate(theta, 0, t0))
+class _Checkpoint:
+    """A checkpoint in progress at commit `step`: no turn is granted until every active worker has saved."""
+
+    def __init__(self, job: Job, step: int):
+        self.step = step
+        self.name = f"step-{step:09d}"
+        self.path = Path(job.run_dir) / CHECKPOINT / self.name
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.pending: set[int] = set()
+
+    def finish(self, job, theta, server, past: dict, time_s: float) -> None:
+        save_atomic({"theta": theta, "server": dict(server), "step": self.step, **past}, self.path / "central.pt")
+        write_manifest(job.run_dir, self.step, self.name, job, {"time_s": time_s})
+        for old in (Path(job.run_dir) / CHECKPOINT).glob("step-*"):  # the manifest names the new one now
+            if old.name != self.name:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _serve(job: Job, recorder, children: list[_Child], theta, server, evaluate, t0: float, steps: int,
+           past: dict) -> Result:
+    if job.resume is None:
+        recorder.eval(evaluate(theta, 0, t0))
     by_conn = {c.conn: c for c in children}
     by_sentinel = {c.process.sentinel: c for c in children}
     waiting: deque[tuple[float, _Child]] = deque()  # turn requests, oldest first
     ready = set()
-    steps = 0
-    lost: list[str] = []
+    lost: list[str] = list(past["lost"])
+    finished: list[int] = list(past["finished"])
+    saving: _Checkpoint | None = None
 
     def lose(c: _Child, why: str) -> None:
         if not c.lost and not c.finished:
@@ -212,6 +288,7 @@ def _serve(job: Job, recorder, children: list[_Child], theta, evaluate, t0: floa
             c.lost = f"worker {c.index} lost at commit {steps} ({why}" + (
                 f", exit code {code})" if code is not None else ")")
             lost.append(c.lost)
+            print(f"gem: {c.lost}; the run goes on with the others", flush=True)
 
     def active() -> list[_Child]:
         return [c for c in children if not c.finished and not c.lost]
@@ -223,6 +300,10 @@ def _serve(job: Job, recorder, children: list[_Child], theta, evaluate, t0: floa
             lose(c, "its pipe closed")
             return None
 
+    def state_of_run() -> dict:
+        return {"finished": finished, "lost": lost,
+                "lost_workers": [*past["lost_workers"], *(c.index for c in children if c.lost)]}
+
     started = time.monotonic()
     while active():
         timeout = START_TIMEOUT_S if len(ready) < len(children) else TURN_TIMEOUT_S
@@ -233,15 +314,8 @@ def _serve(job: Job, recorder, children: list[_Child], theta, evaluate, t0: floa
                 return Result("failed", steps, reason=f"workers did not start within {START_TIMEOUT_S:.0f} s")
             return Result("failed", steps, reason=f"no worker sent anything for {timeout:.0f} s")
         for e in events:
-            if e in by_sentinel:
-                c = by_sentinel[e]
-                if c.conn.poll():  # read what it said before it died
-                    events.append(c.conn)
-                    continue
-                lose(c, "process died")
-                continue
-            c = by_conn[e]
-            while not c.lost and c.conn.poll():
+            c = by_sentinel.get(e) or by_conn[e]
+            while not c.lost and not c.finished and c.conn.poll():
                 msg = read(c)
                 if msg is None:
                     break
@@ -251,12 +325,23 @@ def _serve(job: Job, recorder, children: list[_Child], theta, evaluate, t0: floa
                     waiting.append((msg[1], c))
                 elif msg[0] == "finished":
                     c.finished = True
+                    finished.append(c.index)
                 elif msg[0] == "error":
                     lose(c, f"raised {msg[1]}")
             if c.process.exitcode is not None and not c.finished:
                 lose(c, "process died")
         # first in, first out: the oldest request across all workers gets the next turn
         waiting = deque(sorted((r for r in waiting if not r[1].lost), key=lambda r: r[0]))
+        if saving is not None:
+            for _, c in waiting:
+                if c.index in saving.pending:
+                    _save(c, saving.path, lose)
+                    saving.pending.discard(c.index)
+            saving.pending &= {c.index for c in active()}
+            if saving.pending:
+                continue  # the others have yet to reach the checkpoint
+            saving.finish(job, theta, server, state_of_run(), time.perf_counter() - t0)
+            saving = None
         while waiting:
             _, c = waiting.popleft()
             outcome = _turn(c, lose)
@@ -275,14 +360,40 @@ def _serve(job: Job, recorder, children: list[_Child], theta, evaluate, t0: floa
                 if not finite(theta):
                     return Result("diverged", steps, reason=f"non-finite central variable at commit {steps}")
                 recorder.eval(evaluate(theta, steps, t0))
+            if job.checkpoint_every and job.run_dir and steps % job.checkpoint_every == 0:
+                if not finite(theta):
+                    return Result("diverged", steps, reason=f"non-finite central variable at commit {steps}")
+                recorder.flush()  # the rows up to the checkpoint are on disk before it is named
+                saving = _Checkpoint(job, steps)
+                saving.pending = {c.index for c in active()}
+                break  # the requests still waiting are served after the checkpoint
     if not finite(theta):
         return Result("diverged", steps, reason=f"non-finite central variable at commit {steps}")
-    if not any(c.finished for c in children):
+    if not finished:
         return Result("failed", steps, reason="; ".join(lost) or "no worker finished")
-    if steps % job.eval_every != 0:
+    if recorder.last_eval is None or recorder.last_eval["step"] != steps:
         recorder.eval(evaluate(theta, steps, t0))
-    extra = {"lost_workers": [c.index for c in children if c.lost]}
-    return Result("completed", steps, reason="; ".join(lost), extra=extra)
+    return Result("completed", steps, reason="; ".join(lost), extra={"lost_workers": state_of_run()["lost_workers"]})
+
+
+def _save(c: _Child, path: Path, lose) -> None:
+    """Ask worker c, which is waiting for a turn, to write its state into the checkpoint folder."""
+    try:
+        c.conn.send(("save", str(path)))
+    except OSError:
+        lose(c, "its pipe closed")
+        return
+    ready = connection.wait([c.conn, c.process.sentinel], timeout=TURN_TIMEOUT_S)
+    if c.conn not in ready and not c.conn.poll():
+        lose(c, "did not write its checkpoint")
+        return
+    try:
+        msg = c.conn.recv()
+    except (EOFError, OSError):
+        lose(c, "process died while writing its checkpoint")
+        return
+    if msg[0] != "saved":
+        lose(c, f"raised {msg[1]}" if msg[0] == "error" else f"unexpected message {msg[0]!r}")
 
 
 def _turn(c: _Child, lose) -> tuple | None:
