@@ -63,12 +63,14 @@ def test_staleness_is_the_number_of_commits_since_the_workers_pull(data, tmp_pat
 
 
 def test_turns_are_first_in_first_out(data, tmp_path):
-    """Equally fast workers share the server: in every stretch of the run each one has its share."""
+    """While a worker waits for the server, each other worker is served at most once before it: first in,
+    first out. Polling workers in a fixed order, as the original code did, lets low ranks overtake high ones
+    again and again; CPU contention on a small machine changes how long turns take, never this bound."""
     n = 4
     _, m = run(job(data, n, epochs=4), tmp_path)
-    first_half = m[m["step"] <= len(m) // 2]  # before anyone runs out of budget
-    shares = first_half["worker"].value_counts(normalize=True)
-    assert len(shares) == n and shares.min() > 0.5 / n, shares.to_dict()
+    assert (m["wait_commits"] >= 0).all() and (m["wait_s"] >= 0).all()
+    assert m["wait_commits"].max() <= n - 1, m["wait_commits"].value_counts().to_dict()
+    assert sorted(m["worker"].unique()) == list(range(n))
 
 
 def test_divergence_stops_every_worker(data, tmp_path):

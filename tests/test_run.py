@@ -61,8 +61,8 @@ def test_online_without_api_key_falls_back_to_offline(tmp_path):
 
 
 def test_disabled_wandb_writes_nothing(tmp_path):
-    cfg = compose(["epochs=1", "data=synthetic", "data.synthetic.train_size=256", "logger.wandb.mode=disabled",
-                   "logger.eval_every=2"])
+    cfg = compose(["algorithm=sgd", "engine=sim", "epochs=1", "data=synthetic", "data.synthetic.train_size=256",
+                   "logger.wandb.mode=disabled", "logger.eval_every=2"])
     summary = run(cfg, tmp_path)
     assert summary["status"] == "completed" and "wandb" not in summary
     assert not (tmp_path / "wandb").exists()

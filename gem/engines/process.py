@@ -123,7 +123,8 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
             loss = model.loss_and_grad(xb, yb)
             loss_sum += loss
             local += 1
-            conn.send(("turn", time.monotonic()))
+            asked, asked_at = time.monotonic(), int(clock)
+            conn.send(("turn", asked))
             msg = _recv(conn, parent)
             while msg[0] == "save":  # the server is checkpointing: our state as of our last turn
                 save_atomic({"x": x, "state": _plain(state), "step": step - 1, "pulled_at": pulled_at, **before},
@@ -135,6 +136,7 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
             if not math.isfinite(loss):
                 conn.send(("diverged", f"non-finite loss {loss} at worker {w}, worker step {step}"))
                 return
+            waited = time.monotonic() - asked
             commit = algo.worker_rule(state, x, model.grad, theta, hp, server)
             row = tensors = None
             if commit is not None:
@@ -147,7 +149,9 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
                     x.copy_(theta)
                 pulled_at = t
                 row = {"step": t, "worker": w, "worker_step": step, "staleness": staleness,
-                       "loss": loss_sum / local, "time_s": time.time() - t0, **commit.metrics}
+                       "loss": loss_sum / local, "time_s": time.time() - t0,
+                       # the server's queue: seconds, and commits by others, between asking and the turn
+                       "wait_s": waited, "wait_commits": t - 1 - asked_at, **commit.metrics}
                 tensors = commit.tensors or None
                 loss_sum, local = 0.0, 0
             conn.send(("done", row, tensors))
