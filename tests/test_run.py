@@ -89,7 +89,8 @@ def test_sweep_goes_on_past_a_diverged_run(tmp_path):
 
 @pytest.mark.slow
 def test_sgd_on_real_mnist(tmp_path, mnist_root):
-    cfg = compose(["data=mnist", f"data.root={mnist_root}", "epochs=1", "logger.wandb.mode=disabled"])
+    cfg = compose(["algorithm=sgd", "engine=sim", "data=mnist", f"data.root={mnist_root}", "epochs=1",
+                   "logger.wandb.mode=disabled"])
     summary = run(cfg, tmp_path)
     assert summary["status"] == "completed" and summary["steps"] == 5000 // 64
     # one epoch of 5,000 digits: well above chance, though below the 3-epoch figure in the README
