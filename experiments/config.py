@@ -211,6 +211,9 @@ def validate(cfg: DictConfig) -> dict:
     ):
         if not cond:
             raise ConfigError(f"{key}={value} is not allowed; it must be {allowed}")
+    if cfg.device != "cpu" and eng.name == "process":
+        raise ConfigError(f"device={cfg.device} is not supported by engine=process (its central variable lives in "
+                          "shared host memory); use engine=sim for the GPU, or device=cpu")
     if cfg.resume and cfg.engine.name != "process":
         raise ConfigError(f"resume=true is not supported by engine={cfg.engine.name}: only engine=process writes "
                           "checkpoints; use resume=false")

@@ -142,7 +142,9 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
             if commit is not None:
                 t = int(clock)
                 staleness = t - pulled_at
+                applied = time.perf_counter()
                 algo.server_rule(theta, commit, staleness, hp, server)
+                applied = time.perf_counter() - applied
                 t += 1
                 clock.fill_(t)
                 if commit.pull:
@@ -151,7 +153,7 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
                 row = {"step": t, "worker": w, "worker_step": step, "staleness": staleness,
                        "loss": loss_sum / local, "time_s": time.time() - t0,
                        # the server's queue: seconds, and commits by others, between asking and the turn
-                       "wait_s": waited, "wait_commits": t - 1 - asked_at, **commit.metrics}
+                       "wait_s": waited, "wait_commits": t - 1 - asked_at, "apply_s": applied, **commit.metrics}
                 tensors = commit.tensors or None
                 loss_sum, local = 0.0, 0
             conn.send(("done", row, tensors))

@@ -1,0 +1,170 @@
+"""The `process` engine (issue 4), three ratios measured side by side in one run.
+
+1. Throughput: aggregate worker steps per second of `engine=process` with n workers (`gem` and `downpour`,
+   `mnist_cnn`, b = 64), divided by the steps per second of plain sequential single-thread SGD
+   (`torch.optim.SGD`, 1 torch thread, same model, batch and in-memory batches). The engine is timed between its
+   first and last commit rows (`time_s`), so start-up and the evaluations of the central variable are left
+   out; each worker runs floor(cores / n) torch threads. The reference is timed before and after each engine
+   run, and their mean is used.
+2. Parameter-server apply: the server rule θ ← θ + Δ for `alexnet_cifar` (7.5M parameters) as the engine runs
+   it, θ in shared memory under the server's turn (`apply_s` of each commit), divided by a plain in-memory
+   `θ.add_(Δ)` of the same size in this process. Also the whole turn (`wait_s` excluded): see BENCHMARKS.md.
+3. Start-up: wall time from launching `python run.py` (GEM, 4 workers, digits) until its first commit is on
+   disk, divided by the wall time of `python -c "import torch"`, the floor any PyTorch command pays.
+
+    python benchmarks/process_engine.py --root ../shared/data [--rounds 3] [--workers 2 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gem import algorithms
+from gem.data import WorkerStream, load_dataset, make_synthetic
+from gem.engines import Job, process
+from gem.metrics import Recorder, read_table
+from gem.models import build_model
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH_SIZE, LR, MOMENTUM, SEED = 64, 0.05, 0.9, 0
+
+
+def sequential_steps_per_s(data, steps: int = 150) -> float:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(SEED)
+        model = build_model("mnist_cnn", num_classes=data.num_classes)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        stream = WorkerStream(len(data.train_y), BATCH_SIZE, seed=SEED, worker=0)
+        t0 = None
+        for i in range(steps + 1):
+            if i == 1:
+                t0 = time.perf_counter()
+            x, y = data.batch(stream.next_indices(), stream.generator)
+            opt.zero_grad(set_to_none=False)
+            F.nll_loss(model(x), y).backward()
+            opt.step()
+        return steps / (time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def engine_run(data, name: str, workers: int, epochs: int, model: str = "mnist_cnn",
+               batch_size: int = BATCH_SIZE):
+    params = algorithms.get(name).Params
+    hp = params(lr=LR, momentum=MOMENTUM, **({"workers": workers} if "workers" in params.__dataclass_fields__
+                                             else {}))
+    job = Job(algorithm=name, hp=hp, model=model, data=data, workers=workers, batch_size=batch_size,
+              epochs=epochs, seed=SEED, eval_every=10**9, eval_train_size=64)
+    with tempfile.TemporaryDirectory() as d:
+        rec = Recorder(d)
+        result = process.run(job, rec)
+        rec.close()
+        m = read_table(d)
+    assert result.status == "completed", result
+    return m
+
+
+def throughput(data, name, workers, epochs) -> float:
+    m = engine_run(data, name, workers, epochs)
+    t = m["time_s"]
+    return (len(m) - 1) / (t.iloc[-1] - t.iloc[0])
+
+
+def startup_ratio(tmp: Path) -> tuple[float, float, float]:
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    floor = time.perf_counter() - t
+    d = tmp / f"run-{time.time_ns()}"
+    t = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "run.py", "logger.wandb.mode=disabled", "logger.flush_every=1",
+                          "logger.progress=false", f"hydra.run.dir={d}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    try:
+        while not (d / "metrics.parts").exists():
+            if p.poll() is not None or time.perf_counter() - t > 300:
+                raise RuntimeError("python run.py did not commit")
+            time.sleep(0.01)
+        first = time.perf_counter() - t
+    finally:
+        p.kill()
+        p.wait()
+    return first / floor, first, floor
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", default="../shared/data")
+    ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    try:
+        data, name = load_dataset("mnist", args.root, download=False), "mnist"
+    except Exception:  # noqa: BLE001
+        data, name = load_dataset("digits", args.root, download=False), "digits"
+    print(f"data={name} ({len(data.train_y)} train), mnist_cnn, b={BATCH_SIZE}, torch {torch.__version__}, "
+          f"{process.threads_per_process(1)} cores")
+
+    # 1. throughput
+    ratios: dict[tuple[str, int], list[float]] = {}
+    refs = []
+    for r in range(args.rounds):
+        for name_ in ("gem", "downpour"):
+            for n in args.workers:
+                before = sequential_steps_per_s(data)
+                rate = throughput(data, name_, n, args.epochs)
+                after = sequential_steps_per_s(data)
+                ref = (before + after) / 2
+                refs.append(ref)
+                ratios.setdefault((name_, n), []).append(rate / ref)
+                print(f"round {r + 1}: {name_} n={n}: {rate:.1f} worker steps/s, sequential 1 thread "
+                      f"{ref:.1f} steps/s: {rate / ref:.2f}x", flush=True)
+    print(f"\n| engine=process | aggregate worker steps/s / sequential 1-thread SGD steps/s "
+          f"(median [range] over {args.rounds} rounds) |")
+    print("|---|---|")
+    for (name_, n), rs in ratios.items():
+        print(f"| {name_}, n={n} ({process.threads_per_process(n)} thread(s) each) | **{statistics.median(rs):.2f}x** "
+              f"[{min(rs):.2f}-{max(rs):.2f}] |")
+    print(f"(sequential reference: median {statistics.median(refs):.1f} steps/s)")
+
+    # 2. parameter-server apply, alexnet_cifar
+    syn = make_synthetic((3, 32, 32), num_classes=10, train_size=64, val_size=16, seed=0)
+    m = engine_run(syn, "downpour", 2, epochs=8, model="alexnet_cifar", batch_size=16)
+    numel = sum(p.numel() for p in build_model("alexnet_cifar").parameters())
+    theta, delta = torch.zeros(numel), torch.full((numel,), 1e-3)
+    for _ in range(3):
+        theta.add_(delta)
+    plain = []
+    for _ in range(20):
+        t = time.perf_counter()
+        theta.add_(delta)
+        plain.append(time.perf_counter() - t)
+    apply_s = m["apply_s"].iloc[2:]
+    print(f"\nalexnet_cifar ({numel:,} parameters): engine apply median {apply_s.median() * 1e3:.2f} ms over "
+          f"{len(apply_s)} commits, plain theta.add_(delta) median {statistics.median(plain) * 1e3:.2f} ms: "
+          f"**{apply_s.median() / statistics.median(plain):.2f}x**")
+
+    # 3. start-up
+    with tempfile.TemporaryDirectory() as d:
+        runs = [startup_ratio(Path(d)) for _ in range(args.rounds)]
+    rs = [r[0] for r in runs]
+    print(f"\nstart-up: python run.py until its first commit, over python -c 'import torch': "
+          f"**{statistics.median(rs):.2f}x** [{min(rs):.2f}-{max(rs):.2f}] "
+          f"(median {statistics.median(r[1] for r in runs):.2f} s against "
+          f"{statistics.median(r[2] for r in runs):.2f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
