@@ -1,19 +1,21 @@
 """The `process` engine: n real worker processes on one machine, θ in shared memory (DESIGN §3).
 
-Workers are OS processes started with `spawn`. The central variable θ, the algorithm's server-side tensors and
-the clock t live in shared memory, and so does the training set, so that no worker holds a copy of it.
+Workers are OS processes started with `spawn`. The central variable θ, the algorithm's server-side tensors, the
+clock t and the training set live in shared memory, so no worker holds a copy of the data.
 
-The parameter server is the coordinating process (the one that runs `run`), and it serves commits first in,
-first out. A worker that has a gradient asks for the server's turn over its own pipe, stamped with the
-system-wide monotonic clock; the coordinator hands out turns in the order of those stamps, one at a time. A
-worker that has the turn runs its worker rule against the live θ, applies its commit with the server rule,
-measures its staleness τ = t − (t at its last pull) and advances t, and pulls, all in place in shared memory,
-then hands the turn back with its metrics row. Turns are exclusive, so staleness is measured under the
-server's lock, and a worker never waits behind a faster one that asks again (the original code's polling in
-rank order starved high ranks). Only the coordinator writes files and W&B.
+The parameter server is a turn that the workers pass among themselves, first in, first out (`Turn`): a worker
+with a fresh gradient takes the turn, runs its worker rule against the live θ, applies its commit with the
+server rule, measures its staleness τ = t − (t at its last pull), advances t and pulls, all in place in shared
+memory, and passes the turn to the worker that asked next. Turns are exclusive, so staleness is measured under
+the server's lock; a free turn costs one uncontended lock; a busy one, a single wake-up of the next worker in
+line. Nobody is starved: while a worker waits, each other worker gets the turn at most once (the original
+code's polling in rank order let low ranks overtake high ones again and again).
 
-Each worker has its own pipe, so a worker killed mid-run (SIGKILL included) cannot leave a shared lock held:
-the coordinator notices its process sentinel, records the loss, and goes on with the others. Every wait has a
+The coordinating process (the one that calls `run`) holds no lock on the hot path. It reads each worker's
+commit rows from that worker's pipe, puts them in clock order, and is the only process that writes files and
+W&B. It takes the turn itself to read θ for an evaluation, and for a checkpoint, during which every worker
+writes its own state. It watches every worker's process: a worker killed mid-run (SIGKILL included) is
+recorded, the turn is taken back from it if it held it, and the run goes on with the others. Every wait has a
 timeout, workers exit when the coordinator disappears, and the coordinator stops every child on the way out,
 Ctrl-C and SIGTERM included.
 """
@@ -21,12 +23,12 @@ Ctrl-C and SIGTERM included.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import os
 import shutil
 import signal
 import time
-from collections import deque
 from multiprocessing import connection
 from pathlib import Path
 
@@ -49,8 +51,10 @@ from gem.engines.core import (
 )
 
 START_TIMEOUT_S = 300.0  # a spawned worker imports torch and builds its model: slow on a loaded machine
-TURN_TIMEOUT_S = 120.0  # a worker holding the server's turn does elementwise work only; longer means hung
-POLL_S = 1.0  # how often a waiting worker checks that the coordinator is still alive
+TURN_TIMEOUT_S = 120.0  # nothing holds the turn this long unless it is hung
+POLL_S = 1.0  # how often a waiting process checks that the others are still alive
+
+GO, SAVE, STOP = 0, 1, 2  # what a worker woken on its semaphore is asked to do
 
 
 def threads_per_process(workers: int) -> int:
@@ -59,19 +63,127 @@ def threads_per_process(workers: int) -> int:
     return max(1, cores // max(1, workers))
 
 
+class _Gone(Exception):
+    """The coordinator has died, or asked this worker to stop."""
+
+
+class Turn:
+    """The parameter server's lock, handed over first in, first out.
+
+    Participants 0..n−1 are the workers and n is the coordinator. `meta` guards a ring buffer of waiting
+    participants and the current holder; it is held for a few instructions only. Each participant sleeps on
+    its own semaphore, which the releaser posts when the turn is handed to it, or the coordinator posts with
+    `action` set to SAVE (write a checkpoint) or STOP. A lock held by a process that died is taken back by the
+    coordinator (`recover`), so a SIGKILL cannot hang the others.
+    """
+
+    def __init__(self, ctx, participants: int):
+        self.meta = ctx.Lock()
+        self.sems = [ctx.Semaphore(0) for _ in range(participants)]
+        # [holder, head, count, ring...]: holder −1 when free
+        self.state = torch.zeros(3 + participants, dtype=torch.long).share_memory_()
+        self.state[0] = -1
+        self.action = torch.zeros(participants, dtype=torch.long).share_memory_()
+        self.size = participants
+
+    def _lock_meta(self, alive=None) -> None:
+        while not self.meta.acquire(timeout=POLL_S):
+            if alive is not None and not alive():
+                raise _Gone()
+
+    def _enqueue(self, who: int) -> None:
+        s = self.state
+        s[3 + (int(s[1]) + int(s[2])) % self.size] = who
+        s[2] += 1
+
+    def _hand_over(self) -> None:
+        """Give the turn to the oldest waiter, or free it. Call with meta held."""
+        s = self.state
+        if int(s[2]) == 0:
+            s[0] = -1
+            return
+        nxt = int(s[3 + int(s[1])])
+        s[1] = (int(s[1]) + 1) % self.size
+        s[2] -= 1
+        s[0] = nxt
+        self.action[nxt] = GO
+        self.sems[nxt].release()
+
+    def acquire(self, who: int, alive=None, on_save=None) -> None:
+        """Wait for the turn. `alive()` false: raise _Gone. `on_save()`: write a checkpoint when asked."""
+        self._lock_meta(alive)
+        try:
+            if int(self.action[who]) == STOP:
+                raise _Gone()
+            if int(self.state[0]) == -1:
+                self.state[0] = who
+                return
+            self._enqueue(who)
+            save_now = int(self.action[who]) == SAVE
+        finally:
+            self.meta.release()
+        if save_now and on_save is not None:  # asked before we queued: no one will wake us for it
+            self.action[who] = GO
+            on_save()
+        while True:
+            if not self.sems[who].acquire(timeout=POLL_S):
+                if alive is not None and not alive():
+                    raise _Gone()
+                continue
+            act = int(self.action[who])
+            if act == STOP:
+                raise _Gone()
+            if act == SAVE:
+                self.action[who] = GO
+                if on_save is not None:
+                    on_save()
+                continue
+            return  # GO: the turn is ours
+
+    def release(self) -> None:
+        self._lock_meta()
+        try:
+            self._hand_over()
+        finally:
+            self.meta.release()
+
+    def ask_to_save(self, workers: set[int]) -> None:
+        """(coordinator, holding the turn) Ask these workers to write their state: at once if they wait in
+        line, else as soon as they queue."""
+        self._lock_meta()
+        try:
+            waiting = {int(self.state[3 + (int(self.state[1]) + i) % self.size]) for i in range(int(self.state[2]))}
+            for w in workers:
+                self.action[w] = SAVE
+                if w in waiting:
+                    self.sems[w].release()
+        finally:
+            self.meta.release()
+
+    def stop(self, who: int) -> None:
+        self.action[who] = STOP
+        self.sems[who].release()
+
+    def recover(self, dead: int) -> None:
+        """(coordinator) Take the turn, and any place in line, back from a participant that died."""
+        if not self.meta.acquire(timeout=2.0):  # it died inside the few instructions that hold meta
+            self.meta.release()
+            self.meta.acquire(timeout=2.0)
+        try:
+            s = self.state
+            line = [int(s[3 + (int(s[1]) + i) % self.size]) for i in range(int(s[2]))]
+            if dead in line:
+                line.remove(dead)
+                s[1], s[2] = 0, 0
+                for w in line:
+                    self._enqueue(w)
+            if int(s[0]) == dead:
+                self._hand_over()
+        finally:
+            self.meta.release()
+
+
 # ----------------------------------------------------------------------------------------------- worker
-
-
-class _CoordinatorGone(Exception):
-    pass
-
-
-def _recv(conn, parent) -> tuple:
-    """The next message from the coordinator; gives up if the coordinator has died."""
-    while not conn.poll(POLL_S):
-        if parent is not None and not parent.is_alive():
-            raise _CoordinatorGone()
-    return conn.recv()
 
 
 def _plain(state: dict) -> dict:
@@ -79,8 +191,8 @@ def _plain(state: dict) -> dict:
     return {k: v for k, v in state.items() if isinstance(v, (torch.Tensor, int, float))}
 
 
-def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Tensor, conn, threads: int,
-            t0: float):
+def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Tensor, turn: Turn, conn,
+            threads: int, t0: float):
     """One worker process: local gradients, and, at each of its turns, the worker and server rules."""
     import multiprocessing
     import traceback
@@ -88,6 +200,7 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the coordinator stops us
     torch.set_num_threads(threads)
     parent = multiprocessing.parent_process()
+    alive = parent.is_alive if parent is not None else None
     try:
         algo = algorithms.get(job.algorithm)
         hp, data = job.hp, job.data
@@ -114,8 +227,15 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
             done_steps, pulled_at = saved["step"], saved["pulled_at"]
             loss_sum, local = saved["loss_sum"], saved["local"]
         conn.send(("ready",))
+        before: dict = {}
+        step = done_steps
+
+        def on_save():  # our state as of our last turn, and the stream and RNGs before the step in hand
+            save_atomic({"x": x, "state": _plain(state), "step": step - 1, "pulled_at": pulled_at, **before},
+                        os.path.join(job.run_dir, CHECKPOINT, "pending", f"worker-{w}.pt"))
+            conn.send(("saved", w))
+
         for step in range(done_steps + 1, budget + 1):
-            # what a checkpoint needs to redo this step: the stream and RNGs before it, the window so far
             before = {"epoch": stream.epoch, "pos": stream.pos, "perm": stream.perm,
                       "generator": stream.generator.get_state(), "rng": torch.get_rng_state(),
                       "loss_sum": loss_sum, "local": local}
@@ -123,43 +243,37 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
             loss = model.loss_and_grad(xb, yb)
             loss_sum += loss
             local += 1
-            asked, asked_at = time.monotonic(), int(clock)
-            conn.send(("turn", asked))
-            msg = _recv(conn, parent)
-            while msg[0] == "save":  # the server is checkpointing: our state as of our last turn
-                save_atomic({"x": x, "state": _plain(state), "step": step - 1, "pulled_at": pulled_at, **before},
-                            os.path.join(msg[1], f"worker-{w}.pt"))
-                conn.send(("saved",))
-                msg = _recv(conn, parent)
-            if msg[0] != "go":
-                return
             if not math.isfinite(loss):
                 conn.send(("diverged", f"non-finite loss {loss} at worker {w}, worker step {step}"))
                 return
-            waited = time.monotonic() - asked
-            commit = algo.worker_rule(state, x, model.grad, theta, hp, server)
-            row = tensors = None
-            if commit is not None:
-                t = int(clock)
-                staleness = t - pulled_at
-                applied = time.perf_counter()
-                algo.server_rule(theta, commit, staleness, hp, server)
-                applied = time.perf_counter() - applied
-                t += 1
-                clock.fill_(t)
-                if commit.pull:
-                    x.copy_(theta)
-                pulled_at = t
-                row = {"step": t, "worker": w, "worker_step": step, "staleness": staleness,
-                       "loss": loss_sum / local, "time_s": time.time() - t0,
-                       # the server's queue: seconds, and commits by others, between asking and the turn
-                       "wait_s": waited, "wait_commits": t - 1 - asked_at, "apply_s": applied, **commit.metrics}
-                tensors = commit.tensors or None
-                loss_sum, local = 0.0, 0
-            conn.send(("done", row, tensors))
-        conn.send(("finished",))
-        _recv(conn, parent)  # hold on until the coordinator has read everything ("stop")
-    except (_CoordinatorGone, BrokenPipeError, EOFError, ConnectionResetError):
+            asked, asked_at = time.monotonic(), int(clock)
+            turn.acquire(w, alive, on_save)
+            try:
+                waited = time.monotonic() - asked
+                commit = algo.worker_rule(state, x, model.grad, theta, hp, server)
+                if commit is not None:
+                    t = int(clock)
+                    staleness = t - pulled_at
+                    applied = time.perf_counter()
+                    algo.server_rule(theta, commit, staleness, hp, server)
+                    applied = time.perf_counter() - applied
+                    t += 1
+                    clock.fill_(t)
+                    if commit.pull:
+                        x.copy_(theta)
+                    pulled_at = t
+                    row = {"step": t, "worker": w, "worker_step": step, "staleness": staleness,
+                           "loss": loss_sum / local, "time_s": time.time() - t0,
+                           # the server's queue: seconds, and commits by others, between asking and the turn
+                           "wait_s": waited, "wait_commits": t - 1 - asked_at, "apply_s": applied,
+                           **commit.metrics}
+                    # sent while holding the turn: a row is on its way before the next commit can happen
+                    conn.send(("row", row, commit.tensors or None))
+                    loss_sum, local = 0.0, 0
+            finally:
+                turn.release()
+        conn.send(("finished", w))
+    except (_Gone, BrokenPipeError, EOFError, ConnectionResetError):
         return
     except Exception as e:  # tell the coordinator why, then die
         try:
@@ -197,7 +311,7 @@ def run(job: Job, recorder) -> Result:
     algo = algorithms.get(job.algorithm)
     n = job.workers
     threads = threads_per_process(n)
-    torch.set_num_threads(threads)  # the coordinator evaluates between commits
+    torch.set_num_threads(threads)  # the coordinator evaluates while the workers train
     model = build_flat_model(job)
     theta = model.param.clone().share_memory_()
     server = {k: v.share_memory_() for k, v in algorithms.init_server(algo, theta, job.hp).items()}
@@ -220,29 +334,28 @@ def run(job: Job, recorder) -> Result:
         t0 -= float(job.resume.get("time_s", 0.0))
     shared = _share(job)
     ctx = tmp.get_context("spawn")
+    turn = Turn(ctx, n + 1)
     children: list[_Child] = []
     try:
         for w in range(n):
             if w in past["finished"] or w in past["lost_workers"]:
                 continue  # done, or lost, before the checkpoint
-            parent_conn, child_conn = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(w, shared, theta, server, clock, child_conn, threads, t0_wall),
-                            name=f"gem-worker-{w}", daemon=True)
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, name=f"gem-worker-{w}", daemon=True,
+                            args=(w, shared, theta, server, clock, turn, child_conn, threads, t0_wall))
             p.start()
             child_conn.close()
             children.append(_Child(w, p, parent_conn))
-        return _serve(job, recorder, children, theta, server, evaluate, t0, int(clock), past)
+        return _Coordinator(job, recorder, children, turn, theta, server, clock, evaluate, t0, past).serve()
     finally:
-        _stop(children)
+        _stop(children, turn)
 
 
-def _stop(children: list[_Child], grace_s: float = 5.0) -> None:
+def _stop(children: list[_Child], turn: Turn, grace_s: float = 5.0) -> None:
     """Stop every child: ask, then terminate, then kill. Never waits forever."""
     for c in children:
-        try:
-            c.conn.send(("stop",))
-        except (OSError, ValueError):
-            pass
+        if c.process.is_alive():
+            turn.stop(c.index)
     deadline = time.monotonic() + grace_s
     for c in children:
         c.process.join(max(0.0, deadline - time.monotonic()))
@@ -258,174 +371,214 @@ def _stop(children: list[_Child], grace_s: float = 5.0) -> None:
         c.conn.close()
 
 
-class _Checkpoint:
-    """A checkpoint in progress at commit `step`: no turn is granted until every active worker has saved."""
+class _Coordinator:
+    def __init__(self, job, recorder, children, turn, theta, server, clock, evaluate, t0, past):
+        self.job, self.recorder, self.children, self.turn = job, recorder, children, turn
+        self.theta, self.server, self.clock, self.evaluate, self.t0 = theta, server, clock, evaluate, t0
+        self.me = job.workers  # the coordinator's place in the turn
+        self.by_conn = {c.conn: c for c in children}
+        self.by_sentinel = {c.process.sentinel: c for c in children}
+        self.past = past
+        self.lost: list[str] = list(past["lost"])
+        self.finished: list[int] = list(past["finished"])
+        self.ready: set[int] = set()
+        self.saved: set[int] = set()
+        self.rows: list = []  # heap of (step, row, tensors) not yet recorded
+        self.steps = int(clock)  # the last step recorded
+        self.diverged = ""
+        every = job.eval_every
+        self.next_eval = (self.steps // every + 1) * every
+        ck = job.checkpoint_every if job.run_dir else 0
+        self.next_checkpoint = (self.steps // ck + 1) * ck if ck else None
 
-    def __init__(self, job: Job, step: int):
-        self.step = step
-        self.name = f"step-{step:09d}"
-        self.path = Path(job.run_dir) / CHECKPOINT / self.name
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.pending: set[int] = set()
+    def active(self) -> list[_Child]:
+        return [c for c in self.children if not c.finished and not c.lost]
 
-    def finish(self, job, theta, server, past: dict, time_s: float) -> None:
-        save_atomic({"theta": theta, "server": dict(server), "step": self.step, **past}, self.path / "central.pt")
-        write_manifest(job.run_dir, self.step, self.name, job, {"time_s": time_s})
-        for old in (Path(job.run_dir) / CHECKPOINT).glob("step-*"):  # the manifest names the new one now
-            if old.name != self.name:
-                shutil.rmtree(old, ignore_errors=True)
+    def lose(self, c: _Child, why: str) -> None:
+        if c.lost or c.finished:
+            return
+        code = c.process.exitcode
+        c.lost = f"worker {c.index} lost at commit {int(self.clock)} ({why}" + (
+            f", exit code {code})" if code is not None else ")")
+        self.lost.append(c.lost)
+        print(f"gem: {c.lost}; the run goes on with the others", flush=True)
+        if c.process.is_alive():
+            c.process.kill()
+            c.process.join(2.0)
+        self.turn.recover(c.index)
 
+    def lost_workers(self) -> list[int]:
+        return [*self.past["lost_workers"], *(c.index for c in self.children if c.lost)]
 
-def _serve(job: Job, recorder, children: list[_Child], theta, server, evaluate, t0: float, steps: int,
-           past: dict) -> Result:
-    if job.resume is None:
-        recorder.eval(evaluate(theta, 0, t0))
-    by_conn = {c.conn: c for c in children}
-    by_sentinel = {c.process.sentinel: c for c in children}
-    waiting: deque[tuple[float, _Child]] = deque()  # turn requests, oldest first
-    ready = set()
-    lost: list[str] = list(past["lost"])
-    finished: list[int] = list(past["finished"])
-    saving: _Checkpoint | None = None
-
-    def lose(c: _Child, why: str) -> None:
-        if not c.lost and not c.finished:
-            code = c.process.exitcode
-            c.lost = f"worker {c.index} lost at commit {steps} ({why}" + (
-                f", exit code {code})" if code is not None else ")")
-            lost.append(c.lost)
-            print(f"gem: {c.lost}; the run goes on with the others", flush=True)
-
-    def active() -> list[_Child]:
-        return [c for c in children if not c.finished and not c.lost]
-
-    def read(c: _Child) -> tuple | None:
-        try:
-            return c.conn.recv()
-        except (EOFError, OSError):
-            lose(c, "its pipe closed")
-            return None
-
-    def state_of_run() -> dict:
-        return {"finished": finished, "lost": lost,
-                "lost_workers": [*past["lost_workers"], *(c.index for c in children if c.lost)]}
-
-    started = time.monotonic()
-    while active():
-        timeout = START_TIMEOUT_S if len(ready) < len(children) else TURN_TIMEOUT_S
-        live = active()
+    def poll(self, timeout: float) -> bool:
+        """Read whatever the workers have sent, for up to `timeout` s; notice the dead. False: nothing came."""
+        live = self.active()
+        if not live:
+            return True
         events = connection.wait([c.conn for c in live] + [c.process.sentinel for c in live], timeout=timeout)
-        if not events:
-            if len(ready) < len(children) and time.monotonic() - started >= START_TIMEOUT_S:
-                return Result("failed", steps, reason=f"workers did not start within {START_TIMEOUT_S:.0f} s")
-            return Result("failed", steps, reason=f"no worker sent anything for {timeout:.0f} s")
         for e in events:
-            c = by_sentinel.get(e) or by_conn[e]
-            while not c.lost and not c.finished and c.conn.poll():
-                msg = read(c)
-                if msg is None:
-                    break
-                if msg[0] == "ready":
-                    ready.add(c.index)
-                elif msg[0] == "turn":
-                    waiting.append((msg[1], c))
-                elif msg[0] == "finished":
-                    c.finished = True
-                    finished.append(c.index)
-                elif msg[0] == "error":
-                    lose(c, f"raised {msg[1]}")
-            if c.process.exitcode is not None and not c.finished:
-                lose(c, "process died")
-        # first in, first out: the oldest request across all workers gets the next turn
-        waiting = deque(sorted((r for r in waiting if not r[1].lost), key=lambda r: r[0]))
-        if saving is not None:
-            for _, c in waiting:
-                if c.index in saving.pending:
-                    _save(c, saving.path, lose)
-                    saving.pending.discard(c.index)
-            saving.pending &= {c.index for c in active()}
-            if saving.pending:
-                continue  # the others have yet to reach the checkpoint
-            saving.finish(job, theta, server, state_of_run(), time.perf_counter() - t0)
-            saving = None
-        while waiting:
-            _, c = waiting.popleft()
-            outcome = _turn(c, lose)
-            if outcome is None:
-                continue
-            if outcome[0] == "diverged":
-                return Result("diverged", steps, reason=outcome[1])
-            _, row, tensors = outcome
-            if row is None:
-                continue
-            steps = row["step"]
-            recorder.commit(row, [{"step": steps, "worker": c.index, "tensor": name, "tensor_index": i,
-                                   **{k: v[i] for k, v in tensors.items()}}
-                                  for i, name in enumerate(evaluate.model.tensor_names)] if tensors else None)
-            if steps % job.eval_every == 0:
-                if not finite(theta):
-                    return Result("diverged", steps, reason=f"non-finite central variable at commit {steps}")
-                recorder.eval(evaluate(theta, steps, t0))
-            if job.checkpoint_every and job.run_dir and steps % job.checkpoint_every == 0:
-                if not finite(theta):
-                    return Result("diverged", steps, reason=f"non-finite central variable at commit {steps}")
-                recorder.flush()  # the rows up to the checkpoint are on disk before it is named
-                saving = _Checkpoint(job, steps)
-                saving.pending = {c.index for c in active()}
-                break  # the requests still waiting are served after the checkpoint
-    if not finite(theta):
-        return Result("diverged", steps, reason=f"non-finite central variable at commit {steps}")
-    if not finished:
-        return Result("failed", steps, reason="; ".join(lost) or "no worker finished")
-    if recorder.last_eval is None or recorder.last_eval["step"] != steps:
-        recorder.eval(evaluate(theta, steps, t0))
-    return Result("completed", steps, reason="; ".join(lost), extra={"lost_workers": state_of_run()["lost_workers"]})
+            c = self.by_sentinel.get(e) or self.by_conn[e]
+            self.drain(c)
+            if c.process.exitcode is not None and not c.finished and not self.diverged:
+                self.drain(c)
+                self.lose(c, "process died")
+        return bool(events)
 
+    def drain(self, c: _Child) -> None:
+        while True:
+            try:
+                if not c.conn.poll():
+                    return
+                msg = c.conn.recv()
+            except (EOFError, OSError):
+                return
+            kind = msg[0]
+            if kind == "row":
+                heapq.heappush(self.rows, (msg[1]["step"], id(msg), msg[1], msg[2]))
+            elif kind == "ready":
+                self.ready.add(c.index)
+            elif kind == "saved":
+                self.saved.add(c.index)
+            elif kind == "finished":
+                c.finished = True
+                self.finished.append(c.index)
+            elif kind == "diverged":
+                self.diverged = msg[1]
+            elif kind == "error":
+                self.lose(c, f"raised {msg[1]}")
 
-def _save(c: _Child, path: Path, lose) -> None:
-    """Ask worker c, which is waiting for a turn, to write its state into the checkpoint folder."""
-    try:
-        c.conn.send(("save", str(path)))
-    except OSError:
-        lose(c, "its pipe closed")
-        return
-    ready = connection.wait([c.conn, c.process.sentinel], timeout=TURN_TIMEOUT_S)
-    if c.conn not in ready and not c.conn.poll():
-        lose(c, "did not write its checkpoint")
-        return
-    try:
-        msg = c.conn.recv()
-    except (EOFError, OSError):
-        lose(c, "process died while writing its checkpoint")
-        return
-    if msg[0] != "saved":
-        lose(c, f"raised {msg[1]}" if msg[0] == "error" else f"unexpected message {msg[0]!r}")
+    def record(self) -> None:
+        """Record the rows that are next in clock order. A gap left by a worker that died between its commit
+        and its row is filled with a row that says so, once no live worker can still send it."""
+        while self.rows:
+            if self.rows[0][0] != self.steps + 1:
+                if self.rows[0][0] > self.steps + 1 and self._gap_is_final():
+                    step = self.steps + 1
+                    self.recorder.commit({"step": step, "worker": -1, "worker_step": -1, "staleness": -1,
+                                          "loss": float("nan"), "time_s": time.perf_counter() - self.t0,
+                                          "lost_row": True})
+                    self.steps = step
+                    continue
+                return
+            step, _, row, tensors = heapq.heappop(self.rows)
+            names = self.evaluate.model.tensor_names
+            self.recorder.commit(row, [{"step": step, "worker": row["worker"], "tensor": name, "tensor_index": i,
+                                        **{k: v[i] for k, v in tensors.items()}}
+                                       for i, name in enumerate(names)] if tensors else None)
+            self.steps = step
 
+    def _gap_is_final(self) -> bool:
+        # rows are sent under the turn, so a missing one after a later one exists only if its sender died
+        return any(c.lost for c in self.children) and not any(c.conn.poll() for c in self.active())
 
-def _turn(c: _Child, lose) -> tuple | None:
-    """Give worker c the server's turn and wait for it to hand it back. None if the worker was lost."""
-    try:
-        c.conn.send(("go",))
-    except OSError:
-        lose(c, "its pipe closed")
-        return None
-    ready = connection.wait([c.conn, c.process.sentinel], timeout=TURN_TIMEOUT_S)
-    if not ready:
-        c.process.kill()  # hung while holding the turn: it must not touch θ again
-        lose(c, f"held the server's turn for more than {TURN_TIMEOUT_S:.0f} s")
-        return None
-    if c.conn not in ready and not c.conn.poll():
-        lose(c, "process died during its turn")
-        return None
-    try:
-        msg = c.conn.recv()
-    except (EOFError, OSError):
-        lose(c, "process died during its turn")
-        return None
-    if msg[0] == "error":
-        lose(c, f"raised {msg[1]}")
-        return None
-    if msg[0] not in ("done", "diverged"):
-        lose(c, f"unexpected message {msg[0]!r} during its turn")
-        return None
-    return msg
+    def take_turn(self) -> bool:
+        """Take the server's turn (waiting in line like a worker). False if the run must stop."""
+        deadline = time.monotonic() + TURN_TIMEOUT_S
+        self.turn._lock_meta()
+        try:
+            if int(self.turn.state[0]) == -1:
+                self.turn.state[0] = self.me
+                return True
+            self.turn._enqueue(self.me)
+        finally:
+            self.turn.meta.release()
+        while not self.turn.sems[self.me].acquire(timeout=0.05):
+            self.poll(0)  # keep reading rows; notice a holder that died (recover hands the turn on)
+            self.record()
+            if time.monotonic() > deadline:
+                return False
+        return True
+
+    def snapshot_eval(self) -> None:
+        if not self.take_turn():
+            return
+        try:
+            step, theta = int(self.clock), self.theta.clone()
+        finally:
+            self.turn.release()
+        self.poll(0)
+        while self.steps < step and self.poll(TURN_TIMEOUT_S):  # the rows up to it, then the evaluation
+            self.record()
+        self.record()
+        if not finite(theta):
+            self.diverged = self.diverged or f"non-finite central variable at commit {step}"
+            return
+        self.recorder.eval(self.evaluate(theta, step, self.t0))
+
+    def checkpoint(self) -> None:
+        job = self.job
+        base = Path(job.run_dir) / CHECKPOINT
+        pending = base / "pending"
+        shutil.rmtree(pending, ignore_errors=True)
+        pending.mkdir(parents=True)
+        if not self.take_turn():
+            return
+        try:
+            step = int(self.clock)
+            if not finite(self.theta):
+                self.diverged = self.diverged or f"non-finite central variable at commit {step}"
+                return
+            self.saved = set()
+            want = {c.index for c in self.active()}
+            self.turn.ask_to_save(want)
+            deadline = time.monotonic() + TURN_TIMEOUT_S
+            while not want <= self.saved | {c.index for c in self.children if c.lost or c.finished}:
+                if time.monotonic() > deadline:
+                    return  # no checkpoint this time; the last one stands
+                self.poll(POLL_S)
+                self.record()
+            while self.steps < step and self.poll(POLL_S):
+                self.record()
+            self.record()
+            self.recorder.flush()  # the rows up to the checkpoint are on disk before it is named
+            name = f"step-{step:09d}"
+            save_atomic({"theta": self.theta, "server": dict(self.server), "step": step,
+                         "finished": self.finished, "lost": self.lost, "lost_workers": self.lost_workers()},
+                        pending / "central.pt")
+            shutil.rmtree(base / name, ignore_errors=True)
+            os.replace(pending, base / name)
+            write_manifest(job.run_dir, step, name, job, {"time_s": time.perf_counter() - self.t0})
+            for old in base.glob("step-*"):  # the manifest names the new one now
+                if old.name != name:
+                    shutil.rmtree(old, ignore_errors=True)
+        finally:
+            self.turn.release()
+
+    def serve(self) -> Result:
+        job = self.job
+        if job.resume is None:
+            self.recorder.eval(self.evaluate(self.theta, 0, self.t0))
+        started = time.monotonic()
+        while self.active():
+            waiting_for_start = len(self.ready) < len(self.children)
+            timeout = START_TIMEOUT_S if waiting_for_start else TURN_TIMEOUT_S
+            if not self.poll(timeout):
+                why = "did not start" if waiting_for_start else "sent nothing"
+                if not waiting_for_start or time.monotonic() - started >= START_TIMEOUT_S:
+                    return Result("failed", self.steps, reason=f"workers {why} for {timeout:.0f} s")
+            self.record()
+            if self.diverged:
+                return Result("diverged", self.steps, reason=self.diverged)
+            if self.steps >= self.next_eval:
+                self.next_eval = (self.steps // job.eval_every + 1) * job.eval_every
+                self.snapshot_eval()
+            if self.next_checkpoint is not None and self.steps >= self.next_checkpoint:
+                self.next_checkpoint = (self.steps // job.checkpoint_every + 1) * job.checkpoint_every
+                self.checkpoint()
+            if self.diverged:
+                return Result("diverged", self.steps, reason=self.diverged)
+        for c in self.children:  # what the last workers sent before they exited
+            self.drain(c)
+        self.record()
+        while self.rows and self._gap_is_final():
+            self.record()
+        if self.diverged:
+            return Result("diverged", self.steps, reason=self.diverged)
+        if not finite(self.theta):
+            return Result("diverged", self.steps, reason=f"non-finite central variable at commit {self.steps}")
+        if not self.finished:
+            return Result("failed", self.steps, reason="; ".join(self.lost) or "no worker finished")
+        if self.recorder.last_eval is None or self.recorder.last_eval["step"] != self.steps:
+            self.recorder.eval(self.evaluate(self.theta, self.steps, self.t0))
+        return Result("completed", self.steps, reason="; ".join(self.lost),
+                      extra={"lost_workers": self.lost_workers()})
