@@ -93,17 +93,21 @@ def server_rule(theta: torch.Tensor, commit: Commit, staleness: int, hp: Params,
 def _clamped_median(a, zero, top, inner, pi_max: float) -> float:
     """Lower median of a π that is clamped to [0, pi_max], given its masks at 0, at pi_max, and in between.
 
-    Sorted, π is its zeros, then the values inside the interval, then the values at pi_max. Only the
-    inside values need a selection: a plain selection over all of π is slow (introselect with many exact
-    ties at 0 and pi_max costs about 10x more), and a median per commit must stay cheap.
+    Sorted, π is its zeros, then the values inside the interval, then the values at pi_max. With few ties a
+    selection over all of π is quickest; with many (late in training most of π sits at a clamp), numpy's
+    introselect slows down about 4x, so only the inside values are selected from. A median per commit must
+    stay cheap: torch.median costs about 10x more on CPU.
     """
     k = (a.size - 1) // 2
     z = int(np.count_nonzero(zero))
     if k < z:
         return 0.0
-    if k >= a.size - int(np.count_nonzero(top)):
+    c = int(np.count_nonzero(top))
+    if k >= a.size - c:
         return float(pi_max)
-    values = np.compress(inner, a)  # 3x faster than a[inner]
+    if 2 * (z + c) < a.size:
+        return float(np.partition(a, k)[k])
+    values = np.compress(inner, a)
     return float(np.partition(values, k - z)[k - z])
 
 

@@ -53,6 +53,9 @@ from gem.engines.core import (
 START_TIMEOUT_S = 300.0  # a spawned worker imports torch and builds its model: slow on a loaded machine
 TURN_TIMEOUT_S = 120.0  # nothing holds the turn this long unless it is hung
 POLL_S = 1.0  # how often a waiting process checks that the others are still alive
+# a worker sends its commit rows in batches of this many, or this often: each message wakes the coordinator,
+# which on a machine with as many workers as cores takes CPU from a worker
+ROWS_PER_MESSAGE, ROWS_SECONDS = 16, 0.25
 
 GO, SAVE, STOP = 0, 1, 2  # what a worker woken on its semaphore is asked to do
 
@@ -229,8 +232,17 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
         conn.send(("ready",))
         before: dict = {}
         step = done_steps
+        rows: list = []  # commit rows not yet sent: sent in batches, so the coordinator wakes up less often
+        sent_at = time.monotonic()
+
+        def send_rows():
+            nonlocal rows, sent_at
+            if rows:
+                conn.send(("rows", rows))
+                rows, sent_at = [], time.monotonic()
 
         def on_save():  # our state as of our last turn, and the stream and RNGs before the step in hand
+            send_rows()
             save_atomic({"x": x, "state": _plain(state), "step": step - 1, "pulled_at": pulled_at, **before},
                         os.path.join(job.run_dir, CHECKPOINT, "pending", f"worker-{w}.pt"))
             conn.send(("saved", w))
@@ -244,6 +256,7 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
             loss_sum += loss
             local += 1
             if not math.isfinite(loss):
+                send_rows()
                 conn.send(("diverged", f"non-finite loss {loss} at worker {w}, worker step {step}"))
                 return
             asked, asked_at = time.monotonic(), int(clock)
@@ -267,11 +280,13 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
                            # the server's queue: seconds, and commits by others, between asking and the turn
                            "wait_s": waited, "wait_commits": t - 1 - asked_at, "apply_s": applied,
                            **commit.metrics}
-                    # sent while holding the turn: a row is on its way before the next commit can happen
-                    conn.send(("row", row, commit.tensors or None))
+                    rows.append((row, commit.tensors or None))
                     loss_sum, local = 0.0, 0
             finally:
                 turn.release()
+            if len(rows) >= ROWS_PER_MESSAGE or time.monotonic() - sent_at > ROWS_SECONDS:
+                send_rows()
+        send_rows()
         conn.send(("finished", w))
     except (_Gone, BrokenPipeError, EOFError, ConnectionResetError):
         return
@@ -385,6 +400,7 @@ class _Coordinator:
         self.saved: set[int] = set()
         self.rows: list = []  # heap of (step, row, tensors) not yet recorded
         self.steps = int(clock)  # the last step recorded
+        self.last_time = 0.0  # its time_s
         self.diverged = ""
         every = job.eval_every
         self.next_eval = (self.steps // every + 1) * every
@@ -433,8 +449,9 @@ class _Coordinator:
             except (EOFError, OSError):
                 return
             kind = msg[0]
-            if kind == "row":
-                heapq.heappush(self.rows, (msg[1]["step"], id(msg), msg[1], msg[2]))
+            if kind == "rows":
+                for row, tensors in msg[1]:
+                    heapq.heappush(self.rows, (row["step"], id(row), row, tensors))
             elif kind == "ready":
                 self.ready.add(c.index)
             elif kind == "saved":
@@ -448,28 +465,25 @@ class _Coordinator:
                 self.lose(c, f"raised {msg[1]}")
 
     def record(self) -> None:
-        """Record the rows that are next in clock order. A gap left by a worker that died between its commit
-        and its row is filled with a row that says so, once no live worker can still send it."""
-        while self.rows:
-            if self.rows[0][0] != self.steps + 1:
-                if self.rows[0][0] > self.steps + 1 and self._gap_is_final():
-                    step = self.steps + 1
-                    self.recorder.commit({"step": step, "worker": -1, "worker_step": -1, "staleness": -1,
-                                          "loss": float("nan"), "time_s": time.perf_counter() - self.t0,
-                                          "lost_row": True})
-                    self.steps = step
-                    continue
-                return
+        """Record the rows that are next in clock order."""
+        while self.rows and self.rows[0][0] == self.steps + 1:
             step, _, row, tensors = heapq.heappop(self.rows)
             names = self.evaluate.model.tensor_names
             self.recorder.commit(row, [{"step": step, "worker": row["worker"], "tensor": name, "tensor_index": i,
                                         **{k: v[i] for k, v in tensors.items()}}
                                        for i, name in enumerate(names)] if tensors else None)
-            self.steps = step
+            self.steps, self.last_time = step, row["time_s"]
 
-    def _gap_is_final(self) -> bool:
-        # rows are sent under the turn, so a missing one after a later one exists only if its sender died
-        return any(c.lost for c in self.children) and not any(c.conn.poll() for c in self.active())
+    def fill_gaps(self, upto: int) -> None:
+        """Once every live worker has sent its rows (at a checkpoint, and at the end), a commit up to `upto`
+        without a row was made by a worker that died before sending it: record a row that says so."""
+        while self.steps < upto:
+            self.record()
+            if self.steps >= upto or (self.rows and self.rows[0][0] == self.steps + 1):
+                continue
+            self.recorder.commit({"step": self.steps + 1, "worker": -1, "worker_step": -1, "staleness": -1,
+                                  "loss": float("nan"), "time_s": self.last_time, "lost_row": True})
+            self.steps += 1
 
     def take_turn(self) -> bool:
         """Take the server's turn (waiting in line like a worker). False if the run must stop."""
@@ -496,10 +510,6 @@ class _Coordinator:
             step, theta = int(self.clock), self.theta.clone()
         finally:
             self.turn.release()
-        self.poll(0)
-        while self.steps < step and self.poll(TURN_TIMEOUT_S):  # the rows up to it, then the evaluation
-            self.record()
-        self.record()
         if not finite(theta):
             self.diverged = self.diverged or f"non-finite central variable at commit {step}"
             return
@@ -527,9 +537,8 @@ class _Coordinator:
                     return  # no checkpoint this time; the last one stands
                 self.poll(POLL_S)
                 self.record()
-            while self.steps < step and self.poll(POLL_S):
-                self.record()
-            self.record()
+            self.poll(0)
+            self.fill_gaps(step)  # every live worker sent its rows before saving
             self.recorder.flush()  # the rows up to the checkpoint are on disk before it is named
             name = f"step-{step:09d}"
             save_atomic({"theta": self.theta, "server": dict(self.server), "step": step,
@@ -569,9 +578,7 @@ class _Coordinator:
                 return Result("diverged", self.steps, reason=self.diverged)
         for c in self.children:  # what the last workers sent before they exited
             self.drain(c)
-        self.record()
-        while self.rows and self._gap_is_final():
-            self.record()
+        self.fill_gaps(int(self.clock))
         if self.diverged:
             return Result("diverged", self.steps, reason=self.diverged)
         if not finite(self.theta):
