@@ -59,6 +59,31 @@ def sequential_steps_per_s(data, steps: int = 150) -> float:
         torch.set_num_threads(threads)
 
 
+def _independent(root: str, q) -> None:
+    torch.set_num_threads(1)
+    try:
+        data = load_dataset("mnist", root, download=False)
+    except Exception:  # noqa: BLE001
+        data = load_dataset("digits", root, download=False)
+    q.put(sequential_steps_per_s(data, 300))
+
+
+def ideal(root: str, k: int) -> float:
+    """Aggregate steps/s of k independent sequential 1-thread processes running at once: what the cores
+    allow with no communication at all."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_independent, args=(root, q)) for _ in range(k)]
+    for p in procs:
+        p.start()
+    rates = [q.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(30)
+    return sum(rates)
+
+
 def engine_run(data, name: str, workers: int, epochs: int, model: str = "mnist_cnn",
                batch_size: int = BATCH_SIZE):
     params = algorithms.get(name).Params
@@ -130,6 +155,11 @@ def main() -> int:
                 ratios.setdefault((name_, n), []).append(rate / ref)
                 print(f"round {r + 1}: {name_} n={n}: {rate:.1f} worker steps/s, sequential 1 thread "
                       f"{ref:.1f} steps/s: {rate / ref:.2f}x", flush=True)
+    for n in args.workers:
+        before = sequential_steps_per_s(data)
+        rate = ideal(args.root, n)
+        after = sequential_steps_per_s(data)
+        ratios.setdefault(("ideal: independent sequential processes", n), []).append(rate / ((before + after) / 2))
     print(f"\n| engine=process | aggregate worker steps/s / sequential 1-thread SGD steps/s "
           f"(median [range] over {args.rounds} rounds) |")
     print("|---|---|")
