@@ -49,7 +49,6 @@ def finite(theta: torch.Tensor) -> bool:
     return bool(torch.isfinite(theta).all())
 
 
-
 # ------------------------------------------------------------------------------------------- checkpoints
 # <run_dir>/checkpoint/manifest.json names the newest complete checkpoint, <run_dir>/checkpoint/step-NNNNNNNNN/.
 # It is written last, by rename, so a checkpoint is either complete and named, or ignored.

@@ -49,6 +49,7 @@ from gem.engines.core import (
     worker_steps,
     write_manifest,
 )
+from gem.metrics import tensor_rows
 
 START_TIMEOUT_S = 300.0  # a spawned worker imports torch and builds its model: slow on a loaded machine
 TURN_TIMEOUT_S = 120.0  # nothing holds the turn this long unless it is hung
@@ -468,10 +469,7 @@ class _Coordinator:
         """Record the rows that are next in clock order."""
         while self.rows and self.rows[0][0] == self.steps + 1:
             step, _, row, tensors = heapq.heappop(self.rows)
-            names = self.evaluate.model.tensor_names
-            self.recorder.commit(row, [{"step": step, "worker": row["worker"], "tensor": name, "tensor_index": i,
-                                        **{k: v[i] for k, v in tensors.items()}}
-                                       for i, name in enumerate(names)] if tensors else None)
+            self.recorder.commit(row, tensor_rows(row, self.evaluate.model.tensor_names, tensors))
             self.steps, self.last_time = step, row["time_s"]
 
     def fill_gaps(self, upto: int) -> None:

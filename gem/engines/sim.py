@@ -27,6 +27,7 @@ from gem import algorithms
 from gem.data import WorkerStream
 from gem.engines import Job, Result
 from gem.engines.core import Evaluator, build_flat_model, finite, worker_steps
+from gem.metrics import tensor_rows
 
 STALENESS_MODELS = ("round_robin", "exponential", "stragglers")
 
@@ -118,11 +119,7 @@ def run(job: Job, recorder) -> Result:
         row = {"step": t, "worker": w, "worker_step": wk.steps, "staleness": staleness,
                "loss": loss_sum / local, "time_s": time.perf_counter() - t0, "sim_time": now,
                **commit.metrics}
-        tensors = None
-        if commit.tensors:
-            tensors = [{"step": t, "worker": w, "tensor": name, "tensor_index": i,
-                        **{k: v[i] for k, v in commit.tensors.items()}} for i, name in enumerate(names)]
-        recorder.commit(row, tensors)
+        recorder.commit(row, tensor_rows(row, names, commit.tensors))
         if t % job.eval_every == 0:
             if not finite(theta):
                 return Result("diverged", t, reason=f"non-finite central variable at commit {t}")
