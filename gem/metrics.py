@@ -44,7 +44,8 @@ class PartWriter:
         if files:
             table = pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive")
             frame = table.to_pandas()
-            frame = frame[frame["step"] <= step]
+            # a crash between this rewrite and the removal of the parts below would merge them twice
+            frame = frame[frame["step"] <= step].drop_duplicates()
             tmp = self.final.with_suffix(".parquet.tmp")
             pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), tmp)
             os.replace(tmp, self.final)
@@ -137,6 +138,10 @@ class Recorder:
         for t in tensors or ():
             self.writers["tensors"].add(t)
         self.commits += 1
+        if row.get("lost_row"):  # a commit whose worker died before reporting it: no loss to average
+            if self.progress is not None:
+                self.progress.update(1)
+            return
         loss = float(row["loss"])
         self.losses.append(loss)
         self.staleness_sum += int(row["staleness"])
@@ -160,9 +165,11 @@ class Recorder:
     def _restore(self) -> None:
         m = read_table(self.run_dir, "metrics")
         if len(m):
+            self.commits = len(m)
+            if "lost_row" in m:
+                m = m[m["lost_row"] != True]  # noqa: E712 - NaN where the column is missing
             self.losses = m["loss"].astype(float).tolist()
             self.staleness_sum = int(m["staleness"].sum())
-            self.commits = len(m)
             if "pi_median" in m:
                 self.pi_medians = m["pi_median"].dropna().astype(float).tolist()
         ev = read_table(self.run_dir, "eval")
@@ -218,4 +225,4 @@ class Recorder:
 
     @property
     def mean_staleness(self) -> float:
-        return self.staleness_sum / self.commits if self.commits else float("nan")
+        return self.staleness_sum / len(self.losses) if self.losses else float("nan")

@@ -58,7 +58,7 @@ POLL_S = 1.0  # how often a waiting process checks that the others are still ali
 # which on a machine with as many workers as cores takes CPU from a worker
 ROWS_PER_MESSAGE, ROWS_SECONDS = 16, 0.25
 
-GO, SAVE, STOP = 0, 1, 2  # what a worker woken on its semaphore is asked to do
+GO, SAVE, STOP, FLUSH = 0, 1, 2, 3  # what a worker woken on its semaphore is asked to do
 
 
 def threads_per_process(workers: int) -> int:
@@ -77,8 +77,9 @@ class Turn:
     Participants 0..n−1 are the workers and n is the coordinator. `meta` guards a ring buffer of waiting
     participants and the current holder; it is held for a few instructions only. Each participant sleeps on
     its own semaphore, which the releaser posts when the turn is handed to it, or the coordinator posts with
-    `action` set to SAVE (write a checkpoint) or STOP. A lock held by a process that died is taken back by the
-    coordinator (`recover`), so a SIGKILL cannot hang the others.
+    `action` set to SAVE (write a checkpoint), FLUSH (send your rows) or STOP. A lock held by a process that
+    died is taken back by the coordinator (`recover`), so a SIGKILL cannot hang the others. Every wait polls:
+    `waiting()` is called about once a second and may raise to give up.
     """
 
     def __init__(self, ctx, participants: int):
@@ -90,10 +91,14 @@ class Turn:
         self.action = torch.zeros(participants, dtype=torch.long).share_memory_()
         self.size = participants
 
-    def _lock_meta(self, alive=None) -> None:
+    def _lock_meta(self, waiting=None) -> None:
         while not self.meta.acquire(timeout=POLL_S):
-            if alive is not None and not alive():
-                raise _Gone()
+            if waiting is not None:
+                waiting()
+
+    def _line(self) -> list[int]:
+        s = self.state
+        return [int(s[3 + (int(s[1]) + i) % self.size]) for i in range(int(s[2]))]
 
     def _enqueue(self, who: int) -> None:
         s = self.state
@@ -110,78 +115,88 @@ class Turn:
         s[1] = (int(s[1]) + 1) % self.size
         s[2] -= 1
         s[0] = nxt
-        self.action[nxt] = GO
+        if int(self.action[nxt]) != STOP:
+            self.action[nxt] = GO
         self.sems[nxt].release()
 
-    def acquire(self, who: int, alive=None, on_save=None) -> None:
-        """Wait for the turn. `alive()` false: raise _Gone. `on_save()`: write a checkpoint when asked."""
-        self._lock_meta(alive)
+    def acquire(self, who: int, waiting=None, on_request=None) -> None:
+        """Wait for the turn. `on_request(action)`: do what the coordinator asks (SAVE, FLUSH) meanwhile."""
+        self._lock_meta(waiting)
         try:
-            if int(self.action[who]) == STOP:
+            act = int(self.action[who])
+            if act == STOP:
                 raise _Gone()
             if int(self.state[0]) == -1:
                 self.state[0] = who
                 return
             self._enqueue(who)
-            save_now = int(self.action[who]) == SAVE
         finally:
             self.meta.release()
-        if save_now and on_save is not None:  # asked before we queued: no one will wake us for it
+        if act in (SAVE, FLUSH) and on_request is not None:  # asked before we queued: nobody will wake us
             self.action[who] = GO
-            on_save()
+            on_request(act)
         while True:
             if not self.sems[who].acquire(timeout=POLL_S):
-                if alive is not None and not alive():
-                    raise _Gone()
+                if waiting is not None:
+                    waiting()
                 continue
             act = int(self.action[who])
             if act == STOP:
                 raise _Gone()
-            if act == SAVE:
+            if act in (SAVE, FLUSH):
                 self.action[who] = GO
-                if on_save is not None:
-                    on_save()
+                if on_request is not None:
+                    on_request(act)
                 continue
             return  # GO: the turn is ours
 
-    def release(self) -> None:
-        self._lock_meta()
+    def release(self, waiting=None) -> None:
+        self._lock_meta(waiting)
         try:
             self._hand_over()
         finally:
             self.meta.release()
 
-    def ask_to_save(self, workers: set[int]) -> None:
-        """(coordinator, holding the turn) Ask these workers to write their state: at once if they wait in
-        line, else as soon as they queue."""
-        self._lock_meta()
+    def ask(self, workers: set[int], action: int, waiting=None) -> None:
+        """(coordinator, holding the turn) Ask these workers to SAVE or FLUSH: at once if they wait in line,
+        else as soon as they queue."""
+        self._lock_meta(waiting)
         try:
-            waiting = {int(self.state[3 + (int(self.state[1]) + i) % self.size]) for i in range(int(self.state[2]))}
+            line = set(self._line())
             for w in workers:
-                self.action[w] = SAVE
-                if w in waiting:
+                self.action[w] = action
+                if w in line:
                     self.sems[w].release()
         finally:
             self.meta.release()
 
     def stop(self, who: int) -> None:
-        self.action[who] = STOP
+        if self.meta.acquire(timeout=2.0):
+            try:
+                self.action[who] = STOP
+            finally:
+                self.meta.release()
+        else:
+            self.action[who] = STOP
         self.sems[who].release()
 
-    def recover(self, dead: int) -> None:
-        """(coordinator) Take the turn, and any place in line, back from a participant that died."""
-        if not self.meta.acquire(timeout=2.0):  # it died inside the few instructions that hold meta
+    def recover(self, gone: int) -> None:
+        """(coordinator) Take the turn, and any place in line, back from a participant that died, or from the
+        coordinator itself when it gives up waiting."""
+        if not self.meta.acquire(timeout=2.0):
+            # meta is held for a few instructions only: after 2 s its holder is the process that died
             self.meta.release()
-            self.meta.acquire(timeout=2.0)
+            if not self.meta.acquire(timeout=2.0):
+                return
         try:
             s = self.state
-            line = [int(s[3 + (int(s[1]) + i) % self.size]) for i in range(int(s[2]))]
-            if dead in line:
-                line.remove(dead)
+            line = self._line()
+            if gone in line:
+                line.remove(gone)
                 s[1], s[2] = 0, 0
                 for w in line:
                     self._enqueue(w)
-            if int(s[0]) == dead:
+            if int(s[0]) == gone:
                 self._hand_over()
         finally:
             self.meta.release()
@@ -204,19 +219,24 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the coordinator stops us
     torch.set_num_threads(threads)
     parent = multiprocessing.parent_process()
-    alive = parent.is_alive if parent is not None else None
+
+    def waiting():  # called about once a second while this worker waits for a lock
+        if parent is not None and not parent.is_alive():
+            raise _Gone()
+
     try:
         algo = algorithms.get(job.algorithm)
         hp, data = job.hp, job.data
         model = build_flat_model(job)
         torch.manual_seed(job.seed * 1_000_003 + 7919 * (w + 1))  # this worker's dropout draws
+        # the coordinator holds the server's turn until every worker is ready, so θ and the clock are still
         x = model.param  # the worker's local copy: gradients are taken right here, no copy per step
         x.copy_(theta)
         layout = list(zip(model.tensor_names, model.slices, strict=True))
         state = algo.init_state(theta, hp, layout)
         stream = WorkerStream(len(data.train_y), job.batch_size, job.seed, w)
         budget = worker_steps(job)
-        done_steps, pulled_at, loss_sum, local = 0, 0, 0.0, 0
+        done_steps, pulled_at, loss_sum, local = 0, int(clock), 0.0, 0
         if job.resume is not None:
             saved = load_checkpoint(os.path.join(job.resume["path"], f"worker-{w}.pt"))
             x.copy_(saved["x"])
@@ -242,8 +262,12 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
                 conn.send(("rows", rows))
                 rows, sent_at = [], time.monotonic()
 
-        def on_save():  # our state as of our last turn, and the stream and RNGs before the step in hand
+        def on_request(action):
             send_rows()
+            if action == FLUSH:
+                conn.send(("flushed", w))
+                return
+            # SAVE: our state as of our last turn, and the stream and RNGs before the step in hand
             save_atomic({"x": x, "state": _plain(state), "step": step - 1, "pulled_at": pulled_at, **before},
                         os.path.join(job.run_dir, CHECKPOINT, "pending", f"worker-{w}.pt"))
             conn.send(("saved", w))
@@ -261,7 +285,7 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
                 conn.send(("diverged", f"non-finite loss {loss} at worker {w}, worker step {step}"))
                 return
             asked, asked_at = time.monotonic(), int(clock)
-            turn.acquire(w, alive, on_save)
+            turn.acquire(w, waiting, on_request)
             try:
                 waited = time.monotonic() - asked
                 commit = algo.worker_rule(state, x, model.grad, theta, hp, server)
@@ -284,7 +308,7 @@ def _worker(w: int, job: Job, theta: torch.Tensor, server: dict, clock: torch.Te
                     rows.append((row, commit.tensors or None))
                     loss_sum, local = 0.0, 0
             finally:
-                turn.release()
+                turn.release(waiting)
             if len(rows) >= ROWS_PER_MESSAGE or time.monotonic() - sent_at > ROWS_SECONDS:
                 send_rows()
         send_rows()
@@ -351,6 +375,7 @@ def run(job: Job, recorder) -> Result:
     shared = _share(job)
     ctx = tmp.get_context("spawn")
     turn = Turn(ctx, n + 1)
+    turn.state[0] = n  # the coordinator holds the turn until every worker is ready: all start from one θ
     children: list[_Child] = []
     try:
         for w in range(n):
@@ -398,7 +423,10 @@ class _Coordinator:
         self.lost: list[str] = list(past["lost"])
         self.finished: list[int] = list(past["finished"])
         self.ready: set[int] = set()
-        self.saved: set[int] = set()
+        self.replies: set[int] = set()  # workers that answered the current SAVE or FLUSH request
+        self.reply_kind = ""
+        self.need_sync = False  # a worker was lost: its unsent rows leave a gap to fill
+        self.started = False  # the coordinator holds the turn until every worker is ready
         self.rows: list = []  # heap of (step, row, tensors) not yet recorded
         self.steps = int(clock)  # the last step recorded
         self.last_time = 0.0  # its time_s
@@ -423,6 +451,7 @@ class _Coordinator:
             c.process.kill()
             c.process.join(2.0)
         self.turn.recover(c.index)
+        self.need_sync = True
 
     def lost_workers(self) -> list[int]:
         return [*self.past["lost_workers"], *(c.index for c in self.children if c.lost)]
@@ -455,8 +484,8 @@ class _Coordinator:
                     heapq.heappush(self.rows, (row["step"], id(row), row, tensors))
             elif kind == "ready":
                 self.ready.add(c.index)
-            elif kind == "saved":
-                self.saved.add(c.index)
+            elif kind in ("saved", "flushed"):
+                self.replies.add(c.index)
             elif kind == "finished":
                 c.finished = True
                 self.finished.append(c.index)
@@ -484,9 +513,10 @@ class _Coordinator:
             self.steps += 1
 
     def take_turn(self) -> bool:
-        """Take the server's turn (waiting in line like a worker). False if the run must stop."""
+        """Take the server's turn, waiting in line like a worker while reading rows and watching for the
+        dead (`lose` hands a dead holder's turn on). False, out of line again, if it did not come in time."""
         deadline = time.monotonic() + TURN_TIMEOUT_S
-        self.turn._lock_meta()
+        self.turn._lock_meta(self._waiting)
         try:
             if int(self.turn.state[0]) == -1:
                 self.turn.state[0] = self.me
@@ -495,11 +525,51 @@ class _Coordinator:
         finally:
             self.turn.meta.release()
         while not self.turn.sems[self.me].acquire(timeout=0.05):
-            self.poll(0)  # keep reading rows; notice a holder that died (recover hands the turn on)
-            self.record()
+            self._waiting()
             if time.monotonic() > deadline:
+                self.turn.recover(self.me)
                 return False
         return True
+
+    def _waiting(self) -> None:
+        self.poll(0)
+        self.record()
+
+    def release_turn(self) -> None:
+        self.turn.release(self._waiting)
+
+    def collect(self, action: int, reply: str) -> None:
+        """(holding the turn) Ask every active worker to SAVE or FLUSH and wait for each one's reply; a worker
+        that does not answer in time is lost."""
+        self.replies = set()
+        want = {c.index for c in self.active()}
+        self.reply_kind = reply
+        self.turn.ask(want, action, self._waiting)
+        deadline = time.monotonic() + TURN_TIMEOUT_S
+        while not self.diverged:
+            missing = [c for c in self.active() if c.index in want and c.index not in self.replies]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                for c in missing:
+                    self.lose(c, f"did not answer a {reply} request within {TURN_TIMEOUT_S:.0f} s")
+                break
+            self.poll(POLL_S)
+            self.record()
+        self.poll(0)
+
+    def sync(self) -> None:
+        """After a worker is lost: every live worker sends its rows, and the commits of the lost one that have
+        no row get a row that says so. Without this, recording (and evaluations and checkpoints, which follow
+        it) would wait at the first missing row until the end of the run."""
+        self.need_sync = False
+        if not self.take_turn():
+            return
+        try:
+            self.collect(FLUSH, "flushed")
+            self.fill_gaps(int(self.clock))
+        finally:
+            self.release_turn()
 
     def snapshot_eval(self) -> None:
         if not self.take_turn():
@@ -507,7 +577,7 @@ class _Coordinator:
         try:
             step, theta = int(self.clock), self.theta.clone()
         finally:
-            self.turn.release()
+            self.release_turn()
         if not finite(theta):
             self.diverged = self.diverged or f"non-finite central variable at commit {step}"
             return
@@ -526,17 +596,10 @@ class _Coordinator:
             if not finite(self.theta):
                 self.diverged = self.diverged or f"non-finite central variable at commit {step}"
                 return
-            self.saved = set()
-            want = {c.index for c in self.active()}
-            self.turn.ask_to_save(want)
-            deadline = time.monotonic() + TURN_TIMEOUT_S
-            while not want <= self.saved | {c.index for c in self.children if c.lost or c.finished}:
-                if time.monotonic() > deadline:
-                    return  # no checkpoint this time; the last one stands
-                self.poll(POLL_S)
-                self.record()
-            self.poll(0)
-            self.fill_gaps(step)  # every live worker sent its rows before saving
+            self.collect(SAVE, "saved")  # every live worker sends its rows, then writes its state
+            if self.diverged:
+                return
+            self.fill_gaps(step)
             self.recorder.flush()  # the rows up to the checkpoint are on disk before it is named
             name = f"step-{step:09d}"
             save_atomic({"theta": self.theta, "server": dict(self.server), "step": step,
@@ -549,7 +612,7 @@ class _Coordinator:
                 if old.name != name:
                     shutil.rmtree(old, ignore_errors=True)
         finally:
-            self.turn.release()
+            self.release_turn()
 
     def serve(self) -> Result:
         job = self.job
@@ -563,9 +626,14 @@ class _Coordinator:
                 why = "did not start" if waiting_for_start else "sent nothing"
                 if not waiting_for_start or time.monotonic() - started >= START_TIMEOUT_S:
                     return Result("failed", self.steps, reason=f"workers {why} for {timeout:.0f} s")
+            if not self.started and all(c.index in self.ready or c.lost for c in self.children):
+                self.started = True
+                self.release_turn()  # every worker has copied θ: the race begins
             self.record()
             if self.diverged:
                 return Result("diverged", self.steps, reason=self.diverged)
+            if self.need_sync and self.started and self.active():
+                self.sync()
             if self.steps >= self.next_eval:
                 self.next_eval = (self.steps // job.eval_every + 1) * job.eval_every
                 self.snapshot_eval()
