@@ -16,8 +16,8 @@ all of them copy the same θ at the same clock, and after that holds no lock on 
 commit rows from that worker's pipe, puts them in clock order, and is the only process that writes files and
 W&B. It takes the turn itself to read θ for an evaluation, and for a checkpoint, during which every worker
 writes its own state. It watches every worker's process: a worker killed mid-run (SIGKILL included) is
-recorded, the turn is taken back from it if it held it, the others are asked to send the rows they hold so
-that the lost worker's unreported commits can be marked (`lost_row`), and the run goes on with the others. Every wait has a
+recorded, the turn is taken back from it if it held it, the others are asked to send the rows they
+hold so that the lost worker's unreported commits can be marked (`lost_row`), and the run goes on. Every wait has a
 timeout, workers exit when the coordinator disappears, and the coordinator stops every child on the way out,
 Ctrl-C and SIGTERM included.
 """
