@@ -100,10 +100,15 @@ def engine_run(data, name: str, workers: int, epochs: int, model: str = "mnist_c
     return m
 
 
-def throughput(data, name, workers, epochs) -> float:
+def throughput(data, name, workers, epochs) -> tuple[float, float]:
+    """(whole run, while all workers run) aggregate commits per second. Each worker has the same budget, but
+    the OS does not share the cores exactly evenly, so the last workers finish alone: the second figure
+    leaves that tail out, as the ideal below (independent processes) does."""
     m = engine_run(data, name, workers, epochs)
     t = m["time_s"]
-    return (len(m) - 1) / (t.iloc[-1] - t.iloc[0])
+    whole = (len(m) - 1) / (t.iloc[-1] - t.iloc[0])
+    full = m[t <= m.groupby("worker")["time_s"].max().min()]
+    return whole, (len(full) - 1) / (full["time_s"].iloc[-1] - full["time_s"].iloc[0])
 
 
 def startup_ratio(tmp: Path) -> tuple[float, float, float]:
@@ -131,7 +136,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default="../shared/data")
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=8, help="passes over the data per worker (long enough that "
+                    "start-up and the initial evaluation do not dominate)")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     try:
@@ -148,13 +154,15 @@ def main() -> int:
         for name_ in ("gem", "downpour"):
             for n in args.workers:
                 before = sequential_steps_per_s(data)
-                rate = throughput(data, name_, n, args.epochs)
+                rate, rate_full = throughput(data, name_, n, args.epochs)
                 after = sequential_steps_per_s(data)
                 ref = (before + after) / 2
                 refs.append(ref)
                 ratios.setdefault((name_, n), []).append(rate / ref)
-                print(f"round {r + 1}: {name_} n={n}: {rate:.1f} worker steps/s, sequential 1 thread "
-                      f"{ref:.1f} steps/s: {rate / ref:.2f}x", flush=True)
+                ratios.setdefault((name_ + ", while all workers run", n), []).append(rate_full / ref)
+                print(f"round {r + 1}: {name_} n={n}: {rate:.1f} worker steps/s ({rate_full:.1f} while all run), "
+                      f"sequential 1 thread {ref:.1f} steps/s: {rate / ref:.2f}x ({rate_full / ref:.2f}x)",
+                      flush=True)
     for n in args.workers:
         before = sequential_steps_per_s(data)
         rate = ideal(args.root, n)
