@@ -1,0 +1,110 @@
+"""Load run directories, or whole sweeps, into tidy pandas DataFrames.
+
+    from analysis.load import runs, commits
+    r = runs("multirun/2026-11-21/13-52-44-846955")        # one row per run: config + summary
+    m = commits(["multirun/a", "multirun/b"])              # one row per commit, with its run's columns
+
+A run directory is any folder with a `summary.json` or a `.hydra/config.yaml`; a sweep is any folder above
+them. Every run is kept, whatever its status: `completed`, `diverged`, `failed`, or `incomplete` when it has no
+summary (killed before it could write one). Config columns are the composed config, flattened to dotted keys
+(`lr`, `workers`, `algorithm.kappa`, `engine.staleness`, ...; a group's `name` becomes the group's own column,
+`algorithm`, `engine`, `model`, `data`), so runs of different sweeps line up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from gem.metrics import read_table
+
+SUMMARY_COLUMNS = ("status", "reason", "steps", "final_train_loss", "val_loss", "val_accuracy", "mean_staleness",
+                   "pi_median", "wall_time_s", "lost_workers")
+GROUPS = ("algorithm", "engine", "model", "data", "logger")
+
+
+def find_runs(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
+    """Every run directory at or below the given paths, sorted, each once."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    found: set[Path] = set()
+    for p in map(Path, paths):
+        if not p.exists():
+            raise FileNotFoundError(f"{p}: no such run or sweep directory")
+        if _is_run(p):
+            found.add(p.resolve())
+            continue
+        for marker in list(p.rglob("summary.json")) + list(p.rglob(".hydra/config.yaml")):
+            run = marker.parent if marker.name == "summary.json" else marker.parent.parent
+            if _is_run(run) and "wandb" not in run.parts:
+                found.add(run.resolve())
+    return sorted(found)
+
+
+def _is_run(p: Path) -> bool:
+    return (p / "summary.json").exists() or (p / ".hydra" / "config.yaml").exists()
+
+
+def flatten(node: dict, prefix: str = "") -> dict:
+    """Nested config to dotted keys; `<group>.name` becomes `<group>`."""
+    out = {}
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        elif k == "name" and prefix.rstrip(".") in GROUPS:
+            out[prefix.rstrip(".")] = v
+        else:
+            out[key] = v
+    return out
+
+
+def run_record(run_dir: Path) -> dict:
+    """One run's config and summary as a flat dict."""
+    rec: dict = {}
+    config = run_dir / ".hydra" / "config.yaml"
+    if config.exists():
+        node = yaml.safe_load(config.read_text()) or {}
+        node.pop("hydra", None)
+        rec.update({k: v for k, v in flatten(node).items() if not k.startswith("logger.")})
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    for k in ("algorithm", "engine", "workers", "model", "data", "seed", "lr", "momentum", "batch_size", "epochs"):
+        if k in summary:
+            rec[k] = summary[k]  # what actually ran (sequential algorithms run 1 worker, say)
+    for k in SUMMARY_COLUMNS:
+        rec[k] = summary.get(k)
+    rec["status"] = summary.get("status", "incomplete")
+    if isinstance(rec.get("lost_workers"), list):
+        rec["lost_workers"] = len(rec["lost_workers"])
+    rec["run_dir"] = str(run_dir)
+    return rec
+
+
+def runs(paths) -> pd.DataFrame:
+    """One row per run: config columns, then summary columns; `run_dir` identifies the run."""
+    records = [run_record(d) for d in find_runs(paths)]
+    return pd.DataFrame.from_records(records)
+
+
+def commits(paths, table: str = "metrics", columns: Iterable[str] | None = None) -> pd.DataFrame:
+    """The rows of `table` (metrics, eval or tensors) of every run, each joined with its run's columns
+    (`columns`, default: every config and summary column). Runs without that table add no rows."""
+    meta = runs(paths)
+    keep = list(columns) if columns is not None else [c for c in meta.columns if c != "reason"]
+    if "run_dir" not in keep:
+        keep.append("run_dir")
+    frames = []
+    for rec in meta[keep].to_dict("records"):
+        t = read_table(rec["run_dir"], table)
+        if len(t):
+            clash = [c for c in rec if c in t.columns and c != "run_dir"]
+            frames.append(t.assign(**{c: rec[c] for c in rec if c not in clash}))
+    if not frames:
+        return pd.DataFrame(columns=keep)
+    return pd.concat(frames, ignore_index=True)

@@ -1,0 +1,68 @@
+"""analysis.load: a small sweep made here, with a diverged and a killed run, into tidy frames."""
+
+import json
+
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from analysis.load import commits, find_runs, flatten, runs
+from experiments.config import compose
+from experiments.runner import run
+
+COMMON = ["engine=sim", "epochs=1", "logger.wandb.mode=disabled", "logger.eval_every=10"]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    jobs = [["algorithm=gem", "workers=2"], ["algorithm=downpour", "workers=3"], ["algorithm=sgd", "lr=1e6"]]
+    for i, overrides in enumerate(jobs):
+        d = root / str(i)
+        cfg = compose(overrides + COMMON)
+        (d / ".hydra").mkdir(parents=True)
+        OmegaConf.save(cfg, d / ".hydra" / "config.yaml", resolve=True)
+        run(cfg, d)
+    killed = root / "3"  # killed before it wrote a summary: config and flushed rows only
+    (killed / ".hydra").mkdir(parents=True)
+    OmegaConf.save(compose(["algorithm=adaptive"] + COMMON), killed / ".hydra" / "config.yaml", resolve=True)
+    return root
+
+
+def test_runs_has_one_row_per_run_with_config_and_status(sweep):
+    r = runs(sweep).set_index("algorithm")
+    assert sorted(r.index) == ["adaptive", "downpour", "gem", "sgd"]
+    assert r.loc["gem", "status"] == "completed" and r.loc["gem", "workers"] == 2
+    assert r.loc["sgd", "status"] == "diverged" and r.loc["sgd", "lr"] == 1e6
+    assert r.loc["adaptive", "status"] == "incomplete" and pd.isna(r.loc["adaptive", "steps"])
+    assert r.loc["gem", "algorithm.kappa"] == 1.0 and r.loc["downpour", "algorithm.window"] == 1
+    assert r.loc["gem", "engine"] == "sim" and r.loc["gem", "data"] == "digits"
+    assert r.loc["gem", "pi_median"] > 0 and r.loc["downpour", "mean_staleness"] == pytest.approx(2.0, abs=0.2)
+
+
+def test_commits_joins_each_row_with_its_run(sweep):
+    r = runs(sweep)
+    m = commits(sweep)
+    steps = r.set_index("run_dir")["steps"].dropna()
+    assert m.groupby("run_dir").size().to_dict() == {k: int(v) for k, v in steps.items() if v}
+    gem_rows = m[m["algorithm"] == "gem"]
+    assert gem_rows["pi_median"].notna().all() and (gem_rows["workers"] == 2).all()
+    t = commits(sweep, "tensors", columns=["algorithm", "workers"])
+    assert set(t["algorithm"]) == {"gem"} and len(t) == 10 * len(gem_rows)
+    ev = commits(sweep, "eval", columns=["algorithm", "seed"])
+    assert {"step", "val_loss", "algorithm", "seed", "run_dir"} <= set(ev.columns)
+
+
+def test_find_runs_accepts_runs_sweeps_and_lists(sweep, tmp_path):
+    assert len(find_runs(sweep)) == 4
+    assert find_runs([sweep / "0", sweep / "1", sweep / "0"]) == sorted({(sweep / "0").resolve(),
+                                                                        (sweep / "1").resolve()})
+    with pytest.raises(FileNotFoundError, match="no such run or sweep directory"):
+        find_runs(tmp_path / "missing")
+    assert json.loads((sweep / "0" / "summary.json").read_text())["status"] == "completed"
+
+
+def test_flatten_names_groups_by_their_choice():
+    assert flatten({"algorithm": {"name": "gem", "kappa": 2}, "lr": 0.1, "data": {"name": "mnist",
+                    "synthetic": {"seed": 3}}}) == {"algorithm": "gem", "algorithm.kappa": 2, "lr": 0.1,
+                                                    "data": "mnist", "data.synthetic.seed": 3}
