@@ -133,7 +133,8 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
             except OSError as e:  # the flushed parts are still on disk and readable
                 summary["reason"] = (summary["reason"] + "; " if summary["reason"] else "") + str(e)
             # validation numbers describe the final central variable only: a diverged or failed run has none
-            ev = recorder.last_eval if recorder.last_eval and recorder.last_eval["step"] == result.steps else {}
+            final = result.status == "completed" and recorder.last_eval and recorder.last_eval["step"] == result.steps
+            ev = recorder.last_eval if final else {}
             summary.update(final_train_loss=_finite_or_none(recorder.final_train_loss),
                            val_loss=_finite_or_none(ev.get("val_loss")), val_accuracy=ev.get("val_accuracy"),
                            mean_staleness=_finite_or_none(recorder.mean_staleness))

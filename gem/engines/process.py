@@ -493,6 +493,7 @@ class _Coordinator:
                 self.finished.append(c.index)
             elif kind == "diverged":
                 self.diverged = msg[1]
+                c.finished = True  # it has stopped and will send nothing more (not counted as finished)
             elif kind == "error":
                 self.lose(c, f"raised {msg[1]}")
 
@@ -540,7 +541,7 @@ class _Coordinator:
     def release_turn(self) -> None:
         self.turn.release(self._waiting)
 
-    def collect(self, action: int, reply: str) -> None:
+    def collect(self, action: int, reply: str, stop_on_divergence: bool = True) -> None:
         """(holding the turn) Ask every active worker to SAVE or FLUSH and wait for each one's reply; a worker
         that does not answer in time is lost."""
         self.replies = set()
@@ -548,7 +549,7 @@ class _Coordinator:
         self.reply_kind = reply
         self.turn.ask(want, action, self._waiting)
         deadline = time.monotonic() + TURN_TIMEOUT_S
-        while not self.diverged:
+        while not (stop_on_divergence and self.diverged):
             missing = [c for c in self.active() if c.index in want and c.index not in self.replies]
             if not missing:
                 break
@@ -569,6 +570,17 @@ class _Coordinator:
             return
         try:
             self.collect(FLUSH, "flushed")
+            self.fill_gaps(int(self.clock))
+        finally:
+            self.release_turn()
+
+    def flush_all(self) -> None:
+        """Before returning early (divergence): every live worker sends the rows it holds, so that the
+        commits made before the end are recorded in order."""
+        if not self.take_turn():
+            return
+        try:
+            self.collect(FLUSH, "flushed", stop_on_divergence=False)
             self.fill_gaps(int(self.clock))
         finally:
             self.release_turn()
@@ -633,6 +645,7 @@ class _Coordinator:
                 self.release_turn()  # every worker has copied θ: the race begins
             self.record()
             if self.diverged:
+                self.flush_all()
                 return Result("diverged", self.steps, reason=self.diverged)
             if self.need_sync and self.started and self.active():
                 self.sync()
@@ -643,6 +656,7 @@ class _Coordinator:
                 self.next_checkpoint = (self.steps // job.checkpoint_every + 1) * job.checkpoint_every
                 self.checkpoint()
             if self.diverged:
+                self.flush_all()
                 return Result("diverged", self.steps, reason=self.diverged)
         for c in self.children:  # what the last workers sent before they exited
             self.drain(c)
