@@ -20,7 +20,7 @@ def test_default_config_composes_and_validates():
     validate(cfg)
 
 
-@pytest.mark.parametrize("group", ["algorithm", "engine", "model", "data", "logger"])
+@pytest.mark.parametrize("group", ["algorithm", "engine", "model", "data", "logger", "experiment"])
 def test_every_group_option_composes(group):
     for option in options(group):
         overrides = [f"{group}={option}"]
@@ -43,7 +43,7 @@ BAD = [
     (["lr=-0.1"], "lr=-0.1 is not allowed; lr must be a finite number > 0"),
     (["lr=inf"], "lr=inf is not allowed; lr must be a finite number > 0"),
     (["algorithm=sgd,sgd"], "algorithm=sgd,sgd is a sweep; add -m (--multirun)"),
-    (["experiment=fig1"], "experiment=fig1 is not an option; no experiment configs exist yet"),
+    (["experiment=fig99"], "experiment=fig99 is not an option; choose one of: fig1, fig1_quick"),
     (["engine=sim", "engine.straggler_fraction=0"],
      "engine.straggler_fraction=0.0 is not allowed; it must be a number in (0, 1]"),
     (["logger.flush_seconds=-1"], "logger.flush_seconds=-1.0 is not allowed; it must be a number > 0"),
