@@ -8,22 +8,11 @@ per cycle as one worker would, which is stable but slow.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from gem.algorithms import Commit, downpour
 
-
-@dataclass(frozen=True)
-class Params:
-    lr: float = 0.05
-    momentum: float = 0.9
-    window: int = 1  # λ: local steps between commits
-    local_momentum: float = 0.0  # the workers' own momentum; 0: plain SGD steps, as downpour
-
-    def __post_init__(self):
-        downpour.check_local(self)
+Params = downpour.Params  # the same keys and defaults: window 1, local_momentum 0
 
 
 init_state = downpour.init_state

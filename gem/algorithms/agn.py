@@ -15,14 +15,8 @@ from gem.algorithms import Commit, downpour
 
 
 @dataclass(frozen=True)
-class Params:
-    lr: float = 0.05
-    momentum: float = 0.9
+class Params(downpour.Params):
     window: int = 10  # λ: local steps between commits, and the normaliser of the commit
-    local_momentum: float = 0.0  # the workers' own momentum; 0: plain SGD steps, as downpour
-
-    def __post_init__(self):
-        downpour.check_local(self)
 
 
 init_state = downpour.init_state

@@ -27,15 +27,10 @@ class Params:
     window: int = 1  # λ: local steps between commits
     local_momentum: float = 0.0  # the workers' own momentum; 0: plain SGD steps (DESIGN §2)
 
-    def __post_init__(self):
-        check_local(self)
-
-
-def check_local(hp) -> None:
-    """The checks shared by the local-step algorithms (downpour, adaptive, agn)."""
-    require(isinstance(hp.window, int) and hp.window >= 1, "window", hp.window, "an integer >= 1")
-    require(isinstance(hp.local_momentum, (int, float)) and 0 <= hp.local_momentum < 1, "local_momentum",
-            hp.local_momentum, "a number in [0, 1)")
+    def __post_init__(self):  # inherited by adaptive's and agn's Params
+        require(isinstance(self.window, int) and self.window >= 1, "window", self.window, "an integer >= 1")
+        require(isinstance(self.local_momentum, (int, float)) and 0 <= self.local_momentum < 1, "local_momentum",
+                self.local_momentum, "a number in [0, 1)")
 
 
 def init_state(theta: torch.Tensor, hp, layout=()) -> dict:

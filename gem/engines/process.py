@@ -121,8 +121,10 @@ class Turn:
             self.action[nxt] = GO
         self.sems[nxt].release()
 
-    def acquire(self, who: int, waiting=None, on_request=None) -> None:
-        """Wait for the turn. `on_request(action)`: do what the coordinator asks (SAVE, FLUSH) meanwhile."""
+    def acquire(self, who: int, waiting=None, on_request=None, timeout: float | None = None) -> bool:
+        """Wait for the turn. `on_request(action)`: do what the coordinator asks (SAVE, FLUSH) meanwhile.
+        With a `timeout`, give up after it, out of line again, and return False."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._lock_meta(waiting)
         try:
             act = int(self.action[who])
@@ -130,7 +132,7 @@ class Turn:
                 raise _Gone()
             if int(self.state[0]) == -1:
                 self.state[0] = who
-                return
+                return True
             self._enqueue(who)
         finally:
             self.meta.release()
@@ -141,6 +143,9 @@ class Turn:
             if not self.sems[who].acquire(timeout=POLL_S):
                 if waiting is not None:
                     waiting()
+                if deadline is not None and time.monotonic() > deadline:
+                    self.recover(who)  # out of line, or the turn handed on if it came just now
+                    return False
                 continue
             act = int(self.action[who])
             if act == STOP:
@@ -150,7 +155,7 @@ class Turn:
                 if on_request is not None:
                     on_request(act)
                 continue
-            return  # GO: the turn is ours
+            return True  # GO: the turn is ours
 
     def release(self, waiting=None) -> None:
         self._lock_meta(waiting)
@@ -426,7 +431,6 @@ class _Coordinator:
         self.finished: list[int] = list(past["finished"])
         self.ready: set[int] = set()
         self.replies: set[int] = set()  # workers that answered the current SAVE or FLUSH request
-        self.reply_kind = ""
         self.need_sync = False  # a worker was lost: its unsent rows leave a gap to fill
         self.started = False  # the coordinator holds the turn until every worker is ready
         self.rows: list = []  # heap of (step, row, tensors) not yet recorded
@@ -518,21 +522,7 @@ class _Coordinator:
     def take_turn(self) -> bool:
         """Take the server's turn, waiting in line like a worker while reading rows and watching for the
         dead (`lose` hands a dead holder's turn on). False, out of line again, if it did not come in time."""
-        deadline = time.monotonic() + TURN_TIMEOUT_S
-        self.turn._lock_meta(self._waiting)
-        try:
-            if int(self.turn.state[0]) == -1:
-                self.turn.state[0] = self.me
-                return True
-            self.turn._enqueue(self.me)
-        finally:
-            self.turn.meta.release()
-        while not self.turn.sems[self.me].acquire(timeout=0.05):
-            self._waiting()
-            if time.monotonic() > deadline:
-                self.turn.recover(self.me)
-                return False
-        return True
+        return self.turn.acquire(self.me, self._waiting, timeout=TURN_TIMEOUT_S)
 
     def _waiting(self) -> None:
         self.poll(0)
@@ -546,7 +536,6 @@ class _Coordinator:
         that does not answer in time is lost."""
         self.replies = set()
         want = {c.index for c in self.active()}
-        self.reply_kind = reply
         self.turn.ask(want, action, self._waiting)
         deadline = time.monotonic() + TURN_TIMEOUT_S
         while not (stop_on_divergence and self.diverged):
@@ -561,26 +550,15 @@ class _Coordinator:
             self.record()
         self.poll(0)
 
-    def sync(self) -> None:
-        """After a worker is lost: every live worker sends its rows, and the commits of the lost one that have
-        no row get a row that says so. Without this, recording (and evaluations and checkpoints, which follow
-        it) would wait at the first missing row until the end of the run."""
+    def flush_all(self, stop_on_divergence: bool = True) -> None:
+        """Every live worker sends the rows it holds; commits with no row left are those of lost workers and
+        get a row that says so. Needed after a loss (else recording, and the evaluations and checkpoints
+        that follow it, would wait at the first missing row until the end) and before stopping early."""
         self.need_sync = False
         if not self.take_turn():
             return
         try:
-            self.collect(FLUSH, "flushed")
-            self.fill_gaps(int(self.clock))
-        finally:
-            self.release_turn()
-
-    def flush_all(self) -> None:
-        """Before returning early (divergence): every live worker sends the rows it holds, so that the
-        commits made before the end are recorded in order."""
-        if not self.take_turn():
-            return
-        try:
-            self.collect(FLUSH, "flushed", stop_on_divergence=False)
+            self.collect(FLUSH, "flushed", stop_on_divergence)
             self.fill_gaps(int(self.clock))
         finally:
             self.release_turn()
@@ -645,10 +623,10 @@ class _Coordinator:
                 self.release_turn()  # every worker has copied θ: the race begins
             self.record()
             if self.diverged:
-                self.flush_all()
+                self.flush_all(stop_on_divergence=False)
                 return Result("diverged", self.steps, reason=self.diverged)
             if self.need_sync and self.started and self.active():
-                self.sync()
+                self.flush_all()
             if self.steps >= self.next_eval:
                 self.next_eval = (self.steps // job.eval_every + 1) * job.eval_every
                 self.snapshot_eval()
@@ -656,7 +634,7 @@ class _Coordinator:
                 self.next_checkpoint = (self.steps // job.checkpoint_every + 1) * job.checkpoint_every
                 self.checkpoint()
             if self.diverged:
-                self.flush_all()
+                self.flush_all(stop_on_divergence=False)
                 return Result("diverged", self.steps, reason=self.diverged)
         for c in self.children:  # what the last workers sent before they exited
             self.drain(c)
