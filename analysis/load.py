@@ -72,6 +72,7 @@ def run_record(run_dir: Path) -> dict:
         node = yaml.safe_load(config.read_text()) or {}
         node.pop("hydra", None)
         rec.update({k: v for k, v in flatten(node).items() if not k.startswith("logger.")})
+    rec["experiment"] = experiment_of(run_dir)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     for k in ("algorithm", "engine", "workers", "model", "data", "seed", "lr", "momentum", "batch_size", "epochs"):
@@ -84,6 +85,25 @@ def run_record(run_dir: Path) -> dict:
         rec["lost_workers"] = len(rec["lost_workers"])
     rec["run_dir"] = str(run_dir)
     return rec
+
+
+def experiment_of(run_dir: Path) -> str | None:
+    """The `experiment=` a run was launched with (Hydra records the choice in `.hydra/hydra.yaml`)."""
+    path = run_dir / ".hydra" / "hydra.yaml"
+    if not path.exists():
+        return None
+    in_choices = False
+    for line in path.read_text().splitlines():  # a line scan: yaml-loading all of hydra.yaml is 20x slower
+        if line.rstrip() == "    choices:":  # hydra.runtime.choices
+            in_choices = True
+            continue
+        if in_choices:
+            key, _, value = line.strip().partition(":")
+            if not line.startswith("      "):
+                return None
+            if key == "experiment":
+                return None if value.strip() in ("", "null") else value.strip()
+    return None
 
 
 def runs(paths) -> pd.DataFrame:

@@ -102,8 +102,23 @@ class LoggerConfig:
 GROUP_SCHEMAS = {"engine": EngineConfig, "model": ModelConfig, "data": DataConfig, "logger": LoggerConfig}
 
 
+def per_worker(total: int, *, _root_: DictConfig) -> int:
+    """`${per_worker:256}`: split a total evenly over the workers that will run (1 for a sequential algorithm).
+
+    Experiments use it for a fixed effective batch (fig4: b = B/n with B = 256) and for the same data budget
+    at every n (fig4, fig5: epochs per worker = total epochs / n)."""
+    name = _root_.algorithm.get("name")
+    sequential = name in algorithms.ALGORITHMS and getattr(algorithms.get(name), "SEQUENTIAL", False)
+    n = 1 if sequential else int(_root_.workers)
+    if n < 1 or int(total) % n:
+        raise ConfigError(f"per_worker:{total} does not split evenly over workers={n}; "
+                          f"pick workers that divide {total}")
+    return int(total) // n
+
+
 def register() -> None:
     ConfigStore.instance().store(name="base_config", node=Config)
+    OmegaConf.register_new_resolver("per_worker", per_worker, replace=True)
 
 
 register()

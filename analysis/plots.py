@@ -1,0 +1,188 @@
+"""Plots in the paper's style, drawn from the tidy frames of `analysis.load`.
+
+    from analysis import load, plots
+    m = load.commits(sweep)                                # one row per commit, with its run's config
+    fig, ax = plt.subplots()
+    plots.curves(m[m.algorithm == "gem"], ax, x="worker_step", y="loss", hue="workers")
+
+Every curve is one line per `hue` value: the mean over the runs that share it (the seeds), with a band from the
+lowest to the highest run. A run's rows are first averaged into bins along x (so the commits of n workers at
+the same worker step become one point), which is also the only smoothing. A run that diverged ends in a cross
+at its last finite point. Losses go on a log scale, as in the paper.
+"""
+
+from __future__ import annotations
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on a cluster node or in CI
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+BINS = 200  # points per curve: enough to show a spike, few enough to average the commits of 30 workers
+LABELS = {
+    "worker_step": "worker steps",
+    "step": "parameter server updates",
+    "time_s": "seconds",
+    "epoch": "epochs of data",
+    "loss": "training loss",
+    "pi_median": "median π",
+    "val_loss": "validation loss",
+    "train_loss": "training loss",
+    "workers": "n",
+    "algorithm.kappa": "κ",
+}
+
+
+def label(key: str) -> str:
+    return LABELS.get(key, key)
+
+
+def binned(run: pd.DataFrame, x: str, y: str, edges: np.ndarray) -> pd.Series:
+    """One run's y averaged within the bins of x given by `edges`; indexed by bin centre. Non-finite y (a
+    diverged run) are dropped."""
+    v = run[[x, y]].replace([np.inf, -np.inf], np.nan).dropna()
+    if v.empty:
+        return pd.Series(dtype=float)
+    idx = np.clip(np.searchsorted(edges, v[x].to_numpy(), side="right") - 1, 0, len(edges) - 2)
+    centres = (edges[:-1] + edges[1:]) / 2
+    return v[y].groupby(centres[idx]).mean()
+
+
+def edges_for(values: pd.Series, bins: int = BINS) -> np.ndarray:
+    """Bin edges from 0 to the largest x: integer-aligned for counts (worker steps, updates), so a bin
+    never splits a step."""
+    hi = float(values.max()) if len(values) else 1.0
+    if pd.api.types.is_integer_dtype(values) or (len(values) and np.allclose(values, np.round(values))):
+        width = max(1, math.ceil(hi / bins))
+        return np.arange(0.5, hi + width + 0.5, width, dtype=float)
+    return np.linspace(0.0, hi * (1 + 1e-9), bins + 1)
+
+
+def aggregate(frame: pd.DataFrame, x: str, y: str, hue: str, bins: int = BINS) -> pd.DataFrame:
+    """Tidy curves: one row per (hue, x bin) with the mean, min and max over runs and how many runs had a
+    value there."""
+    out = []
+    for key, group in frame.groupby(hue, sort=True, dropna=False):
+        edges = edges_for(group[x], bins)
+        per_run = pd.DataFrame({r: binned(g, x, y, edges) for r, g in group.groupby("run_dir")})
+        if per_run.empty:
+            continue
+        out.append(pd.DataFrame({hue: key, x: per_run.index, "mean": per_run.mean(axis=1),
+                                 "lo": per_run.min(axis=1), "hi": per_run.max(axis=1),
+                                 "runs": per_run.notna().sum(axis=1)}))
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=[hue, x, "mean", "lo", "hi", "runs"])
+
+
+def _fmt(hue: str, value) -> str:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"{label(hue)} = {value}" if hue in ("workers", "algorithm.kappa") else str(value)
+
+
+def colours(values) -> dict:
+    cmap = plt.get_cmap("viridis" if len(values) > 6 else "tab10")
+    n = max(len(values) - 1, 1)
+    return {v: cmap(i / n if len(values) > 6 else i) for i, v in enumerate(values)}
+
+
+def curves(frame: pd.DataFrame, ax, x: str = "worker_step", y: str = "loss", hue: str = "workers",
+           log: bool | None = None, bins: int = BINS, palette: dict | None = None, band: bool = True) -> pd.DataFrame:
+    """Mean over seeds with a min–max band, one line per value of `hue`. Returns the aggregated frame."""
+    agg = aggregate(frame, x, y, hue, bins)
+    values = sorted(agg[hue].unique(), key=lambda v: (isinstance(v, str), v))
+    palette = palette or colours(values)
+    for v in values:
+        c = agg[agg[hue] == v]
+        ax.plot(c[x], c["mean"], color=palette[v], lw=1.4, label=_fmt(hue, v))
+        if band and c["runs"].max() > 1:
+            ax.fill_between(c[x], c["lo"], c["hi"], color=palette[v], alpha=0.2, lw=0)
+    _mark_diverged(frame, ax, x, y, hue, palette)
+    if log if log is not None else y in ("loss", "val_loss", "train_loss"):
+        ax.set_yscale("log")
+    ax.set_xlabel(label(x))
+    ax.set_ylabel(label(y))
+    ax.grid(True, which="major", alpha=0.3)
+    return agg
+
+
+def _mark_diverged(frame, ax, x, y, hue, palette) -> None:
+    if "status" not in frame.columns:
+        return
+    for (v, _), g in frame[frame["status"] == "diverged"].groupby([hue, "run_dir"]):
+        ok = g[np.isfinite(g[y].astype(float))]
+        if len(ok) and v in palette:
+            last = ok.sort_values(x).iloc[-1]
+            ax.plot([last[x]], [last[y]], marker="x", ms=8, mew=2, color=palette[v], ls="none")
+
+
+def final_loss(runs: pd.DataFrame, ax, x: str = "workers", hue: str = "algorithm",
+               y: str = "final_train_loss") -> pd.DataFrame:
+    """Fig. 1(d): a run's final loss against n, mean over seeds with min–max error bars, one line per hue.
+    Diverged runs count at their last finite loss when they have one; runs without a loss are left out."""
+    r = runs.dropna(subset=[y])
+    agg = r.groupby([hue, x])[y].agg(["mean", "min", "max", "count"]).reset_index()
+    palette = colours(sorted(agg[hue].unique()))
+    for v, g in agg.groupby(hue):
+        ax.errorbar(g[x], g["mean"], yerr=[g["mean"] - g["min"], g["max"] - g["mean"]], marker="o", capsize=3,
+                    color=palette[v], label=str(v))
+    ax.set_yscale("log")
+    ax.set_xlabel(label(x))
+    ax.set_ylabel("final " + label("loss"))
+    ax.set_xticks(sorted(agg[x].unique()))
+    ax.grid(True, which="major", alpha=0.3)
+    return agg
+
+
+def pi_heatmap(tensors: pd.DataFrame, ax, value: str = "pi_median", bins: int = BINS, vmax: float | None = None):
+    """Figs. 9/10: the per-tensor median π (rows, in the model's order) against parameter-server updates
+    (columns, binned: the median over the commits in a bin). Returns the image for a colour bar."""
+    t = tensors.sort_values("tensor_index")
+    names = t.drop_duplicates("tensor_index").set_index("tensor_index")["tensor"]
+    edges = edges_for(t["step"], bins)
+    idx = np.clip(np.searchsorted(edges, t["step"].to_numpy(), side="right") - 1, 0, len(edges) - 2)
+    grid = (t.assign(bin=idx).groupby(["tensor_index", "bin"])[value].median().unstack("bin")
+            .reindex(index=names.index, columns=range(len(edges) - 1)))
+    image = ax.imshow(grid.to_numpy(dtype=float), aspect="auto", interpolation="nearest", cmap="magma",
+                      origin="upper", extent=(edges[0], edges[-1], len(names) - 0.5, -0.5), vmin=0, vmax=vmax)
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names.tolist(), fontsize=7)
+    ax.set_xlabel(label("step"))
+    return image
+
+
+def time_to_target(frame: pd.DataFrame, target: float, x: str = "worker_step", y: str = "loss",
+                   bins: int = BINS) -> pd.DataFrame:
+    """For each run, the first x (and the seconds) at which its binned curve (`curves` draws the same) is at
+    or below `target`; NaN when it never gets there."""
+    out = []
+    for run_dir, g in frame.groupby("run_dir"):
+        edges = edges_for(g[x], bins)
+        curve = binned(g, x, y, edges)
+        hit = curve[curve <= target]
+        rec = {"run_dir": run_dir, x: np.nan, "time_s": np.nan}
+        if len(hit):
+            at = hit.index[0]
+            near = g[(g[x] - at).abs() <= (edges[1] - edges[0])]
+            rec["time_s"] = float(near["time_s"].median()) if "time_s" in g and len(near) else np.nan
+            rec[x] = at  # after time_s: when x is time_s, the bin centre is the answer
+        out.append(rec)
+    return pd.DataFrame(out, columns=list(dict.fromkeys(["run_dir", x, "time_s"])))
+
+
+def save(fig, out_dir, name: str, formats=("png", "pdf")) -> list:
+    """Write `fig` as <out_dir>/<name>.<fmt> for each format; returns the paths."""
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for fmt in formats:
+        p = out / f"{name}.{fmt}"
+        fig.savefig(p, dpi=150, bbox_inches="tight")
+        paths.append(p)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,248 @@
+"""One function per paper figure (DESIGN §5). Each takes the run directories of a sweep and returns a
+matplotlib Figure; `python -m paper_figures <id> <sweep_dir>` saves it as <id>.png and <id>.pdf.
+
+The figures are drawn from what the runs recorded (analysis.load): commit rows for the loss and π curves,
+evaluation rows for fig5, per-tensor rows for the heatmaps. Nothing is hard-coded but the paper's layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from analysis import load, plots
+from analysis.plots import plt
+
+
+class NoRuns(ValueError):
+    """The sweep has no runs this figure can use: one line that says what it needs."""
+
+
+# The experiments whose sweeps each figure reads, in order of preference (`<name>_quick` counts as <name>).
+SOURCES = {
+    "fig1": ("fig1",), "fig2": ("fig2",), "fig3": ("fig3", "fig1"), "fig4": ("fig4",), "fig5": ("fig5",),
+    "fig6": ("fig6",), "fig7": ("fig7", "fig9_10"), "fig8": ("fig8",), "fig9": ("fig9_10", "fig7"),
+    "fig10": ("fig9_10", "fig7"), "fig9_10": ("fig9_10", "fig7"), "baselines": ("baselines",),
+}
+COMMIT_COLUMNS = ["algorithm", "workers", "seed", "status", "experiment", "algorithm.kappa", "lr", "data", "engine",
+                  "epochs", "steps", "batch_size"]
+
+
+def _need(frame: pd.DataFrame, what: str) -> pd.DataFrame:
+    if frame.empty:
+        raise NoRuns(what)
+    return frame
+
+
+def _commits(paths, algorithm: str | None = None, table: str = "metrics") -> pd.DataFrame:
+    m = load.commits(paths, table, columns=COMMIT_COLUMNS)
+    if algorithm is not None and len(m):
+        m = m[m["algorithm"] == algorithm]
+    return m
+
+
+def _title(fig, number: str, what: str, frame: pd.DataFrame) -> None:
+    """The figure's number and what it shows, then what the runs were: data, engine, seeds, quick or full."""
+    runs = frame.drop_duplicates("run_dir")
+    bits = []
+    for col in ("data", "engine"):
+        if col in runs and runs[col].notna().any():
+            bits.append("/".join(sorted(map(str, runs[col].dropna().unique()))))
+    if "seed" in runs:
+        bits.append(f"{runs['seed'].nunique()} seed{'s' if runs['seed'].nunique() > 1 else ''}")
+    exps = sorted(map(str, runs["experiment"].dropna().unique())) if "experiment" in runs else []
+    if exps:
+        bits.append("sweep " + ", ".join(exps))
+    fig.suptitle(f"{number}: {what}\n({'; '.join(bits)})", fontsize=10)
+
+
+def fig1(paths):
+    """(a–c) training loss against worker steps for GEM, DOWNPOUR and adaptive, one line per n; (d) the final
+    loss against n."""
+    m = _need(_commits(paths), "fig1 needs the runs of a fig1 sweep (gem, downpour, adaptive × n)")
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
+    algos = [a for a in ("gem", "downpour", "adaptive") if a in set(m["algorithm"])]
+    palette = plots.colours(sorted(m["workers"].unique()))
+    for ax, a in zip(axes[:3], algos, strict=False):
+        plots.curves(m[m["algorithm"] == a], ax, x="worker_step", y="loss", hue="workers", palette=palette)
+        ax.set_title(a)
+    axes[0].legend(fontsize=8)
+    axes[1].sharey(axes[0])
+    axes[2].sharey(axes[0])
+    r = load.runs(paths)
+    plots.final_loss(r[r["algorithm"].isin(algos)], axes[3])
+    axes[3].set_title("final loss (last 10% of commits)")
+    axes[3].legend(fontsize=8)
+    _title(fig, "Fig. 1", "training loss against worker steps, and the final loss against n", m)
+    fig.tight_layout()
+    return fig
+
+
+def fig2(paths):
+    """GEM's training loss against seconds, one line per n (100 workers in the paper)."""
+    m = _need(_commits(paths, "gem"), "fig2 needs GEM runs (a fig2 sweep)")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    plots.curves(m, ax, x="time_s", y="loss", hue="workers")
+    ax.legend(fontsize=8)
+    _title(fig, "Fig. 2", "GEM, training loss against wall-clock seconds", m)
+    fig.tight_layout()
+    return fig
+
+
+def fig3(paths):
+    """GEM's median π against worker steps, one line per n; beside it, the fraction of π clamped to 0 (the
+    median is 0 whenever more than half of the elements are)."""
+    m = _need(_commits(paths, "gem"), "fig3 needs GEM runs (a fig3 or fig1 sweep)")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    plots.curves(m, axes[0], x="worker_step", y="pi_median", hue="workers", log=False)
+    plots.curves(m, axes[1], x="worker_step", y="pi_zero_frac", hue="workers", log=False)
+    axes[1].set_ylabel("fraction of π clamped to 0")
+    axes[0].legend(fontsize=8)
+    _title(fig, "Fig. 3", "GEM's median π (each commit's median over all elements) against worker steps", m)
+    fig.tight_layout()
+    return fig
+
+
+def common_target(m: pd.DataFrame, x: str, hue: str) -> float:
+    """The lowest loss every curve reaches: the highest of the curves' minima (mean over seeds)."""
+    agg = plots.aggregate(m, x, "loss", hue)
+    return float(agg.groupby(hue)["mean"].min().max())
+
+
+def fig4(paths):
+    """(a) GEM's training loss against seconds for each n at a fixed effective batch; (b) the speedup to a
+    common loss, relative to n = 1."""
+    m = _need(_commits(paths, "gem"), "fig4 needs GEM runs on engine=process (a fig4 sweep)")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    plots.curves(m, axes[0], x="time_s", y="loss", hue="workers")
+    target = common_target(m, "time_s", "workers")
+    axes[0].axhline(target, color="grey", ls=":", lw=1)
+    axes[0].legend(fontsize=8)
+    hit = plots.time_to_target(m, target, x="time_s").merge(m.drop_duplicates("run_dir")[["run_dir", "workers"]])
+    t = hit.groupby("workers")["time_s"].median()
+    if 1 in t.index and np.isfinite(t.loc[1]):
+        speedup = t.loc[1] / t
+        ns = np.array(sorted(speedup.index))
+        axes[1].plot(ns, speedup.loc[ns], marker="o", label="GEM")
+        axes[1].plot(ns, ns, ls="--", color="grey", label="linear")
+        axes[1].set_xscale("log", base=2)
+        axes[1].set_xticks(ns, [str(n) for n in ns])
+        axes[1].set_ylabel(f"speedup to loss {target:.3g} (median over seeds)")
+        axes[1].legend(fontsize=8)
+    else:
+        axes[1].text(0.5, 0.5, "no n = 1 run reached the common loss", ha="center", transform=axes[1].transAxes)
+    axes[1].set_xlabel("n")
+    axes[1].grid(True, alpha=0.3)
+    _title(fig, "Fig. 4", "wall-clock speedup at a fixed effective batch (b = B/n)", m)
+    fig.tight_layout()
+    return fig
+
+
+def data_epochs(ev: pd.DataFrame) -> pd.Series:
+    """Epochs of data behind each evaluation: commits × (workers × epochs per worker) / all commits."""
+    return ev["step"] * ev["workers"] * ev["epochs"] / ev["steps"]
+
+
+def fig5(paths):
+    """GEM against its proxy, momentum SGD: training and validation loss of the central variable against
+    epochs of data processed."""
+    ev = _need(_commits(paths, table="eval"), "fig5 needs evaluation rows of gem and sgd runs (a fig5 sweep)")
+    ev = ev[ev["steps"] > 0].assign(epoch=lambda d: data_epochs(d))
+    ev["who"] = [f"{a} (n = {n})" if a != "sgd" else "momentum SGD"
+                 for a, n in zip(ev["algorithm"], ev["workers"], strict=True)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    palette = plots.colours(sorted(ev["who"].unique()))
+    for ax, y in zip(axes, ("train_loss", "val_loss"), strict=False):
+        plots.curves(ev, ax, x="epoch", y=y, hue="who", palette=palette, bins=1000)
+        ax.set_title(plots.label(y))
+    axes[0].legend(fontsize=8)
+    _title(fig, "Fig. 5", "generalisation: training and validation loss of the central variable", ev)
+    fig.tight_layout()
+    return fig
+
+
+def fig6(paths):
+    """η = 0.1: GEM, DOWNPOUR and momentum SGD, one panel per n. Momentum SGD runs one worker, so its runs are
+    the same reference in every panel."""
+    m = _need(_commits(paths), "fig6 needs gem, downpour and sgd runs (a fig6 sweep)")
+    sgd = m[m["algorithm"] == "sgd"]
+    sgd = sgd[sgd["run_dir"].isin(sgd.drop_duplicates("seed")["run_dir"])]  # one run per seed: they are equal
+    asy = m[m["algorithm"] != "sgd"]
+    ns = sorted(asy["workers"].unique()) or [1]
+    fig, axes = plt.subplots(1, len(ns), figsize=(5 * len(ns), 4), sharey=True, squeeze=False)
+    palette = plots.colours(["adaptive", "downpour", "gem", "momentum SGD"])
+    for ax, n in zip(axes[0], ns, strict=False):
+        panel = pd.concat([asy[asy["workers"] == n], sgd.assign(algorithm="momentum SGD")])
+        plots.curves(panel, ax, x="worker_step", y="loss", hue="algorithm", palette=palette)
+        ax.set_title(f"n = {n}")
+    axes[0][0].legend(fontsize=8)
+    lr = ", ".join(f"{v:g}" for v in sorted(m["lr"].unique()))
+    _title(fig, "Fig. 6", f"a misspecified learning rate (η = {lr})", m)
+    fig.tight_layout()
+    return fig
+
+
+def fig7(paths):
+    """AlexNet with n = 8 and 16 GEM workers at a fixed effective batch: training loss and median π against
+    worker steps."""
+    m = _need(_commits(paths, "gem"), "fig7 needs GEM runs (a fig7 or fig9_10 sweep)")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    plots.curves(m, axes[0], x="worker_step", y="loss", hue="workers")
+    plots.curves(m, axes[1], x="worker_step", y="pi_median", hue="workers", log=False)
+    axes[0].legend(fontsize=8)
+    _title(fig, "Fig. 7", "AlexNet, training loss and median π against worker steps", m)
+    fig.tight_layout()
+    return fig
+
+
+def fig8(paths):
+    """κ, the energy amplification: training loss and median π against worker steps, one line per κ."""
+    m = _need(_commits(paths, "gem"), "fig8 needs GEM runs with several algorithm.kappa (a fig8 sweep)")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    palette = plots.colours(sorted(m["algorithm.kappa"].unique()))
+    plots.curves(m, axes[0], x="worker_step", y="loss", hue="algorithm.kappa", palette=palette)
+    plots.curves(m, axes[1], x="worker_step", y="pi_median", hue="algorithm.kappa", palette=palette, log=False)
+    axes[0].legend(fontsize=8)
+    ns = ", ".join(str(n) for n in sorted(m["workers"].unique()))
+    _title(fig, "Fig. 8", f"GEM with κ ∈ {{{', '.join(f'{k:g}' for k in sorted(palette))}}}, n = {ns}", m)
+    fig.tight_layout()
+    return fig
+
+
+def heatmaps(paths, ns=None, number="Figs. 9 and 10"):
+    t = _need(_commits(paths, "gem", table="tensors"), "the π heatmaps need the per-tensor rows of GEM runs "
+              "(a fig9_10 or fig7 sweep)")
+    ns = [n for n in (ns or sorted(t["workers"].unique())) if n in set(t["workers"])]
+    if not ns:
+        raise NoRuns("the π heatmaps need GEM runs with the requested number of workers")
+    fig, axes = plt.subplots(1, len(ns), figsize=(7 * len(ns), 4.5), squeeze=False)
+    for ax, n in zip(axes[0], ns, strict=False):
+        tn = t[t["workers"] == n]
+        seed = tn["seed"].min()
+        run = tn[tn["seed"] == seed]
+        run = run[run["run_dir"] == run["run_dir"].iloc[0]]
+        image = plots.pi_heatmap(run, ax)
+        ax.set_title(f"n = {n} (seed {seed})")
+        fig.colorbar(image, ax=ax, label="median π of the tensor")
+    _title(fig, number, "per-tensor median π against parameter-server updates", t)
+    fig.tight_layout()
+    return fig
+
+
+def fig9(paths):
+    """The per-tensor median π heatmap with 8 workers."""
+    return heatmaps(paths, [8], "Fig. 9")
+
+
+def fig10(paths):
+    """The per-tensor median π heatmap with 16 workers."""
+    return heatmaps(paths, [16], "Fig. 10")
+
+
+def fig9_10(paths):
+    """Both heatmaps side by side (every n in the sweep)."""
+    return heatmaps(paths)
+
+
+FIGURES = {"fig1": fig1, "fig2": fig2, "fig3": fig3, "fig4": fig4, "fig5": fig5, "fig6": fig6, "fig7": fig7,
+           "fig8": fig8, "fig9": fig9, "fig10": fig10, "fig9_10": fig9_10}
