@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+OFF_SCALE = 10.0  # loss axes stop at 10x the starting loss; a run beyond it is diverging, marked, not scaled to
 BINS = 200  # points per curve: enough to show a spike, few enough to average the commits of 30 workers
 LABELS = {
     "worker_step": "worker steps",
@@ -56,10 +57,12 @@ def edges_for(values: pd.Series, bins: int = BINS) -> np.ndarray:
     """Bin edges from 0 to the largest x: integer-aligned for counts (worker steps, updates), so a bin
     never splits a step."""
     hi = float(values.max()) if len(values) else 1.0
+    lo = min(0.0, float(values.min())) if len(values) else 0.0
     if pd.api.types.is_integer_dtype(values) or (len(values) and np.allclose(values, np.round(values))):
-        width = max(1, math.ceil(hi / bins))
-        return np.arange(0.5, hi + width + 0.5, width, dtype=float)
-    return np.linspace(0.0, hi * (1 + 1e-9), bins + 1)
+        first = float(np.floor(values.min())) if len(values) else 0.0  # 1 for worker steps, 0 for evaluations
+        width = max(1, math.ceil((hi - first + 1) / bins))
+        return np.arange(first - 0.5, hi + width + 0.5, width, dtype=float)
+    return np.linspace(lo, hi + abs(hi) * 1e-9 + 1e-12, bins + 1)
 
 
 def aggregate(frame: pd.DataFrame, x: str, y: str, hue: str, bins: int = BINS) -> pd.DataFrame:
@@ -94,38 +97,57 @@ def curves(frame: pd.DataFrame, ax, x: str = "worker_step", y: str = "loss", hue
     """Mean over seeds with a min–max band, one line per value of `hue`. Returns the aggregated frame."""
     agg = aggregate(frame, x, y, hue, bins)
     values = sorted(agg[hue].unique(), key=lambda v: (isinstance(v, str), v))
+    if palette:  # the caller's order (the paper's order of algorithms, say), for the legend too
+        order = {v: i for i, v in enumerate(palette)}
+        values = sorted(values, key=lambda v: order.get(v, len(order)))
     palette = palette or colours(values)
     for v in values:
         c = agg[agg[hue] == v]
         ax.plot(c[x], c["mean"], color=palette[v], lw=1.4, label=_fmt(hue, v))
         if band and c["runs"].max() > 1:
             ax.fill_between(c[x], c["lo"], c["hi"], color=palette[v], alpha=0.2, lw=0)
-    _mark_diverged(frame, ax, x, y, hue, palette)
-    if log if log is not None else y in ("loss", "val_loss", "train_loss"):
+    log = log if log is not None else y in ("loss", "val_loss", "train_loss")
+    top = None
+    if log and len(agg):
         ax.set_yscale("log")
+        # a diverging run reaches 1e30: keep the scale on the others, at most 10x where the curves start
+        start = agg.sort_values(x).groupby(hue)["mean"].first().median()
+        if np.isfinite(start) and start > 0 and agg["hi"].max() > OFF_SCALE * start:
+            top = OFF_SCALE * start
+            ax.set_ylim(top=top)
+    _mark_diverged(frame, ax, x, y, hue, palette, top)
     ax.set_xlabel(label(x))
     ax.set_ylabel(label(y))
     ax.grid(True, which="major", alpha=0.3)
     return agg
 
 
-def _mark_diverged(frame, ax, x, y, hue, palette) -> None:
+def same_y(axes) -> None:
+    """One y-range for panels that are compared side by side: the union of their (already capped) ranges."""
+    lims = [ax.get_ylim() for ax in axes]
+    for ax in axes:
+        ax.set_ylim(min(lo for lo, _ in lims), max(hi for _, hi in lims))
+
+
+def _mark_diverged(frame, ax, x, y, hue, palette, top=None) -> None:
+    """A cross at each diverged run's last finite point (on the top edge when that is off the scale)."""
     if "status" not in frame.columns:
         return
     for (v, _), g in frame[frame["status"] == "diverged"].groupby([hue, "run_dir"]):
         ok = g[np.isfinite(g[y].astype(float))]
         if len(ok) and v in palette:
             last = ok.sort_values(x).iloc[-1]
-            ax.plot([last[x]], [last[y]], marker="x", ms=8, mew=2, color=palette[v], ls="none")
+            at = min(last[y], top) if top is not None else last[y]
+            ax.plot([last[x]], [at], marker="x", ms=8, mew=2, color=palette[v], ls="none", clip_on=False)
 
 
 def final_loss(runs: pd.DataFrame, ax, x: str = "workers", hue: str = "algorithm",
-               y: str = "final_train_loss") -> pd.DataFrame:
+               y: str = "final_train_loss", palette: dict | None = None) -> pd.DataFrame:
     """Fig. 1(d): a run's final loss against n, mean over seeds with min–max error bars, one line per hue.
     Diverged runs count at their last finite loss when they have one; runs without a loss are left out."""
     r = runs.dropna(subset=[y])
     agg = r.groupby([hue, x])[y].agg(["mean", "min", "max", "count"]).reset_index()
-    palette = colours(sorted(agg[hue].unique()))
+    palette = palette or colours(sorted(agg[hue].unique()))
     for v, g in agg.groupby(hue):
         ax.errorbar(g[x], g["mean"], yerr=[g["mean"] - g["min"], g["max"] - g["mean"]], marker="o", capsize=3,
                     color=palette[v], label=str(v))
@@ -139,12 +161,13 @@ def final_loss(runs: pd.DataFrame, ax, x: str = "workers", hue: str = "algorithm
 
 def pi_heatmap(tensors: pd.DataFrame, ax, value: str = "pi_median", bins: int = BINS, vmax: float | None = None):
     """Figs. 9/10: the per-tensor median π (rows, in the model's order) against parameter-server updates
-    (columns, binned: the median over the commits in a bin). Returns the image for a colour bar."""
+    (columns, binned: the mean over the commits in a bin, as a downsampled image would). Returns the image for
+    a colour bar."""
     t = tensors.sort_values("tensor_index")
     names = t.drop_duplicates("tensor_index").set_index("tensor_index")["tensor"]
     edges = edges_for(t["step"], bins)
     idx = np.clip(np.searchsorted(edges, t["step"].to_numpy(), side="right") - 1, 0, len(edges) - 2)
-    grid = (t.assign(bin=idx).groupby(["tensor_index", "bin"])[value].median().unstack("bin")
+    grid = (t.assign(bin=idx).groupby(["tensor_index", "bin"])[value].mean().unstack("bin")
             .reindex(index=names.index, columns=range(len(edges) - 1)))
     image = ax.imshow(grid.to_numpy(dtype=float), aspect="auto", interpolation="nearest", cmap="magma",
                       origin="upper", extent=(edges[0], edges[-1], len(names) - 0.5, -0.5), vmin=0, vmax=vmax)

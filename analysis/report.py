@@ -83,10 +83,9 @@ def curves_figure(runs: pd.DataFrame, m: pd.DataFrame, target: float):
         plots.curves(m[m["workers"] == n], ax, x="worker_step", y="loss", hue="algorithm", palette=palette)
         ax.axhline(target, color="grey", ls=":", lw=1)
         ax.set_title(f"n = {n}")
-    for ax in axes[1:len(ns)]:
-        ax.sharey(axes[0])
+    plots.same_y(axes[:len(ns)])
     axes[0].legend(fontsize=8)
-    plots.final_loss(runs, axes[-1])
+    plots.final_loss(runs, axes[-1], palette=palette)
     axes[-1].set_title("final training loss")
     axes[-1].legend(fontsize=8)
     fig.suptitle(f"training loss against worker steps (mean over seeds, band: min–max; × diverged; dotted: "

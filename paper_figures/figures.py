@@ -67,10 +67,9 @@ def fig1(paths):
         plots.curves(m[m["algorithm"] == a], ax, x="worker_step", y="loss", hue="workers", palette=palette)
         ax.set_title(a)
     axes[0].legend(fontsize=8)
-    axes[1].sharey(axes[0])
-    axes[2].sharey(axes[0])
+    plots.same_y(axes[:len(algos)])
     r = load.runs(paths)
-    plots.final_loss(r[r["algorithm"].isin(algos)], axes[3])
+    plots.final_loss(r[r["algorithm"].isin(algos)], axes[3], palette=plots.colours(algos))
     axes[3].set_title("final loss (last 10% of commits)")
     axes[3].legend(fontsize=8)
     _title(fig, "Fig. 1", "training loss against worker steps, and the final loss against n", m)
@@ -78,11 +77,18 @@ def fig1(paths):
     return fig
 
 
+def since_first_commit(m: pd.DataFrame) -> pd.DataFrame:
+    """time_s counted from each run's first commit: starting n processes is not training (on 2 cores, 16 spawns
+    take several seconds), and the paper's clocks start with training."""
+    return m.assign(time_s=m["time_s"] - m.groupby("run_dir")["time_s"].transform("min"))
+
+
 def fig2(paths):
-    """GEM's training loss against seconds, one line per n (100 workers in the paper)."""
-    m = _need(_commits(paths, "gem"), "fig2 needs GEM runs (a fig2 sweep)")
+    """GEM's training loss against seconds from the first commit, one line per n (100 workers in the paper)."""
+    m = since_first_commit(_need(_commits(paths, "gem"), "fig2 needs GEM runs (a fig2 sweep)"))
     fig, ax = plt.subplots(figsize=(6, 4))
     plots.curves(m, ax, x="time_s", y="loss", hue="workers")
+    ax.set_xlabel("seconds from the first commit")
     ax.legend(fontsize=8)
     _title(fig, "Fig. 2", "GEM, training loss against wall-clock seconds", m)
     fig.tight_layout()
@@ -112,9 +118,10 @@ def common_target(m: pd.DataFrame, x: str, hue: str) -> float:
 def fig4(paths):
     """(a) GEM's training loss against seconds for each n at a fixed effective batch; (b) the speedup to a
     common loss, relative to n = 1."""
-    m = _need(_commits(paths, "gem"), "fig4 needs GEM runs on engine=process (a fig4 sweep)")
+    m = since_first_commit(_need(_commits(paths, "gem"), "fig4 needs GEM runs on engine=process (a fig4 sweep)"))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     plots.curves(m, axes[0], x="time_s", y="loss", hue="workers")
+    axes[0].set_xlabel("seconds from the first commit")
     target = common_target(m, "time_s", "workers")
     axes[0].axhline(target, color="grey", ls=":", lw=1)
     axes[0].legend(fontsize=8)
@@ -216,12 +223,16 @@ def heatmaps(paths, ns=None, number="Figs. 9 and 10"):
     if not ns:
         raise NoRuns("the π heatmaps need GEM runs with the requested number of workers")
     fig, axes = plt.subplots(1, len(ns), figsize=(7 * len(ns), 4.5), squeeze=False)
-    for ax, n in zip(axes[0], ns, strict=False):
+    chosen = []
+    for n in ns:  # one run per panel: the lowest seed's
         tn = t[t["workers"] == n]
-        seed = tn["seed"].min()
-        run = tn[tn["seed"] == seed]
-        run = run[run["run_dir"] == run["run_dir"].iloc[0]]
-        image = plots.pi_heatmap(run, ax)
+        run = tn[tn["seed"] == tn["seed"].min()]
+        chosen.append(run[run["run_dir"] == run["run_dir"].iloc[0]])
+    # one colour scale for every panel, so that they compare; a few spikes to π_max should not wash it out
+    vmax = max(1.0, float(pd.concat(chosen)["pi_median"].quantile(0.99)))
+    for ax, n, run in zip(axes[0], ns, chosen, strict=True):
+        seed = run["seed"].iloc[0]
+        image = plots.pi_heatmap(run, ax, vmax=vmax)
         ax.set_title(f"n = {n} (seed {seed})")
         fig.colorbar(image, ax=ax, label="median π of the tensor")
     _title(fig, number, "per-tensor median π against parameter-server updates", t)

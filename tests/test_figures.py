@@ -174,6 +174,9 @@ def test_fig1_draws_one_line_per_n_and_marks_the_diverged_run(sweep):
     assert [t.get_text() for t in gem_ax.get_legend().get_texts()] == ["n = 1", "n = 2"]
     crosses = [ln for ln in downpour_ax.get_lines() if ln.get_marker() == "x"]
     assert len(crosses) == 1  # the lr = 1e6 run
+    top = downpour_ax.get_ylim()[1]  # its loss of 1e26 is off the scale: the axis stops at 10x the start
+    assert 2.3 < top <= 10 * 2.5 and crosses[0].get_ydata()[0] == pytest.approx(top)
+    assert gem_ax.get_ylim() == downpour_ax.get_ylim()
     assert gem_ax.get_yscale() == "log"
 
 
