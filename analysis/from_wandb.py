@@ -7,7 +7,9 @@
 The columns match the local loader, so `analysis.plots`, `analysis.report` and `paper_figures` take these frames
 too. `run_dir` holds the W&B run path (entity/project/id). Two differences: W&B holds every
 `logger.wandb.log_every`-th commit row, not all of them, and its per-tensor π is not logged (heatmaps need the
-run directory's tensors.parquet). Needs network access and an API key; `api` lets a caller pass its own client.
+run directory's tensors.parquet). A run resumed with `resume=true` is a second W&B run (status `failed` for the
+part before the kill), so filter on `status` or use the run directory. Needs network access and an API key;
+`api` lets a caller pass its own client.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ def _record(run) -> dict:
     config = {k: v for k, v in dict(run.config).items() if not k.startswith("_")}
     rec = {k: v for k, v in flatten(config).items() if not k.startswith("logger.") and not k.startswith("hydra.")}
     summary = dict(run.summary)
-    for k in ("algorithm", "engine", "workers", "model", "data", "seed", "lr", "momentum", "batch_size", "epochs"):
+    for k in ("algorithm", "engine", "workers", "model", "data", "seed", "lr", "momentum", "batch_size", "epochs",
+              "experiment", "train_examples"):
         if k in summary:
             rec[k] = summary[k]
     for k in SUMMARY_COLUMNS:
         rec[k] = summary.get(k)
     rec["status"] = summary.get("status") or STATE.get(getattr(run, "state", ""), "incomplete")
-    rec["experiment"] = rec.pop("experiment", None)
+    rec.setdefault("experiment", None)
     rec["run_dir"] = "/".join(run.path) if isinstance(run.path, (list, tuple)) else str(run.path)
     return rec
 

@@ -19,7 +19,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from gem.metrics import read_table
 
@@ -69,13 +68,12 @@ def run_record(run_dir: Path) -> dict:
     rec: dict = {}
     config = run_dir / ".hydra" / "config.yaml"
     if config.exists():
-        node = yaml.safe_load(config.read_text()) or {}
-        node.pop("hydra", None)
-        rec.update({k: v for k, v in flatten(node).items() if not k.startswith("logger.")})
+        rec.update({k: v for k, v in flatten(_config(config)).items() if not k.startswith("logger.")})
     rec["experiment"] = experiment_of(run_dir)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    for k in ("algorithm", "engine", "workers", "model", "data", "seed", "lr", "momentum", "batch_size", "epochs"):
+    for k in ("algorithm", "engine", "workers", "model", "data", "seed", "lr", "momentum", "batch_size", "epochs",
+              "experiment", "train_examples"):
         if k in summary:
             rec[k] = summary[k]  # what actually ran (sequential algorithms run 1 worker, say)
     for k in SUMMARY_COLUMNS:
@@ -85,6 +83,29 @@ def run_record(run_dir: Path) -> dict:
         rec["lost_workers"] = len(rec["lost_workers"])
     rec["run_dir"] = str(run_dir)
     return rec
+
+
+def _config(path: Path) -> dict:
+    """A run's composed config with its interpolations resolved. Hydra saves `.hydra/config.yaml` unresolved
+    (`batch_size: ${per_worker:256}`); a run killed before its summary has nothing else to say what ran."""
+    from omegaconf import OmegaConf
+
+    import experiments.config  # noqa: F401 - registers the resolvers the experiments use (per_worker)
+
+    node = OmegaConf.load(path)
+    if "hydra" in node:
+        del node["hydra"]
+    try:
+        return OmegaConf.to_container(node, resolve=True)
+    except Exception:  # an interpolation that cannot be resolved here: keep what can be read, drop the rest
+        raw = OmegaConf.to_container(node, resolve=False)
+        return _drop_interpolations(raw)
+
+
+def _drop_interpolations(node):
+    if isinstance(node, dict):
+        return {k: _drop_interpolations(v) for k, v in node.items()}
+    return None if isinstance(node, str) and "${" in node else node
 
 
 def experiment_of(run_dir: Path) -> str | None:
@@ -106,10 +127,26 @@ def experiment_of(run_dir: Path) -> str | None:
     return None
 
 
+# Columns that may differ between the seeds of one curve: the seed itself, results, and where things live.
+NOT_SETTINGS = {"seed", "run_dir", "experiment", "data.root", "data.download", "resume", "device", "train_examples",
+                *SUMMARY_COLUMNS}
+
+
+def varying(runs: pd.DataFrame, keys) -> list[str]:
+    """Settings that differ between runs sharing the same `keys` (other than the seed): averaging such runs
+    as if they were seeds would mix, say, κ = 1 and κ = 4 into one curve."""
+    keys = list(keys)
+    cols = [c for c in runs.columns if c not in NOT_SETTINGS and c not in keys and not c.startswith("logger.")]
+    found = set()
+    for _, g in runs.groupby(keys, dropna=False) if keys else [(None, runs)]:
+        found.update(c for c in cols if g[c].map(str).nunique() > 1)  # map(str): NaN against a value counts
+    return sorted(found)
+
+
 def runs(paths) -> pd.DataFrame:
     """One row per run: config columns, then summary columns; `run_dir` identifies the run."""
     records = [run_record(d) for d in find_runs(paths)]
-    return pd.DataFrame.from_records(records)
+    return pd.DataFrame.from_records(records, columns=None if records else ["run_dir", "status"])
 
 
 def commits(paths, table: str = "metrics", columns: Iterable[str] | None = None) -> pd.DataFrame:
@@ -120,7 +157,8 @@ def commits(paths, table: str = "metrics", columns: Iterable[str] | None = None)
     if "run_dir" not in keep:
         keep.append("run_dir")
     frames = []
-    for rec in meta[keep].to_dict("records"):
+    # reindex: a column this sweep does not have (algorithm.kappa without a GEM run, say) comes back empty
+    for rec in meta.reindex(columns=keep).to_dict("records"):
         t = read_table(rec["run_dir"], table)
         if len(t):
             clash = [c for c in rec if c in t.columns and c != "run_dir"]

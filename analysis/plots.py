@@ -38,6 +38,13 @@ LABELS = {
 }
 
 
+def algorithm_order(name: str) -> int:
+    """The paper's order: the proxy, GEM, then the baselines (gem.algorithms.ALGORITHMS)."""
+    from gem.algorithms import ALGORITHMS
+
+    return ALGORITHMS.index(name) if name in ALGORITHMS else len(ALGORITHMS)
+
+
 def label(key: str) -> str:
     return LABELS.get(key, key)
 
@@ -65,13 +72,34 @@ def edges_for(values: pd.Series, bins: int = BINS) -> np.ndarray:
     return np.linspace(lo, hi + abs(hi) * 1e-9 + 1e-12, bins + 1)
 
 
-def aggregate(frame: pd.DataFrame, x: str, y: str, hue: str, bins: int = BINS) -> pd.DataFrame:
+def on_grid(run: pd.DataFrame, x: str, y: str, edges: np.ndarray) -> pd.Series:
+    """One run on the bin centres of `edges`: its bin means, with the empty bins inside the run's own range
+    filled by linear interpolation. Seeds of a process run commit at different seconds, so without this most
+    time bins would hold a single seed and the "mean over seeds" would zig-zag between them."""
+    b = binned(run, x, y, edges)
+    if len(b) < 2:
+        return b
+    centres = (edges[:-1] + edges[1:]) / 2
+    inside = centres[(centres >= b.index.min()) & (centres <= b.index.max())]
+    return b.reindex(inside).interpolate(method="index")
+
+
+def smooth(curve: pd.Series, window: int) -> pd.Series:
+    """A centred rolling mean over `window` bins (1: unchanged)."""
+    return curve if window <= 1 else curve.rolling(window, center=True, min_periods=1).mean()
+
+
+def aggregate(frame: pd.DataFrame, x: str, y: str, hue: str, bins: int = BINS,
+              include_diverged: bool = False) -> pd.DataFrame:
     """Tidy curves: one row per (hue, x bin) with the mean, min and max over runs and how many runs had a
-    value there."""
+    value there. Diverged runs are left out unless asked (`curves` draws them on their own): averaged in, a
+    loss of 1e30 would be the mean."""
     out = []
+    if not include_diverged and "status" in frame.columns:
+        frame = frame[frame["status"] != "diverged"]
     for key, group in frame.groupby(hue, sort=True, dropna=False):
         edges = edges_for(group[x], bins)
-        per_run = pd.DataFrame({r: binned(g, x, y, edges) for r, g in group.groupby("run_dir")})
+        per_run = pd.DataFrame({r: on_grid(g, x, y, edges) for r, g in group.groupby("run_dir")})
         if per_run.empty:
             continue
         out.append(pd.DataFrame({hue: key, x: per_run.index, "mean": per_run.mean(axis=1),
@@ -94,28 +122,44 @@ def colours(values) -> dict:
 
 def curves(frame: pd.DataFrame, ax, x: str = "worker_step", y: str = "loss", hue: str = "workers",
            log: bool | None = None, bins: int = BINS, palette: dict | None = None, band: bool = True) -> pd.DataFrame:
-    """Mean over seeds with a min–max band, one line per value of `hue`. Returns the aggregated frame."""
+    """Mean over seeds with a min–max band, one line per value of `hue`; each diverged run on its own, dashed,
+    up to a cross at its last finite point. Returns the aggregated frame (completed and failed runs)."""
     agg = aggregate(frame, x, y, hue, bins)
-    values = sorted(agg[hue].unique(), key=lambda v: (isinstance(v, str), v))
+    values = sorted(set(agg[hue]) | set(frame.loc[frame.get("status", pd.Series(dtype=str)) == "diverged", hue]),
+                    key=lambda v: (isinstance(v, str), v))
     if palette:  # the caller's order (the paper's order of algorithms, say), for the legend too
         order = {v: i for i, v in enumerate(palette)}
         values = sorted(values, key=lambda v: order.get(v, len(order)))
     palette = palette or colours(values)
     for v in values:
         c = agg[agg[hue] == v]
+        if c.empty:  # every run of this value diverged: drawn below, on its own
+            continue
         ax.plot(c[x], c["mean"], color=palette[v], lw=1.4, label=_fmt(hue, v))
         if band and c["runs"].max() > 1:
             ax.fill_between(c[x], c["lo"], c["hi"], color=palette[v], alpha=0.2, lw=0)
+    diverged = _diverged(frame, x, y, hue, bins)
     log = log if log is not None else y in ("loss", "val_loss", "train_loss")
     top = None
-    if log and len(agg):
+    if log and (len(agg) or len(diverged)):
         ax.set_yscale("log")
         # a diverging run reaches 1e30: keep the scale on the others, at most 10x where the curves start
-        start = agg.sort_values(x).groupby(hue)["mean"].first().median()
-        if np.isfinite(start) and start > 0 and agg["hi"].max() > OFF_SCALE * start:
+        both = pd.concat([agg[[hue, x, "hi"]], diverged.rename(columns={y: "hi"})[[hue, x, "hi"]]])
+        start = both.sort_values(x).groupby(hue)["hi"].first().median()
+        if np.isfinite(start) and start > 0 and both["hi"].max() > OFF_SCALE * start:
             top = OFF_SCALE * start
-            ax.set_ylim(top=top)
-    _mark_diverged(frame, ax, x, y, hue, palette, top)
+    labelled = set(agg[hue])
+    for (v, _), d in diverged.groupby([hue, "run_dir"]):
+        if v not in palette:
+            continue
+        shown = d[y].clip(upper=top) if top is not None else d[y]
+        name = None if v in labelled else _fmt(hue, v) + " (diverged)"  # a legend entry when nothing else has one
+        labelled.add(v)
+        ax.plot(d[x], shown, color=palette[v], lw=0.9, ls="--", alpha=0.8, label=name)
+        ax.plot(d[x].iloc[-1:], shown.iloc[-1:], marker="x", ms=8, mew=2, color=palette[v], ls="none",
+                clip_on=False)
+    if top is not None:
+        ax.set_ylim(top=top)
     ax.set_xlabel(label(x))
     ax.set_ylabel(label(y))
     ax.grid(True, which="major", alpha=0.3)
@@ -129,23 +173,24 @@ def same_y(axes) -> None:
         ax.set_ylim(min(lo for lo, _ in lims), max(hi for _, hi in lims))
 
 
-def _mark_diverged(frame, ax, x, y, hue, palette, top=None) -> None:
-    """A cross at each diverged run's last finite point (on the top edge when that is off the scale)."""
+def _diverged(frame, x, y, hue, bins) -> pd.DataFrame:
+    """Each diverged run's own binned curve, up to its last finite point."""
+    cols = [hue, "run_dir", x, y]
     if "status" not in frame.columns:
-        return
-    for (v, _), g in frame[frame["status"] == "diverged"].groupby([hue, "run_dir"]):
-        ok = g[np.isfinite(g[y].astype(float))]
-        if len(ok) and v in palette:
-            last = ok.sort_values(x).iloc[-1]
-            at = min(last[y], top) if top is not None else last[y]
-            ax.plot([last[x]], [at], marker="x", ms=8, mew=2, color=palette[v], ls="none", clip_on=False)
+        return pd.DataFrame(columns=cols)
+    out = []
+    for (v, r), g in frame[frame["status"] == "diverged"].groupby([hue, "run_dir"]):
+        b = binned(g, x, y, edges_for(frame.loc[frame[hue] == v, x], bins))
+        if len(b):
+            out.append(pd.DataFrame({hue: v, "run_dir": r, x: b.index, y: b.to_numpy()}))
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=cols)
 
 
 def final_loss(runs: pd.DataFrame, ax, x: str = "workers", hue: str = "algorithm",
                y: str = "final_train_loss", palette: dict | None = None) -> pd.DataFrame:
     """Fig. 1(d): a run's final loss against n, mean over seeds with min–max error bars, one line per hue.
-    Diverged runs count at their last finite loss when they have one; runs without a loss are left out."""
-    r = runs.dropna(subset=[y])
+    Only runs that completed count: a diverged run has no final loss worth averaging (curves marks it)."""
+    r = runs[runs["status"] == "completed"].dropna(subset=[y]) if "status" in runs else runs.dropna(subset=[y])
     agg = r.groupby([hue, x])[y].agg(["mean", "min", "max", "count"]).reset_index()
     palette = palette or colours(sorted(agg[hue].unique()))
     for v, g in agg.groupby(hue):
@@ -178,22 +223,53 @@ def pi_heatmap(tensors: pd.DataFrame, ax, value: str = "pi_median", bins: int = 
 
 
 def time_to_target(frame: pd.DataFrame, target: float, x: str = "worker_step", y: str = "loss",
-                   bins: int = BINS) -> pd.DataFrame:
-    """For each run, the first x (and the seconds) at which its binned curve (`curves` draws the same) is at
-    or below `target`; NaN when it never gets there."""
+                   bins: int = BINS, window: int = 5, group: str | None = None) -> pd.DataFrame:
+    """For each run, the first x (and the seconds) at which its curve is at or below `target`; NaN when it never
+    gets there. The curve is the one `curves` draws (bins shared by the runs of a `group`, e.g. one n), smoothed
+    over `window` bins so that one lucky batch does not count as arriving."""
     out = []
-    for run_dir, g in frame.groupby("run_dir"):
-        edges = edges_for(g[x], bins)
-        curve = binned(g, x, y, edges)
-        hit = curve[curve <= target]
-        rec = {"run_dir": run_dir, x: np.nan, "time_s": np.nan}
-        if len(hit):
-            at = hit.index[0]
-            near = g[(g[x] - at).abs() <= (edges[1] - edges[0])]
-            rec["time_s"] = float(near["time_s"].median()) if "time_s" in g and len(near) else np.nan
-            rec[x] = at  # after time_s: when x is time_s, the bin centre is the answer
-        out.append(rec)
+    groups = frame.groupby(group) if group else [(None, frame)]
+    for _, members in groups:
+        edges = edges_for(members[x], bins)
+        for run_dir, g in members.groupby("run_dir"):
+            curve = smooth(on_grid(g, x, y, edges), window)
+            hit = curve[curve <= target]
+            rec = {"run_dir": run_dir, x: np.nan, "time_s": np.nan}
+            if len(hit):
+                at = hit.index[0]
+                width = edges[1] - edges[0]
+                near = g[(g[x] - at).abs() <= width / 2]
+                rec["time_s"] = float(near["time_s"].median()) if "time_s" in g and len(near) else np.nan
+                rec[x] = at  # after time_s: when x is time_s, the bin centre is the answer
+            out.append(rec)
     return pd.DataFrame(out, columns=list(dict.fromkeys(["run_dir", x, "time_s"])))
+
+
+def common_target(frame: pd.DataFrame, x: str, hue: str, y: str = "loss", window: int = 10) -> float:
+    """A loss that every `hue` curve reaches by its end: the highest of their smoothed final values, plus 5%."""
+    agg = aggregate(frame, x, y, hue)
+    ends = [smooth(c.set_index(x)["mean"], window).iloc[-1] for _, c in agg.groupby(hue)]
+    return float(max(ends)) * 1.05
+
+
+def speedup(frame: pd.DataFrame, target: float, x: str = "time_s", by: str = "workers",
+            base=1, window: int = 5) -> pd.DataFrame:
+    """Per value of `by`: the median time to `target` over the runs, how many runs reached it, and the
+    speedup over `by == base`. A value where not every run got there has no speedup (NaN): the median of the
+    survivors would flatter it."""
+    hit = time_to_target(frame, target, x=x, group=by, window=window)
+    hit = hit.merge(frame.drop_duplicates("run_dir")[["run_dir", by]])
+    t = hit.groupby(by).agg(time=(x, "median"), reached=(x, "count"), runs=(x, "size"))
+    complete = t["reached"] == t["runs"]
+    t["time"] = t["time"].where(complete)
+    t["speedup"] = t.loc[base, "time"] / t["time"] if base in t.index else np.nan
+    return t.reset_index()
+
+
+def since_first_commit(m: pd.DataFrame) -> pd.DataFrame:
+    """time_s counted from each run's first commit: starting n processes is not training (on 2 cores, 16 spawns
+    take several seconds), and the paper's clocks start with training."""
+    return m.assign(time_s=m["time_s"] - m.groupby("run_dir")["time_s"].transform("min"))
 
 
 def save(fig, out_dir, name: str, formats=("png", "pdf")) -> list:

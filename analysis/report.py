@@ -46,50 +46,69 @@ def _reached(s: pd.Series, total: int, fmt: str) -> str:
     return f"{s.median():{fmt}} ({len(s)}/{total})"
 
 
+def variants(runs: pd.DataFrame) -> tuple[pd.Series, list[str]]:
+    """What tells apart the rows of the report: the algorithm, plus any setting that differs between runs of the
+    same algorithm and n besides the seed (κ in a fig8 sweep, say). Returns a label per run and those settings."""
+    extra = load.varying(runs, ["algorithm", "workers"])
+    label = runs["algorithm"].astype(str)
+    for c in extra:
+        short = c.removeprefix("algorithm.")
+        text = runs[c].map(lambda v: f"{v:g}" if isinstance(v, float) else str(v))
+        label = label.where(runs[c].isna(), label + " " + short + "=" + text)
+    return label, extra
+
+
 def table(runs: pd.DataFrame, m: pd.DataFrame, target: float) -> pd.DataFrame:
-    """One row per (algorithm, n), in the units a reader wants (strings, ready to print)."""
-    hit = plots.time_to_target(m, target) if len(m) else pd.DataFrame(columns=["run_dir", "worker_step", "time_s"])
+    """One row per (algorithm, n, and any other setting that varies), in the units a reader wants (strings)."""
+    label, extra = variants(runs)
+    runs = runs.assign(variant=label)
+    m = m.merge(runs[["run_dir", "variant"]], on="run_dir") if len(m) else m.assign(variant=None)
+    m = m.assign(cell=m["variant"].astype(str) + "/" + m["workers"].astype(str)) if len(m) else m
+    hit = (plots.time_to_target(plots.since_first_commit(m), target, group="cell") if len(m)
+           else pd.DataFrame(columns=["run_dir", "worker_step", "time_s"]))
     r = runs.merge(hit, on="run_dir", how="left")
     rows = []
-    for (a, n), g in r.groupby(["algorithm", "workers"], sort=True):
+    for (a, n, _), g in r.groupby(["algorithm", "workers", "variant"], sort=True):
+        done = g[g["status"] == "completed"]
         rows.append({
-            "algorithm": a, "n": int(n), "runs": len(g), "status": _status(g["status"]),
-            "final train loss": _mean_sd(g["final_train_loss"]),
-            "val accuracy": _mean_sd(g["val_accuracy"], ".4f"),
+            "algorithm": a, **{c.removeprefix("algorithm."): g[c].iloc[0] for c in extra}, "n": int(n),
+            "runs": len(g), "status": _status(g["status"]),
+            "final train loss": _mean_sd(done["final_train_loss"]),
+            "val accuracy": _mean_sd(done["val_accuracy"], ".4f"),
             "mean staleness": _mean_sd(g["mean_staleness"], ".2f"),
             f"worker steps to {target:g}": _reached(g["worker_step"], len(g), ".0f"),
             f"seconds to {target:g}": _reached(g["time_s"], len(g), ".1f"),
         })
     out = pd.DataFrame(rows)
-    return out.sort_values(["n", "algorithm"], key=lambda c: c if c.name == "n" else c.map(_order)).reset_index(
-        drop=True) if len(out) else out
-
-
-def _order(a: str) -> int:
-    from gem.algorithms import ALGORITHMS
-
-    return ALGORITHMS.index(a) if a in ALGORITHMS else len(ALGORITHMS)
+    if out.empty:
+        return out
+    order = ["n", "algorithm", *[c.removeprefix("algorithm.") for c in extra]]
+    return out.sort_values(order, key=lambda c: c.map(plots.algorithm_order) if c.name == "algorithm" else c,
+                           kind="stable").reset_index(drop=True)
 
 
 def curves_figure(runs: pd.DataFrame, m: pd.DataFrame, target: float):
     """Every algorithm's training loss against worker steps, one panel per n, and the final loss against n."""
+    label, _ = variants(runs)
+    runs = runs.assign(variant=label)
+    m = m.merge(runs[["run_dir", "variant"]], on="run_dir")
     ns = sorted(m["workers"].unique())
-    algos = sorted(m["algorithm"].unique(), key=_order)
-    palette = plots.colours(algos)
+    variants_ = sorted(m["variant"].unique(), key=lambda v: (plots.algorithm_order(v.split(" ")[0]), v))
+    palette = plots.colours(variants_)
     cols = len(ns) + 1
     fig, axes = plt.subplots(1, cols, figsize=(4.6 * cols, 4), squeeze=False)
     axes = axes[0]
     for ax, n in zip(axes, ns, strict=False):
-        plots.curves(m[m["workers"] == n], ax, x="worker_step", y="loss", hue="algorithm", palette=palette)
+        plots.curves(m[m["workers"] == n], ax, x="worker_step", y="loss", hue="variant", palette=palette)
         ax.axhline(target, color="grey", ls=":", lw=1)
         ax.set_title(f"n = {n}")
     plots.same_y(axes[:len(ns)])
     axes[0].legend(fontsize=8)
-    plots.final_loss(runs, axes[-1], palette=palette)
-    axes[-1].set_title("final training loss")
+    plots.final_loss(runs, axes[-1], hue="variant", palette=palette)
+    axes[-1].set_title("final training loss (completed runs)")
     axes[-1].legend(fontsize=8)
-    fig.suptitle(f"training loss against worker steps (mean over seeds, band: min–max; × diverged; dotted: "
-                 f"target {target:g})", fontsize=10)
+    fig.suptitle(f"training loss against worker steps (mean over seeds, band: min–max; dashed and ×: diverged; "
+                 f"dotted: target {target:g})", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -108,7 +127,8 @@ def _describe(runs: pd.DataFrame) -> str:
             bits.append(f"{col} " + "/".join(sorted(map(str, runs[col].dropna().unique()))))
     for col in ("lr", "momentum", "batch_size", "epochs"):
         if col in runs:
-            bits.append(f"{col} " + "/".join(f"{v:g}" for v in sorted(runs[col].dropna().unique())))
+            values = pd.to_numeric(runs[col], errors="coerce").dropna().unique()
+            bits.append(f"{col} " + "/".join(f"{v:g}" for v in sorted(values)))
     bits.append(f"seeds {runs['seed'].nunique()}" if "seed" in runs else "")
     return ", ".join(b for b in bits if b)
 
@@ -126,9 +146,10 @@ def write(paths, out: str | Path, target: float = DEFAULT_TARGET) -> Path:
     fig = _png(curves_figure(runs, m, target)) if len(m) else None
     sources = ", ".join(sorted({str(Path(d).parent) for d in runs["run_dir"]}))
     intro = (f"{len(runs)} runs from {sources}. {_describe(runs)}. Final training loss: mean ± sd over seeds of "
-             f"each run's last 10% of commit losses. Steps and seconds to the target loss {target:g}: the median "
-             "over the runs that reached it (how many did). Seconds are the run's own clock: wall time on the "
-             "process engine, the simulation's compute time on the sim engine.")
+             f"each completed run's last 10% of commit losses. Steps and seconds to the target loss {target:g}: "
+             "the median over the runs that reached it (how many did), on each run's curve smoothed over 5 bins. "
+             "Seconds count from a run's first commit, on its own clock: wall time on the process engine, the "
+             "simulation's compute time on the sim engine.")
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".html":
         img = (f'<img alt="loss curves" src="data:image/png;base64,{base64.b64encode(fig).decode()}">'

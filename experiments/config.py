@@ -110,7 +110,9 @@ def per_worker(total: int, *, _root_: DictConfig) -> int:
     name = _root_.algorithm.get("name")
     sequential = name in algorithms.ALGORITHMS and getattr(algorithms.get(name), "SEQUENTIAL", False)
     n = 1 if sequential else int(_root_.workers)
-    if n < 1 or int(total) % n:
+    if n < 1:
+        raise ConfigError(f"workers={n} is not allowed; workers must be an integer >= 1")
+    if int(total) % n:
         raise ConfigError(f"per_worker:{total} does not split evenly over workers={n}; "
                           f"pick workers that divide {total}")
     return int(total) // n
@@ -249,6 +251,9 @@ def check_batch_size(batch_size: int, data: str, train: int | None) -> None:
 def _one_line(exc: Exception) -> str:
     """Reduce a Hydra/OmegaConf composition error to its first meaningful line, naming the key."""
     cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
+    inner = re.search(r"ConfigError raised while resolving interpolation: (.*)", str(cause))
+    if inner:  # our own resolver (per_worker) already wrote the line
+        return inner.group(1).splitlines()[0]
     text = str(cause).strip().splitlines()
     first = text[0] if text else type(exc).__name__
     key = getattr(cause, "full_key", None)
@@ -287,6 +292,18 @@ def expand(overrides: list[str], multirun: bool) -> list[list[str]]:
         by_key[o.key_or_group] = o
     jobs = BasicSweeper.split_arguments(list(by_key.values()), None)
     return [job for batch in jobs for job in batch]
+
+
+def single_run_note(overrides: list[str]) -> str | None:
+    """`python run.py experiment=fig1` without -m runs one job, not the figure's sweep. That is legitimate (one
+    run with an experiment's settings), but worth a line."""
+    if not any(o.split("=", 1)[0].lstrip("+~") == "experiment" for o in overrides):
+        return None
+    params = OmegaConf.select(compose(overrides, return_hydra_config=True), "hydra.sweeper.params") or {}
+    if not params:
+        return None
+    swept = " ".join(f"{k}={v}" for k, v in params.items())
+    return f"gem: note: this experiment sweeps {swept}; without -m only one job runs. Add -m to run the whole sweep."
 
 
 def compose(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
@@ -348,6 +365,9 @@ def preflight(argv: list[str]) -> None:
                 gdata.ensure_available(*key)
                 available.add(key)
             check_batch_size(cfg.batch_size, d.name, gdata.train_size(d.name, key[1], d.synthetic.train_size))
+        note = None if args.multirun else single_run_note(args.overrides)
+        if note:
+            print(note, file=sys.stderr)
     except (ConfigError, gdata.DatasetMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -70,7 +70,8 @@ def _raise_on_sigterm(signum, frame):
     raise _Terminated()
 
 
-def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None) -> dict:
+def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None,
+        experiment: str | None = None) -> dict:
     """Run one job and write its directory. Returns the summary. Never raises for a failed or diverged run;
     Ctrl-C and SIGTERM close the run directory (status failed) and are raised again."""
     run_dir = Path(run_dir)
@@ -82,7 +83,7 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
                "batch_size": cfg.batch_size, "epochs": cfg.epochs,
                "steps": 0, "final_train_loss": None, "val_loss": None, "val_accuracy": None,
                "mean_staleness": None, "wall_time_s": None, "reason": "", "run_dir": str(run_dir),
-               "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+               "experiment": experiment, "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     recorder = wandb = result = None
     old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm) if _main_thread() else None
     try:
@@ -94,6 +95,7 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
         if manifest:
             check_resumable(manifest, job)  # before the recorder drops the rows after the checkpoint
         summary["workers"] = job.workers
+        summary["train_examples"] = len(job.data.train_y)  # epochs of data = step x batch_size x window / this
         print(f"gem: algorithm={job.algorithm} engine={cfg.engine.name} workers={job.workers} model={job.model} "
               f"data={cfg.data.name} ({len(job.data.train_y)} train / {len(job.data.val_y)} val) -> {run_dir}")
         log_cfg = cfg.logger
@@ -199,7 +201,8 @@ def main(cfg: DictConfig) -> dict:
         group = "/".join(Path(hc.sweep.dir).parts[-2:])
         name = hc.job.override_dirname or f"job{hc.job.num}"
     try:
-        summary = run(cfg, Path(hc.runtime.output_dir), wandb_group=group, wandb_name=name)
+        summary = run(cfg, Path(hc.runtime.output_dir), wandb_group=group, wandb_name=name,
+                      experiment=hc.runtime.choices.get("experiment"))
     except KeyboardInterrupt as e:  # the run directory is already closed, with status failed
         why, code = ("SIGTERM", 143) if isinstance(e, _Terminated) else ("Ctrl-C", 130)
         print(f"gem: interrupted by {why}; the run directory {hc.runtime.output_dir} is closed "

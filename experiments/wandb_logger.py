@@ -27,6 +27,11 @@ def _has_api_key() -> bool:
 class WandbLogger:
     def __init__(self, run):
         self.run = run
+        self.last_step = -1
+        # W&B drops a row whose step is below one already logged. On the process engine an evaluation is stamped
+        # with the live clock, which can run ahead of the commit rows still on their way; such an evaluation waits
+        # here until the commits before it are logged.
+        self.waiting: list[dict] = []
 
     @property
     def where(self) -> str:
@@ -34,15 +39,29 @@ class WandbLogger:
         return url or str(Path(self.run.dir).parent)
 
     def __call__(self, kind: str, row: dict) -> None:
+        step = int(row["step"])
+        if kind != "commit" and step > self.last_step:
+            self.waiting.append(row)
+            return
+        while self.waiting and int(self.waiting[0]["step"]) <= step:
+            self._log("eval", self.waiting.pop(0))
+        self._log(kind, row)
+
+    def _log(self, kind: str, row: dict) -> None:
         prefix = "train" if kind == "commit" else "eval"
         data = {f"{prefix}/{k}": v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+        step = max(int(row["step"]), self.last_step)
         try:
-            self.run.log(data, step=int(row["step"]))
+            self.run.log(data, step=step)
+            self.last_step = step
         except Exception:  # logging must never take a run down
             pass
 
     def finish(self, summary: dict | None = None, exit_code: int = 0) -> None:
         """Record the summary and close the run; a W&B failure here is reported, never raised."""
+        for row in self.waiting:  # evaluations ahead of the last commit row logged (the final one, say)
+            self._log("eval", row)
+        self.waiting = []
         try:
             if summary:
                 self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})

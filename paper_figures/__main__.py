@@ -12,6 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import pandas as pd
+
 from analysis import load, report
 from paper_figures.figures import FIGURES, SOURCES, NoRuns
 
@@ -26,37 +28,42 @@ def draw(fig_id: str, paths, out: Path, target: float = report.DEFAULT_TARGET) -
     return save(FIGURES[fig_id](paths), out, fig_id)
 
 
-def sweeps_by_experiment(root) -> dict[str, list[Path]]:
-    """{experiment name without _quick: [sweep directories, newest first]} for every run under root."""
+def sweeps_by_experiment(root) -> dict[str, list[list[Path]]]:
+    """{experiment name without _quick: [the run directories of one sweep, newest sweep first]}."""
     r = load.runs(root)
-    found: dict[str, dict[Path, float]] = {}
-    for exp, run_dir in zip(r.get("experiment", []), r["run_dir"], strict=False):
+    found: dict[str, dict[Path, list[Path]]] = {}
+    stamps: dict[Path, float] = {}
+    for exp, run_dir in zip(r.get("experiment", pd.Series(dtype=object)), r["run_dir"], strict=True):
         if not isinstance(exp, str):
             continue
-        sweep = Path(run_dir).parent
-        base = exp.removesuffix("_quick")
-        stamp = max((p.stat().st_mtime for p in Path(run_dir).iterdir()), default=0.0)
-        found.setdefault(base, {})[sweep] = max(stamp, found.get(base, {}).get(sweep, 0.0))
-    return {k: sorted(v, key=v.get, reverse=True) for k, v in found.items()}
+        run_dir = Path(run_dir)
+        sweep = run_dir.parent  # a multirun folder; for single runs (no -m) only the matching runs are taken
+        found.setdefault(exp.removesuffix("_quick"), {}).setdefault(sweep, []).append(run_dir)
+        stamps[sweep] = max(stamps.get(sweep, 0.0), max((p.stat().st_mtime for p in run_dir.iterdir()), default=0))
+    return {k: [v[s] for s in sorted(v, key=stamps.get, reverse=True)] for k, v in found.items()}
 
 
-def draw_all(root, out: Path, target: float) -> int:
+def draw_all(root, out: Path, target: float) -> tuple[int, int]:
+    """Draw every figure it finds runs for; returns (drawn, not drawn)."""
     sweeps = sweeps_by_experiment(root)
-    missing = 0
+    drawn = missing = 0
     for fig_id in IDS:
         source = next((s for s in SOURCES[fig_id] if s in sweeps), None)
         if source is None:
             print(f"{fig_id}: skipped, no sweep of experiment={' or '.join(SOURCES[fig_id])} (or _quick) under {root}")
             missing += 1
             continue
-        sweep = sweeps[source][0]
+        run_dirs = sweeps[source][0]
+        where = run_dirs[0].parent
         try:
-            paths = draw(fig_id, [sweep], out, target)
-            print(f"{fig_id}: {', '.join(map(str, paths))}  (from {sweep})")
-        except NoRuns as e:
-            print(f"{fig_id}: skipped, {e} in {sweep}")
+            paths = draw(fig_id, run_dirs, out, target)
+            print(f"{fig_id}: {', '.join(map(str, paths))}  (from {where})")
+            drawn += 1
+        except Exception as e:  # one figure's problem must not stop the others
+            print(f"{fig_id}: not drawn, {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                  f"(runs in {where})")
             missing += 1
-    return missing
+    return drawn, missing
 
 
 def main(argv=None) -> int:
@@ -68,11 +75,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         if args.figure == "all":
-            draw_all(args.paths, args.out, args.target_loss)
-            return 0
+            drawn, _ = draw_all(args.paths, args.out, args.target_loss)
+            return 0 if drawn else 1
         for path in draw(args.figure, args.paths, args.out, args.target_loss):
             print(path)
-    except (NoRuns, FileNotFoundError, ValueError) as e:
+    except (NoRuns, FileNotFoundError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

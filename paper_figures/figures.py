@@ -24,14 +24,26 @@ SOURCES = {
     "fig6": ("fig6",), "fig7": ("fig7", "fig9_10"), "fig8": ("fig8",), "fig9": ("fig9_10", "fig7"),
     "fig10": ("fig9_10", "fig7"), "fig9_10": ("fig9_10", "fig7"), "baselines": ("baselines",),
 }
-COMMIT_COLUMNS = ["algorithm", "workers", "seed", "status", "experiment", "algorithm.kappa", "lr", "data", "engine",
-                  "epochs", "steps", "batch_size"]
+COMMIT_COLUMNS = ["algorithm", "workers", "seed", "status", "experiment", "algorithm.kappa", "algorithm.window", "lr",
+                  "data", "engine", "epochs", "steps", "batch_size", "train_examples"]
 
 
 def _need(frame: pd.DataFrame, what: str) -> pd.DataFrame:
     if frame.empty:
         raise NoRuns(what)
     return frame
+
+
+def check(fig_id: str, paths, keys, algorithms=None) -> None:
+    """One figure's curves average runs that share `keys` as seeds: refuse runs that differ in anything else."""
+    r = load.runs(paths)
+    if algorithms is not None and len(r):
+        r = r[r["algorithm"].isin(algorithms)]
+    bad = load.varying(r, keys)
+    if bad:
+        values = ", ".join(f"{c} = {'/'.join(sorted(map(str, r[c].dropna().unique())))}" for c in bad[:3])
+        raise NoRuns(f"{fig_id} averages the runs with the same {', '.join(keys)} over seeds, but these runs also "
+                     f"differ in {values}; pass run or sweep folders that differ only in {', '.join(keys)} and seed")
 
 
 def _commits(paths, algorithm: str | None = None, table: str = "metrics") -> pd.DataFrame:
@@ -60,6 +72,7 @@ def fig1(paths):
     """(a–c) training loss against worker steps for GEM, DOWNPOUR and adaptive, one line per n; (d) the final
     loss against n."""
     m = _need(_commits(paths), "fig1 needs the runs of a fig1 sweep (gem, downpour, adaptive × n)")
+    check("fig1", paths, ["algorithm", "workers"], ["gem", "downpour", "adaptive"])
     fig, axes = plt.subplots(1, 4, figsize=(17, 4))
     algos = [a for a in ("gem", "downpour", "adaptive") if a in set(m["algorithm"])]
     palette = plots.colours(sorted(m["workers"].unique()))
@@ -77,15 +90,10 @@ def fig1(paths):
     return fig
 
 
-def since_first_commit(m: pd.DataFrame) -> pd.DataFrame:
-    """time_s counted from each run's first commit: starting n processes is not training (on 2 cores, 16 spawns
-    take several seconds), and the paper's clocks start with training."""
-    return m.assign(time_s=m["time_s"] - m.groupby("run_dir")["time_s"].transform("min"))
-
-
 def fig2(paths):
     """GEM's training loss against seconds from the first commit, one line per n (100 workers in the paper)."""
-    m = since_first_commit(_need(_commits(paths, "gem"), "fig2 needs GEM runs (a fig2 sweep)"))
+    m = plots.since_first_commit(_need(_commits(paths, "gem"), "fig2 needs GEM runs (a fig2 sweep)"))
+    check("fig2", paths, ["workers"], ["gem"])
     fig, ax = plt.subplots(figsize=(6, 4))
     plots.curves(m, ax, x="time_s", y="loss", hue="workers")
     ax.set_xlabel("seconds from the first commit")
@@ -99,6 +107,7 @@ def fig3(paths):
     """GEM's median π against worker steps, one line per n; beside it, the fraction of π clamped to 0 (the
     median is 0 whenever more than half of the elements are)."""
     m = _need(_commits(paths, "gem"), "fig3 needs GEM runs (a fig3 or fig1 sweep)")
+    check("fig3", paths, ["workers"], ["gem"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     plots.curves(m, axes[0], x="worker_step", y="pi_median", hue="workers", log=False)
     plots.curves(m, axes[1], x="worker_step", y="pi_zero_frac", hue="workers", log=False)
@@ -109,35 +118,32 @@ def fig3(paths):
     return fig
 
 
-def common_target(m: pd.DataFrame, x: str, hue: str) -> float:
-    """The lowest loss every curve reaches: the highest of the curves' minima (mean over seeds)."""
-    agg = plots.aggregate(m, x, "loss", hue)
-    return float(agg.groupby(hue)["mean"].min().max())
-
-
 def fig4(paths):
     """(a) GEM's training loss against seconds for each n at a fixed effective batch; (b) the speedup to a
     common loss, relative to n = 1."""
-    m = since_first_commit(_need(_commits(paths, "gem"), "fig4 needs GEM runs on engine=process (a fig4 sweep)"))
+    m = plots.since_first_commit(_need(_commits(paths, "gem"), "fig4 needs GEM runs on engine=process (a fig4 sweep)"))
+    check("fig4", paths, ["workers"], ["gem"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     plots.curves(m, axes[0], x="time_s", y="loss", hue="workers")
     axes[0].set_xlabel("seconds from the first commit")
-    target = common_target(m, "time_s", "workers")
+    target = plots.common_target(m, "time_s", "workers")
     axes[0].axhline(target, color="grey", ls=":", lw=1)
     axes[0].legend(fontsize=8)
-    hit = plots.time_to_target(m, target, x="time_s").merge(m.drop_duplicates("run_dir")[["run_dir", "workers"]])
-    t = hit.groupby("workers")["time_s"].median()
-    if 1 in t.index and np.isfinite(t.loc[1]):
-        speedup = t.loc[1] / t
-        ns = np.array(sorted(speedup.index))
-        axes[1].plot(ns, speedup.loc[ns], marker="o", label="GEM")
+    sp = plots.speedup(m, target)
+    ns = sp["workers"].to_numpy()
+    if sp["speedup"].notna().any():
+        axes[1].plot(ns, sp["speedup"], marker="o", label="GEM")
         axes[1].plot(ns, ns, ls="--", color="grey", label="linear")
+        for n, v, k, total in zip(ns, sp["speedup"], sp["reached"], sp["runs"], strict=True):
+            axes[1].annotate(f"{k}/{total}", (n, v if np.isfinite(v) else 1.0), textcoords="offset points",
+                             xytext=(4, -12), fontsize=7, color="grey")
         axes[1].set_xscale("log", base=2)
         axes[1].set_xticks(ns, [str(n) for n in ns])
-        axes[1].set_ylabel(f"speedup to loss {target:.3g} (median over seeds)")
         axes[1].legend(fontsize=8)
     else:
-        axes[1].text(0.5, 0.5, "no n = 1 run reached the common loss", ha="center", transform=axes[1].transAxes)
+        axes[1].text(0.5, 0.5, "not every n = 1 run reached the common loss", ha="center",
+                     transform=axes[1].transAxes)
+    axes[1].set_ylabel(f"speedup to loss {target:.3g}\n(median time over seeds; k/N seeds got there)")
     axes[1].set_xlabel("n")
     axes[1].grid(True, alpha=0.3)
     _title(fig, "Fig. 4", "wall-clock speedup at a fixed effective batch (b = B/n)", m)
@@ -146,7 +152,11 @@ def fig4(paths):
 
 
 def data_epochs(ev: pd.DataFrame) -> pd.Series:
-    """Epochs of data behind each evaluation: commits × (workers × epochs per worker) / all commits."""
+    """Epochs of data behind each evaluation: commits × batch size × window / training examples (a run
+    from before `train_examples` was recorded: commits × workers × epochs per worker / all its commits)."""
+    window = ev["algorithm.window"].fillna(1) if "algorithm.window" in ev else 1
+    if "train_examples" in ev and ev["train_examples"].notna().all():
+        return ev["step"] * ev["batch_size"] * window / ev["train_examples"]
     return ev["step"] * ev["workers"] * ev["epochs"] / ev["steps"]
 
 
@@ -154,14 +164,16 @@ def fig5(paths):
     """GEM against its proxy, momentum SGD: training and validation loss of the central variable against
     epochs of data processed."""
     ev = _need(_commits(paths, table="eval"), "fig5 needs evaluation rows of gem and sgd runs (a fig5 sweep)")
+    check("fig5", paths, ["algorithm", "workers"])
     ev = ev[ev["steps"] > 0].assign(epoch=lambda d: data_epochs(d))
     ev["who"] = [f"{a} (n = {n})" if a != "sgd" else "momentum SGD"
                  for a, n in zip(ev["algorithm"], ev["workers"], strict=True)]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     palette = plots.colours(sorted(ev["who"].unique()))
     for ax, y in zip(axes, ("train_loss", "val_loss"), strict=False):
         plots.curves(ev, ax, x="epoch", y=y, hue="who", palette=palette, bins=1000)
         ax.set_title(plots.label(y))
+    plots.same_y(axes)
     axes[0].legend(fontsize=8)
     _title(fig, "Fig. 5", "generalisation: training and validation loss of the central variable", ev)
     fig.tight_layout()
@@ -172,16 +184,20 @@ def fig6(paths):
     """η = 0.1: GEM, DOWNPOUR and momentum SGD, one panel per n. Momentum SGD runs one worker, so its runs are
     the same reference in every panel."""
     m = _need(_commits(paths), "fig6 needs gem, downpour and sgd runs (a fig6 sweep)")
+    check("fig6", paths, ["algorithm", "workers"])
     sgd = m[m["algorithm"] == "sgd"]
-    sgd = sgd[sgd["run_dir"].isin(sgd.drop_duplicates("seed")["run_dir"])]  # one run per seed: they are equal
+    # momentum SGD ignores n, so a fig6 sweep runs it once per n: keep one run per seed (the others are equal;
+    # `check` has made sure nothing but n and the seed varies among them)
+    sgd = sgd[sgd["run_dir"].isin(sgd.drop_duplicates("seed")["run_dir"])]
     asy = m[m["algorithm"] != "sgd"]
     ns = sorted(asy["workers"].unique()) or [1]
-    fig, axes = plt.subplots(1, len(ns), figsize=(5 * len(ns), 4), sharey=True, squeeze=False)
-    palette = plots.colours(["adaptive", "downpour", "gem", "momentum SGD"])
-    for ax, n in zip(axes[0], ns, strict=False):
+    fig, axes = plt.subplots(1, len(ns), figsize=(5 * len(ns), 4), squeeze=False)
+    palette = plots.colours(sorted(asy["algorithm"].unique(), key=plots.algorithm_order) + ["momentum SGD"])
+    for ax, n in zip(axes[0], ns, strict=True):
         panel = pd.concat([asy[asy["workers"] == n], sgd.assign(algorithm="momentum SGD")])
         plots.curves(panel, ax, x="worker_step", y="loss", hue="algorithm", palette=palette)
         ax.set_title(f"n = {n}")
+    plots.same_y(axes[0])
     axes[0][0].legend(fontsize=8)
     lr = ", ".join(f"{v:g}" for v in sorted(m["lr"].unique()))
     _title(fig, "Fig. 6", f"a misspecified learning rate (η = {lr})", m)
@@ -193,6 +209,7 @@ def fig7(paths):
     """AlexNet with n = 8 and 16 GEM workers at a fixed effective batch: training loss and median π against
     worker steps."""
     m = _need(_commits(paths, "gem"), "fig7 needs GEM runs (a fig7 or fig9_10 sweep)")
+    check("fig7", paths, ["workers"], ["gem"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     plots.curves(m, axes[0], x="worker_step", y="loss", hue="workers")
     plots.curves(m, axes[1], x="worker_step", y="pi_median", hue="workers", log=False)
@@ -205,6 +222,7 @@ def fig7(paths):
 def fig8(paths):
     """κ, the energy amplification: training loss and median π against worker steps, one line per κ."""
     m = _need(_commits(paths, "gem"), "fig8 needs GEM runs with several algorithm.kappa (a fig8 sweep)")
+    check("fig8", paths, ["algorithm.kappa"], ["gem"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     palette = plots.colours(sorted(m["algorithm.kappa"].unique()))
     plots.curves(m, axes[0], x="worker_step", y="loss", hue="algorithm.kappa", palette=palette)

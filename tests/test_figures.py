@@ -17,7 +17,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from analysis import from_wandb, load, plots, report
-from experiments.config import CONF_DIR, ConfigError, check_job, compose, expand, options
+from experiments.config import CONF_DIR, ConfigError, check_job, compose, expand, options, preflight
 from experiments.runner import run
 from paper_figures import __main__ as cli
 from paper_figures.figures import FIGURES, NoRuns
@@ -113,9 +113,13 @@ def test_a_diverged_run_only_contributes_its_finite_points():
 def test_time_to_target_is_the_first_bin_at_or_below_it():
     f = _frame(run_dir=["a"] * 4 + ["b"] * 4, worker_step=[1, 2, 3, 4] * 2, time_s=[0.1, 0.2, 0.3, 0.4] * 2,
                loss=[2.0, 0.9, 0.4, 0.3, 2.0, 1.5, 1.2, 1.1])
-    hit = plots.time_to_target(f, 0.5).set_index("run_dir")
-    assert hit.loc["a", "worker_step"] == 3 and hit.loc["a", "time_s"] == pytest.approx(0.3, abs=0.1)
+    hit = plots.time_to_target(f, 0.5, window=1).set_index("run_dir")
+    assert hit.loc["a", "worker_step"] == 3 and hit.loc["a", "time_s"] == pytest.approx(0.3)
     assert np.isnan(hit.loc["b", "worker_step"])
+    lucky = _frame(run_dir=["c"] * 6, worker_step=range(1, 7), time_s=range(1, 7),
+                   loss=[2.0, 0.4, 2.0, 2.0, 0.4, 0.3])  # one lucky batch at step 2 is not arriving
+    assert plots.time_to_target(lucky, 0.5, window=1)["worker_step"].iloc[0] == 2
+    assert plots.time_to_target(lucky, 0.5, window=3)["worker_step"].iloc[0] == 6
 
 
 def test_heatmap_is_tensors_by_binned_updates():
@@ -130,37 +134,51 @@ def test_heatmap_is_tensors_by_binned_updates():
 # ------------------------------------------------------------------------------------------ a small sweep
 
 COMMON = ["engine=sim", "epochs=1", "logger.wandb.mode=disabled", "logger.eval_every=25", "batch_size=32"]
+# runs 0-3: GEM at n = 1, 2 with two seeds; then one run each of downpour, adaptive, sgd, and a downpour that
+# diverges (lr = 1e6); then, apart, GEM at n = 2 with κ = 2 (mixing it in must be refused: it is not a seed)
 JOBS = [["algorithm=gem", f"workers={n}", f"seed={s}"] for n in (1, 2) for s in (0, 1)] + [
-    ["algorithm=gem", "workers=2", "algorithm.kappa=2"], ["algorithm=downpour", "workers=2"],
-    ["algorithm=adaptive", "workers=2"], ["algorithm=sgd", "workers=2"], ["algorithm=downpour", "workers=2",
-                                                                        "lr=1e6", "seed=3"]]
+    ["algorithm=downpour", "workers=2"], ["algorithm=adaptive", "workers=2"], ["algorithm=sgd", "workers=2"],
+    ["algorithm=downpour", "workers=3", "lr=1e6"]]
+KAPPA = ["algorithm=gem", "workers=2", "algorithm.kappa=2"]
+
+
+def _run(d, overrides):
+    cfg = compose(overrides + COMMON)
+    (d / ".hydra").mkdir(parents=True)
+    OmegaConf.save(cfg, d / ".hydra" / "config.yaml")  # unresolved, as Hydra saves it
+    run(cfg, d, experiment="test")
 
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep")
     for i, overrides in enumerate(JOBS):
-        d = root / str(i)
-        cfg = compose(overrides + COMMON)
-        (d / ".hydra").mkdir(parents=True)
-        OmegaConf.save(cfg, d / ".hydra" / "config.yaml", resolve=True)
-        run(cfg, d)
+        _run(root / str(i), overrides)
     return root
+
+
+@pytest.fixture(scope="module")
+def kappa_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kappa") / "0"
+    _run(d, KAPPA)
+    return d
 
 
 def test_the_sweep_has_what_the_figures_need(sweep):
     r = load.runs(sweep)
-    assert len(r) == len(JOBS)
+    assert len(r) == len(JOBS) and set(r["experiment"]) == {"test"}
     assert r["status"].value_counts().to_dict() == {"completed": len(JOBS) - 1, "diverged": 1}
 
 
 @pytest.mark.parametrize("fig_id", sorted(FIGURES))
-def test_every_figure_draws_from_a_small_sweep(sweep, tmp_path, fig_id):
+def test_every_figure_draws_from_a_small_sweep(sweep, kappa_run, tmp_path, fig_id):
     if fig_id in ("fig9", "fig10"):  # n = 8 and n = 16: not in this sweep
         with pytest.raises(NoRuns, match="requested number of workers"):
             FIGURES[fig_id](sweep)
         return
-    fig = FIGURES[fig_id](sweep)
+    # fig8 compares κ at one n: GEM at n = 2, seeds 0 and 1 (κ = 1), and the κ = 2 run
+    paths = [sweep / "2", sweep / "3", kappa_run] if fig_id == "fig8" else sweep
+    fig = FIGURES[fig_id](paths)
     lines = sum(len(ax.get_lines()) + len(ax.get_images()) for ax in fig.axes)
     assert lines >= 2, f"{fig_id} drew almost nothing"
     paths = plots.save(fig, tmp_path, fig_id)
@@ -168,30 +186,47 @@ def test_every_figure_draws_from_a_small_sweep(sweep, tmp_path, fig_id):
     assert all(p.stat().st_size > 5000 for p in paths)
 
 
+def test_a_figure_refuses_to_average_runs_that_differ_in_more_than_the_seed(sweep, kappa_run):
+    with pytest.raises(NoRuns, match=r"fig1 averages the runs with the same algorithm, workers over seeds, but "
+                                     r"these runs also differ in algorithm.kappa = 1.0/2"):
+        FIGURES["fig1"]([sweep, kappa_run])
+    with pytest.raises(NoRuns, match="differ in workers = 1/2"):  # κ curves at two n
+        FIGURES["fig8"]([sweep / "0", sweep / "2", kappa_run])
+
+
 def test_fig1_draws_one_line_per_n_and_marks_the_diverged_run(sweep):
     fig = FIGURES["fig1"](sweep)
     gem_ax, downpour_ax = fig.axes[0], fig.axes[1]
     assert [t.get_text() for t in gem_ax.get_legend().get_texts()] == ["n = 1", "n = 2"]
     crosses = [ln for ln in downpour_ax.get_lines() if ln.get_marker() == "x"]
-    assert len(crosses) == 1  # the lr = 1e6 run
+    assert len(crosses) == 1  # the lr = 1e6 run, drawn on its own (dashed), not averaged in
+    dashed = [ln for ln in downpour_ax.get_lines() if ln.get_linestyle() == "--"]
+    assert len(dashed) == 1 and dashed[0].get_label() == "n = 3 (diverged)"
+    solid = [ln for ln in downpour_ax.get_lines() if ln.get_linestyle() == "-"]
+    assert len(solid) == 1 and max(solid[0].get_ydata()) < 10  # n = 2's mean; n = 3 has no completed run
     top = downpour_ax.get_ylim()[1]  # its loss of 1e26 is off the scale: the axis stops at 10x the start
     assert 2.3 < top <= 10 * 2.5 and crosses[0].get_ydata()[0] == pytest.approx(top)
     assert gem_ax.get_ylim() == downpour_ax.get_ylim()
     assert gem_ax.get_yscale() == "log"
 
 
-def test_report_has_a_row_per_algorithm_and_n_and_embeds_its_figure(sweep, tmp_path):
-    path = report.write(sweep, tmp_path / "r.html", target=2.0)
+def test_report_has_a_row_per_algorithm_n_and_setting_and_embeds_its_figure(sweep, kappa_run, tmp_path):
+    path = report.write([sweep, kappa_run], tmp_path / "r.html", target=2.0)
     text = path.read_text()
     png = re.search(r'src="data:image/png;base64,([^"]+)"', text)
     assert png and base64.b64decode(png.group(1))[:4] == b"\x89PNG"
-    r = load.runs(sweep)
-    m = load.commits(sweep, columns=["algorithm", "workers", "seed", "status"])
-    tab = report.table(r, m, 2.0).set_index(["algorithm", "n"])
-    assert sorted(tab.index) == [("adaptive", 2), ("downpour", 2), ("gem", 1), ("gem", 2), ("sgd", 1)]
-    assert tab.loc[("downpour", 2), "status"] == "1 completed, 1 diverged"
-    assert tab.loc[("gem", 2), "runs"] == 3
-    assert re.fullmatch(r"\d+ \(3/3\)", tab.loc[("gem", 2), "worker steps to 2"])  # every GEM run gets below 2
+    r = load.runs([sweep, kappa_run])
+    m = load.commits([sweep, kappa_run], columns=["algorithm", "workers", "seed", "status"])
+    tab = report.table(r, m, 2.0)
+    assert list(tab.columns[:3]) == ["algorithm", "kappa", "n"]  # κ varies among the GEM runs: its own column
+    tab = tab.set_index(["algorithm", "kappa", "n"])
+    gem = tab.xs("gem")
+    assert gem.loc[(1.0, 2), "runs"] == 2 and gem.loc[(2.0, 2), "runs"] == 1 and gem.loc[(1.0, 1), "runs"] == 2
+    down = tab.xs("downpour").droplevel(0)
+    assert down.loc[2, "status"] == "1 completed" and down.loc[3, "status"] == "1 diverged"
+    assert down.loc[3, "final train loss"] == "n/a"  # a diverged run has no final loss to average
+    assert re.fullmatch(r"\d+ \(2/2\)", gem.loc[(1.0, 2), "worker steps to 2"])  # both seeds get below 2
+    assert down.loc[3, "worker steps to 2"] == "not reached (0/1)"
     for algo in ("gem", "downpour", "adaptive", "sgd"):
         assert f"<td>{algo}</td>" in text
 
@@ -202,11 +237,49 @@ def test_markdown_report_links_its_png(sweep, tmp_path):
     assert (tmp_path / "r.png").stat().st_size > 5000
 
 
-def test_cli_errors_are_one_line(tmp_path, capsys):
+def test_a_killed_run_reads_with_its_interpolations_resolved(tmp_path):
+    d = tmp_path / "killed"  # Hydra's unresolved config and no summary: what a SIGKILL leaves behind
+    (d / ".hydra").mkdir(parents=True)
+    OmegaConf.save(compose(["experiment=fig4_quick", "workers=2"]), d / ".hydra" / "config.yaml")
+    assert "${per_worker:256}" in (d / ".hydra" / "config.yaml").read_text()
+    r = load.runs(tmp_path).iloc[0]
+    assert (r["status"], r["batch_size"], r["epochs"], r["workers"]) == ("incomplete", 128, 8, 2)
+    assert report.main([str(tmp_path), "--out", str(tmp_path / "r.md")]) == 0  # no rows, but a report
+
+
+def test_cli_errors_are_one_line(sweep, tmp_path, capsys):
     assert cli.main(["fig1", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no such run or sweep directory" in err
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["fig1", str(tmp_path / "empty")]) == 2
+    assert capsys.readouterr().err.strip() == "error: fig1 needs the runs of a fig1 sweep (gem, downpour, adaptive × n)"
+    assert cli.main(["fig2", str(sweep / "4"), str(sweep / "5")]) == 2  # downpour and adaptive: no GEM run
+    assert capsys.readouterr().err.strip() == "error: fig2 needs GEM runs (a fig2 sweep)"
     assert report.main([str(tmp_path), "--out", str(tmp_path / "r.txt")]) == 2
+
+
+def test_speedup_is_the_median_time_to_the_target_relative_to_one_worker():
+    rows = []
+    # n = 1 reaches 0.5 at 4 s in both seeds; n = 2 at 2 s and 3 s (median 2.5 s); n = 4: one seed never does
+    for n, seed, at in [(1, 0, 4), (1, 1, 4), (2, 0, 2), (2, 1, 3), (4, 0, 1), (4, 1, None)]:
+        for t in range(1, 9):
+            rows.append({"run_dir": f"{n}-{seed}", "workers": n, "time_s": float(t),
+                         "loss": 0.1 if at is not None and t >= at else 2.0})
+    sp = plots.speedup(pd.DataFrame(rows), 0.5, window=1).set_index("workers")
+    assert sp.loc[1, "speedup"] == pytest.approx(1.0)
+    assert sp.loc[2, "time"] == pytest.approx(2.5, abs=0.05) and sp.loc[2, "speedup"] == pytest.approx(1.6, abs=0.05)
+    assert (sp.loc[4, "reached"], sp.loc[4, "runs"]) == (1, 2) and np.isnan(sp.loc[4, "speedup"])
+
+
+def test_epochs_of_data_count_examples_not_commits():
+    from paper_figures.figures import data_epochs
+
+    ev = pd.DataFrame({"step": [0, 50, 100], "batch_size": 64, "train_examples": 6400, "workers": 10, "epochs": 2,
+                       "steps": 100})
+    assert data_epochs(ev).tolist() == [0.0, 0.5, 1.0]
+    ev["algorithm.window"] = 4.0  # AGN/EASGD: a commit carries 4 local steps
+    assert data_epochs(ev).tolist() == [0.0, 2.0, 4.0]
 
 
 # ------------------------------------------------------------------------------------------ W&B
@@ -246,6 +319,30 @@ def test_wandb_loader_gives_the_local_columns():
         from_wandb.commits("me/gem", "tensors", api=_FakeApi())
 
 
+def test_wandb_logger_holds_an_evaluation_until_the_commits_before_it_are_logged():
+    from experiments.wandb_logger import WandbLogger
+
+    class Run:
+        logged = []
+
+        def log(self, data, step):
+            self.logged.append((step, sorted(data)))
+
+        def finish(self, exit_code=0):
+            pass
+
+    w = WandbLogger(Run())
+    w("eval", {"step": 0, "val_loss": 2.3})    # before any commit: waits
+    w("commit", {"step": 10, "loss": 2.0})
+    w("eval", {"step": 25, "val_loss": 1.0})   # the process engine's clock ran ahead of the recorded commits
+    w("commit", {"step": 20, "loss": 1.5})      # W&B would drop this row had the evaluation gone first
+    w("commit", {"step": 30, "loss": 1.2})
+    w("eval", {"step": 40, "val_loss": 0.9})    # the final one: logged by finish
+    w.finish()
+    assert [step for step, _ in Run.logged] == [0, 10, 20, 25, 30, 40]
+    assert Run.logged[3] == (25, ["eval/val_loss"])
+
+
 # ------------------------------------------------------------------------------------------ end to end
 
 
@@ -266,3 +363,15 @@ def test_a_quick_experiment_runs_end_to_end_and_its_figure_is_drawn(tmp_path):
     assert (out / "fig8.png").stat().st_size > 5000 and (out / "fig8.pdf").stat().st_size > 5000
     assert "fig1: skipped, no sweep of experiment=fig1" in done.stdout
     assert sorted(p.name for p in out.iterdir()) == ["fig8.pdf", "fig8.png"]
+
+
+def test_an_experiment_without_m_runs_one_job_and_says_so(capsys):
+    assert expand(["experiment=fig8_quick"], multirun=False) == [["experiment=fig8_quick"]]
+    preflight(["experiment=fig8_quick"])  # valid: returns, with one line of note
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "algorithm.kappa=1,2,3,4" in err and "Add -m" in err
+    preflight(["algorithm=gem"])  # no experiment: nothing to say
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit):  # bad input: the error line only, no note before it
+        preflight(["experiment=fig4", "workers=0"])
+    assert capsys.readouterr().err == "error: workers=0 is not allowed; workers must be an integer >= 1\n"
