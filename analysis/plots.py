@@ -193,7 +193,8 @@ def final_loss(runs: pd.DataFrame, ax, x: str = "workers", hue: str = "algorithm
     r = runs[runs["status"] == "completed"].dropna(subset=[y]) if "status" in runs else runs.dropna(subset=[y])
     agg = r.groupby([hue, x])[y].agg(["mean", "min", "max", "count"]).reset_index()
     palette = palette or colours(sorted(agg[hue].unique()))
-    for v, g in agg.groupby(hue):
+    for v in [v for v in palette if v in set(agg[hue])]:  # the palette's order, as in the curves' legends
+        g = agg[agg[hue] == v]
         ax.errorbar(g[x], g["mean"], yerr=[g["mean"] - g["min"], g["max"] - g["mean"]], marker="o", capsize=3,
                     color=palette[v], label=str(v))
     ax.set_yscale("log")
@@ -237,9 +238,9 @@ def time_to_target(frame: pd.DataFrame, target: float, x: str = "worker_step", y
             rec = {"run_dir": run_dir, x: np.nan, "time_s": np.nan}
             if len(hit):
                 at = hit.index[0]
-                width = edges[1] - edges[0]
-                near = g[(g[x] - at).abs() <= width / 2]
-                rec["time_s"] = float(near["time_s"].median()) if "time_s" in g and len(near) else np.nan
+                if "time_s" in g:  # the run's clock at x = at (interpolated: a bin may hold no commit of its own)
+                    clock = g.groupby(x)["time_s"].median()
+                    rec["time_s"] = float(np.interp(at, clock.index.to_numpy(float), clock.to_numpy(float)))
                 rec[x] = at  # after time_s: when x is time_s, the bin centre is the answer
             out.append(rec)
     return pd.DataFrame(out, columns=list(dict.fromkeys(["run_dir", x, "time_s"])))

@@ -43,7 +43,7 @@ BAD = [
     (["lr=-0.1"], "lr=-0.1 is not allowed; lr must be a finite number > 0"),
     (["lr=inf"], "lr=inf is not allowed; lr must be a finite number > 0"),
     (["algorithm=sgd,sgd"], "algorithm=sgd,sgd is a sweep; add -m (--multirun)"),
-    (["experiment=fig99"], "experiment=fig99 is not an option; choose one of: fig1, fig1_quick"),
+    (["experiment=fig99"], "experiment=fig99 is not an option; choose one of: baselines, baselines_quick, fig1, "),
     (["engine=sim", "engine.straggler_fraction=0"],
      "engine.straggler_fraction=0.0 is not allowed; it must be a number in (0, 1]"),
     (["logger.flush_seconds=-1"], "logger.flush_seconds=-1.0 is not allowed; it must be a number > 0"),

@@ -120,6 +120,10 @@ def test_time_to_target_is_the_first_bin_at_or_below_it():
                    loss=[2.0, 0.4, 2.0, 2.0, 0.4, 0.3])  # one lucky batch at step 2 is not arriving
     assert plots.time_to_target(lucky, 0.5, window=1)["worker_step"].iloc[0] == 2
     assert plots.time_to_target(lucky, 0.5, window=3)["worker_step"].iloc[0] == 6
+    windowed = _frame(run_dir=["d"] * 4, worker_step=[4, 8, 12, 16], time_s=[1.0, 2.0, 3.0, 4.0],
+                      loss=[2.0, 2.0, 0.1, 0.1])  # AGN/EASGD commit every 4 local steps: bins in between are empty
+    hit = plots.time_to_target(windowed, 0.5, window=1).iloc[0]
+    assert (hit["worker_step"], hit["time_s"]) == (12, 3.0)
 
 
 def test_heatmap_is_tensors_by_binned_updates():
