@@ -28,9 +28,15 @@ COMMIT_COLUMNS = ["algorithm", "workers", "seed", "status", "experiment", "algor
                   "data", "engine", "epochs", "steps", "batch_size", "train_examples"]
 
 
-def _need(frame: pd.DataFrame, what: str) -> pd.DataFrame:
+def runs_for(fig_id: str, paths, keys, algorithms=None, table: str = "metrics", need: str = "") -> pd.DataFrame:
+    """The rows of `table` a figure draws: those of `algorithms` (all if None), refused with one line when there
+    are none (`need` says what the figure needs) or when runs sharing `keys` differ in more than the seed."""
+    frame = load.commits(paths, table, columns=COMMIT_COLUMNS)
+    if algorithms is not None and len(frame):
+        frame = frame[frame["algorithm"].isin(algorithms)]
     if frame.empty:
-        raise NoRuns(what)
+        raise NoRuns(need)
+    check(fig_id, paths, keys, algorithms)
     return frame
 
 
@@ -46,15 +52,9 @@ def check(fig_id: str, paths, keys, algorithms=None) -> None:
                      f"differ in {values}; pass run or sweep folders that differ only in {', '.join(keys)} and seed")
 
 
-def _commits(paths, algorithm: str | None = None, table: str = "metrics") -> pd.DataFrame:
-    m = load.commits(paths, table, columns=COMMIT_COLUMNS)
-    if algorithm is not None and len(m):
-        m = m[m["algorithm"] == algorithm]
-    return m
-
-
-def _title(fig, number: str, what: str, frame: pd.DataFrame) -> None:
-    """The figure's number and what it shows, then what the runs were: data, engine, seeds, quick or full."""
+def _finish(fig, number: str, what: str, frame: pd.DataFrame):
+    """Title the figure with its number and what it shows, then what the runs were (data, engine, seeds, quick
+    or full), and lay it out."""
     runs = frame.drop_duplicates("run_dir")
     bits = []
     for col in ("data", "engine"):
@@ -66,13 +66,15 @@ def _title(fig, number: str, what: str, frame: pd.DataFrame) -> None:
     if exps:
         bits.append("sweep " + ", ".join(exps))
     fig.suptitle(f"{number}: {what}\n({'; '.join(bits)})", fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def fig1(paths):
     """(a–c) training loss against worker steps for GEM, DOWNPOUR and adaptive, one line per n; (d) the final
     loss against n."""
-    m = _need(_commits(paths), "fig1 needs the runs of a fig1 sweep (gem, downpour, adaptive × n)")
-    check("fig1", paths, ["algorithm", "workers"], ["gem", "downpour", "adaptive"])
+    m = runs_for("fig1", paths, ["algorithm", "workers"], ["gem", "downpour", "adaptive"],
+                 need="fig1 needs the runs of a fig1 sweep (gem, downpour, adaptive × n)")
     fig, axes = plt.subplots(1, 4, figsize=(17, 4))
     algos = [a for a in ("gem", "downpour", "adaptive") if a in set(m["algorithm"])]
     palette = plots.colours(sorted(m["workers"].unique()))
@@ -85,44 +87,37 @@ def fig1(paths):
     plots.final_loss(r[r["algorithm"].isin(algos)], axes[3], palette=plots.colours(algos))
     axes[3].set_title("final loss (last 10% of commits)")
     axes[3].legend(fontsize=8)
-    _title(fig, "Fig. 1", "training loss against worker steps, and the final loss against n", m)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, "Fig. 1", "training loss against worker steps, and the final loss against n", m)
 
 
 def fig2(paths):
     """GEM's training loss against seconds from the first commit, one line per n (100 workers in the paper)."""
-    m = plots.since_first_commit(_need(_commits(paths, "gem"), "fig2 needs GEM runs (a fig2 sweep)"))
-    check("fig2", paths, ["workers"], ["gem"])
+    m = plots.since_first_commit(runs_for("fig2", paths, ["workers"], ["gem"],
+                                          need="fig2 needs GEM runs (a fig2 sweep)"))
     fig, ax = plt.subplots(figsize=(6, 4))
     plots.curves(m, ax, x="time_s", y="loss", hue="workers")
     ax.set_xlabel("seconds from the first commit")
     ax.legend(fontsize=8)
-    _title(fig, "Fig. 2", "GEM, training loss against wall-clock seconds", m)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, "Fig. 2", "GEM, training loss against wall-clock seconds", m)
 
 
 def fig3(paths):
     """GEM's median π against worker steps, one line per n; beside it, the fraction of π clamped to 0 (the
     median is 0 whenever more than half of the elements are)."""
-    m = _need(_commits(paths, "gem"), "fig3 needs GEM runs (a fig3 or fig1 sweep)")
-    check("fig3", paths, ["workers"], ["gem"])
+    m = runs_for("fig3", paths, ["workers"], ["gem"], need="fig3 needs GEM runs (a fig3 or fig1 sweep)")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     plots.curves(m, axes[0], x="worker_step", y="pi_median", hue="workers", log=False)
     plots.curves(m, axes[1], x="worker_step", y="pi_zero_frac", hue="workers", log=False)
     axes[1].set_ylabel("fraction of π clamped to 0")
     axes[0].legend(fontsize=8)
-    _title(fig, "Fig. 3", "GEM's median π (each commit's median over all elements) against worker steps", m)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, "Fig. 3", "GEM's median π (each commit's median over all elements) against worker steps", m)
 
 
 def fig4(paths):
     """(a) GEM's training loss against seconds for each n at a fixed effective batch; (b) the speedup to a
     common loss, relative to n = 1."""
-    m = plots.since_first_commit(_need(_commits(paths, "gem"), "fig4 needs GEM runs on engine=process (a fig4 sweep)"))
-    check("fig4", paths, ["workers"], ["gem"])
+    m = plots.since_first_commit(runs_for("fig4", paths, ["workers"], ["gem"],
+                                          need="fig4 needs GEM runs on engine=process (a fig4 sweep)"))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     plots.curves(m, axes[0], x="time_s", y="loss", hue="workers")
     axes[0].set_xlabel("seconds from the first commit")
@@ -146,9 +141,7 @@ def fig4(paths):
     axes[1].set_ylabel(f"speedup to loss {target:.3g}\n(median time over seeds; k/N seeds got there)")
     axes[1].set_xlabel("n")
     axes[1].grid(True, alpha=0.3)
-    _title(fig, "Fig. 4", "wall-clock speedup at a fixed effective batch (b = B/n)", m)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, "Fig. 4", "wall-clock speedup at a fixed effective batch (b = B/n)", m)
 
 
 def data_epochs(ev: pd.DataFrame) -> pd.Series:
@@ -163,8 +156,8 @@ def data_epochs(ev: pd.DataFrame) -> pd.Series:
 def fig5(paths):
     """GEM against its proxy, momentum SGD: training and validation loss of the central variable against
     epochs of data processed."""
-    ev = _need(_commits(paths, table="eval"), "fig5 needs evaluation rows of gem and sgd runs (a fig5 sweep)")
-    check("fig5", paths, ["algorithm", "workers"])
+    ev = runs_for("fig5", paths, ["algorithm", "workers"], table="eval",
+                  need="fig5 needs evaluation rows of gem and sgd runs (a fig5 sweep)")
     ev = ev[ev["steps"] > 0].assign(epoch=lambda d: data_epochs(d))
     ev["who"] = [f"{a} (n = {n})" if a != "sgd" else "momentum SGD"
                  for a, n in zip(ev["algorithm"], ev["workers"], strict=True)]
@@ -175,16 +168,13 @@ def fig5(paths):
         ax.set_title(plots.label(y))
     plots.same_y(axes)
     axes[0].legend(fontsize=8)
-    _title(fig, "Fig. 5", "generalisation: training and validation loss of the central variable", ev)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, "Fig. 5", "generalisation: training and validation loss of the central variable", ev)
 
 
 def fig6(paths):
     """η = 0.1: GEM, DOWNPOUR and momentum SGD, one panel per n. Momentum SGD runs one worker, so its runs are
     the same reference in every panel."""
-    m = _need(_commits(paths), "fig6 needs gem, downpour and sgd runs (a fig6 sweep)")
-    check("fig6", paths, ["algorithm", "workers"])
+    m = runs_for("fig6", paths, ["algorithm", "workers"], need="fig6 needs gem, downpour and sgd runs (a fig6 sweep)")
     sgd = m[m["algorithm"] == "sgd"]
     # momentum SGD ignores n, so a fig6 sweep runs it once per n: keep one run per seed (the others are equal;
     # `check` has made sure nothing but n and the seed varies among them)
@@ -200,43 +190,36 @@ def fig6(paths):
     plots.same_y(axes[0])
     axes[0][0].legend(fontsize=8)
     lr = ", ".join(f"{v:g}" for v in sorted(m["lr"].unique()))
-    _title(fig, "Fig. 6", f"a misspecified learning rate (η = {lr})", m)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, "Fig. 6", f"a misspecified learning rate (η = {lr})", m)
 
 
 def fig7(paths):
     """AlexNet with n = 8 and 16 GEM workers at a fixed effective batch: training loss and median π against
     worker steps."""
-    m = _need(_commits(paths, "gem"), "fig7 needs GEM runs (a fig7 or fig9_10 sweep)")
-    check("fig7", paths, ["workers"], ["gem"])
+    m = runs_for("fig7", paths, ["workers"], ["gem"], need="fig7 needs GEM runs (a fig7 or fig9_10 sweep)")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     plots.curves(m, axes[0], x="worker_step", y="loss", hue="workers")
     plots.curves(m, axes[1], x="worker_step", y="pi_median", hue="workers", log=False)
     axes[0].legend(fontsize=8)
-    _title(fig, "Fig. 7", "AlexNet, training loss and median π against worker steps", m)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, "Fig. 7", "AlexNet, training loss and median π against worker steps", m)
 
 
 def fig8(paths):
     """κ, the energy amplification: training loss and median π against worker steps, one line per κ."""
-    m = _need(_commits(paths, "gem"), "fig8 needs GEM runs with several algorithm.kappa (a fig8 sweep)")
-    check("fig8", paths, ["algorithm.kappa"], ["gem"])
+    m = runs_for("fig8", paths, ["algorithm.kappa"], ["gem"],
+                 need="fig8 needs GEM runs with several algorithm.kappa (a fig8 sweep)")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     palette = plots.colours(sorted(m["algorithm.kappa"].unique()))
     plots.curves(m, axes[0], x="worker_step", y="loss", hue="algorithm.kappa", palette=palette)
     plots.curves(m, axes[1], x="worker_step", y="pi_median", hue="algorithm.kappa", palette=palette, log=False)
     axes[0].legend(fontsize=8)
     ns = ", ".join(str(n) for n in sorted(m["workers"].unique()))
-    _title(fig, "Fig. 8", f"GEM with κ ∈ {{{', '.join(f'{k:g}' for k in sorted(palette))}}}, n = {ns}", m)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, "Fig. 8", f"GEM with κ ∈ {{{', '.join(f'{k:g}' for k in sorted(palette))}}}, n = {ns}", m)
 
 
 def heatmaps(paths, ns=None, number="Figs. 9 and 10"):
-    t = _need(_commits(paths, "gem", table="tensors"), "the π heatmaps need the per-tensor rows of GEM runs "
-              "(a fig9_10 or fig7 sweep)")
+    t = runs_for("the π heatmaps", paths, ["workers"], ["gem"], table="tensors",
+                 need="the π heatmaps need the per-tensor rows of GEM runs (a fig9_10 or fig7 sweep)")
     ns = [n for n in (ns or sorted(t["workers"].unique())) if n in set(t["workers"])]
     if not ns:
         raise NoRuns("the π heatmaps need GEM runs with the requested number of workers")
@@ -253,9 +236,7 @@ def heatmaps(paths, ns=None, number="Figs. 9 and 10"):
         image = plots.pi_heatmap(run, ax, vmax=vmax)
         ax.set_title(f"n = {n} (seed {seed})")
         fig.colorbar(image, ax=ax, label="median π of the tensor")
-    _title(fig, number, "per-tensor median π against parameter-server updates", t)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, number, "per-tensor median π against parameter-server updates", t)
 
 
 def fig9(paths):
