@@ -2,8 +2,8 @@
 
 <id> is fig1 ... fig8, fig9, fig10, fig9_10 or baselines (the report). Each figure is written as <id>.png and
 <id>.pdf in --out (default: ./figures). `all` looks under <root> for the sweeps of each experiment (Hydra records
-which `experiment=` launched a run), takes the newest sweep of the first experiment a figure can use (the full
-one or its _quick version), draws every figure it can, and says which it could not and why.
+which `experiment=` launched a run), takes the first experiment a figure can use and its newest full sweep (or,
+when there is none, its newest _quick sweep), draws every figure it can, and says which it could not and why.
 """
 
 from __future__ import annotations
@@ -32,15 +32,17 @@ def sweeps_by_experiment(root) -> dict[str, list[list[Path]]]:
     """{experiment name without _quick: [the run directories of one sweep, newest sweep first]}."""
     r = load.runs(root)
     found: dict[str, dict[Path, list[Path]]] = {}
-    stamps: dict[Path, float] = {}
+    rank: dict[Path, tuple[bool, float]] = {}  # (a full sweep, newest file): full sweeps first, then the newest
     for exp, run_dir in zip(r.get("experiment", pd.Series(dtype=object)), r["run_dir"], strict=True):
         if not isinstance(exp, str):
             continue
         run_dir = Path(run_dir)
         sweep = run_dir.parent  # a multirun folder; for single runs (no -m) only the matching runs are taken
         found.setdefault(exp.removesuffix("_quick"), {}).setdefault(sweep, []).append(run_dir)
-        stamps[sweep] = max(stamps.get(sweep, 0.0), max((p.stat().st_mtime for p in run_dir.iterdir()), default=0))
-    return {k: [v[s] for s in sorted(v, key=stamps.get, reverse=True)] for k, v in found.items()}
+        full, stamp = rank.get(sweep, (False, 0.0))
+        newest = max((p.stat().st_mtime for p in run_dir.iterdir()), default=0.0)
+        rank[sweep] = (full or not exp.endswith("_quick"), max(stamp, newest))
+    return {k: [v[s] for s in sorted(v, key=rank.get, reverse=True)] for k, v in found.items()}
 
 
 def draw_all(root, out: Path, target: float) -> tuple[int, int]:
