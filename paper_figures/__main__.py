@@ -29,7 +29,7 @@ def draw(fig_id: str, paths, out: Path, target: float = report.DEFAULT_TARGET) -
 
 
 def sweeps_by_experiment(root) -> dict[str, list[list[Path]]]:
-    """{experiment name without _quick: [the run directories of one sweep, newest sweep first]}."""
+    """{experiment name without _quick: [the run directories of one sweep, full sweeps first, then newest]}."""
     r = load.runs(root)
     found: dict[str, dict[Path, list[Path]]] = {}
     rank: dict[Path, tuple[bool, float]] = {}  # (a full sweep, newest file): full sweeps first, then the newest
