@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-from analysis.load import SUMMARY_COLUMNS, flatten
+from analysis.load import RAN, SUMMARY_COLUMNS, flatten
 
 PREFIX = {"metrics": "train/", "eval": "eval/"}  # what experiments.wandb_logger puts before each column
 STATE = {"running": "incomplete", "crashed": "failed", "failed": "failed", "killed": "failed"}
@@ -36,8 +36,7 @@ def _record(run) -> dict:
     config = {k: v for k, v in dict(run.config).items() if not k.startswith("_")}
     rec = {k: v for k, v in flatten(config).items() if not k.startswith("logger.") and not k.startswith("hydra.")}
     summary = dict(run.summary)
-    for k in ("algorithm", "engine", "workers", "model", "data", "seed", "lr", "momentum", "batch_size", "epochs",
-              "experiment", "train_examples"):
+    for k in RAN:
         if k in summary:
             rec[k] = summary[k]
     for k in SUMMARY_COLUMNS:

@@ -25,6 +25,9 @@ from gem.metrics import read_table
 SUMMARY_COLUMNS = ("status", "reason", "steps", "final_train_loss", "val_loss", "val_accuracy", "mean_staleness",
                    "pi_median", "wall_time_s", "lost_workers")
 GROUPS = ("algorithm", "engine", "model", "data", "logger")
+# Summary keys that say what actually ran, over the config's request (a sequential algorithm runs 1 worker, say)
+RAN = ("algorithm", "engine", "workers", "model", "data", "seed", "lr", "momentum", "batch_size", "epochs",
+       "experiment", "train_examples")
 
 
 def find_runs(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
@@ -72,10 +75,9 @@ def run_record(run_dir: Path) -> dict:
     rec["experiment"] = experiment_of(run_dir)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    for k in ("algorithm", "engine", "workers", "model", "data", "seed", "lr", "momentum", "batch_size", "epochs",
-              "experiment", "train_examples"):
+    for k in RAN:
         if k in summary:
-            rec[k] = summary[k]  # what actually ran (sequential algorithms run 1 worker, say)
+            rec[k] = summary[k]
     for k in SUMMARY_COLUMNS:
         rec[k] = summary.get(k)
     rec["status"] = summary.get("status", "incomplete")
@@ -149,10 +151,12 @@ def runs(paths) -> pd.DataFrame:
     return pd.DataFrame.from_records(records, columns=None if records else ["run_dir", "status"])
 
 
-def commits(paths, table: str = "metrics", columns: Iterable[str] | None = None) -> pd.DataFrame:
+def commits(paths, table: str = "metrics", columns: Iterable[str] | None = None,
+            meta: pd.DataFrame | None = None) -> pd.DataFrame:
     """The rows of `table` (metrics, eval or tensors) of every run, each joined with its run's columns
-    (`columns`, default: every config and summary column). Runs without that table add no rows."""
-    meta = runs(paths)
+    (`columns`, default: every config and summary column). Runs without that table add no rows. `meta`: the
+    runs frame of `paths`, when the caller has already loaded it."""
+    meta = runs(paths) if meta is None else meta
     keep = list(columns) if columns is not None else [c for c in meta.columns if c != "reason"]
     if "run_dir" not in keep:
         keep.append("run_dir")

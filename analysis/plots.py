@@ -7,8 +7,10 @@
 
 Every curve is one line per `hue` value: the mean over the runs that share it (the seeds), with a band from the
 lowest to the highest run. A run's rows are first averaged into bins along x (so the commits of n workers at
-the same worker step become one point), which is also the only smoothing. A run that diverged ends in a cross
-at its last finite point. Losses go on a log scale, as in the paper.
+the same worker step become one point), and empty bins inside the run are interpolated, so that seeds line up
+on one grid; that is the only smoothing. A run that diverged is left out of the mean and drawn on its own,
+dashed, up to a cross at its last finite point. Losses go on a log scale, as in the paper, cut at 10x where the
+curves start.
 """
 
 from __future__ import annotations
@@ -55,9 +57,13 @@ def binned(run: pd.DataFrame, x: str, y: str, edges: np.ndarray) -> pd.Series:
     v = run[[x, y]].replace([np.inf, -np.inf], np.nan).dropna()
     if v.empty:
         return pd.Series(dtype=float)
-    idx = np.clip(np.searchsorted(edges, v[x].to_numpy(), side="right") - 1, 0, len(edges) - 2)
     centres = (edges[:-1] + edges[1:]) / 2
-    return v[y].groupby(centres[idx]).mean()
+    return v[y].groupby(centres[bin_of(v[x], edges)]).mean()
+
+
+def bin_of(values: pd.Series, edges: np.ndarray) -> np.ndarray:
+    """The bin of each value (values beyond the edges go to the first or last bin)."""
+    return np.clip(np.searchsorted(edges, values.to_numpy(), side="right") - 1, 0, len(edges) - 2)
 
 
 def edges_for(values: pd.Series, bins: int = BINS) -> np.ndarray:
@@ -89,13 +95,12 @@ def smooth(curve: pd.Series, window: int) -> pd.Series:
     return curve if window <= 1 else curve.rolling(window, center=True, min_periods=1).mean()
 
 
-def aggregate(frame: pd.DataFrame, x: str, y: str, hue: str, bins: int = BINS,
-              include_diverged: bool = False) -> pd.DataFrame:
+def aggregate(frame: pd.DataFrame, x: str, y: str, hue: str, bins: int = BINS) -> pd.DataFrame:
     """Tidy curves: one row per (hue, x bin) with the mean, min and max over runs and how many runs had a
-    value there. Diverged runs are left out unless asked (`curves` draws them on their own): averaged in, a
-    loss of 1e30 would be the mean."""
+    value there. Diverged runs are left out (`curves` draws them on their own): averaged in, a loss of 1e30
+    would be the mean."""
     out = []
-    if not include_diverged and "status" in frame.columns:
+    if "status" in frame.columns:
         frame = frame[frame["status"] != "diverged"]
     for key, group in frame.groupby(hue, sort=True, dropna=False):
         edges = edges_for(group[x], bins)
@@ -212,8 +217,7 @@ def pi_heatmap(tensors: pd.DataFrame, ax, value: str = "pi_median", bins: int = 
     t = tensors.sort_values("tensor_index")
     names = t.drop_duplicates("tensor_index").set_index("tensor_index")["tensor"]
     edges = edges_for(t["step"], bins)
-    idx = np.clip(np.searchsorted(edges, t["step"].to_numpy(), side="right") - 1, 0, len(edges) - 2)
-    grid = (t.assign(bin=idx).groupby(["tensor_index", "bin"])[value].mean().unstack("bin")
+    grid = (t.assign(bin=bin_of(t["step"], edges)).groupby(["tensor_index", "bin"])[value].mean().unstack("bin")
             .reindex(index=names.index, columns=range(len(edges) - 1)))
     image = ax.imshow(grid.to_numpy(dtype=float), aspect="auto", interpolation="nearest", cmap="magma",
                       origin="upper", extent=(edges[0], edges[-1], len(names) - 0.5, -0.5), vmin=0, vmax=vmax)

@@ -3,10 +3,11 @@
     python -m analysis.report multirun/2026-11-21/10-00-00-000000 --out baselines.html [--target-loss 0.5]
 
 `.html` embeds its figures; `.md` writes them beside the report as PNG and links them. The table has, per
-(algorithm, n): the runs and their status, the final training loss (mean ± sd over seeds; the mean of each run's
-last 10% of commits), the validation accuracy of the central variable, the mean staleness, and the worker steps
-and seconds to the target loss (the median over the seeds that reached it, and how many did). The curves are those
-of `analysis.plots.curves`: mean over seeds with a min–max band, a cross where a run diverged.
+(algorithm, n, and any other setting that varies between them, such as κ): the runs and their status, the final
+training loss (mean ± sd over the completed seeds of each run's last 10% of commits), the validation accuracy of
+the central variable, the mean staleness, and the worker steps and seconds to the target loss (the median over
+the seeds that reached it, and how many did). The curves are those of `analysis.plots.curves`: mean over seeds
+with a min–max band, each diverged run dashed, ending in a cross.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def write(paths, out: str | Path, target: float = DEFAULT_TARGET) -> Path:
     runs = load.runs(paths)
     if runs.empty:
         raise ValueError(f"no runs found under {paths}")
-    m = load.commits(paths, columns=["algorithm", "workers", "seed", "status"])
+    m = load.commits(paths, columns=["algorithm", "workers", "seed", "status"], meta=runs)
     tab = table(runs, m, target)
     fig = _png(curves_figure(runs, m, target)) if len(m) else None
     sources = ", ".join(sorted({str(Path(d).parent) for d in runs["run_dir"]}))

@@ -31,18 +31,19 @@ COMMIT_COLUMNS = ["algorithm", "workers", "seed", "status", "experiment", "algor
 def runs_for(fig_id: str, paths, keys, algorithms=None, table: str = "metrics", need: str = "") -> pd.DataFrame:
     """The rows of `table` a figure draws: those of `algorithms` (all if None), refused with one line when there
     are none (`need` says what the figure needs) or when runs sharing `keys` differ in more than the seed."""
-    frame = load.commits(paths, table, columns=COMMIT_COLUMNS)
+    r = load.runs(paths)
+    frame = load.commits(paths, table, columns=COMMIT_COLUMNS, meta=r)
     if algorithms is not None and len(frame):
         frame = frame[frame["algorithm"].isin(algorithms)]
     if frame.empty:
         raise NoRuns(need)
-    check(fig_id, paths, keys, algorithms)
+    check(fig_id, r, keys, algorithms)
     return frame
 
 
-def check(fig_id: str, paths, keys, algorithms=None) -> None:
-    """One figure's curves average runs that share `keys` as seeds: refuse runs that differ in anything else."""
-    r = load.runs(paths)
+def check(fig_id: str, r: pd.DataFrame, keys, algorithms=None) -> None:
+    """One figure's curves average runs that share `keys` as seeds: refuse runs (the `load.runs` frame `r`)
+    that differ in anything else."""
     if algorithms is not None and len(r):
         r = r[r["algorithm"].isin(algorithms)]
     bad = load.varying(r, keys)
