@@ -1,7 +1,8 @@
 """Entry point: `python run.py [overrides]` for one run, `python run.py -m [sweep]` for a sweep.
 
 It only validates the command (one clear line on bad input, before anything starts) and hands Hydra's
-composed config to experiments.runner.
+composed config to experiments.runner. Under torchrun (engine=distributed), the ranks other than 0 are
+workers: they take their job from rank 0 and never compose a config or write a run directory.
 """
 
 import sys
@@ -18,5 +19,7 @@ def main(cfg):
 
 
 if __name__ == "__main__":
+    if runner.launched_worker():
+        sys.exit(runner.work())
     preflight(sys.argv[1:])
     main()

@@ -56,6 +56,9 @@ class EngineConfig:
     straggler_fraction: float = 0.25
     straggler_slowdown: float = 4.0
     checkpoint_every: int = 0  # commits between checkpoints (engine=process); 0: none
+    host: str = "127.0.0.1"  # engine=distributed, local launch: the address rank 0 listens on
+    port: int = 0  # ... and its port; 0: a free one
+    timeout_s: float = 300.0  # engine=distributed: a worker silent this long is lost
 
 
 @dataclass
@@ -222,6 +225,8 @@ def validate(cfg: DictConfig) -> dict:
         ("engine.straggler_fraction", eng.straggler_fraction, 0 < eng.straggler_fraction <= 1, "a number in (0, 1]"),
         ("engine.straggler_slowdown", eng.straggler_slowdown, eng.straggler_slowdown >= 1, "a number >= 1"),
         ("engine.checkpoint_every", eng.checkpoint_every, eng.checkpoint_every >= 0, "an integer >= 0 (0: none)"),
+        ("engine.port", eng.port, 0 <= eng.port <= 65535, "an integer in [0, 65535] (0: a free port)"),
+        ("engine.timeout_s", eng.timeout_s, eng.timeout_s > 0, "a number of seconds > 0"),
         ("data.synthetic.train_size", dat.synthetic.train_size, dat.synthetic.train_size >= 1, "an integer >= 1"),
         ("data.synthetic.val_size", dat.synthetic.val_size, dat.synthetic.val_size >= 1, "an integer >= 1"),
         ("data.synthetic.num_classes", dat.synthetic.num_classes, dat.synthetic.num_classes >= 2, "an integer >= 2"),
@@ -231,10 +236,32 @@ def validate(cfg: DictConfig) -> dict:
     if cfg.device != "cpu" and eng.name == "process":
         raise ConfigError(f"device={cfg.device} is not supported by engine=process (its central variable lives in "
                           "shared host memory); use engine=sim for the GPU, or device=cpu")
+    if cfg.device != "cpu" and eng.name == "distributed":
+        raise ConfigError(f"device={cfg.device} is not supported by engine=distributed yet (gloo moves CPU tensors); "
+                          "use device=cpu, or engine=sim for the GPU")
+    _check_launch(cfg, eng.name)
     if cfg.resume and cfg.engine.name != "process":
         raise ConfigError(f"resume=true is not supported by engine={cfg.engine.name}: only engine=process writes "
                           "checkpoints; use resume=false")
     return checked
+
+
+def _check_launch(cfg: DictConfig, engine: str) -> None:
+    """Under torchrun (or SLURM via submitit) the launcher fixes the number of processes: rank 0 is the
+    parameter server and every other rank a worker."""
+    from gem.engines import distributed
+
+    if not distributed.launched() or int(os.environ["WORLD_SIZE"]) == 1:
+        return
+    world = int(os.environ["WORLD_SIZE"])
+    if engine != "distributed":
+        raise ConfigError(f"engine={engine}: this process is one of {world} started by a launcher (torchrun); "
+                          f"only engine=distributed runs that way; pass engine=distributed, or use python run.py")
+    workers = 1 if getattr(algorithms.get(cfg.algorithm.name), "SEQUENTIAL", False) else cfg.workers
+    if workers + 1 != world:
+        raise ConfigError(f"workers={workers} does not match the {world} processes the launcher started: "
+                          f"engine=distributed needs workers + 1 (rank 0 is the parameter server); pass "
+                          f"workers={world - 1} or start {workers + 1} processes (--nproc_per_node)")
 
 
 def check_batch_size(batch_size: int, data: str, train: int | None) -> None:
@@ -352,6 +379,15 @@ def preflight(argv: list[str]) -> None:
         args, _ = get_args_parser().parse_known_args(argv)
     except SystemExit:
         return  # let Hydra report its own usage errors
+    from gem.engines import distributed
+
+    if args.multirun and distributed.launched() and int(os.environ["WORLD_SIZE"]) > 1:
+        if distributed.launched_rank() == 0:
+            print("error: -m under torchrun: one torchrun runs one job of engine=distributed; sweep with "
+                  "hydra/launcher=submitit_slurm (one SLURM job per run), or run the sweep without torchrun "
+                  "(python run.py -m engine=distributed workers=N ... launches each run's workers itself)",
+                  file=sys.stderr)
+        sys.exit(2)
     if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_name \
             or args.config_path or args.config_dir or args.experimental_rerun:
         return

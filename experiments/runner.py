@@ -38,8 +38,9 @@ def build_job(cfg: DictConfig, checked: dict, log=print, run_dir: Path | None = 
         log(f"gem: algorithm={cfg.algorithm.name} is sequential: running 1 worker (workers={workers} ignored)")
         workers = 1
     shape = models.input_shape(cfg.model.name)
-    dataset = gdata.load_dataset(d.name, data_root(d.root), d.download, synthetic=dataclasses.asdict(d.synthetic),
-                                 shape=shape, augment=d.augment)
+    source = {"name": d.name, "root": data_root(d.root), "download": d.download,
+              "synthetic": dataclasses.asdict(d.synthetic), "shape": shape, "augment": d.augment}
+    dataset = gdata.load_dataset(**source)
     # validate() has matched the model to the data's shape; only the loaded size is new here (cifar10)
     check_batch_size(cfg.batch_size, d.name, len(dataset.train_y))
     engine = {k: v for k, v in dataclasses.asdict(eng).items() if k not in ("name", "checkpoint_every")}
@@ -47,7 +48,7 @@ def build_job(cfg: DictConfig, checked: dict, log=print, run_dir: Path | None = 
                workers=workers, batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed, device=cfg.device,
                engine=engine, eval_every=cfg.logger.eval_every, eval_train_size=cfg.logger.eval_train_size,
                run_dir=str(run_dir) if run_dir is not None else None, checkpoint_every=eng.checkpoint_every,
-               resume=resume)
+               resume=resume, data_source=source)
 
 
 def _progress(total: int, enabled: bool):
@@ -142,6 +143,7 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
                            mean_staleness=_finite_or_none(recorder.mean_staleness))
             if recorder.pi_median is not None:
                 summary["pi_median"] = recorder.pi_median
+            summary["commit_shares"] = recorder.commit_shares
         summary["wall_time_s"] = round(time.perf_counter() - t0, 3)
         if wandb is not None:
             summary["wandb"] = wandb.where
@@ -179,6 +181,7 @@ def format_summary(s: dict) -> str:
         f"val loss        {num(s['val_loss'], '.4f')}",
         f"val accuracy    {num(s['val_accuracy'], '.4f')}",
         f"mean staleness  {num(s['mean_staleness'], '.2f')}",
+        *([f"commit shares   {_shares(s['commit_shares'])}"] if len(s.get("commit_shares") or {}) > 1 else []),
         *([f"median pi       {s['pi_median']:.3f}  (each commit's median over all elements, averaged over commits)"]
           if s.get("pi_median") is not None else []),
         f"wall time       {num(s['wall_time_s'], '.1f')} s",
@@ -189,10 +192,40 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def main(cfg: DictConfig) -> dict:
+def launched_worker() -> bool:
+    """A rank > 0 of engine=distributed started by torchrun, or by SLURM through the submitit launcher."""
+    from gem.engines import distributed
+
+    return distributed.launched() and distributed.launched_rank() > 0
+
+
+def work() -> int:
+    """Such a rank's whole life: its job, and everything it records, come from and go to rank 0."""
+    from gem.engines import distributed
+
+    return distributed.worker_main()
+
+
+def _shares(shares: dict) -> str:
+    """Each worker's share of the commits: all of them for a few workers, else the spread."""
+    if len(shares) <= 8:
+        return "  ".join(f"w{w} {v:.3f}" for w, v in shares.items())
+    lo, hi = min(shares.values()), max(shares.values())
+    return f"{len(shares)} workers, {lo:.3f} to {hi:.3f} (1/n = {1 / len(shares):.3f})"
+
+
+def main(cfg: DictConfig) -> dict | None:
     """Hydra's task function (run.py hands it the composed config)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
+
+    if cfg.engine.name == "distributed":  # a SLURM job of several tasks: each task is one rank
+        from gem.engines import distributed
+
+        distributed.export_submitit_env()
+        if launched_worker():
+            work()
+            return None
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN

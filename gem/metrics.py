@@ -130,6 +130,7 @@ class Recorder:
         self._last_flush = time.monotonic()
         self._loss_ema: float | None = None
         self.pi_medians: list[float] = []  # GEM's per-commit median π, for the summary
+        self.worker_commits: dict[int, int] = {}  # commits per worker, for the summary's shares
         if resume_step is not None:
             self._restore()
 
@@ -144,6 +145,8 @@ class Recorder:
             return
         loss = float(row["loss"])
         self.losses.append(loss)
+        w = int(row["worker"])
+        self.worker_commits[w] = self.worker_commits.get(w, 0) + 1
         self.staleness_sum += int(row["staleness"])
         if math.isfinite(loss):
             self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
@@ -170,6 +173,7 @@ class Recorder:
                 m = m[m["lost_row"] != True]  # noqa: E712 - NaN where the column is missing
             self.losses = m["loss"].astype(float).tolist()
             self.staleness_sum = int(m["staleness"].sum())
+            self.worker_commits = {int(w): int(c) for w, c in m["worker"].value_counts().items()}
             if "pi_median" in m:
                 self.pi_medians = m["pi_median"].dropna().astype(float).tolist()
         ev = read_table(self.run_dir, "eval")
@@ -222,6 +226,12 @@ class Recorder:
         """
         values = [v for v in self.pi_medians if math.isfinite(v)]
         return sum(values) / len(values) if values else None
+
+    @property
+    def commit_shares(self) -> dict[str, float]:
+        """Each worker's share of the commits it reported, by worker index (fairness: 1/n each)."""
+        total = sum(self.worker_commits.values())
+        return {str(w): round(c / total, 4) for w, c in sorted(self.worker_commits.items())} if total else {}
 
     @property
     def mean_staleness(self) -> float:

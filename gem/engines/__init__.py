@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-ENGINES = ("sim", "process")
+ENGINES = ("sim", "process", "distributed")
 
 
 @dataclass
@@ -33,6 +33,8 @@ class Job:
     run_dir: str | None = None  # where checkpoints go (<run_dir>/checkpoint/)
     checkpoint_every: int = 0  # commits between checkpoints; 0: none
     resume: dict | None = None  # the manifest of the checkpoint to continue from (gem.engines.core)
+    # gem.data.load_dataset's arguments for `data`: lets a worker on another machine load it itself
+    data_source: dict | None = None
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 
 from gem.data import Dataset
+from gem.metrics import tensor_rows
 from gem.models import FlatModel, build_model
 
 
@@ -111,3 +113,60 @@ def load_checkpoint(path):
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - any failure to read is the same one line for the user
         raise CheckpointError(f"resume=true: cannot read checkpoint file {path} ({type(e).__name__}: {e})") from None
+
+
+# --------------------------------------------------------------------------------------- commit rows
+
+
+class Ledger:
+    """Records commit rows in clock order, though they arrive out of order (each worker sends its own rows,
+    in batches). A commit whose worker was lost before it sent the row gets a row that says so (`lost_row`),
+    so that the clock in metrics.parquet has no gap. Shared by the process and distributed engines."""
+
+    def __init__(self, recorder, tensor_names: list[str], steps: int = 0):
+        self.recorder, self.tensor_names = recorder, tensor_names
+        self.rows: list = []  # heap of (step, tiebreak, row, tensors) not yet recorded
+        self.steps = steps  # the last step recorded
+        self.last_time = 0.0  # its time_s
+
+    def add(self, row: dict, tensors=None) -> None:
+        heapq.heappush(self.rows, (row["step"], id(row), row, tensors))
+
+    def lost(self, step: int) -> None:
+        """The commit at `step` was applied but its row will never come: its worker is gone."""
+        self.add({"step": step, "worker": -1, "worker_step": -1, "staleness": -1, "loss": float("nan"),
+                  "time_s": None, "lost_row": True})
+
+    def record(self) -> None:
+        """Record the rows that are next in clock order."""
+        while self.rows and self.rows[0][0] == self.steps + 1:
+            step, _, row, tensors = heapq.heappop(self.rows)
+            if row.get("lost_row"):
+                row["time_s"] = self.last_time  # no later than the rows around it
+            self.recorder.commit(row, tensor_rows(row, self.tensor_names, tensors))
+            self.steps, self.last_time = step, row["time_s"]
+
+    def fill_gaps(self, upto: int) -> None:
+        """Once every live worker has sent its rows, a commit up to `upto` without a row was made by a worker
+        that died before sending it: record a row that says so."""
+        while self.steps < upto:
+            self.record()
+            if self.steps < upto and not (self.rows and self.rows[0][0] == self.steps + 1):
+                self.lost(self.steps + 1)
+
+
+def conclude(recorder, evaluate, theta: torch.Tensor, steps: int, t0: float, *, diverged: str, finished: bool,
+             lost: list[str], extra: dict):
+    """The end of a run with real workers: diverged, failed (no worker finished) or completed, with a final
+    evaluation of the central variable unless one was taken at this very commit."""
+    from gem.engines import Result
+
+    if diverged:
+        return Result("diverged", steps, reason=diverged)
+    if not finite(theta):
+        return Result("diverged", steps, reason=f"non-finite central variable at commit {steps}")
+    if not finished:
+        return Result("failed", steps, reason="; ".join(lost) or "no worker finished")
+    if recorder.last_eval is None or recorder.last_eval["step"] != steps:
+        recorder.eval(evaluate(theta, steps, t0))
+    return Result("completed", steps, reason="; ".join(lost), extra=extra)

@@ -25,7 +25,6 @@ Ctrl-C and SIGTERM included.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 import os
 import shutil
@@ -43,15 +42,16 @@ from gem.engines import Job, Result
 from gem.engines.core import (
     CHECKPOINT,
     Evaluator,
+    Ledger,
     build_flat_model,
     check_resumable,
+    conclude,
     finite,
     load_checkpoint,
     save_atomic,
     worker_steps,
     write_manifest,
 )
-from gem.metrics import tensor_rows
 
 START_TIMEOUT_S = 300.0  # a spawned worker imports torch and builds its model: slow on a loaded machine
 TURN_TIMEOUT_S = 120.0  # nothing holds the turn this long unless it is hung
@@ -433,14 +433,16 @@ class _Coordinator:
         self.replies: set[int] = set()  # workers that answered the current SAVE or FLUSH request
         self.need_sync = False  # a worker was lost: its unsent rows leave a gap to fill
         self.started = False  # the coordinator holds the turn until every worker is ready
-        self.rows: list = []  # heap of (step, row, tensors) not yet recorded
-        self.steps = int(clock)  # the last step recorded
-        self.last_time = 0.0  # its time_s
+        self.ledger = Ledger(recorder, evaluate.model.tensor_names, int(clock))
         self.diverged = ""
         every = job.eval_every
         self.next_eval = (self.steps // every + 1) * every
         ck = job.checkpoint_every if job.run_dir else 0
         self.next_checkpoint = (self.steps // ck + 1) * ck if ck else None
+
+    @property
+    def steps(self) -> int:  # the last commit recorded
+        return self.ledger.steps
 
     def active(self) -> list[_Child]:
         return [c for c in self.children if not c.finished and not c.lost]
@@ -487,7 +489,7 @@ class _Coordinator:
             kind = msg[0]
             if kind == "rows":
                 for row, tensors in msg[1]:
-                    heapq.heappush(self.rows, (row["step"], id(row), row, tensors))
+                    self.ledger.add(row, tensors)
             elif kind == "ready":
                 self.ready.add(c.index)
             elif kind in ("saved", "flushed"):
@@ -502,22 +504,11 @@ class _Coordinator:
                 self.lose(c, f"raised {msg[1]}")
 
     def record(self) -> None:
-        """Record the rows that are next in clock order."""
-        while self.rows and self.rows[0][0] == self.steps + 1:
-            step, _, row, tensors = heapq.heappop(self.rows)
-            self.recorder.commit(row, tensor_rows(row, self.evaluate.model.tensor_names, tensors))
-            self.steps, self.last_time = step, row["time_s"]
+        self.ledger.record()
 
     def fill_gaps(self, upto: int) -> None:
-        """Once every live worker has sent its rows (at a checkpoint, and at the end), a commit up to `upto`
-        without a row was made by a worker that died before sending it: record a row that says so."""
-        while self.steps < upto:
-            self.record()
-            if self.steps >= upto or (self.rows and self.rows[0][0] == self.steps + 1):
-                continue
-            self.recorder.commit({"step": self.steps + 1, "worker": -1, "worker_step": -1, "staleness": -1,
-                                  "loss": float("nan"), "time_s": self.last_time, "lost_row": True})
-            self.steps += 1
+        """(once every live worker has sent its rows: at a checkpoint, and at the end)"""
+        self.ledger.fill_gaps(upto)
 
     def take_turn(self) -> bool:
         """Take the server's turn, waiting in line like a worker while reading rows and watching for the
@@ -639,13 +630,5 @@ class _Coordinator:
         for c in self.children:  # what the last workers sent before they exited
             self.drain(c)
         self.fill_gaps(int(self.clock))
-        if self.diverged:
-            return Result("diverged", self.steps, reason=self.diverged)
-        if not finite(self.theta):
-            return Result("diverged", self.steps, reason=f"non-finite central variable at commit {self.steps}")
-        if not self.finished:
-            return Result("failed", self.steps, reason="; ".join(self.lost) or "no worker finished")
-        if self.recorder.last_eval is None or self.recorder.last_eval["step"] != self.steps:
-            self.recorder.eval(self.evaluate(self.theta, self.steps, self.t0))
-        return Result("completed", self.steps, reason="; ".join(self.lost),
-                      extra={"lost_workers": self.lost_workers()})
+        return conclude(self.recorder, self.evaluate, self.theta, self.steps, self.t0, diverged=self.diverged,
+                        finished=bool(self.finished), lost=self.lost, extra={"lost_workers": self.lost_workers()})
