@@ -268,7 +268,8 @@ class _Worker:
             if int(go[0]) == STOP:
                 return
             self._recv([theta, *server.values()], self.timeout)
-            waited = time.monotonic() - asked
+            # stamped when the turn came: the server hands turns out one after another, so times follow the clock
+            stamp, waited = time.time() - t0, time.monotonic() - asked
             t = int(go[1])
             commit = algo.worker_rule(state, x, model.grad, theta, hp, server)
             if commit is None:
@@ -288,7 +289,7 @@ class _Worker:
                 x.copy_(theta)
             pulled_at = t
             self.rows.append(({"step": t, "worker": w, "worker_step": step, "staleness": staleness,
-                               "loss": loss_sum / local, "time_s": time.time() - t0, "wait_s": waited,
+                               "loss": loss_sum / local, "time_s": stamp, "wait_s": waited,
                                **commit.metrics}, commit.tensors or None))
             loss_sum, local = 0.0, 0
         self._header(FINISHED)

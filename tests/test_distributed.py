@@ -1,0 +1,199 @@
+"""The `distributed` engine on loopback: rank 0 the parameter server, 3-5 worker ranks, gloo over TCP."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from conftest import ROOT
+from test_process import _children
+from test_run import check_run_dir
+
+from gem.algorithms import downpour, eamsgd, gem
+from gem.data import make_synthetic
+from gem.engines import Job, distributed
+from gem.metrics import Recorder, read_table
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_synthetic((1, 28, 28), train_size=256, val_size=64, seed=1)
+
+
+def job(data, workers, algorithm="gem", hp=None, epochs=1, **kw):
+    return Job(algorithm=algorithm, hp=hp or gem.Params(workers=workers), model="mnist_cnn", data=data,
+               workers=workers, batch_size=32, epochs=epochs, seed=0, engine={"timeout_s": 60},
+               eval_every=kw.pop("eval_every", 16), eval_train_size=64, **kw)
+
+
+def run(job_, d):
+    rec = Recorder(d)
+    try:
+        result = distributed.run(job_, rec)
+    finally:
+        rec.close()
+    return result, read_table(d), rec
+
+
+def test_worker_ranks_complete_with_every_commit_once(data, tmp_path):
+    n, steps = 3, 2 * 256 // 32
+    result, m, rec = run(job(data, n, epochs=2), tmp_path)
+    assert result.status == "completed" and result.steps == n * steps, result
+    assert m["step"].tolist() == list(range(1, n * steps + 1))  # the server's clock: each commit once, no gap
+    assert m.groupby("worker")["worker_step"].apply(list).tolist() == [list(range(1, steps + 1))] * n
+    assert m["time_s"].iloc[0] > 0 and (m["wait_s"] >= 0).all()
+    assert m["pi_median"].notna().all()
+    assert len(pd.read_parquet(tmp_path / "tensors.parquet")) == 10 * len(m)  # GEM's per-tensor π came back
+    assert result.extra["lost_workers"] == []
+    assert rec.commit_shares == {str(w): round(1 / n, 4) for w in range(n)}
+    ev = read_table(tmp_path, "eval")
+    assert ev["step"].iloc[0] == 0 and ev["step"].iloc[-1] == n * steps and len(ev) >= 3
+    assert not _children(os.getpid())
+
+
+def test_staleness_is_measured_under_the_servers_clock(data, tmp_path):
+    _, m, _ = run(job(data, 3, epochs=2), tmp_path)
+    # a worker pulls with its commit, so τ = commits by others between two of its commits
+    for _, g in m.groupby("worker"):
+        steps = g["step"].tolist()
+        assert g["staleness"].iloc[0] == steps[0] - 1
+        assert g["staleness"].tolist()[1:] == [b - a - 1 for a, b in zip(steps, steps[1:], strict=False)]
+    assert m["staleness"].max() >= 1
+
+
+def test_commits_are_served_first_come_first_served(data, tmp_path):
+    """Every worker has the same budget, so the final shares are 1/n whatever the order: fairness shows
+    while all of them run. Serving in rank order (the original code's polling) would let low ranks take most
+    of the early commits; first come, first served gives each of 4 equal workers 1/n ± 10% of every half."""
+    n = 4
+    _, m, _ = run(job(data, n, epochs=4), tmp_path)
+    half = m[m["step"] <= len(m) // 2]["worker"].value_counts(normalize=True)
+    rest = m[m["step"] > len(m) // 2]["worker"].value_counts(normalize=True)
+    for shares in (half, rest):
+        assert sorted(shares.index) == list(range(n))
+        assert ((shares - 1 / n).abs() <= 0.1 / n).all(), shares.to_dict()
+    # no worker waits long: between two of its commits, the others commit n - 1 times on average
+    assert abs(m.loc[m["worker_step"] > 1, "staleness"].mean() - (n - 1)) < 1.0
+
+
+def test_a_window_talks_to_the_server_once_per_window(data, tmp_path):
+    n, steps = 3, 2 * 256 // 32
+    hp = eamsgd.Params(workers=n, window=4)
+    result, m, _ = run(job(data, n, algorithm="eamsgd", hp=hp, epochs=2), tmp_path)
+    assert result.status == "completed" and result.steps == n * steps // 4
+    assert set(m["worker_step"]) == {4, 8, 12, 16}
+
+
+def test_the_global_proxy_travels_with_the_commit(data, tmp_path):
+    """algorithm.proxy=global sends the worker's momentum as a payload; the server keeps their mean."""
+    hp = gem.Params(workers=3, proxy="global")
+    result, m, _ = run(job(data, 3, hp=hp, epochs=1), tmp_path)
+    assert result.status == "completed" and m["pi_median"].notna().all()
+
+
+def test_divergence_stops_every_worker(data, tmp_path):
+    result, _, _ = run(job(data, 3, algorithm="downpour", hp=downpour.Params(lr=1e8), epochs=4), tmp_path)
+    assert result.status == "diverged" and "non-finite" in result.reason
+    assert not _children(os.getpid())
+
+
+def _start(tmp_path, *args, workers=3):
+    d = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "run.py", "engine=distributed", f"workers={workers}", "algorithm=gem",
+                          "logger.wandb.mode=disabled", "logger.flush_every=5", f"hydra.run.dir={d}", *args],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not (d / "metrics.parts").exists() or len(_children(p.pid)) < workers:  # the workers are committing
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            raise AssertionError(f"run did not start: {p.communicate()[1][-2000:]}")
+        time.sleep(0.2)
+    return p, d
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_recorded_and_the_run_goes_on(tmp_path):
+    p, d = _start(tmp_path, "epochs=20")
+    victim = _children(p.pid)[1]
+    os.kill(victim, signal.SIGKILL)
+    try:
+        out, err = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err
+    summary, m, ev = check_run_dir(d)
+    assert summary["status"] == "completed"
+    assert len(summary["lost_workers"]) == 1 and "lost at commit" in summary["reason"], summary
+    lost_at = int(summary["reason"].split("lost at commit ")[1].split()[0])
+    assert ((ev["step"] > lost_at) & (ev["step"] < summary["steps"])).any(), (lost_at, ev["step"].tolist())
+    lost = summary["lost_workers"][0]
+    budget = 20 * (1500 // 64)
+    # rows the victim had not yet sent are lost with it; their commits are marked, so the clock has no gap
+    marked = m[m["worker"] == -1]
+    assert len(marked) <= 16 and (marked.get("lost_row", pd.Series(dtype=bool)) == True).all()  # noqa: E712
+    done = m[m["worker"] >= 0].groupby("worker")["worker_step"].max()
+    assert done.get(lost, 0) < budget and all(done[w] == budget for w in done.index if w != lost)
+    assert "lost" in out and "process died" in summary["reason"]
+    assert set(summary["commit_shares"]) == {"0", "1", "2"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_and_sigterm_leave_no_rank_behind(tmp_path, sig, code):
+    p, d = _start(tmp_path, "epochs=1000")
+    kids = _children(p.pid)
+    if sig == "SIGINT":
+        os.killpg(p.pid, signal.SIGINT)
+    else:
+        p.send_signal(signal.SIGTERM)
+    try:
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == code, err
+    time.sleep(0.5)
+    alive = [k for k in kids if Path(f"/proc/{k}").exists()
+             and not (Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z")]
+    assert alive == [], f"ranks left behind: {alive}"
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["status"] == "failed" and "interrupted" in summary["reason"]
+
+
+def _torchrun():
+    exe = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if exe is None:
+        pytest.skip("torchrun is not on PATH")
+    return exe
+
+
+@pytest.mark.slow
+def test_torchrun_launches_the_server_and_workers(tmp_path):
+    d = tmp_path / "run"
+    p = subprocess.run([_torchrun(), "--nnodes=1", "--nproc_per_node=4", "run.py", "engine=distributed",
+                        "workers=3", "epochs=2", "logger.wandb.mode=disabled", f"hydra.run.dir={d}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary, m, _ = check_run_dir(d, steps=3 * 2 * (1500 // 64))
+    assert summary["status"] == "completed" and summary["engine"] == "distributed"
+    assert summary["commit_shares"] == {"0": 0.3333, "1": 0.3333, "2": 0.3333}
+    assert sorted(m["worker"].unique()) == [0, 1, 2]
+    assert not list(ROOT.glob("outputs/*/*/rank*"))  # worker ranks write no run directory of their own
+
+
+@pytest.mark.slow
+def test_torchrun_with_the_wrong_number_of_processes_says_so_in_one_line(tmp_path):
+    p = subprocess.run([_torchrun(), "--nnodes=1", "--nproc_per_node=3", "run.py", "engine=distributed",
+                        "workers=3", "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: workers=3 does not match the 3 processes the launcher started: engine=distributed "
+                      "needs workers + 1 (rank 0 is the parameter server); pass workers=2 or start 4 processes "
+                      "(--nproc_per_node)"], p.stderr[-2000:]
