@@ -85,26 +85,26 @@ def ideal(root: str, k: int) -> float:
 
 
 def engine_run(data, name: str, workers: int, epochs: int, model: str = "mnist_cnn",
-               batch_size: int = BATCH_SIZE):
+               batch_size: int = BATCH_SIZE, engine=process, options: dict | None = None, with_result=False):
     params = algorithms.get(name).Params
     hp = params(lr=LR, momentum=MOMENTUM, **({"workers": workers} if "workers" in params.__dataclass_fields__
                                              else {}))
     job = Job(algorithm=name, hp=hp, model=model, data=data, workers=workers, batch_size=batch_size,
-              epochs=epochs, seed=SEED, eval_every=10**9, eval_train_size=64)
+              epochs=epochs, seed=SEED, eval_every=10**9, eval_train_size=64, engine=options or {})
     with tempfile.TemporaryDirectory() as d:
         rec = Recorder(d)
-        result = process.run(job, rec)
+        result = engine.run(job, rec)
         rec.close()
         m = read_table(d)
     assert result.status == "completed", result
-    return m
+    return (m, result) if with_result else m
 
 
-def throughput(data, name, workers, epochs) -> tuple[float, float]:
+def throughput(data, name, workers, epochs, engine=process, options=None) -> tuple[float, float]:
     """(whole run, while all workers run) aggregate commits per second. Each worker has the same budget, but
     the OS does not share the cores exactly evenly, so the last workers finish alone: the second figure
     leaves that tail out, as the ideal below (independent processes) does."""
-    m = engine_run(data, name, workers, epochs)
+    m = engine_run(data, name, workers, epochs, engine=engine, options=options)
     t = m["time_s"]
     whole = (len(m) - 1) / (t.iloc[-1] - t.iloc[0])
     full = m[t <= m.groupby("worker")["time_s"].max().min()]

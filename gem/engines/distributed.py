@@ -323,6 +323,7 @@ class _Server(threading.Thread):
         self.stopping = ""  # once set, every ASK is answered STOP
         self.delta = torch.empty_like(theta)
         self.started = time.monotonic()
+        self.busy_s, self.served = 0.0, 0  # seconds spent in exchanges that ended in a commit, and how many
 
     def stop(self, why: str) -> None:
         self.stopping = self.stopping or why
@@ -347,56 +348,69 @@ class _Server(threading.Thread):
 
     def serve(self) -> None:
         header = torch.zeros(HEADER, dtype=torch.long)
-        early: deque = deque()  # ASKs that came before every worker was ready: all start from one θ at t = 0
+        self.early: deque = deque()  # ASKs that came before every worker was ready: all start from θ at t = 0
         while self.open():
-            if early and (len(self.ready | self.done) == len(self.ranks)
-                          or time.monotonic() - self.started > START_TIMEOUT_S):
-                self.exchange(early.popleft())
+            if self.early and (len(self.ready | self.done) == len(self.ranks)
+                               or time.monotonic() - self.started > START_TIMEOUT_S):
+                self.exchange(self.early.popleft())
                 continue
-            work = self.pg.recv_anysource([header], TAG_ASK)
-            try:
-                _wait(work, self.timeout)
-            except RuntimeError as e:
-                if _closed(e):
-                    continue  # a worker died while its header was on the way: the coordinator sees it go
-                raise RuntimeError(f"no worker sent anything for {self.timeout:.0f} s (engine.timeout_s)") from None
-            src = work._source_rank()
-            kind, rows_nbytes, rows_count, extra_nbytes = (int(v) for v in header)
-            self.heard[src] = time.monotonic()
-            try:
-                rows = _recv_bytes(self.pg, rows_nbytes, src, TAG_X, self.timeout) if rows_nbytes else b""
-                extra = _recv_bytes(self.pg, extra_nbytes, src, TAG_X, self.timeout) if extra_nbytes else b""
-            except RuntimeError as e:
-                self.gone(src, e)
-                continue
-            with self.lock:
-                if src in self.lost:
-                    continue  # rows of a worker already given up for lost: its commits are marked
+            src = self.next_header(header)
+            if src is not None:
+                self.take(src, *(int(v) for v in header))
+
+    def next_header(self, header: torch.Tensor) -> int | None:
+        """The next worker's header, first come, first served: gloo keeps the notices of pending sends to a
+        slot in the order they arrive, and a receive from any source takes the first (recvFromAny in gloo's
+        tcp transport). Returns its rank, or None if it died while its header was on the way."""
+        work = self.pg.recv_anysource([header], TAG_ASK)
+        try:
+            _wait(work, self.timeout)
+        except RuntimeError as e:
+            if _closed(e):
+                return None  # the coordinator sees it go
+            raise RuntimeError(f"no worker sent anything for {self.timeout:.0f} s (engine.timeout_s)") from None
+        return work._source_rank()
+
+    def take(self, src: int, kind: int, rows_nbytes: int, rows_count: int, extra_nbytes: int) -> None:
+        """Act on a header from `src`, with the rows and message that follow it."""
+        self.heard[src] = time.monotonic()
+        try:
+            rows = _recv_bytes(self.pg, rows_nbytes, src, TAG_X, self.timeout) if rows_nbytes else b""
+            extra = _recv_bytes(self.pg, extra_nbytes, src, TAG_X, self.timeout) if extra_nbytes else b""
+        except RuntimeError as e:
+            self.gone(src, e)
+            return
+        with self.lock:
+            lost = src in self.lost
+            if not lost:
                 for _ in range(rows_count):
                     self.pending[src].popleft()
-            if rows:
-                self.events.put(("rows", src, rows))
-            if kind == READY:
-                self.ready.add(src)
-            elif kind == ASK:
-                if len(self.ready | self.done) < len(self.ranks):
-                    early.append(src)
-                else:
-                    self.exchange(src)
-            elif kind == FINISHED:
-                with self.lock:
-                    self.done.add(src)
-                self.events.put(("finished", src))
-                self.reply(src, BYE)
-            elif kind == DIVERGED:
-                with self.lock:
-                    self.done.add(src)
+        if lost:  # given up for lost (silent too long) and back: its commits are marked already; it stops
+            if kind == ASK:
+                self.reply(src, STOP)
+            return
+        if rows:
+            self.events.put(("rows", src, rows))
+        if kind == READY:
+            self.ready.add(src)
+        elif kind == ASK:
+            if len(self.ready | self.done) < len(self.ranks):
+                self.early.append(src)
+            else:
+                self.exchange(src)
+        elif kind == FINISHED:
+            with self.lock:
+                self.done.add(src)
+            self.events.put(("finished", src))
+            self.reply(src, BYE)
+        elif kind in (DIVERGED, ERROR):
+            with self.lock:
+                self.done.add(src)
+            if kind == DIVERGED:
                 self.stop(extra.decode())
                 self.events.put(("diverged", src, extra.decode()))
-            elif kind == ERROR:
+            else:
                 self.events.put(("error", src, extra.decode()))
-                with self.lock:
-                    self.done.add(src)
 
     def reply(self, src: int, kind: int) -> bool:
         try:
@@ -418,6 +432,7 @@ class _Server(threading.Thread):
                 self.done.add(src)
             self.reply(src, STOP)
             return
+        began = time.perf_counter()
         if not self.reply(src, GO):
             return
         header = torch.zeros(2, dtype=torch.long)
@@ -445,6 +460,8 @@ class _Server(threading.Thread):
             self.t += 1
             self.pulled_at[src] = self.t
             self.pending[src].append(self.t)
+        self.busy_s += time.perf_counter() - began
+        self.served += 1
 
 
 # ------------------------------------------------------------------------------------- rank 0: the run
@@ -664,10 +681,15 @@ class _Coordinator:
         self.ledger.fill_gaps(final)
         if self.fatal and not self.diverged:
             reason = "; ".join([self.fatal, *self.lost])
-            return Result("failed", self.ledger.steps, reason=reason, extra={"lost_workers": self._lost_workers()})
+            return Result("failed", self.ledger.steps, reason=reason, extra=self._extra())
         return conclude(self.recorder, self.evaluate, self.theta, self.ledger.steps, self.t0,
                         diverged=self.diverged, finished=bool(self.finished), lost=self.lost,
-                        extra={"lost_workers": self._lost_workers()})
+                        extra=self._extra())
 
-    def _lost_workers(self) -> list[int]:
-        return sorted(r - 1 for r in self.lost_ranks)
+    def _extra(self) -> dict:
+        """The summary's engine fields: lost workers, and how loaded the parameter server was (its exchanges
+        take `server_commit_s` each; busy close to 1 means the server, not the workers, sets the pace)."""
+        ps, wall = self.ps, time.monotonic() - self.ps.started
+        return {"lost_workers": sorted(r - 1 for r in self.lost_ranks),
+                "server_commit_s": round(ps.busy_s / ps.served, 6) if ps.served else None,
+                "server_busy": round(ps.busy_s / wall, 4) if wall > 0 else None}

@@ -1,0 +1,95 @@
+"""The `distributed` engine (issue 6) against the `process` engine, ratios measured side by side in one run.
+
+1. Throughput: aggregate worker steps per second of `engine=distributed` (gloo over loopback TCP, rank 0 the
+   parameter server, workers spawned by the local launch) over that of `engine=process` (θ in shared memory),
+   same algorithm, n, model (`mnist_cnn`), batch (64) and budget, run one after the other; each also over
+   plain sequential 1-thread SGD timed around it (benchmarks/process_engine.py's yardstick). Timed from the
+   first to the last commit row, and "while all run", as in the process benchmark.
+2. Parameter-server capacity for `alexnet_cifar` (7.5M parameters, 30 MB per message): the server's time per
+   exchange (GO, θ out, commit in, server rule; `server_commit_s` in summary.json), from a real run with 4
+   workers, turned into commits per second and divided by the steps per second of one plain SGD step of
+   AlexNet at batch 64 on 1 thread: how many workers' worth of commits one server can absorb.
+
+    python benchmarks/distributed_engine.py --root ../shared/data [--rounds 3] [--workers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from process_engine import engine_run, sequential_steps_per_s, throughput  # noqa: E402
+from transport import sgd_step_seconds  # noqa: E402
+
+from gem.data import load_dataset, make_synthetic  # noqa: E402
+from gem.engines import distributed, process  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", default="../shared/data")
+    ap.add_argument("--workers", type=int, nargs="+", default=[4])
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    try:
+        data, name = load_dataset("mnist", args.root, download=False), "mnist"
+    except Exception:  # noqa: BLE001
+        data, name = load_dataset("digits", args.root, download=False), "digits"
+    print(f"data={name} ({len(data.train_y)} train), mnist_cnn, b=64, torch {torch.__version__}, "
+          f"{process.threads_per_process(1)} cores", flush=True)
+
+    # 1. throughput, distributed against process
+    rows: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for r in range(args.rounds):
+        for algo in ("gem", "downpour"):
+            for n in args.workers:
+                got = rows.setdefault((algo, n), {})
+                rates = {}
+                for eng in (process, distributed):
+                    before = sequential_steps_per_s(data)
+                    whole, full = throughput(data, algo, n, args.epochs, engine=eng,
+                                             options={"timeout_s": 120} if eng is distributed else None)
+                    ref = (before + sequential_steps_per_s(data)) / 2
+                    label = eng.__name__.rsplit(".", 1)[1]
+                    rates[label] = (whole, full)
+                    got.setdefault(f"{label} / sequential", []).append(whole / ref)
+                got.setdefault("distributed / process", []).append(rates["distributed"][0] / rates["process"][0])
+                got.setdefault("distributed / process, while all run", []).append(
+                    rates["distributed"][1] / rates["process"][1])
+                print(f"round {r + 1}: {algo} n={n}: process {rates['process'][0]:.1f}, distributed "
+                      f"{rates['distributed'][0]:.1f} worker steps/s: "
+                      f"{rates['distributed'][0] / rates['process'][0]:.2f}x", flush=True)
+    print(f"\n| n | algorithm | distributed / process | while all run | process / sequential | "
+          f"distributed / sequential |  (median [range] over {args.rounds} rounds)")
+    print("|---|---|---|---|---|---|")
+
+    def cell(v):
+        return f"**{statistics.median(v):.2f}x** [{min(v):.2f}-{max(v):.2f}]"
+
+    for (algo, n), got in rows.items():
+        print(f"| {n} | {algo} | {cell(got['distributed / process'])} | "
+              f"{cell(got['distributed / process, while all run'])} | {cell(got['process / sequential'])} | "
+              f"{cell(got['distributed / sequential'])} |")
+
+    # 2. parameter-server capacity, alexnet_cifar
+    syn = make_synthetic((3, 32, 32), num_classes=10, train_size=64, val_size=16, seed=0)
+    for r in range(args.rounds):
+        step = sgd_step_seconds("alexnet_cifar", reps=5)
+        m, result = engine_run(syn, "downpour", 4, epochs=4, model="alexnet_cifar", batch_size=16,
+                               engine=distributed, options={"timeout_s": 300}, with_result=True)
+        commit_s = result.extra["server_commit_s"]
+        print(f"alexnet_cifar round {r + 1}: server {commit_s * 1e3:.1f} ms per commit ({1 / commit_s:.1f} commits/s, "
+              f"busy {result.extra['server_busy']:.2f}), one SGD step at b=64 on 1 thread {step * 1e3:.0f} ms: "
+              f"**{step / commit_s:.1f} commits per SGD step**", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
