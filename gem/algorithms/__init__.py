@@ -24,6 +24,8 @@ After a commit has been applied the engine pulls, copying θ into ``x``, unless 
 ``pull=False`` (EASGD's workers keep their own variable). Engines know nothing else about algorithms, so
 adding one takes a module here, its name in ``ALGORITHMS``, a YAML file in conf/algorithm/ and a test.
 A module may set ``SEQUENTIAL = True`` (sgd): it then always runs with one worker.
+An algorithm whose ``Params`` has ``window`` (λ) returns a Commit on every λ-th ``worker_rule`` call only, and
+reads ``theta`` and ``server`` on those calls only: the distributed engine fetches the live θ for them alone.
 """
 
 from __future__ import annotations
