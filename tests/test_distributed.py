@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import test_process
 from conftest import ROOT
 from test_process import _children
 from test_run import check_run_dir
@@ -105,19 +106,8 @@ def test_divergence_stops_every_worker(data, tmp_path):
     assert not _children(os.getpid())
 
 
-def _start(tmp_path, *args, workers=3):
-    d = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "run.py", "engine=distributed", f"workers={workers}", "algorithm=gem",
-                          "logger.wandb.mode=disabled", "logger.flush_every=5", f"hydra.run.dir={d}", *args],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    deadline = time.monotonic() + 180
-    while not (d / "metrics.parts").exists() or len(_children(p.pid)) < workers:  # the workers are committing
-        if p.poll() is not None or time.monotonic() > deadline:
-            p.kill()
-            raise AssertionError(f"run did not start: {p.communicate()[1][-2000:]}")
-        time.sleep(0.2)
-    return p, d
+def _start(tmp_path, *args):
+    return test_process._start(tmp_path, *args, engine="distributed")
 
 
 @pytest.mark.slow

@@ -97,14 +97,15 @@ def _children(pid) -> list[int]:
     return out
 
 
-def _start(tmp_path, *args):
+def _start(tmp_path, *args, engine="process", workers=3):
+    """`python run.py` with `workers` real workers, returned once they are committing."""
     d = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "run.py", "engine=process", "workers=3", "algorithm=gem",
+    p = subprocess.Popen([sys.executable, "run.py", f"engine={engine}", f"workers={workers}", "algorithm=gem",
                           "logger.wandb.mode=disabled", "logger.flush_every=5", f"hydra.run.dir={d}", *args],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     deadline = time.monotonic() + 180
-    while not (d / "metrics.parts").exists() or len(_children(p.pid)) < 3:  # the workers are committing
+    while not (d / "metrics.parts").exists() or len(_children(p.pid)) < workers:  # the workers are committing
         if p.poll() is not None or time.monotonic() > deadline:
             p.kill()
             raise AssertionError(f"run did not start: {p.communicate()[1][-2000:]}")

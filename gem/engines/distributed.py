@@ -433,11 +433,10 @@ class _Server(threading.Thread):
             self.reply(src, STOP)
             return
         began = time.perf_counter()
-        if not self.reply(src, GO):
-            return
         header = torch.zeros(2, dtype=torch.long)
-        try:
-            sends = [self.pg.send([v], src, TAG_X) for v in (self.theta, *self.server.values())]
+        try:  # GO with the clock, the live θ and the server's tensors, all in flight at once
+            go = torch.tensor([GO, self.t], dtype=torch.long)
+            sends = [self.pg.send([v], src, TAG_X) for v in (go, self.theta, *self.server.values())]
             for s in sends:
                 _wait(s, self.timeout)
             _wait(self.pg.recv([header], src, TAG_X), self.timeout)
