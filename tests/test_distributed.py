@@ -1,17 +1,12 @@
 """The `distributed` engine on loopback: rank 0 the parameter server, 3-5 worker ranks, gloo over TCP."""
 
-import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pandas as pd
 import pytest
-import test_process
 from conftest import ROOT
 from test_process import _children
 from test_run import check_run_dir
@@ -106,57 +101,7 @@ def test_divergence_stops_every_worker(data, tmp_path):
     assert not _children(os.getpid())
 
 
-def _start(tmp_path, *args):
-    return test_process._start(tmp_path, *args, engine="distributed")
-
-
-@pytest.mark.slow
-def test_a_killed_worker_is_recorded_and_the_run_goes_on(tmp_path):
-    p, d = _start(tmp_path, "epochs=20")
-    victim = _children(p.pid)[1]
-    os.kill(victim, signal.SIGKILL)
-    try:
-        out, err = p.communicate(timeout=300)
-    finally:
-        p.kill()
-    assert p.returncode == 0, err
-    summary, m, ev = check_run_dir(d)
-    assert summary["status"] == "completed"
-    assert len(summary["lost_workers"]) == 1 and "lost at commit" in summary["reason"], summary
-    lost_at = int(summary["reason"].split("lost at commit ")[1].split()[0])
-    assert ((ev["step"] > lost_at) & (ev["step"] < summary["steps"])).any(), (lost_at, ev["step"].tolist())
-    lost = summary["lost_workers"][0]
-    budget = 20 * (1500 // 64)
-    # rows the victim had not yet sent are lost with it; their commits are marked, so the clock has no gap
-    marked = m[m["worker"] == -1]
-    assert len(marked) <= 16 and (marked.get("lost_row", pd.Series(dtype=bool)) == True).all()  # noqa: E712
-    done = m[m["worker"] >= 0].groupby("worker")["worker_step"].max()
-    assert done.get(lost, 0) < budget and all(done[w] == budget for w in done.index if w != lost)
-    # seen by its process's exit code, or by its connection closing if the server was talking to it
-    assert "lost" in out and ("process died" in summary["reason"] or "connection closed" in summary["reason"])
-    assert set(summary["commit_shares"]) == {"0", "1", "2"}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_ctrl_c_and_sigterm_leave_no_rank_behind(tmp_path, sig, code):
-    p, d = _start(tmp_path, "epochs=1000")
-    kids = _children(p.pid)
-    if sig == "SIGINT":
-        os.killpg(p.pid, signal.SIGINT)
-    else:
-        p.send_signal(signal.SIGTERM)
-    try:
-        _, err = p.communicate(timeout=60)
-    finally:
-        p.kill()
-    assert p.returncode == code, err
-    time.sleep(0.5)
-    alive = [k for k in kids if Path(f"/proc/{k}").exists()
-             and not (Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z")]
-    assert alive == [], f"ranks left behind: {alive}"
-    summary = json.loads((d / "summary.json").read_text())
-    assert summary["status"] == "failed" and "interrupted" in summary["reason"]
+# A killed worker, Ctrl-C and SIGTERM on engine=distributed: tests/test_process.py runs those tests on both engines.
 
 
 def _torchrun():
