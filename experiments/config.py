@@ -55,7 +55,7 @@ class EngineConfig:
     staleness: str = "round_robin"
     straggler_fraction: float = 0.25
     straggler_slowdown: float = 4.0
-    checkpoint_every: int = 0  # commits between checkpoints (engine=process); 0: none
+    checkpoint_every: int = 500  # commits between checkpoints; 0: none
     host: str = "127.0.0.1"  # engine=distributed, local launch: the address rank 0 listens on
     port: int = 0  # ... and its port; 0: a free one
     timeout_s: float = 300.0  # engine=distributed: a worker silent this long is lost
@@ -111,7 +111,7 @@ def per_worker(total: int, *, _root_: DictConfig) -> int:
     Experiments use it for a fixed effective batch (fig4: b = B/n with B = 256) and for the same data budget
     at every n (fig4, fig5: epochs per worker = total epochs / n)."""
     name = _root_.algorithm.get("name")
-    sequential = name in algorithms.ALGORITHMS and getattr(algorithms.get(name), "SEQUENTIAL", False)
+    sequential = name in algorithms.ALGORITHMS and algorithms.get(name).sequential
     n = 1 if sequential else int(_root_.workers)
     if n < 1:
         raise ConfigError(f"workers={n} is not allowed; workers must be an integer >= 1")
@@ -240,9 +240,6 @@ def validate(cfg: DictConfig) -> dict:
         raise ConfigError(f"device={cfg.device} is not supported by engine=distributed yet (gloo moves CPU tensors); "
                           "use device=cpu, or engine=sim for the GPU")
     _check_launch(cfg, eng.name)
-    if cfg.resume and cfg.engine.name != "process":
-        raise ConfigError(f"resume=true is not supported by engine={cfg.engine.name}: only engine=process writes "
-                          "checkpoints; use resume=false")
     return checked
 
 
@@ -257,7 +254,7 @@ def _check_launch(cfg: DictConfig, engine: str) -> None:
     if engine != "distributed":
         raise ConfigError(f"engine={engine}: this process is one of {world} started by a launcher (torchrun); "
                           f"only engine=distributed runs that way; pass engine=distributed, or use python run.py")
-    workers = 1 if getattr(algorithms.get(cfg.algorithm.name), "SEQUENTIAL", False) else cfg.workers
+    workers = 1 if algorithms.get(cfg.algorithm.name).sequential else cfg.workers
     if workers + 1 != world:
         raise ConfigError(f"workers={workers} does not match the {world} processes the launcher started: "
                           f"engine=distributed needs workers + 1 (rank 0 is the parameter server); pass "

@@ -25,7 +25,8 @@ from experiments.config import ConfigError, algorithm_params, check_batch_size, 
 from gem import algorithms, engines, models
 from gem import data as gdata
 from gem.engines import Job, Result
-from gem.engines.core import CheckpointError, check_resumable, read_manifest, worker_steps
+from gem.engines.checkpoint import CheckpointError, check_resumable, read_manifest
+from gem.engines.core import commits_per_worker
 from gem.metrics import Recorder
 
 
@@ -34,7 +35,7 @@ def build_job(cfg: DictConfig, checked: dict, log=print, run_dir: Path | None = 
     """Everything the engine needs, resolved here in the parent: no Hydra object crosses into an engine."""
     workers = cfg.workers
     d, eng = checked["data"], checked["engine"]
-    if getattr(algorithms.get(cfg.algorithm.name), "SEQUENTIAL", False) and workers != 1:
+    if algorithms.get(cfg.algorithm.name).sequential and workers != 1:
         log(f"gem: algorithm={cfg.algorithm.name} is sequential: running 1 worker (workers={workers} ignored)")
         workers = 1
     shape = models.input_shape(cfg.model.name)
@@ -43,7 +44,7 @@ def build_job(cfg: DictConfig, checked: dict, log=print, run_dir: Path | None = 
     dataset = gdata.load_dataset(**source)
     # validate() has matched the model to the data's shape; only the loaded size is new here (cifar10)
     check_batch_size(cfg.batch_size, d.name, len(dataset.train_y))
-    engine = {k: v for k, v in dataclasses.asdict(eng).items() if k not in ("name", "checkpoint_every")}
+    engine = {k: v for k, v in dataclasses.asdict(eng).items() if k != "checkpoint_every"}
     return Job(algorithm=cfg.algorithm.name, hp=algorithm_params(cfg), model=cfg.model.name, data=dataset,
                workers=workers, batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed, device=cfg.device,
                engine=engine, eval_every=cfg.logger.eval_every, eval_train_size=cfg.logger.eval_train_size,
@@ -103,8 +104,7 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
         wandb = wandb_logger.start(log_cfg.wandb.mode, run_dir, OmegaConf.to_container(cfg, resolve=True),
                                    project=log_cfg.wandb.project, entity=log_cfg.wandb.entity,
                                    group=log_cfg.wandb.group or wandb_group, name=wandb_name)
-        # the engine drops a window cut short by the end of the budget, hence floor
-        total = job.workers * (worker_steps(job) // getattr(job.hp, "window", 1))
+        total = job.workers * commits_per_worker(job, algorithms.get(job.algorithm).commit_every(job.hp))
         recorder = Recorder(run_dir, flush_every=log_cfg.flush_every, flush_seconds=log_cfg.flush_seconds,
                             sink=wandb, sink_every=log_cfg.wandb.log_every,
                             progress=_progress(total, log_cfg.progress),

@@ -8,10 +8,38 @@ import torch
 
 from experiments.config import CONF_DIR
 from gem import algorithms
-from gem.algorithms import adaptive, agn, downpour, eamsgd, easgd, gem, sgd
+from gem.algorithms import View, adaptive, agn, downpour, eamsgd, easgd, gem, sgd
 
 T = torch.tensor
 LAYOUT = [("a", slice(0, 4)), ("b", slice(4, 6))]
+
+
+def at(theta, server=None, staleness=0, t=0, worker=0) -> View:
+    """The view a rule gets at a commit: θ, the server's tensors, the clock, τ, the worker."""
+    return View(theta, {} if server is None else server, t, staleness, worker)
+
+
+def commit(module, state, x, grad, theta, hp, server=None, layout=LAYOUT):
+    """A commit as every engine makes it: the worker rule at a view of θ, then, once the turn is handed on, the
+    diagnostics (merged into commit.metrics; the per-tensor lists in commit.tensors)."""
+    algo = module.ALGORITHM
+    c = algo.worker_rule(state, x, grad, at(theta, server), hp)
+    c.tensors = {}
+    if algo.diagnostics is not None:
+        metrics, c.tensors = algo.diagnostics(c, layout, hp)
+        c.metrics.update(metrics)
+    return c
+
+
+def step(module, state, x, grad, theta, hp, i, server=None):
+    """A worker's i-th gradient (from 1), as the worker cycle runs it: a local step inside a window (None), the
+    worker rule, a commit, at the window's end."""
+    algo = module.ALGORITHM
+    k = i % algo.commit_every(hp)
+    if k:
+        algo.local_step(state, x, grad, hp, k)
+        return None
+    return commit(module, state, x, grad, theta, hp, server)
 
 
 def close(a, b, tol=1e-6):
@@ -32,45 +60,44 @@ PI = [0.5, 1.0, 0.0, 5.0, 5.0, 0.75]
 def gem_commit(kappa=1.0, pi_max=5.0, proxy="local", server=None):
     hp = gem.Params(lr=1.0, momentum=0.5, kappa=kappa, pi_max=pi_max, proxy=proxy)
     stale = torch.ones(6)
-    state = gem.init_state(stale, hp, LAYOUT)
+    state = gem.ALGORITHM.init_state(stale, hp)
     state["m"].copy_(T(M0))
     theta = stale + T(DRIFT)
-    commit = gem.worker_rule(state, theta.clone(), T(GRAD), theta, hp, server or {})
-    return commit, state, theta
+    return commit(gem, state, theta.clone(), T(GRAD), theta, hp, server), state, theta
 
 
 def test_gem_pi_and_commit_by_hand():
-    commit, state, theta = gem_commit()
+    c, state, theta = gem_commit()
     delta = [p * -g for p, g in zip(PI, GRAD, strict=True)]  # πΔθ = [-0.5, -2, 0, -5, 0, 0.75]
-    assert close(commit.delta, delta)
+    assert close(c.delta, delta)
     assert close(state["m"], [1, -2, -1, 9, 1, -1])
     assert torch.equal(state["stale"], theta)  # the next θ − s counts from θ just before this commit
-    assert commit.pull and not commit.payload
+    assert c.pull and not c.payload
 
 
 def test_gem_clamps_at_zero_and_pi_max():
-    commit, _, _ = gem_commit(pi_max=0.8)  # π = [0.5, 0.8, 0, 0.8, 0.8, 0.75]
-    assert close(commit.delta, [-0.5, -1.6, 0.0, -0.8, 0.0, 0.75])
-    assert commit.metrics["pi_zero_frac"] == pytest.approx(1 / 6)
-    assert commit.metrics["pi_max_frac"] == pytest.approx(3 / 6)
+    c, _, _ = gem_commit(pi_max=0.8)  # π = [0.5, 0.8, 0, 0.8, 0.8, 0.75]
+    assert close(c.delta, [-0.5, -1.6, 0.0, -0.8, 0.0, 0.75])
+    assert c.metrics["pi_zero_frac"] == pytest.approx(1 / 6)
+    assert c.metrics["pi_max_frac"] == pytest.approx(3 / 6)
 
 
 def test_gem_kappa_scales_the_proxy():
-    commit, _, _ = gem_commit(kappa=2.0)  # π = (2|m| − |θ − s|)/|Δθ| = [1.5, 2, 0, 5, 5, 1.75]
-    assert close(commit.delta, [-1.5, -4.0, 0.0, -5.0, 0.0, -1.75 * -1])
-    assert commit.metrics["proxy_energy"] == pytest.approx(0.5 * 4 * 89)
+    c, _, _ = gem_commit(kappa=2.0)  # π = (2|m| − |θ − s|)/|Δθ| = [1.5, 2, 0, 5, 5, 1.75]
+    assert close(c.delta, [-1.5, -4.0, 0.0, -5.0, 0.0, -1.75 * -1])
+    assert c.metrics["proxy_energy"] == pytest.approx(0.5 * 4 * 89)
 
 
 def test_gem_metrics_by_hand():
-    commit, _, _ = gem_commit()
-    m = commit.metrics
+    c, _, _ = gem_commit()
+    m = c.metrics
     assert m["pi_median"] == pytest.approx(0.75)  # lower median of [0, .5, .75, 1, 5, 5]
     assert m["pi_mean"] == pytest.approx(12.25 / 6)
     assert m["pi_zero_frac"] == pytest.approx(1 / 6)
     assert m["proxy_energy"] == pytest.approx(0.5 * 89)  # ½‖κm‖², ‖m‖² = 1+4+1+81+1+1
     # ½‖θ − s + πΔθ‖²: θ − s + πΔθ = [0, −2, 3, −5, 0, 1]
     assert m["central_energy"] == pytest.approx(0.5 * 39)
-    t = commit.tensors  # a = [.5, 1, 0, 5], b = [5, .75]
+    t = c.tensors  # a = [.5, 1, 0, 5], b = [5, .75]
     assert t["pi_median"] == pytest.approx([0.5, 0.75])
     assert t["pi_mean"] == pytest.approx([6.5 / 4, 5.75 / 2])
     assert t["pi_zero_frac"] == pytest.approx([0.25, 0.0])
@@ -79,16 +106,16 @@ def test_gem_metrics_by_hand():
 def test_gem_drift_includes_the_workers_own_previous_commit():
     hp = gem.Params(lr=0.1, momentum=0.9)
     theta = torch.zeros(6)
-    a, b = gem.init_state(theta, hp, LAYOUT), gem.init_state(theta, hp, LAYOUT)
+    a, b = gem.ALGORITHM.init_state(theta, hp), gem.ALGORITHM.init_state(theta, hp)
     g = T([1.0, -1.0, 2.0, 0.5, -0.5, 1.0])
-    c1 = gem.worker_rule(a, theta.clone(), g, theta, hp, {})
+    c1 = commit(gem, a, theta.clone(), g, theta, hp)
     d1 = c1.delta.clone()
-    gem.server_rule(theta, c1, 0, hp, {})
-    c2 = gem.worker_rule(b, theta.clone(), 2 * g, theta, hp, {})
+    gem.ALGORITHM.server_rule(at(theta), c1, hp)
+    c2 = commit(gem, b, theta.clone(), 2 * g, theta, hp)
     d2 = c2.delta.clone()
-    gem.server_rule(theta, c2, 1, hp, {})
+    gem.ALGORITHM.server_rule(at(theta, staleness=1), c2, hp)
     assert torch.equal(a["stale"], torch.zeros(6)) and torch.equal(b["stale"], d1)
-    c3 = gem.worker_rule(a, theta.clone(), g, theta, hp, {})
+    c3 = commit(gem, a, theta.clone(), g, theta, hp)
     # the central movement since a's previous commit is a's own commit plus b's, plus this one
     assert c3.metrics["central_energy"] == pytest.approx(0.5 * float((d1 + d2 + c3.delta).pow(2).sum()), rel=1e-5)
 
@@ -98,11 +125,11 @@ def test_gem_matches_the_proxy_energy_when_pi_is_not_clamped():
     # movement over the cycle, previous commit plus this one, exactly as large as the proxy's momentum
     hp = gem.Params(lr=0.1, momentum=0.5)
     theta = torch.zeros(3)
-    state = gem.init_state(theta, hp, [("w", slice(0, 3))])
+    state = gem.ALGORITHM.init_state(theta, hp)
     pis = []
     for _ in range(40):
-        c = gem.worker_rule(state, theta.clone(), torch.ones(3), theta, hp, {})
-        gem.server_rule(theta, c, 0, hp, {})
+        c = commit(gem, state, theta.clone(), torch.ones(3), theta, hp, layout=[("w", slice(0, 3))])
+        gem.ALGORITHM.server_rule(at(theta), c, hp)
         pis.append(c.metrics["pi_median"])
         assert c.metrics["central_energy"] == pytest.approx(c.metrics["proxy_energy"], rel=1e-5)
     assert pis[:3] == pytest.approx([1.0, 0.5, 1.25])  # |m|/|Δθ| = 1, 1.5, 1.75 minus the previous π
@@ -112,20 +139,20 @@ def test_gem_matches_the_proxy_energy_when_pi_is_not_clamped():
 def test_gem_global_proxy_is_the_servers_average_of_worker_momenta():
     hp = gem.Params(lr=1.0, momentum=0.5, proxy="global", workers=2)
     theta = torch.zeros(6)
-    server = gem.init_server(theta, hp)
+    server = gem.ALGORITHM.init_server(theta, hp, 2)
     ms = [torch.full((6,), v) for v in (2.0, 4.0, 8.0)]
     for m in ms:
-        gem.server_rule(theta, algorithms.Commit(delta=torch.zeros(6), payload={"m": m}), 0, hp, server)
+        gem.ALGORITHM.server_rule(at(theta, server), algorithms.Commit(delta=torch.zeros(6), payload={"m": m}), hp)
     # the mean until n commits have arrived, then an exponential average with weight 1/n
     assert close(server["proxy"], torch.full((6,), ((2 + 4) / 2) / 2 + 8 / 2))
     # a worker uses κ|M| from the server, not its own m
     server = {"proxy": T(M0) / 2 - T(GRAD), "proxy_commits": torch.tensor(5)}  # = the local m of gem_commit
-    commit, state, _ = gem_commit(proxy="global", server=server)
-    assert close(commit.delta, [p * -g for p, g in zip(PI, GRAD, strict=True)])
+    c, state, _ = gem_commit(proxy="global", server=server)
+    assert close(c.delta, [p * -g for p, g in zip(PI, GRAD, strict=True)])
     server["proxy"].zero_()
-    commit, _, _ = gem_commit(proxy="global", server=server)
-    assert close(commit.delta, torch.zeros(6))  # no proxy energy at the server: nothing to commit
-    assert commit.payload["m"] is not None and close(commit.payload["m"], state["m"])
+    c, _, _ = gem_commit(proxy="global", server=server)
+    assert close(c.delta, torch.zeros(6))  # no proxy energy at the server: nothing to commit
+    assert c.payload["m"] is not None and close(c.payload["m"], state["m"])
 
 
 # --------------------------------------------------------------------------- DOWNPOUR, adaptive, AGN
@@ -134,20 +161,20 @@ def test_gem_global_proxy_is_the_servers_average_of_worker_momenta():
 def test_downpour_commits_a_plain_sgd_step_however_stale():
     hp = downpour.Params(lr=0.1, momentum=0.9)  # the top-level momentum is GEM's proxy μ, not downpour's
     theta = torch.zeros(2)
-    state = downpour.init_state(theta, hp)
+    state = downpour.ALGORITHM.init_state(theta, hp)
     for _ in range(2):  # no momentum carried from one commit to the next
-        c = downpour.worker_rule(state, theta.clone(), T([1.0, -2.0]), theta, hp, {})
+        c = commit(downpour, state, theta.clone(), T([1.0, -2.0]), theta, hp)
         assert close(c.delta, [-0.1, 0.2]) and c.pull
-    downpour.server_rule(theta, c, 7, hp, {})  # however stale, added as it is
+    downpour.ALGORITHM.server_rule(at(theta, staleness=7), c, hp)  # however stale, added as it is
     assert close(theta, [-0.1, 0.2])
 
 
 def test_downpour_local_momentum():
     hp = downpour.Params(lr=0.1, local_momentum=0.5)
     theta = torch.zeros(2)
-    state = downpour.init_state(theta, hp)
+    state = downpour.ALGORITHM.init_state(theta, hp)
     state["m"].copy_(T([1.0, -2.0]))
-    c = downpour.worker_rule(state, theta.clone(), T([1.0, 1.0]), theta, hp, {})
+    c = commit(downpour, state, theta.clone(), T([1.0, 1.0]), theta, hp)
     assert close(c.delta, [0.5 - 0.1, -1.0 - 0.1])  # m ← μ'm − ηg
 
 
@@ -155,16 +182,16 @@ def test_downpour_local_momentum():
 def test_window_accumulates_local_steps(module, scale):
     hp = module.Params(lr=0.1, local_momentum=0.5, window=2)
     theta, x = torch.zeros(2), torch.zeros(2)
-    state = module.init_state(theta, hp)
+    state = module.ALGORITHM.init_state(theta, hp)
     g = T([1.0, -1.0])
-    assert module.worker_rule(state, x, g, theta, hp, {}) is None
+    assert step(module, state, x, g, theta, hp, 1) is None
     assert close(x, [-0.1, 0.1])  # the local copy moved by m1 = −ηg
-    c = module.worker_rule(state, x, g, theta, hp, {})
+    c = step(module, state, x, g, theta, hp, 2)
     # m2 = μ'm1 − ηg = −0.15g; the window's difference x − s = m1 + m2 = −0.25g, and AGN divides it by λ = 2
     assert close(c.delta, [-0.25 * scale, 0.25 * scale])
     x.copy_(theta)  # the engine pulls; the next window starts afresh
-    assert module.worker_rule(state, x, g, theta, hp, {}) is None
-    c = module.worker_rule(state, x, g, theta, hp, {})
+    assert step(module, state, x, g, theta, hp, 3) is None
+    c = step(module, state, x, g, theta, hp, 4)
     m3, m4 = -0.175, -0.1875  # μ' = 0.5 carries across windows
     assert close(c.delta, [(m3 + m4) * scale, -(m3 + m4) * scale])
 
@@ -173,8 +200,8 @@ def test_agn_default_window_divides_by_ten():
     hp = agn.Params(lr=1.0, momentum=0.0)
     assert hp.window == 10
     theta, x = torch.zeros(1), torch.zeros(1)
-    state = agn.init_state(theta, hp)
-    commits = [agn.worker_rule(state, x, T([1.0]), theta, hp, {}) for _ in range(10)]
+    state = agn.ALGORITHM.init_state(theta, hp)
+    commits = [step(agn, state, x, T([1.0]), theta, hp, i) for i in range(1, 11)]
     assert all(c is None for c in commits[:9])
     assert close(commits[9].delta, [-1.0])  # ten steps of −1, averaged
     assert close(x, [-9.0])  # nine local steps taken; the tenth is in the commit
@@ -184,17 +211,17 @@ def test_agn_default_window_divides_by_ten():
 def test_adaptive_divides_by_staleness_plus_one(tau):
     hp = adaptive.Params()
     theta = torch.ones(3)
-    adaptive.server_rule(theta, algorithms.Commit(delta=torch.full((3,), 6.0)), tau, hp, {})
+    adaptive.ALGORITHM.server_rule(at(theta, staleness=tau), algorithms.Commit(delta=torch.full((3,), 6.0)), hp)
     assert close(theta, torch.full((3,), 1 + 6 / (tau + 1)))
 
 
 def test_adaptive_worker_is_downpours():
     hp_a, hp_d = adaptive.Params(lr=0.1, local_momentum=0.9), downpour.Params(lr=0.1, local_momentum=0.9)
     theta = torch.zeros(2)
-    sa, sd = adaptive.init_state(theta, hp_a), downpour.init_state(theta, hp_d)
+    sa, sd = adaptive.ALGORITHM.init_state(theta, hp_a), downpour.ALGORITHM.init_state(theta, hp_d)
     for g in (T([1.0, 2.0]), T([-1.0, 0.5])):
-        ca = adaptive.worker_rule(sa, theta.clone(), g, theta, hp_a, {})
-        cd = downpour.worker_rule(sd, theta.clone(), g, theta, hp_d, {})
+        ca = commit(adaptive, sa, theta.clone(), g, theta, hp_a)
+        cd = commit(downpour, sd, theta.clone(), g, theta, hp_d)
         assert torch.equal(ca.delta, cd.delta)
 
 
@@ -204,11 +231,11 @@ def test_adaptive_worker_is_downpours():
 def test_easgd_elastic_difference_and_symmetric_update():
     hp = easgd.Params(lr=0.1, window=1, alpha=0.5)
     x, theta = T([1.0, 2.0]), T([0.0, 4.0])
-    c = easgd.worker_rule(easgd.init_state(theta, hp), x, T([1.0, 1.0]), theta, hp, {})
+    c = commit(easgd, easgd.ALGORITHM.init_state(theta, hp), x, T([1.0, 1.0]), theta, hp)
     assert close(c.delta, [0.5, -1.0])  # E = α(x − θ)
     assert close(x, [1 - 0.5 - 0.1, 2 + 1.0 - 0.1])  # x ← x − E − ηg
     assert not c.pull  # the worker keeps its own variable
-    easgd.server_rule(theta, c, 0, hp, {})
+    easgd.ALGORITHM.server_rule(at(theta), c, hp)
     assert close(theta, [0.5, 3.0])  # θ ← θ + E
     assert close(x + theta, [1 + 0 - 0.1, 2 + 4 - 0.1])  # the elastic force conserves x + θ
 
@@ -219,11 +246,11 @@ def test_easgd_window_and_moving_rate():
     assert easgd.moving_rate(dataclasses.replace(hp, rho=2.0)) == pytest.approx(0.2)  # α = ηρ
     assert easgd.moving_rate(dataclasses.replace(hp, alpha=0.3)) == pytest.approx(0.3)
     x, theta = torch.zeros(1), T([9.0])
-    state = easgd.init_state(theta, hp)
-    assert easgd.worker_rule(state, x, T([1.0]), theta, hp, {}) is None
-    assert easgd.worker_rule(state, x, T([1.0]), theta, hp, {}) is None
+    state = easgd.ALGORITHM.init_state(theta, hp)
+    assert step(easgd, state, x, T([1.0]), theta, hp, 1) is None
+    assert step(easgd, state, x, T([1.0]), theta, hp, 2) is None
     assert close(x, [-0.2])  # two plain SGD steps; the top-level momentum is not used
-    c = easgd.worker_rule(state, x, T([1.0]), theta, hp, {})
+    c = step(easgd, state, x, T([1.0]), theta, hp, 3)
     assert close(c.delta, [0.09 * (-0.2 - 9.0)])
     assert close(x, [-0.2 - 0.09 * (-9.2) - 0.1])
 
@@ -252,13 +279,13 @@ def test_eamsgd_matches_algorithm_2_with_the_lookahead_ahead_of_the_worker():
     ref = eamsgd_reference(12, a, x0, theta0, 0.1, 0.9, 0.2, 3)
     wrong = eamsgd_reference(12, a, x0, theta0, 0.1, 0.9, 0.2, 3, lookahead_sign=-1.0)
     x, theta = x0.clone(), theta0.clone()
-    state = eamsgd.init_state(theta, hp)
+    state = eamsgd.ALGORITHM.init_state(theta, hp)
     ours = []
-    for _ in range(12):
-        c = eamsgd.worker_rule(state, x, a * x, theta, hp, {})  # the engine's gradient, at x
+    for i in range(1, 13):
+        c = step(eamsgd, state, x, a * x, theta, hp, i)  # the engine's gradient, at x
         if c is not None:
             assert not c.pull
-            eamsgd.server_rule(theta, c, 0, hp, {})
+            eamsgd.ALGORITHM.server_rule(at(theta), c, hp)
         ours.append((x - 0.9 * state["v"], theta.clone()))  # x̂ = x − δv
     # our exchange comes right after steps 3, 6, 9, 12, Algorithm 2's at the start of t = 3, 6, 9: compare
     # the states in between, where both have done the same exchanges
@@ -270,8 +297,8 @@ def test_eamsgd_matches_algorithm_2_with_the_lookahead_ahead_of_the_worker():
 def test_eamsgd_gradient_point_is_ahead_along_the_velocity():
     hp = eamsgd.Params(lr=0.1, momentum=0.5, window=100)
     theta, x = torch.zeros(1), torch.zeros(1)
-    state = eamsgd.init_state(theta, hp)
-    eamsgd.worker_rule(state, x, T([-1.0]), theta, hp, {})  # v = 0.1, x̂ = 0.1
+    state = eamsgd.ALGORITHM.init_state(theta, hp)
+    step(eamsgd, state, x, T([-1.0]), theta, hp, 1)  # v = 0.1, x̂ = 0.1
     assert close(state["v"], [0.1])
     assert close(x, [0.1 + 0.5 * 0.1])  # next gradient at x̂ + δv, further along v
 
@@ -282,20 +309,25 @@ def test_eamsgd_gradient_point_is_ahead_along_the_velocity():
 def test_sgd_rule():
     hp = sgd.Params(lr=0.1, momentum=0.5)
     theta = torch.zeros(1)
-    state = sgd.init_state(theta, hp)
+    state = sgd.ALGORITHM.init_state(theta, hp)
     for expected in (-0.1, -0.25):  # m = −0.1, then 0.5·(−0.1) − 0.1
-        c = sgd.worker_rule(state, theta.clone(), T([1.0]), theta, hp, {})
-        sgd.server_rule(theta, c, 0, hp, {})
+        c = commit(sgd, state, theta.clone(), T([1.0]), theta, hp)
+        sgd.ALGORITHM.server_rule(at(theta), c, hp)
         assert close(theta, [expected])
 
 
 @pytest.mark.parametrize("name", algorithms.ALGORITHMS)
-def test_every_algorithm_has_its_module_and_yaml(name):
-    module = algorithms.get(name)
-    for fn in ("init_state", "worker_rule", "server_rule"):
-        assert callable(getattr(module, fn)), f"{name}.{fn}"
-    hp = module.Params()  # defaults are valid
+def test_every_algorithm_has_its_record_and_yaml(name):
+    algo = algorithms.get(name)
+    assert isinstance(algo, algorithms.Algorithm) and algo.name == name
+    for fn in ("init_state", "worker_rule", "server_rule", "commit_every"):
+        assert callable(getattr(algo, fn)), f"{name}.{fn}"
+    hp = algo.Params()  # defaults are valid
     assert hp.lr > 0 and 0 <= hp.momentum < 1
+    window = algo.commit_every(hp)
+    assert window >= 1 and (window == 1 or algo.local_step is not None)  # a window needs its local steps
+    state = algo.init_state(torch.zeros(4), hp)
+    assert all(isinstance(v, torch.Tensor) for v in state.values()), "worker state holds tensors only"
     assert (CONF_DIR / "algorithm" / f"{name}.yaml").exists()
 
 

@@ -61,8 +61,6 @@ BAD = [
     (["algorithm=easgd", "algorithm.alpha=2"], "algorithm.alpha=2.0 is not allowed; alpha must be a number in (0, 1]"),
     (["algorithm=agn", "algorithm.window=0"], "algorithm.window=0 is not allowed; window must be an integer >= 1"),
     (["engine.checkpoint_every=-1"], "engine.checkpoint_every=-1 is not allowed; it must be an integer >= 0"),
-    (["engine=sim", "resume=true"], "resume=true is not supported by engine=sim: only engine=process writes"),
-    (["engine=distributed", "resume=true"], "resume=true is not supported by engine=distributed: only engine=process"),
     (["engine=distributed", "engine.port=70000"],
      "engine.port=70000 is not allowed; it must be an integer in [0, 65535]"),
     (["engine=distributed", "engine.timeout_s=0"],

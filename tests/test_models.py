@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from gem.algorithms import sgd
 from gem.data import WorkerStream, make_synthetic
 from gem.engines import Job, core, sim
+from gem.engines.worker import dropout_seed
 from gem.metrics import Recorder, read_table
 from gem.models import AlexNetCifar, FlatModel, MnistCNN, build_model, input_shape
 
@@ -205,14 +206,13 @@ def test_sim_sgd_one_worker_equals_torch_sgd_with_momentum(tmp_path, monkeypatch
     assert [s for s, _ in seen] == [0, steps]  # evaluated at the start and once at the end
     final = seen[-1][1]
 
-    # The reference: same init (the engine seeds then builds), the same RNG draws (the Evaluator seeds and
-    # builds its own model before training starts), then the worker's own batch stream.
+    # The reference: same init (the engine seeds then builds), the worker's own dropout stream (seeded by
+    # (seed, worker) and drawn from nothing else), and the worker's own batch stream.
     torch.manual_seed(seed)
     ref = build_model("mnist_cnn")
     init = flat_params(ref).clone()
     torch.testing.assert_close(seen[0][1], init, rtol=0, atol=0)
-    torch.manual_seed(seed)
-    build_model("mnist_cnn")
+    torch.manual_seed(dropout_seed(seed, 0))
     opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=mu)
     stream = WorkerStream(len(data.train_y), bs, seed, 0)
     ref.train()

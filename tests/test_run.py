@@ -97,32 +97,7 @@ def test_sgd_on_real_mnist(tmp_path, mnist_root):
     assert summary["val_accuracy"] > 0.85
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig,code,why", [("SIGTERM", 143, "SIGTERM"), ("SIGINT", 130, "Ctrl-C")])
-def test_signal_closes_the_run_directory(tmp_path, sig, code, why):
-    import signal
-    import time
-
-    d = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "run.py", "epochs=1000", "logger.flush_every=5",
-                          "logger.wandb.mode=disabled", f"hydra.run.dir={d}"], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        deadline = time.monotonic() + 120
-        while not (d / "metrics.parts").exists():  # training has started and flushed rows
-            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read() if p.poll() else "timeout"
-            time.sleep(0.2)
-        p.send_signal(getattr(signal, sig))
-        _, err = p.communicate(timeout=60)
-    finally:
-        p.kill()
-    assert p.returncode == code, err
-    summary = json.loads((d / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["reason"] == f"interrupted ({why})"
-    m = pd.read_parquet(d / "metrics.parquet")
-    assert len(m) == summary["steps"] >= 5
-    assert m["step"].tolist() == list(range(1, len(m) + 1))
+# Ctrl-C and SIGTERM close the run directory on every engine: tests/test_engines.py.
 
 
 def test_online_init_failure_falls_back_to_offline_once_per_process(tmp_path, monkeypatch, capsys):

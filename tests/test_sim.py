@@ -23,10 +23,11 @@ def data():
     return make_synthetic((1, 28, 28), train_size=192, val_size=64, seed=1)
 
 
-def job(data, workers, algorithm="sgd", hp=None, staleness="round_robin", seed=0, epochs=1, **engine):
+def job(data, workers, algorithm="sgd", hp=None, staleness="round_robin", seed=0, epochs=1, **kw):
+    engine = {k: kw.pop(k) for k in ("straggler_fraction", "straggler_slowdown") if k in kw}
     return Job(algorithm=algorithm, hp=hp or sgd.Params(), model="mnist_cnn", data=data, workers=workers,
-               batch_size=32, epochs=epochs, seed=seed, engine={"staleness": staleness, **engine},
-               eval_every=10**9, eval_train_size=64)
+               batch_size=32, epochs=epochs, seed=seed, engine={"name": "sim", "staleness": staleness, **engine},
+               eval_every=kw.pop("eval_every", 10**9), eval_train_size=64, **kw)
 
 
 def run(job_, tmp_path):
@@ -77,37 +78,36 @@ class StubParams:
 def make_stub(log):
     """An algorithm that records what the engine hands it, and commits a small SGD step."""
     mod = types.ModuleType("gem.algorithms.stub")
-    mod.Params = StubParams
 
-    def init_state(theta, hp, layout):
-        log["layout"] = [(name, sl.start, sl.stop) for name, sl in layout]
-        return {"s": theta.clone(), "prev_delta": None}
+    def init_state(theta, hp):
+        return {"s": theta.clone(), "prev_delta": torch.full_like(theta, float("nan"))}
 
-    def worker_rule(state, x, grad, theta, hp, server):
-        # θ − s, with s copied at the previous call, must equal this worker's previous commit (n = 1)
-        if state["prev_delta"] is not None:
-            log["drift_err"].append(float((theta - state["s"] - state["prev_delta"]).abs().max()))
-        state["s"].copy_(theta)
-        log["x_equals_theta"].append(bool(torch.equal(x, theta)))
+    def worker_rule(state, x, grad, view, hp):
+        # θ − s, with s copied at the previous commit, must equal this worker's previous commit (n = 1)
+        if not torch.isnan(state["prev_delta"]).any():
+            log["drift_err"].append(float((view.theta - state["s"] - state["prev_delta"]).abs().max()))
+        state["s"].copy_(view.theta)
+        log["x_equals_theta"].append(bool(torch.equal(x, view.theta)))
+        log["views"].append((view.t, view.staleness, view.worker))
         delta = -hp.lr * grad
-        state["prev_delta"] = delta.clone()
-        return Commit(delta=delta, metrics={"stub_metric": 1.0},
-                      tensors={"stub_norm": [float(delta[sl].norm()) for _, sl in layout_of(state, log)]},
-                      pull=log["pull"])
+        state["prev_delta"].copy_(delta)
+        return Commit(delta=delta, metrics={"stub_metric": 1.0}, aux={"delta": delta}, pull=log["pull"])
 
-    def layout_of(state, log):
-        return [(n, slice(a, b)) for n, a, b in log["layout"]]
+    def diagnostics(commit, layout, hp):
+        log["layout"] = [(name, sl.start, sl.stop) for name, sl in layout]
+        return {"stub_after_turn": 2.0}, {"stub_norm": [float(commit.aux["delta"][sl].norm()) for _, sl in layout]}
 
-    def server_rule(theta, commit, staleness, hp, server):
-        theta.add_(commit.delta)
+    def server_rule(view, commit, hp):
+        view.theta.add_(commit.delta)
 
-    mod.init_state, mod.worker_rule, mod.server_rule = init_state, worker_rule, server_rule
+    mod.ALGORITHM = algorithms.Algorithm("stub", StubParams, init_state, worker_rule, server_rule,
+                                         diagnostics=diagnostics)
     return mod
 
 
 @pytest.mark.parametrize("pull", [True, False])
 def test_interface_contract(data, tmp_path, monkeypatch, pull):
-    log = {"drift_err": [], "x_equals_theta": [], "pull": pull}
+    log = {"drift_err": [], "x_equals_theta": [], "views": [], "pull": pull}
     monkeypatch.setattr(algorithms, "ALGORITHMS", (*algorithms.ALGORITHMS, "stub"))
     monkeypatch.setitem(sys.modules, "gem.algorithms.stub", make_stub(log))
     rec = Recorder(tmp_path)
@@ -121,11 +121,31 @@ def test_interface_contract(data, tmp_path, monkeypatch, pull):
     assert len(log["drift_err"]) == 192 // 32 - 1 and max(log["drift_err"]) < 1e-6
     # with pull, x is θ after every commit; without, x stays the worker's own variable
     assert all(log["x_equals_theta"][1:]) == pull
+    # the view: the clock before this commit, τ = 0 for a lone worker, the worker's id
+    assert log["views"] == [(t, 0, 0) for t in range(192 // 32)]
     m = pd.read_parquet(tmp_path / "metrics.parquet")
-    assert (m["stub_metric"] == 1.0).all()
+    assert (m["stub_metric"] == 1.0).all() and (m["stub_after_turn"] == 2.0).all()
     t = pd.read_parquet(tmp_path / "tensors.parquet")
     assert len(t) == len(m) * 10 and set(t["tensor"]) == set(names)
     assert (t["stub_norm"] > 0).all()
+
+
+def test_the_server_rule_sees_the_committing_worker(data, tmp_path, monkeypatch):
+    """Per-worker state at the server (DC-ASGD's backups) needs the worker id and τ in the server rule."""
+    seen = []
+
+    def server_rule(view, commit, hp):
+        seen.append((view.worker, view.staleness))
+        view.theta.add_(commit.delta)
+
+    mod = types.ModuleType("gem.algorithms.stub")
+    mod.ALGORITHM = dataclasses.replace(sgd.ALGORITHM, name="stub", server_rule=server_rule, sequential=False)
+    monkeypatch.setattr(algorithms, "ALGORITHMS", (*algorithms.ALGORITHMS, "stub"))
+    monkeypatch.setitem(sys.modules, "gem.algorithms.stub", mod)
+    rec = Recorder(tmp_path)
+    assert sim.run(job(data, 3, algorithm="stub"), rec).status == "completed"
+    rec.close()
+    assert seen == [(0, 0), (1, 1), (2, 2)] + [(w, 2) for w in (0, 1, 2)] * (192 // 32 - 1)
 
 
 # ------------------------------------------------------------------------------- every algorithm on sim
@@ -146,7 +166,7 @@ def hp_for(name, n, **kw):
 def test_each_algorithm_runs_with_round_robin_staleness(data, tmp_path, name):
     n = 3
     result, m = run(job(data, n, algorithm=name, hp=hp_for(name, n), epochs=2), tmp_path)
-    window = getattr(hp_for(name, n), "window", 1)
+    window = algorithms.get(name).commit_every(hp_for(name, n))
     commits_per_worker = 2 * (192 // 32) // window
     assert result.status == "completed" and result.steps == n * commits_per_worker == len(m)
     assert m["step"].tolist() == list(range(1, len(m) + 1))
@@ -174,7 +194,8 @@ def test_algorithms_are_deterministic_for_a_seed(data, tmp_path, name, extra):
     j = lambda: job(data, 4, algorithm=name, hp=hp_for(name, 4, **extra), staleness="exponential", seed=5)  # noqa: E731
     _, a = run(j(), tmp_path / "a")
     _, b = run(j(), tmp_path / "b")
-    pd.testing.assert_frame_equal(a.drop(columns="time_s"), b.drop(columns="time_s"))
+    timing = ["time_s", "wait_s", "apply_s"]  # wall-clock measurements: the rest must be identical
+    pd.testing.assert_frame_equal(a.drop(columns=timing), b.drop(columns=timing))
 
 
 def test_diverging_gem_or_downpour_stops_with_diverged(data, tmp_path):

@@ -1,65 +1,105 @@
-"""Asynchronous optimisers as two small pure functions each (DESIGN §2).
+"""Asynchronous optimisers as explicit records of small pure functions (DESIGN §2).
 
-An algorithm is a module with:
+Each algorithm module ends with one `Algorithm` record, in the spirit of optax's `GradientTransformation`:
 
 - ``Params``: a frozen dataclass of its hyperparameters. It always has ``lr`` and ``momentum``, filled from the
   top-level config keys (and ``workers``, if it declares that field), and the keys of its
   ``conf/algorithm/<name>.yaml``. ``__post_init__`` rejects bad values with one line (see ``require``).
-- ``init_state(theta, hp, layout) -> dict``: a worker's private state (momentum, accumulators, ...).
-  ``layout`` lists the model's parameter tensors as ``(name, slice)`` pairs into the flat vectors, for
-  per-tensor diagnostics (GEM's π heatmaps).
-- ``worker_rule(state, x, grad, theta, hp, server) -> Commit | None``: called after each local gradient
-  ``grad`` of the loss at the worker's local parameters ``x``. It may update ``x`` in place (local steps). It
-  returns a ``Commit`` when the worker communicates, else None. ``theta`` is the live central variable (read
-  it, never keep a reference). The engine calls ``worker_rule`` before the server applies this worker's commit,
-  so ``theta`` here does not yet hold it: a copy taken now is θ as it was just before the worker's own commit,
-  which is the reference GEM needs for θ − s (DESIGN §1).
-- ``server_rule(theta, commit, staleness, hp, server)``: applies a commit to the central variable in place.
-  The parameter server measures ``staleness`` (τ) under its own lock.
-- optional ``init_server(theta, hp) -> dict``: tensors the parameter server keeps next to θ (GEM's global
-  proxy). Only ``server_rule`` writes them; ``worker_rule`` receives them read-only as ``server``. Without
-  it, ``server`` is an empty dict.
+- ``init_state(theta, hp) -> dict[str, Tensor]``: a worker's private state (momentum, accumulators, ...).
+  Tensors only, so that every engine can checkpoint, send and restore it the same way.
+- ``commit_every(hp) -> int``: the commit boundary λ. A worker commits after every λ-th local gradient, and
+  only then takes the server's turn; λ = 1 for most algorithms. No engine reads ``hp`` itself.
+- ``local_step(state, x, grad, hp, k)``: a gradient that does not end a window (k = 1..λ−1, its place in the
+  window). It may move the worker's local parameters ``x`` in place. It never sees θ: it runs without the
+  server's turn. None when λ is always 1.
+- ``worker_rule(state, x, grad, view, hp) -> Commit``: the gradient that ends a window, run under the server's
+  turn. ``view`` (a `View`) holds the live central variable θ and the server's tensors (read them, never keep a
+  reference), the clock t, this commit's staleness τ and the worker's id. This runs before the server applies the
+  worker's commit, so a copy of θ taken now is θ just before the worker's own commit, which is the reference
+  GEM needs for θ − s (DESIGN §1). Do here only what the commit needs: statistics go in ``diagnostics``.
+- ``server_rule(view, commit, hp)``: applies a commit to ``view.theta`` in place, with ``view.staleness`` (τ,
+  measured by the server on its own clock) and ``view.worker`` (for state kept per worker at the server).
+- ``init_server(theta, hp, workers) -> dict[str, Tensor]`` (optional): tensors the server keeps next to θ
+  (GEM's global proxy). Only ``server_rule`` writes them; ``worker_rule`` reads them as ``view.server``.
+- ``diagnostics(commit, layout, hp) -> (metrics, tensors)`` (optional): per-commit statistics, computed by the
+  worker after it has handed the turn on, from the tensors the worker rule left in ``commit.aux``. ``layout``
+  lists the model's parameter tensors as ``(name, slice)`` pairs into the flat vectors; ``tensors`` holds one list
+  per statistic with one value per parameter tensor, in layout order (GEM's π heatmaps).
+- ``sequential``: True for the proxy, momentum SGD: it always runs with one worker.
 
-After a commit has been applied the engine pulls, copying θ into ``x``, unless the commit says
-``pull=False`` (EASGD's workers keep their own variable). Engines know nothing else about algorithms, so
-adding one takes a module here, its name in ``ALGORITHMS``, a YAML file in conf/algorithm/ and a test.
-A module may set ``SEQUENTIAL = True`` (sgd): it then always runs with one worker.
-An algorithm whose ``Params`` has ``window`` (λ) returns a Commit on every λ-th ``worker_rule`` call only, and
-reads ``theta`` and ``server`` on those calls only: the distributed engine fetches the live θ for them alone.
+After a commit has been applied the worker pulls, copying θ into ``x``, unless the commit says ``pull=False``
+(EASGD's workers keep their own variable). Engines know nothing else about algorithms, so adding one takes a
+module here, its name in ``ALGORITHMS``, a YAML file in conf/algorithm/ and a test. An algorithm outside this
+package can be run by its import path: ``get("my_package.my_module")`` finds the module's ``ALGORITHM``.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
 
 import torch
 
-# name -> module; every entry must have a conf/algorithm/<name>.yaml
+# every entry is a module gem.algorithms.<name> with an ALGORITHM record and a conf/algorithm/<name>.yaml
 ALGORITHMS = ("sgd", "gem", "downpour", "adaptive", "agn", "easgd", "eamsgd")
 
 
 @dataclass
+class View:
+    """What the worker rule and the server rule see at a commit, under the server's turn."""
+
+    theta: torch.Tensor  # the live central variable (the server's own, or a worker's exact replica of it)
+    server: dict[str, torch.Tensor]  # the algorithm's server tensors (init_server), in the same state as theta
+    t: int  # the server's clock: commits applied before this one
+    staleness: int  # τ: commits applied between this worker's last pull and this commit
+    worker: int  # the committing worker's id, 0..n−1
+
+
+@dataclass
 class Commit:
-    delta: torch.Tensor  # flat update; the engine must apply it before the worker's next worker_rule call
-    metrics: dict[str, float] = field(default_factory=dict)  # extra per-commit columns for metrics.parquet
-    tensors: dict[str, list[float]] = field(default_factory=dict)  # per-parameter-tensor diagnostics
+    delta: torch.Tensor  # flat update; applied by server_rule before the worker's next gradient
     pull: bool = True  # copy θ into the worker's x once the commit is applied
     payload: dict[str, torch.Tensor] = field(default_factory=dict)  # extra tensors for server_rule only
+    metrics: dict[str, float] = field(default_factory=dict)  # numbers that must be read under the turn
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)  # worker-private tensors for diagnostics
 
 
-def get(name: str) -> ModuleType:
-    if name not in ALGORITHMS:
-        raise ValueError(f"algorithm={name} is not an algorithm; choose one of: {', '.join(ALGORITHMS)}")
-    return importlib.import_module(f"gem.algorithms.{name}")
+def _every_step(hp) -> int:
+    return 1
 
 
-def init_server(module: ModuleType, theta: torch.Tensor, hp) -> dict[str, torch.Tensor]:
-    """The server-side state of an algorithm: its ``init_server`` if it has one, else nothing."""
-    fn = getattr(module, "init_server", None)
-    return fn(theta, hp) if fn is not None else {}
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    Params: type
+    init_state: Callable
+    worker_rule: Callable
+    server_rule: Callable
+    commit_every: Callable = _every_step
+    local_step: Callable | None = None
+    init_server: Callable | None = None
+    diagnostics: Callable | None = None
+    sequential: bool = False
+
+    def server_state(self, theta: torch.Tensor, hp, workers: int) -> dict[str, torch.Tensor]:
+        return self.init_server(theta, hp, workers) if self.init_server is not None else {}
+
+
+def get(name: str) -> Algorithm:
+    """The record of a built-in algorithm, or of a module given by its import path (``package.module``)."""
+    if name in ALGORITHMS:
+        return importlib.import_module(f"gem.algorithms.{name}").ALGORITHM
+    if "." in name:
+        try:
+            record = getattr(importlib.import_module(name), "ALGORITHM", None)
+        except ImportError as e:
+            raise ValueError(f"algorithm={name} cannot be imported ({e})") from None
+        if isinstance(record, Algorithm):
+            return record
+        raise ValueError(f"algorithm={name}: the module has no ALGORITHM record (gem.algorithms.Algorithm)")
+    raise ValueError(f"algorithm={name} is not an algorithm; choose one of: {', '.join(ALGORITHMS)}")
 
 
 def require(ok: bool, key: str, value, allowed: str) -> None:
@@ -72,10 +112,11 @@ def positive(x) -> bool:
     return isinstance(x, (int, float)) and 0 < x < math.inf
 
 
-# Scratch buffers, one set per process and shape. A commit's delta may live in one: engines apply a commit
-# before any worker_rule runs again in that process (sim: one commit at a time; process and distributed:
-# one worker per process), so a buffer is never overwritten while still needed. Sharing them keeps the sim
-# engine's memory at the workers' own state plus a constant, instead of a few model copies per worker.
+# Scratch buffers, one set per process and shape. A commit's delta and aux may live in them: every engine
+# applies a commit and takes its diagnostics before any worker rule runs again in that process (sim: one commit
+# at a time; process and distributed: one worker per process), so a buffer is never overwritten while still
+# needed. Sharing them keeps the sim engine's memory at the workers' own state plus a constant, instead of a few
+# model copies per worker.
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
 

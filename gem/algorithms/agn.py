@@ -7,11 +7,9 @@ less noisy commits make the central variable robust to staleness. The authors re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-import torch
-
-from gem.algorithms import Commit, downpour
+from gem.algorithms import Commit, View, downpour
 
 
 @dataclass(frozen=True)
@@ -19,12 +17,8 @@ class Params(downpour.Params):
     window: int = 10  # λ: local steps between commits, and the normaliser of the commit
 
 
-init_state = downpour.init_state
+def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
+    return downpour.window_commit(state, grad, hp, normalise=True)
 
 
-def worker_rule(state, x, grad, theta, hp: Params, server=None) -> Commit | None:
-    return downpour.local_steps(state, x, grad, hp, normalise=True)
-
-
-def server_rule(theta: torch.Tensor, commit: Commit, staleness: int, hp: Params, server=None) -> None:
-    theta.add_(commit.delta)
+ALGORITHM = replace(downpour.ALGORITHM, name="agn", Params=Params, worker_rule=worker_rule)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Commit, require, scratch
+from gem.algorithms import Algorithm, Commit, View, require, scratch
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,8 @@ class Params:
                 self.local_momentum, "a number in [0, 1)")
 
 
-def init_state(theta: torch.Tensor, hp, layout=()) -> dict:
-    state = {"local_steps": 0}
+def init_state(theta: torch.Tensor, hp) -> dict:
+    state = {}
     if hp.local_momentum > 0:
         state["m"] = torch.zeros_like(theta)
     if hp.window > 1:
@@ -42,33 +42,46 @@ def init_state(theta: torch.Tensor, hp, layout=()) -> dict:
     return state
 
 
-def local_steps(state, x, grad, hp, normalise: bool) -> Commit | None:
-    """One local SGD step; the commit (x − s, or (x − s)/λ) at the end of each window of λ steps."""
+def commit_every(hp) -> int:
+    return hp.window
+
+
+def sgd_step(state, grad, hp) -> torch.Tensor:
+    """This step's move of the local copy: −η∇L, or the local momentum's m ← μ'm − η∇L."""
     if "m" in state:
-        m = state["m"].mul_(hp.local_momentum).add_(grad, alpha=-hp.lr)
-    else:  # plain SGD: the step lives only until it is added to x, or committed and applied
-        m = torch.mul(grad, -hp.lr, out=scratch(grad, "step"))
-    state["local_steps"] += 1
+        return state["m"].mul_(hp.local_momentum).add_(grad, alpha=-hp.lr)
+    # plain SGD: the step lives only until it is added to x, or committed and applied
+    return torch.mul(grad, -hp.lr, out=scratch(grad, "step"))
+
+
+def local_step(state, x, grad, hp, k: int) -> None:
+    m = sgd_step(state, grad, hp)
+    if k == 1:
+        state["acc"].copy_(m)  # the first step of a window (the last commit has been applied by now)
+    else:
+        state["acc"].add_(m)
+    x.add_(m)
+
+
+def window_commit(state, grad, hp, normalise: bool) -> Commit:
+    """The last step of a window: the commit x − s (or (x − s)/λ, AGN)."""
+    m = sgd_step(state, grad, hp)
     if hp.window == 1:
         return Commit(delta=m)  # x − s after one step; the server only reads it
-    acc = state["acc"]
-    k = state["local_steps"] % hp.window
-    if k == 1:
-        acc.copy_(m)  # first step of a window (the last commit has been applied by now)
-    else:
-        acc.add_(m)
-    if k != 0:
-        x.add_(m)
-        return None
+    acc = state["acc"].add_(m)
     if normalise:
         acc.div_(hp.window)
-    # x itself needs no last step: the engine overwrites it with θ when it pulls after this commit
+    # x itself needs no last step: the worker overwrites it with θ when it pulls after this commit
     return Commit(delta=acc)
 
 
-def worker_rule(state, x, grad, theta, hp: Params, server=None) -> Commit | None:
-    return local_steps(state, x, grad, hp, normalise=False)
+def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
+    return window_commit(state, grad, hp, normalise=False)
 
 
-def server_rule(theta: torch.Tensor, commit: Commit, staleness: int, hp: Params, server=None) -> None:
-    theta.add_(commit.delta)
+def server_rule(view: View, commit: Commit, hp: Params) -> None:
+    view.theta.add_(commit.delta)
+
+
+ALGORITHM = Algorithm("downpour", Params, init_state, worker_rule, server_rule, commit_every=commit_every,
+                      local_step=local_step)

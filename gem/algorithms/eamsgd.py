@@ -17,31 +17,34 @@ x ← x + (1 + δ)v. The elastic difference uses x̂ = x − δv, and E moves x�
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from gem.algorithms import Commit, easgd, scratch
+from gem.algorithms import Commit, View, easgd, scratch
 
 Params = easgd.Params
 
 
-def init_state(theta: torch.Tensor, hp, layout=()) -> dict:
-    return {"v": torch.zeros_like(theta), "local_steps": 0}
+def init_state(theta: torch.Tensor, hp) -> dict:
+    return {"v": torch.zeros_like(theta)}
 
 
-def worker_rule(state, x, grad, theta, hp: Params, server=None) -> Commit | None:
+def local_step(state, x, grad, hp: Params, k: int = 0) -> None:
     v, delta = state["v"], hp.momentum
     x.add_(v, alpha=-delta)  # x̂, where the previous look-ahead started
     v.mul_(delta).add_(grad, alpha=-hp.lr)  # grad was taken at the look-ahead point x̂ + δv
     x.add_(v, alpha=1 + delta)  # x̂ + v, plus the next look-ahead δv
-    state["local_steps"] += 1
-    if state["local_steps"] % hp.window:
-        return None
+
+
+def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
+    local_step(state, x, grad, hp)
     e = scratch(x, "elastic")
-    torch.sub(x, theta, out=e).sub_(v, alpha=delta)  # x̂ − θ
+    torch.sub(x, view.theta, out=e).sub_(state["v"], alpha=hp.momentum)  # x̂ − θ
     e.mul_(easgd.moving_rate(hp))
     x.sub_(e)  # before the next gradient, as in Algorithm 2
     return Commit(delta=e, pull=False)
 
 
-def server_rule(theta: torch.Tensor, commit: Commit, staleness: int, hp: Params, server=None) -> None:
-    theta.add_(commit.delta)
+ALGORITHM = replace(easgd.ALGORITHM, name="eamsgd", init_state=init_state, local_step=local_step,
+                    worker_rule=worker_rule)

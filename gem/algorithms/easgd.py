@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Commit, positive, require, scratch
+from gem.algorithms import Algorithm, Commit, View, positive, require, scratch
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,12 @@ def moving_rate(hp) -> float:
     return hp.beta / max(hp.workers, 1)
 
 
-def init_state(theta: torch.Tensor, hp, layout=()) -> dict:
-    return {"local_steps": 0}
+def init_state(theta: torch.Tensor, hp) -> dict:
+    return {}
+
+
+def commit_every(hp) -> int:
+    return hp.window
 
 
 def elastic(x: torch.Tensor, theta: torch.Tensor, hp) -> torch.Tensor:
@@ -67,16 +71,20 @@ def elastic(x: torch.Tensor, theta: torch.Tensor, hp) -> torch.Tensor:
     return e.mul_(moving_rate(hp))
 
 
-def worker_rule(state, x, grad, theta, hp: Params, server=None) -> Commit | None:
-    state["local_steps"] += 1
-    commit = None
-    if state["local_steps"] % hp.window == 0:
-        e = elastic(x, theta, hp)
-        x.sub_(e)
-        commit = Commit(delta=e, pull=False)
+def local_step(state, x, grad, hp: Params, k: int) -> None:
     x.add_(grad, alpha=-hp.lr)
-    return commit
 
 
-def server_rule(theta: torch.Tensor, commit: Commit, staleness: int, hp: Params, server=None) -> None:
-    theta.add_(commit.delta)
+def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
+    e = elastic(x, view.theta, hp)
+    x.sub_(e)
+    x.add_(grad, alpha=-hp.lr)
+    return Commit(delta=e, pull=False)
+
+
+def server_rule(view: View, commit: Commit, hp: Params) -> None:
+    view.theta.add_(commit.delta)
+
+
+ALGORITHM = Algorithm("easgd", Params, init_state, worker_rule, server_rule, commit_every=commit_every,
+                      local_step=local_step)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gem.algorithms import Commit, positive, require, scratch
+from gem.algorithms import Algorithm, Commit, View, positive, require, scratch
 
 PROXIES = ("local", "global")
 
@@ -49,45 +49,53 @@ class Params:
         require(self.proxy in PROXIES, "proxy", self.proxy, f"one of: {', '.join(PROXIES)}")
 
 
-def init_state(theta: torch.Tensor, hp: Params, layout=()) -> dict:
+def init_state(theta: torch.Tensor, hp: Params) -> dict:
     return {"m": torch.zeros_like(theta),  # the worker's proxy momentum
-            "stale": theta.clone(),  # s: θ just before this worker's previous commit (at start: θ₀)
-            "layout": list(layout)}
+            "stale": theta.clone()}  # s: θ just before this worker's previous commit (at start: θ₀)
 
 
-def init_server(theta: torch.Tensor, hp: Params) -> dict:
+def init_server(theta: torch.Tensor, hp: Params, workers: int) -> dict:
     if hp.proxy != "global":
         return {}
     return {"proxy": torch.zeros_like(theta), "proxy_commits": torch.zeros((), dtype=torch.long)}
 
 
-def worker_rule(state, x, grad, theta, hp: Params, server=None) -> Commit:
-    m, stale = state["m"], state["stale"]
+def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
+    """Only what the commit needs happens here, under the server's turn; the statistics wait for
+    `diagnostics`, which the worker runs once it has handed the turn on."""
+    m, stale, theta = state["m"], state["stale"], view.theta
     update = torch.mul(grad, -hp.lr, out=scratch(grad, "update"))  # Δθ
     m.mul_(hp.momentum).add_(update)
     central = torch.sub(theta, stale, out=scratch(theta, "central"))  # θ − s
     stale.copy_(theta)  # the next commit's s: θ as it is now, before this commit lands
-    proxy = server["proxy"] if hp.proxy == "global" else m
+    proxy = view.server["proxy"] if hp.proxy == "global" else m
     pi = torch.abs(proxy, out=scratch(m, "pi")).mul_(hp.kappa)
     tmp = torch.abs(central, out=scratch(m, "tmp"))
     pi.sub_(tmp)
     torch.abs(update, out=tmp).add_(hp.eps)
     pi.div_(tmp).clamp_(0.0, hp.pi_max)
     delta = update.mul_(pi)  # πΔθ, the commit
-    central.add_(delta)  # θ − s + πΔθ: the central variable's movement over this worker's cycle
-    metrics, tensors = pi_stats(pi, state["layout"], hp.pi_max)
-    metrics["proxy_energy"] = 0.5 * hp.kappa**2 * float(proxy.dot(proxy))
-    metrics["central_energy"] = 0.5 * float(central.dot(central))
+    # the global proxy moves with every commit: its energy is read now, while it is the one π used
+    metrics = {"proxy_energy": 0.5 * hp.kappa**2 * float(proxy.dot(proxy))}
     payload = {"m": m} if hp.proxy == "global" else {}
-    return Commit(delta=delta, metrics=metrics, tensors=tensors, payload=payload)
+    return Commit(delta=delta, payload=payload, metrics=metrics, aux={"pi": pi, "central": central})
 
 
-def server_rule(theta: torch.Tensor, commit: Commit, staleness: int, hp: Params, server=None) -> None:
-    theta.add_(commit.delta)
+def server_rule(view: View, commit: Commit, hp: Params) -> None:
+    view.theta.add_(commit.delta)
     if hp.proxy == "global":
+        server = view.server
         server["proxy_commits"] += 1
         k = min(int(server["proxy_commits"]), max(hp.workers, 1))
         server["proxy"].mul_(1 - 1 / k).add_(commit.payload["m"], alpha=1 / k)
+
+
+def diagnostics(commit: Commit, layout, hp: Params) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """π's median, mean and clamped fractions, over all elements and per tensor, and the central energy."""
+    central = commit.aux["central"].add_(commit.delta)  # θ − s + πΔθ: the central variable's move over the cycle
+    metrics, tensors = pi_stats(commit.aux["pi"], layout, hp.pi_max)
+    metrics["central_energy"] = 0.5 * float(central.dot(central))
+    return metrics, tensors
 
 
 def _clamped_median(a, zero, top, inner, pi_max: float) -> float:
@@ -141,3 +149,7 @@ def _pi_stats_torch(pi, layout, pi_max):
     tensors = {"pi_median": values[4:4 + k], "pi_mean": values[4 + k:4 + 2 * k],
                "pi_zero_frac": values[4 + 2 * k:]}
     return metrics, tensors
+
+
+ALGORITHM = Algorithm("gem", Params, init_state, worker_rule, server_rule, init_server=init_server,
+                      diagnostics=diagnostics)

@@ -10,9 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Commit
-
-SEQUENTIAL = True  # the proxy: always one worker, whatever `workers` says
+from gem.algorithms import Algorithm, Commit, View
 
 
 @dataclass(frozen=True)
@@ -21,15 +19,18 @@ class Params:
     momentum: float = 0.9
 
 
-def init_state(theta: torch.Tensor, hp: Params, layout=()) -> dict:
+def init_state(theta: torch.Tensor, hp: Params) -> dict:
     return {"m": torch.zeros_like(theta)}
 
 
-def worker_rule(state, x, grad, theta, hp: Params, server=None) -> Commit:
+def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     m = state["m"]
     m.mul_(hp.momentum).add_(grad, alpha=-hp.lr)
     return Commit(delta=m)
 
 
-def server_rule(theta: torch.Tensor, commit: Commit, staleness: int, hp: Params, server=None) -> None:
-    theta.add_(commit.delta)
+def server_rule(view: View, commit: Commit, hp: Params) -> None:
+    view.theta.add_(commit.delta)
+
+
+ALGORITHM = Algorithm("sgd", Params, init_state, worker_rule, server_rule, sequential=True)

@@ -10,33 +10,39 @@ torch.distributed.rpc it moves an AlexNet commit 2.5x faster, and it serves firs
 rpc's server lock is not first in, first out). Each rank builds its own `ProcessGroupGloo` on the job's store,
 so nothing global is touched and several runs can follow one another in one process (a sweep).
 
-One commit is one exchange between a worker and the server, the `process` engine's turn over the wire:
+Each worker runs the shared worker cycle (gem.engines.worker); its `_RemoteLink` makes one commit one exchange
+with the server, the `process` engine's turn over the wire:
 
     worker                                   server (rank 0, one exchange at a time)
     ASK [+ its last commit rows]  ─────────▶ takes headers from any source, in arrival order
-                                  ◀───────── GO t, the live θ and the algorithm's server tensors
-    worker_rule(…, θ, server)
-    COMMIT Δ [+ payload]          ─────────▶ τ = t − (t at the worker's pull); server_rule(θ, Δ, τ); t ← t + 1
-    server_rule on its copy of θ: the same θ the server now holds; pull.
+                                  ◀───────── GO t, τ, the live θ and the algorithm's server tensors
+    worker_rule(…, view of θ)
+    COMMIT Δ [+ payload]          ─────────▶ server.apply: server_rule(θ, Δ, τ), t ← t + 1
+    server.apply on its replica of θ: the same θ the server now holds; pull.
 
 So a commit costs two model-sized messages, and the algorithms run unchanged: the worker rule sees the live θ
-and the server state, exactly as in the process engine, and staleness is measured under the server's clock.
-An algorithm with a communication window (`hp.window` = λ) commits on every λ-th local step only; the worker
-talks to the server on those steps and runs its other steps alone.
+and the server state, exactly as in the process engine, and staleness is measured on the server's clock. A
+windowed algorithm talks to the server only when it commits. Nothing that crosses the wire is unpickled by rank
+0: headers are int64 tensors, rows and tensor specs JSON, tensors raw. (Workers still unpickle the job rank 0
+sends them.)
 
-The server's exchanges run on a thread of rank 0; its main thread records rows in clock order, evaluates θ and
-watches the workers. A worker lost mid-exchange (its connection closes) or silent for `engine.timeout_s` is
-recorded and the run goes on: its commits whose rows never came are marked (`lost_row`). Every wait has a
-timeout. gloo aborts the whole group when one of its waits times out, so the server never lets one expire
-unless no worker has spoken for `timeout_s`, in which case the run ends. At the end every worker gets an answer
-(BYE or STOP) and exits; workers also exit when the server disappears.
+The server's exchanges run on a thread of rank 0; its main thread (the coordinator, gem.engines.coordinator)
+records rows in clock order, evaluates θ, writes checkpoints and watches the workers. For a checkpoint the server
+stops handing out turns: each worker, when it next asks, is answered SAVE and sends its state (the run directory
+is rank 0's, perhaps on another machine), then waits; once every live worker has sent its state the coordinator
+writes the checkpoint and the server serves the waiting workers in the order they asked. A worker lost
+mid-exchange (its connection closes) or silent for `engine.timeout_s` is recorded and the run goes on: its
+commits whose rows never came are marked (`lost_row`). Every wait has a timeout. gloo aborts the whole group
+when one of its waits times out, so the server never lets one expire unless no worker has spoken for
+`timeout_s`, in which case the run ends. At the end every worker gets an answer (BYE or STOP) and exits;
+workers also exit when the server disappears.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import math
+import json
 import os
 import pickle
 import queue
@@ -52,24 +58,34 @@ import torch.multiprocessing as tmp
 
 from gem import algorithms
 from gem.algorithms import Commit
-from gem.data import WorkerStream, load_dataset
+from gem.data import load_dataset
 from gem.engines import Job, Result
-from gem.engines.core import Evaluator, Ledger, build_flat_model, conclude, finite, worker_steps
-from gem.engines.process import threads_per_process
+from gem.engines import checkpoint as ckpt
+from gem.engines.coordinator import POLL_S, Coordinator
+from gem.engines.core import Evaluator, build_flat_model
+from gem.engines.server import Server
+from gem.engines.worker import Diverged, Worker, setup_process, threads_per_process
 
 START_TIMEOUT_S = 300.0  # a rank imports torch, loads the data and builds its model before it connects
 BYE_TIMEOUT_S = 30.0  # a worker waits this long for the server's last answer
-POLL_S = 0.5  # how often the server's main thread looks at the workers
 ROWS_PER_MESSAGE, ROWS_SECONDS = 16, 0.25  # a worker sends its commit rows in batches (as in the process engine)
 
 TAG_ASK, TAG_X, TAG_JOB = 1, 2, 3  # worker→server headers (any source); one exchange's messages; the job
 # header kinds, worker → server on TAG_ASK
-ASK, READY, FINISHED, DIVERGED, ERROR = range(5)
-# server → worker, first word of the reply to an ASK or FINISHED
-GO, STOP, BYE = range(3)
-# worker → server, after GO
-COMMIT, NONE = range(2)
-HEADER = 4  # int64 words: [kind, rows_nbytes, rows_count, extra_nbytes]
+ASK, READY, FINISHED, DIVERGED, ERROR, SAVED = range(6)
+# server → worker, first word of the reply to an ASK or FINISHED: [kind, t, τ]
+GO, STOP, BYE, SAVE = range(4)
+HEADER = 4  # int64 words: [kind, rows_nbytes, extra_nbytes, 0]
+# the dtypes a state or payload may have on the wire
+DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                               torch.uint8, torch.bool)}
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+# ------------------------------------------------------------------------------------- the group
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -143,6 +159,90 @@ def _closed(e: Exception) -> bool:
     return "Connection closed" in text or "Connection reset" in text or "Broken pipe" in text
 
 
+
+
+# ------------------------------------------------------------------------------------ tensors on the wire
+
+
+def _pack(d: dict, prefix: str = "") -> tuple[dict, list[torch.Tensor]]:
+    """A nested dict of tensors and numbers as (JSON-able spec, tensors): nothing needs unpickling."""
+    spec: dict = {"numbers": {}, "tensors": []}
+    tensors: list[torch.Tensor] = []
+    for k, v in d.items():
+        path = f"{prefix}{k}"
+        if isinstance(v, dict):
+            sub, ts = _pack(v, path + "/")
+            spec["numbers"].update(sub["numbers"])
+            spec["tensors"] += sub["tensors"]
+            tensors += ts
+        elif isinstance(v, torch.Tensor):
+            spec["tensors"].append([path, str(v.dtype), list(v.shape)])
+            tensors.append(v.detach().cpu().contiguous())
+        else:
+            spec["numbers"][path] = v
+    return spec, tensors
+
+
+def _unpack(spec: dict, tensors: list[torch.Tensor]) -> dict:
+    out: dict = {}
+
+    def put(path: str, value) -> None:
+        *parents, leaf = path.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+
+    for path, value in spec["numbers"].items():
+        put(path, value)
+    for (path, _, _), t in zip(spec["tensors"], tensors, strict=True):
+        put(path, t)
+    return out
+
+
+def _empty(spec: dict) -> list[torch.Tensor]:
+    """Buffers for the tensors a spec announces, of allowed dtypes only."""
+    out = []
+    for path, dtype, shape in spec["tensors"]:
+        if dtype not in DTYPES or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise ValueError(f"bad tensor {path!r} on the wire: dtype {dtype}, shape {shape}")
+        out.append(torch.empty(shape, dtype=DTYPES[dtype]))
+    return out
+
+
+def _send_packed(pg, d: dict | None, dst: int, tag: int, timeout_s: float) -> None:
+    """A nested dict of tensors and numbers, or None (a header of zero)."""
+    spec, tensors = _pack(d or {})
+    data = json.dumps(spec).encode() if d else b""
+    _wait(pg.send([torch.tensor([len(data), 0, 0, 0], dtype=torch.long)], dst, tag), timeout_s)
+    if not data:
+        return
+    _send_bytes(pg, data, dst, tag, timeout_s)
+    works = [pg.send([t], dst, tag) for t in tensors]
+    for w in works:
+        _wait(w, timeout_s)
+
+
+def _recv_spec_and_tensors(pg, spec_bytes: bytes, src: int, tag: int, timeout_s: float) -> dict:
+    spec = json.loads(spec_bytes)
+    tensors = _empty(spec)
+    for t in tensors:
+        _wait(pg.recv([t], src, tag), timeout_s)
+    return _unpack(spec, tensors)
+
+
+def _recv_packed(pg, src: int, tag: int, timeout_s: float) -> dict | None:
+    header = torch.zeros(HEADER, dtype=torch.long)
+    _wait(pg.recv([header], src, tag), timeout_s)
+    if not int(header[0]):
+        return None
+    return _recv_spec_and_tensors(pg, _recv_bytes(pg, int(header[0]), src, tag, timeout_s), src, tag, timeout_s)
+
+
+def _rows_json(rows: list) -> bytes:
+    return json.dumps([[row, tensors] for row, tensors in rows]).encode()
+
+
 # ------------------------------------------------------------------------------------------ worker
 
 
@@ -150,26 +250,29 @@ def worker_main(timeout_s: float = START_TIMEOUT_S) -> int:
     """A rank > 0 started by torchrun or SLURM: join the group, take the job from rank 0, work, exit."""
     threads = threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     _store, pg, rank, _world = _launched_group(timeout_s)
-    return _work(pg, rank, threads)
+    return _work(pg, rank, threads, ignore_sigint=False)
 
 
 def _spawned(rank: int, world: int, host: str, port: int, timeout_s: float, threads: int) -> None:
     """A worker of a local launch (`python run.py engine=distributed`)."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 stops us
     store = dist.TCPStore(host, port, world, False, timeout=_td(timeout_s))
     pg = _group(store, rank, world, host, timeout_s)
     _work(pg, rank, threads)
 
 
-def _work(pg, rank: int, threads: int) -> int:
-    torch.set_num_threads(threads)
+def _work(pg, rank: int, threads: int, ignore_sigint: bool = True) -> int:
+    setup_process(threads, ignore_sigint)
     header = torch.zeros(HEADER, dtype=torch.long)
-    _wait(pg.recv([header], 0, TAG_JOB), START_TIMEOUT_S)
-    job: Job = pickle.loads(_recv_bytes(pg, int(header[0]), 0, TAG_JOB, START_TIMEOUT_S))
     try:
-        _Worker(pg, rank, job).run()
+        _wait(pg.recv([header], 0, TAG_JOB), START_TIMEOUT_S)
+        # the job comes from rank 0, which started this run: the one message a worker unpickles
+        job: Job = pickle.loads(_recv_bytes(pg, int(header[0]), 0, TAG_JOB, START_TIMEOUT_S))
+        saved = _recv_packed(pg, 0, TAG_JOB, START_TIMEOUT_S)  # this worker's state, when the run resumes
+    except RuntimeError:
+        return 1
+    link = _RemoteLink(pg, rank, job)
+    try:
+        link.run(saved)
     except _ServerGone:
         return 1
     return 0
@@ -179,21 +282,33 @@ class _ServerGone(Exception):
     pass
 
 
-class _Worker:
+class _Stopped(Exception):
+    """The server answered STOP: the run is ending."""
+
+
+class _RemoteLink:
+    """A worker rank's way to the server: ASK, GO with θ, COMMIT, all over gloo; a replica of the server's state
+    that the worker brings up to date by replaying the server step."""
+
     def __init__(self, pg, rank: int, job: Job):
         self.pg, self.rank, self.job = pg, rank, job
         self.w = rank - 1  # the worker's index in metrics.parquet, as in the other engines
         self.timeout = float(job.engine["timeout_s"])
-        self.rows: list = []
+        self.t0_wall = float(job.engine["t0_wall"])
+        self.buffer: list = []
         self.sent_at = time.monotonic()
+        self.reply = torch.zeros(3, dtype=torch.long)
+        self.extra: dict = {}
+        self.worker: Worker | None = None
+        self.server: Server | None = None
 
     # --- messages to the server; any failure means it is gone
-    def _header(self, kind: int, extra: bytes = b"") -> None:
+    def header(self, kind: int, extra: bytes = b"") -> None:
         """A header to the server, with the commit rows not yet sent: always with the last word, else in
         batches, so that most ASKs are one small message."""
-        batch = kind != ASK or len(self.rows) >= ROWS_PER_MESSAGE or time.monotonic() - self.sent_at > ROWS_SECONDS
-        rows = pickle.dumps(self.rows) if batch and self.rows else b""
-        h = torch.tensor([kind, len(rows), len(self.rows) if rows else 0, len(extra)], dtype=torch.long)
+        batch = kind != ASK or len(self.buffer) >= ROWS_PER_MESSAGE or time.monotonic() - self.sent_at > ROWS_SECONDS
+        rows = _rows_json(self.buffer) if batch and self.buffer else b""
+        h = torch.tensor([kind, len(rows), len(extra), 0], dtype=torch.long)
         try:
             _wait(self.pg.send([h], 0, TAG_ASK), self.timeout)
             if rows:
@@ -203,7 +318,7 @@ class _Worker:
         except RuntimeError as e:
             raise _ServerGone() from e
         if rows:
-            self.rows, self.sent_at = [], time.monotonic()
+            self.buffer, self.sent_at = [], time.monotonic()
 
     def _recv(self, tensors: list[torch.Tensor], timeout: float) -> None:
         try:
@@ -220,81 +335,72 @@ class _Worker:
         except RuntimeError as e:
             raise _ServerGone() from e
 
-    def run(self) -> None:
+    # --- the Link of the worker cycle
+    def acquire(self, w: int):
+        self.header(ASK)
+        while True:
+            self._recv([self.reply], self.timeout)
+            kind, t, staleness = (int(v) for v in self.reply)
+            if kind == STOP:
+                raise _Stopped()
+            if kind != SAVE:
+                break
+            # the server is taking a checkpoint: our state as of before the gradient in hand, then wait our turn
+            spec, tensors = _pack(self.worker.state_dict(in_hand=True))
+            self.header(SAVED, json.dumps(spec).encode())
+            self._send(tensors)
+        server = self.server
+        self._recv([server.theta, *server.state.values()], self.timeout)
+        server.clock.fill_(t)
+        server.pulled_at[w] = t - staleness
+        return server.view(w)
+
+    def submit(self, view, commit: Commit) -> None:
+        spec = json.dumps(_pack(commit.payload)[0]).encode() if commit.payload else b""
+        tensors = [torch.tensor([len(spec), 0], dtype=torch.long), commit.delta.contiguous()]
+        if spec:
+            tensors += [torch.frombuffer(bytearray(spec), dtype=torch.uint8),
+                        *(v.contiguous() for v in commit.payload.values())]
+        self._send(tensors)
+
+    def release(self) -> None:
+        pass
+
+    def now(self) -> float:
+        return time.time() - self.t0_wall
+
+    def rows(self, row: dict, tensors) -> None:
+        self.buffer.append((row, tensors))
+
+    def run(self, saved: dict | None) -> None:
         try:
-            self._run()
+            job = self.job
+            data = job.data if job.data_source is None else load_dataset(**job.data_source)
+            job = self.job = dataclasses.replace(job, data=data)
+            if len(data.train_y) != job.engine["train_examples"]:
+                raise ValueError(f"this rank loaded {len(data.train_y)} training examples of data={data.name}, rank "
+                                 f"0 has {job.engine['train_examples']}: every node needs the same data.root")
+            algo = algorithms.get(job.algorithm)
+            worker = self.worker = Worker(self.w, job, algo)  # its model: θ₀ from the seed, as on every rank
+            self.server = Server.create(algo, job.hp, worker.x.clone(), job.workers)
+            if saved is not None:
+                worker.load_state_dict(saved)
+            self.header(READY)
+            while worker.cycle(self):
+                pass
+        except Diverged as e:
+            self.header(DIVERGED, str(e).encode())
+            return
+        except _Stopped:
+            return
         except _ServerGone:
             raise
         except Exception as e:  # tell the server why, then stop
-            self._header(ERROR, f"{type(e).__name__}: {e}\n{traceback.format_exc()}".encode())
-
-    def _run(self) -> None:
-        job, w = self.job, self.w
-        algo = algorithms.get(job.algorithm)
-        hp = job.hp
-        data = job.data if job.data_source is None else load_dataset(**job.data_source)
-        job = dataclasses.replace(job, data=data)
-        if len(data.train_y) != job.engine["train_examples"]:
-            raise ValueError(f"this rank loaded {len(data.train_y)} training examples of data={data.name}, rank 0 "
-                             f"has {job.engine['train_examples']}: every node needs the same data.root")
-        model = build_flat_model(job)  # the same seed everywhere: every rank starts from the same θ
-        torch.manual_seed(job.seed * 1_000_003 + 7919 * (w + 1))  # this worker's dropout draws
-        x = model.param
-        theta = x.clone()  # this worker's copy of the live θ, as the server last sent it
-        server = algorithms.init_server(algo, theta, hp)
-        state = algo.init_state(theta, hp, list(zip(model.tensor_names, model.slices, strict=True)))
-        stream = WorkerStream(len(data.train_y), job.batch_size, job.seed, w)
-        window = int(getattr(hp, "window", 1))
-        t0 = float(job.engine["t0_wall"])
-        go = torch.zeros(2, dtype=torch.long)
-        pulled_at, loss_sum, local = 0, 0.0, 0
-        self._header(READY)
-        for step in range(1, worker_steps(job) + 1):
-            xb, yb = data.batch(stream.next_indices(), stream.generator)
-            loss = model.loss_and_grad(xb, yb)
-            loss_sum += loss
-            local += 1
-            if not math.isfinite(loss):
-                self._header(DIVERGED, f"non-finite loss {loss} at worker {w}, worker step {step}".encode())
-                return
-            if step % window:  # a local step: the worker rule does not read θ between its commits
-                if algo.worker_rule(state, x, model.grad, theta, hp, server) is not None:
-                    raise RuntimeError(f"algorithm={job.algorithm} committed at local step {step}, off its window "
-                                       f"of {window}: the distributed engine talks to the server every window")
-                continue
-            asked = time.monotonic()
-            self._header(ASK)
-            self._recv([go], self.timeout)
-            if int(go[0]) == STOP:
-                return
-            self._recv([theta, *server.values()], self.timeout)
-            # stamped when the turn came: the server hands turns out one after another, so times follow the clock
-            stamp, waited = time.time() - t0, time.monotonic() - asked
-            t = int(go[1])
-            commit = algo.worker_rule(state, x, model.grad, theta, hp, server)
-            if commit is None:
-                self._send([torch.tensor([NONE, 0], dtype=torch.long)])
-                continue
-            spec = pickle.dumps([(k, v.shape, v.dtype) for k, v in commit.payload.items()]) if commit.payload else b""
-            tensors = [torch.tensor([COMMIT, len(spec)], dtype=torch.long), commit.delta.contiguous()]
-            if spec:
-                tensors += [torch.frombuffer(bytearray(spec), dtype=torch.uint8),
-                            *(v.contiguous() for v in commit.payload.values())]
-            self._send(tensors)
-            staleness = t - pulled_at
-            # the server applies this commit to the θ it just sent: doing the same here gives the θ it now holds
-            algo.server_rule(theta, commit, staleness, hp, server)
-            t += 1
-            if commit.pull:
-                x.copy_(theta)
-            pulled_at = t
-            self.rows.append(({"step": t, "worker": w, "worker_step": step, "staleness": staleness,
-                               "loss": loss_sum / local, "time_s": stamp, "wait_s": waited,
-                               **commit.metrics}, commit.tensors or None))
-            loss_sum, local = 0.0, 0
-        self._header(FINISHED)
+            self.header(ERROR, f"{type(e).__name__}: {e}\n{traceback.format_exc()}".encode())
+            return
+        self.header(FINISHED)
         try:  # the server's last word: it has everything; then nobody waits for anybody
-            self._recv([go], BYE_TIMEOUT_S)
+            self._recv([self.reply], BYE_TIMEOUT_S)
         except _ServerGone:
             pass
 
@@ -304,24 +410,24 @@ class _Worker:
 
 class _Server(threading.Thread):
     """Rank 0's exchanges with the workers, one at a time, in the order their headers arrive. Talks to the
-    coordinator (the main thread) through `events`; `lock` guards θ, the clock and the bookkeeping."""
+    coordinator (the main thread) through `events`; `lock` guards the server's state and the bookkeeping."""
 
-    def __init__(self, pg, job: Job, algo, theta, server, workers: list[int], events: queue.Queue):
+    def __init__(self, pg, job: Job, server: Server, workers: list[int], events: queue.Queue):
         super().__init__(name="gem-parameter-server", daemon=True)
-        self.pg, self.job, self.algo, self.hp = pg, job, algo, job.hp
-        self.theta, self.server, self.events = theta, server, events
+        self.pg, self.job, self.server, self.events = pg, job, server, events
         self.timeout = float(job.engine["timeout_s"])
         self.lock = threading.Lock()
-        self.t = 0
         self.ranks = workers  # ranks 1..n
-        self.pulled_at = dict.fromkeys(workers, 0)
         self.pending: dict[int, deque] = {r: deque() for r in workers}  # commits whose rows have not come
         self.heard = dict.fromkeys(workers, time.monotonic())
         self.ready: set[int] = set()
         self.done: set[int] = set()  # finished, stopped, or lost: the server expects nothing more
         self.lost: set[int] = set()
         self.stopping = ""  # once set, every ASK is answered STOP
-        self.delta = torch.empty_like(theta)
+        self.early: deque = deque()  # ASKs that came before every worker was ready: all start from one θ
+        self.saving: dict | None = None  # a checkpoint being taken: {"folder", "saved": set, "held": deque}
+        self.written = threading.Event()
+        self.delta = torch.empty_like(server.theta)
         self.started = time.monotonic()
         self.busy_s, self.served = 0.0, 0  # seconds spent in exchanges that ended in a commit, and how many
 
@@ -338,6 +444,16 @@ class _Server(threading.Thread):
     def open(self) -> bool:
         return len(self.done) < len(self.ranks)
 
+    def request_save(self, run_dir) -> bool:
+        """(coordinator) Stop handing out turns and collect every live worker's state; False while a checkpoint
+        is still being taken."""
+        with self.lock:
+            if self.saving is not None or self.stopping:
+                return False
+            self.written.clear()
+            self.saving = {"folder": ckpt.pending(run_dir), "saved": set(), "held": deque()}
+            return True
+
     def run(self) -> None:
         try:
             self.serve()
@@ -348,15 +464,22 @@ class _Server(threading.Thread):
 
     def serve(self) -> None:
         header = torch.zeros(HEADER, dtype=torch.long)
-        self.early: deque = deque()  # ASKs that came before every worker was ready: all start from θ at t = 0
         while self.open():
             if self.early and (len(self.ready | self.done) == len(self.ranks)
                                or time.monotonic() - self.started > START_TIMEOUT_S):
                 self.exchange(self.early.popleft())
                 continue
+            if self.saving is not None and self.saving["saved"] >= set(self.ranks) - self.done:
+                # the clock now, not when the save was asked for: an exchange in flight then has committed since
+                self.events.put(("saved", self.saving["folder"], self.server.t))
+                self.written.wait(self.timeout)  # the coordinator writes the checkpoint; θ stays as saved
+                held, self.saving = self.saving["held"], None
+                for src in held:
+                    self.exchange(src)
+                continue
             src = self.next_header(header)
             if src is not None:
-                self.take(src, *(int(v) for v in header))
+                self.take(src, *(int(v) for v in header[:3]))
 
     def next_header(self, header: torch.Tensor) -> int | None:
         """The next worker's header, first come, first served: gloo keeps the notices of pending sends to a
@@ -371,33 +494,40 @@ class _Server(threading.Thread):
             raise RuntimeError(f"no worker sent anything for {self.timeout:.0f} s (engine.timeout_s)") from None
         return work._source_rank()
 
-    def take(self, src: int, kind: int, rows_nbytes: int, rows_count: int, extra_nbytes: int) -> None:
+    def take(self, src: int, kind: int, rows_nbytes: int, extra_nbytes: int) -> None:
         """Act on a header from `src`, with the rows and message that follow it."""
         self.heard[src] = time.monotonic()
         try:
-            rows = _recv_bytes(self.pg, rows_nbytes, src, TAG_X, self.timeout) if rows_nbytes else b""
+            rows = json.loads(_recv_bytes(self.pg, rows_nbytes, src, TAG_X, self.timeout)) if rows_nbytes else []
             extra = _recv_bytes(self.pg, extra_nbytes, src, TAG_X, self.timeout) if extra_nbytes else b""
+            state = _recv_spec_and_tensors(self.pg, extra, src, TAG_X, self.timeout) if kind == SAVED else None
         except RuntimeError as e:
             self.gone(src, e)
             return
         with self.lock:
             lost = src in self.lost
             if not lost:
-                for _ in range(rows_count):
+                for _ in rows:
                     self.pending[src].popleft()
         if lost:  # given up for lost (silent too long) and back: its commits are marked already; it stops
             if kind == ASK:
                 self.reply(src, STOP)
             return
         if rows:
-            self.events.put(("rows", src, rows))
+            self.events.put(("rows", rows))
         if kind == READY:
             self.ready.add(src)
         elif kind == ASK:
-            if len(self.ready | self.done) < len(self.ranks):
+            if self.saving is not None and src not in self.saving["saved"]:
+                self.reply(src, SAVE)  # it answers with SAVED, then waits for its turn
+            elif len(self.ready | self.done) < len(self.ranks):
                 self.early.append(src)
             else:
                 self.exchange(src)
+        elif kind == SAVED:
+            ckpt.save_atomic(state, ckpt.worker_file(self.saving["folder"], src - 1))
+            self.saving["saved"].add(src)
+            self.saving["held"].append(src)
         elif kind == FINISHED:
             with self.lock:
                 self.done.add(src)
@@ -412,9 +542,9 @@ class _Server(threading.Thread):
             else:
                 self.events.put(("error", src, extra.decode()))
 
-    def reply(self, src: int, kind: int) -> bool:
+    def reply(self, src: int, kind: int, t: int = 0, staleness: int = 0) -> bool:
         try:
-            _wait(self.pg.send([torch.tensor([kind, self.t], dtype=torch.long)], src, TAG_X), self.timeout)
+            _wait(self.pg.send([torch.tensor([kind, t, staleness], dtype=torch.long)], src, TAG_X), self.timeout)
             return True
         except RuntimeError as e:
             self.gone(src, e)
@@ -433,32 +563,29 @@ class _Server(threading.Thread):
             self.reply(src, STOP)
             return
         began = time.perf_counter()
+        server = self.server
+        view = server.view(src - 1)
         header = torch.zeros(2, dtype=torch.long)
-        try:  # GO with the clock, the live θ and the server's tensors, all in flight at once
-            go = torch.tensor([GO, self.t], dtype=torch.long)
-            sends = [self.pg.send([v], src, TAG_X) for v in (go, self.theta, *self.server.values())]
+        try:  # GO with the clock and τ, the live θ and the server's tensors, all in flight at once
+            go = torch.tensor([GO, view.t, view.staleness], dtype=torch.long)
+            sends = [self.pg.send([v], src, TAG_X) for v in (go, server.theta, *server.state.values())]
             for s in sends:
                 _wait(s, self.timeout)
             _wait(self.pg.recv([header], src, TAG_X), self.timeout)
-            if int(header[0]) == NONE:
-                return
             _wait(self.pg.recv([self.delta], src, TAG_X), self.timeout)
             payload = {}
-            if int(header[1]):
-                spec = pickle.loads(_recv_bytes(self.pg, int(header[1]), src, TAG_X, self.timeout))
-                for name, shape, dtype in spec:
-                    payload[name] = torch.empty(shape, dtype=dtype)
-                    _wait(self.pg.recv([payload[name]], src, TAG_X), self.timeout)
-        except RuntimeError as e:
-            self.gone(src, e)
+            if int(header[0]):
+                spec = json.loads(_recv_bytes(self.pg, int(header[0]), src, TAG_X, self.timeout))
+                buffers = _empty(spec)
+                for b in buffers:
+                    _wait(self.pg.recv([b], src, TAG_X), self.timeout)
+                payload = _unpack(spec, buffers)
+        except (RuntimeError, ValueError) as e:
+            self.gone(src, e if isinstance(e, RuntimeError) else RuntimeError("Connection closed: " + str(e)))
             return
-        commit = Commit(delta=self.delta, payload=payload)
         with self.lock:
-            staleness = self.t - self.pulled_at[src]
-            self.algo.server_rule(self.theta, commit, staleness, self.hp, self.server)
-            self.t += 1
-            self.pulled_at[src] = self.t
-            self.pending[src].append(self.t)
+            t = server.apply(view, Commit(delta=self.delta, payload=payload))
+            self.pending[src].append(t)
         self.busy_s += time.perf_counter() - began
         self.served += 1
 
@@ -490,16 +617,21 @@ def run(job: Job, recorder) -> Result:
     timeout_s = float(eng.get("timeout_s", 300.0))
     n = job.workers
     algo = algorithms.get(job.algorithm)
-    model = build_flat_model(job)
-    theta = model.param.clone()
-    server = algorithms.init_server(algo, theta, job.hp)
-    evaluate = Evaluator(job, job.data)
-    t0_wall, t0 = time.time(), time.perf_counter()
-    job = dataclasses.replace(job, engine={**eng, "timeout_s": timeout_s, "t0_wall": t0_wall,
-                                           "train_examples": len(job.data.train_y)})
+    server = Server.create(algo, job.hp, build_flat_model(job).param.clone(), n)
+    resumed = None
+    if job.resume is not None:
+        ckpt.check_resumable(job.resume, job)
+        resumed = ckpt.load_central(job.resume)
+        server.load_state_dict(resumed)
     children: list = []
     listener = None
+    coord = None
     try:
+        coord = _Coordinator(job, recorder, server, Evaluator(job, job.data), resumed)
+        saved = {w: ckpt.load_worker(job.resume, w) for w in coord.pending_workers()} if resumed else {}
+        job = dataclasses.replace(job, engine={**eng, "timeout_s": timeout_s, "t0_wall": coord.t0_wall,
+                                               "train_examples": len(job.data.train_y)})
+        coord.job = job
         if launched():
             world = int(os.environ["WORLD_SIZE"])
             if world != n + 1:
@@ -526,7 +658,9 @@ def run(job: Job, recorder) -> Result:
         for r in range(1, n + 1):
             _wait(pg.send([torch.tensor([len(blob), 0, 0, 0], dtype=torch.long)], r, TAG_JOB), START_TIMEOUT_S)
             _send_bytes(pg, blob, r, TAG_JOB, START_TIMEOUT_S)
-        return _Coordinator(job, recorder, pg, algo, theta, server, evaluate, t0, children).serve()
+            _send_packed(pg, saved.get(r - 1), r, TAG_JOB, START_TIMEOUT_S)
+        coord.attach(pg, children)
+        return coord.serve()
     finally:
         _stop(children)
         if listener is not None:
@@ -574,121 +708,127 @@ def _stop(children: list, grace_s: float = 5.0) -> None:
             p.join(2.0)
 
 
-class _Coordinator:
-    """Rank 0's main thread: rows in clock order, evaluations, the watch over the workers, the end."""
+class _Coordinator(Coordinator):
+    """Rank 0's main thread: the shared bookkeeping, fed by the server thread's events."""
 
-    def __init__(self, job, recorder, pg, algo, theta, server, evaluate, t0, children):
-        self.job, self.recorder, self.evaluate, self.t0 = job, recorder, evaluate, t0
-        self.theta, self.children = theta, children
+    def __init__(self, job, recorder, server, evaluate, resumed):
+        super().__init__(job, recorder, server, evaluate, resumed)
         self.events: queue.Queue = queue.Queue()
-        self.ranks = list(range(1, job.workers + 1))
-        self.ps = _Server(pg, job, algo, theta, server, self.ranks, self.events)
-        self.ledger = Ledger(recorder, evaluate.model.tensor_names)
-        self.finished: list[int] = []
-        self.lost: list[str] = []
-        self.lost_ranks: list[int] = []
-        self.diverged = ""
+        self.children: list = []
+        self.ps: _Server | None = None
         self.fatal = ""
-        self.next_eval = job.eval_every
+        self.server_done = False
+        self.last_watch = 0.0
 
-    def lose(self, rank: int, why: str) -> None:
-        if rank in self.lost_ranks or rank - 1 in self.finished:
+    def pending_workers(self) -> list[int]:
+        return [w for w in range(self.job.workers) if w not in self.finished and w not in self.lost_workers]
+
+    def attach(self, pg, children: list) -> None:
+        ranks = [w + 1 for w in range(self.job.workers)]
+        self.ps = _Server(pg, self.job, self.server, ranks, self.events)
+        self.children = children
+        for w in set(range(self.job.workers)) - set(self.pending_workers()):  # done before the checkpoint
+            self.ps.done.add(w + 1)
+            self.ps.ready.add(w + 1)
+        self.ps.start()
+
+    def lose_rank(self, rank: int, why: str) -> None:
+        if not self.lose(rank - 1, why):
             return
-        steps = self.ps.lose(rank)
-        for s in steps:
+        for s in self.ps.lose(rank):
             self.ledger.lost(s)
-        self.lost_ranks.append(rank)
-        msg = f"worker {rank - 1} lost at commit {self.ps.t} ({why})"
-        self.lost.append(msg)
-        print(f"gem: {msg}; the run goes on with the others", flush=True)
         if self.children:
             p = self.children[rank - 1]
             if p.is_alive():
                 p.kill()
 
-    def handle(self, ev) -> bool:
+    def handle(self, ev) -> None:
         kind = ev[0]
         if kind == "rows":
-            for row, tensors in pickle.loads(ev[2]):
+            for row, tensors in ev[1]:
                 self.ledger.add(row, tensors)
         elif kind == "finished":
-            self.finished.append(ev[1] - 1)
+            self.finish(ev[1] - 1)
         elif kind == "diverged":
-            self.diverged = self.diverged or ev[2]
+            self.diverge(ev[2])
         elif kind == "error":
-            self.lose(ev[1], f"raised {ev[2].splitlines()[0]}")
+            self.lose_rank(ev[1], f"raised {ev[2].splitlines()[0]}")
         elif kind == "lost":
-            self.lose(ev[1], ev[2])
+            self.lose_rank(ev[1], ev[2])
+        elif kind == "saved":  # the server waits with every live worker's state in ev[1], θ as of ev[2]
+            try:
+                self.ledger.record()
+                self.ledger.fill_gaps(ev[2])
+                self.write_checkpoint(ev[1], ev[2])
+            finally:
+                self.ps.written.set()
         elif kind == "fatal":
             self.fatal = ev[1]
         elif kind == "done":
-            return False
-        return True
+            self.server_done = True
+
+    # --- the engine hooks of Coordinator.serve
+
+    def running(self) -> bool:
+        return not self.server_done
+
+    def poll(self, timeout: float) -> None:
+        try:
+            self.handle(self.events.get(timeout=timeout))
+            while True:
+                self.handle(self.events.get_nowait())
+        except queue.Empty:
+            pass
 
     def watch(self) -> None:
         """Notice workers that died (local launch: their process) or went silent (any launch)."""
         now = time.monotonic()
-        for r in self.ranks:
-            if r in self.ps.done:
+        if now - self.last_watch < POLL_S:
+            return
+        self.last_watch = now
+        ps = self.ps
+        for r in ps.ranks:
+            if r in ps.done:
                 continue
             if self.children and self.children[r - 1].exitcode is not None:
-                self.lose(r, f"process died, exit code {self.children[r - 1].exitcode}")
-            elif now - self.ps.heard[r] > self.ps.timeout:
-                self.lose(r, f"silent for {self.ps.timeout:.0f} s (engine.timeout_s)")
+                self.lose_rank(r, f"process died, exit code {self.children[r - 1].exitcode}")
+            elif now - ps.heard[r] > ps.timeout:
+                self.lose_rank(r, f"silent for {ps.timeout:.0f} s (engine.timeout_s)")
+        if not ps.open() and not self.server_done:
+            # every worker finished or lost: the server ends by itself, unless it is waiting for a header from a
+            # worker that died; then stop waiting for it (it gives up at its timeout)
+            ps.join(1.0)
+            self.server_done = not ps.is_alive()
 
-    def snapshot_eval(self) -> None:
+    def sync(self) -> None:
+        pass  # the server knows which commits a lost worker made: they are marked when it is lost
+
+    def snapshot(self):
         with self.ps.lock:
-            step, theta = self.ps.t, self.theta.clone()
-        if not finite(theta):
-            self.diverged = self.diverged or f"non-finite central variable at commit {step}"
-            return
-        self.recorder.eval(self.evaluate(theta, step, self.t0))
+            return self.server.t, self.server.theta.clone()
 
-    def serve(self) -> Result:
-        self.recorder.eval(self.evaluate(self.theta, 0, self.t0))
-        self.ps.start()
-        running, last_watch = True, 0.0
-        while running:
-            try:
-                running = self.handle(self.events.get(timeout=POLL_S))
-                while running:
-                    running = self.handle(self.events.get_nowait())
-            except queue.Empty:
-                pass
-            self.ledger.record()
-            if time.monotonic() - last_watch > POLL_S:
+    def checkpoint(self) -> None:
+        self.ps.request_save(self.job.run_dir)
+
+    def wrap_up(self) -> Result:
+        if self.diverged:  # every worker that asks is told to stop; wait for them to go
+            self.ps.stop(self.diverged)
+            deadline = time.monotonic() + BYE_TIMEOUT_S
+            while not self.server_done and time.monotonic() < deadline:
+                self.poll(POLL_S)
                 self.watch()
-                last_watch = time.monotonic()
-                if running and not self.ps.open():
-                    # every worker finished or lost: the server ends by itself, unless it is waiting for a
-                    # header from a worker that died; then stop waiting for it (it gives up at its timeout)
-                    self.ps.join(1.0)
-                    running = not self.ps.is_alive()
-            if self.ledger.steps >= self.next_eval:
-                self.next_eval = (self.ledger.steps // self.job.eval_every + 1) * self.job.eval_every
-                self.snapshot_eval()
-            if self.diverged:
-                self.ps.stop(self.diverged)
+        self.ps.written.set()  # a checkpoint cut short by the end: the server need not wait for it
         self.ps.join(BYE_TIMEOUT_S)
-        while True:  # what came with the last messages
-            try:
-                self.handle(self.events.get_nowait())
-            except queue.Empty:
-                break
+        self.poll(0)  # what came with the last messages
         with self.ps.lock:
-            final = self.ps.t
+            final = self.server.t
         self.ledger.fill_gaps(final)
-        if self.fatal and not self.diverged:
-            reason = "; ".join([self.fatal, *self.lost])
-            return Result("failed", self.ledger.steps, reason=reason, extra=self._extra())
-        return conclude(self.recorder, self.evaluate, self.theta, self.ledger.steps, self.t0,
-                        diverged=self.diverged, finished=bool(self.finished), lost=self.lost,
-                        extra=self._extra())
-
-    def _extra(self) -> dict:
-        """The summary's engine fields: lost workers, and how loaded the parameter server was (its exchanges
-        take `server_commit_s` each; busy close to 1 means the server, not the workers, sets the pace)."""
         ps, wall = self.ps, time.monotonic() - self.ps.started
-        return {"lost_workers": sorted(r - 1 for r in self.lost_ranks),
-                "server_commit_s": round(ps.busy_s / ps.served, 6) if ps.served else None,
-                "server_busy": round(ps.busy_s / wall, 4) if wall > 0 else None}
+        # how loaded the parameter server was: its exchanges take server_commit_s each; busy close to 1 means
+        # the server, not the workers, set the pace
+        extra = {"server_commit_s": round(ps.busy_s / ps.served, 6) if ps.served else None,
+                 "server_busy": round(ps.busy_s / wall, 4) if wall > 0 else None}
+        if self.fatal and not self.diverged:
+            return Result("failed", self.steps, reason="; ".join([self.fatal, *self.lost]),
+                          extra={"lost_workers": sorted(self.lost_workers), **extra})
+        return self.conclude(extra)

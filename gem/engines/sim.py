@@ -1,45 +1,36 @@
 """The `sim` engine: n virtual asynchronous workers in one process, deterministic for a seed.
 
-Each virtual worker has its own stale copy `x` of the parameters, its own algorithm state and its own data
-stream. The order in which workers reach the parameter server comes from a staleness model: every worker's
-cycle (its local steps up to a commit) takes a simulated duration, and the worker whose cycle ends first
-commits next (an event queue).
+Each virtual worker is the shared worker cycle (gem.engines.worker) with its own stale copy, algorithm state,
+data stream and dropout stream; they share one model to compute gradients with. The order in which workers reach
+the parameter server comes from a staleness model: every worker's cycle (its local steps up to a commit) takes a
+simulated duration, and the worker whose cycle ends first commits next (an event queue).
 
 - `round_robin`: every cycle takes 1, ties broken by worker index, so workers commit 0, 1, …, n−1, 0, …
   and τ = n − 1 exactly once the first n commits are done.
 - `exponential`: cycle durations are Exp(1), as for workers with random compute times.
 - `stragglers`: a fraction `straggler_fraction` of the workers take `straggler_slowdown` times longer.
 
-The server applies a commit and then the worker pulls θ, as one atomic step: staleness τ is the number of
-commits applied between a worker's last pull and its commit. With one worker this is exactly sequential SGD.
+A cycle runs to its end, commit included, before the next starts: the server's turn is simply the next event.
+With one worker this is exactly sequential SGD. A checkpoint holds the event queue and the schedule's random
+state with everything else, so a resumed run continues exactly as the uninterrupted one would have.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-import time
-from dataclasses import dataclass
 
 import torch
 
 from gem import algorithms
-from gem.data import WorkerStream
 from gem.engines import Job, Result
-from gem.engines.core import Evaluator, build_flat_model, finite, worker_steps
-from gem.metrics import tensor_rows
+from gem.engines import checkpoint as ckpt
+from gem.engines.coordinator import Coordinator
+from gem.engines.core import Evaluator, build_flat_model
+from gem.engines.server import Server
+from gem.engines.worker import Diverged, Worker
 
 STALENESS_MODELS = ("round_robin", "exponential", "stragglers")
-
-
-@dataclass
-class VirtualWorker:
-    index: int
-    x: torch.Tensor  # the worker's local (stale) parameters
-    state: dict
-    stream: WorkerStream
-    steps: int = 0  # local gradient steps done
-    pulled_at: int = 0  # clock value of the worker's last pull
 
 
 class Schedule:
@@ -65,69 +56,83 @@ class Schedule:
         return self.slowdown[worker]
 
 
+class _Link:
+    """The sim engine's server is right here: the turn is the current event, rows go straight to the ledger."""
+
+    def __init__(self, server: Server, coord: Coordinator):
+        self.server, self.coord = server, coord
+        self.extra: dict = {}
+
+    def acquire(self, w: int):
+        return self.server.view(w)
+
+    def submit(self, view, commit) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def now(self) -> float:
+        return self.coord.now()
+
+    def rows(self, row: dict, tensors) -> None:
+        self.coord.ledger.add(row, tensors)
+        self.coord.ledger.record()
+
+
 def run(job: Job, recorder) -> Result:
     algo = algorithms.get(job.algorithm)
-    hp = job.hp
-    data = job.data.to(job.device)
-    model = build_flat_model(job)
-    theta = model.param.clone()  # the central variable θ
     n = job.workers
-    budget = worker_steps(job)
-    opts = dict(job.engine)
-    schedule = Schedule(opts.get("staleness", "round_robin"), n, job.seed,
-                        opts.get("straggler_fraction", 0.25), opts.get("straggler_slowdown", 4.0))
-    layout = list(zip(model.tensor_names, model.slices, strict=True))
-    workers = []
-    for w in range(n):
-        # With a single worker its local copy can be the model's own buffer: no copy on load.
-        x = model.param if n == 1 else theta.clone()
-        workers.append(VirtualWorker(w, x, algo.init_state(theta, hp, layout),
-                                     WorkerStream(len(data.train_y), job.batch_size, job.seed, w)))
-    server = algorithms.init_server(algo, theta, hp)  # server-side algorithm state next to θ (GEM global proxy)
-    evaluate = Evaluator(job, data)
-    names = model.tensor_names
-
-    t = 0  # the parameter server's clock: commits applied
-    heap = [(schedule.duration(w), w) for w in range(n)]
-    heapq.heapify(heap)
-    t0 = time.perf_counter()
-    recorder.eval(evaluate(theta, 0, t0))
-    while heap:
-        now, w = heapq.heappop(heap)
+    job.data.to(job.device)
+    model = build_flat_model(job)
+    server = Server.create(algo, job.hp, model.param.clone(), n)
+    # with a single worker its local copy can be the model's own buffer: no copy on load
+    workers = [Worker(w, job, algo, model, x=model.param if n == 1 else server.theta.clone()) for w in range(n)]
+    opts = job.engine
+    schedule = Schedule(opts.get("staleness", "round_robin"), n, job.seed, opts.get("straggler_fraction", 0.25),
+                        opts.get("straggler_slowdown", 4.0))
+    queue = [(schedule.duration(w), w) for w in range(n)]  # (simulated time the worker's cycle ends, worker)
+    heapq.heapify(queue)
+    resumed = None
+    if job.resume is not None:
+        ckpt.check_resumable(job.resume, job)
+        resumed = ckpt.load_central(job.resume)
+        server.load_state_dict(resumed)
+        schedule.rng.set_state(resumed["engine"]["schedule_rng"])
+        queue = [(float(at), int(w)) for at, w in resumed["engine"]["queue"]]
+        heapq.heapify(queue)
+        for _, w in queue:
+            workers[w].load_state_dict(ckpt.load_worker(job.resume, w))
+    coord = Coordinator(job, recorder, server, Evaluator(job, job.data), resumed)
+    link = _Link(server, coord)
+    coord.start()
+    while queue:
+        now, w = heapq.heappop(queue)
         wk = workers[w]
-        loss_sum, local = 0.0, 0
-        commit = None
-        while commit is None and wk.steps < budget:
-            xb, yb = data.batch(wk.stream.next_indices(), wk.stream.generator)
-            model.load(wk.x)
-            loss = model.loss_and_grad(xb, yb)
-            wk.steps += 1
-            local += 1
-            loss_sum += loss
-            if not math.isfinite(loss):
-                return Result("diverged", t, reason=f"non-finite loss {loss} at worker {w}, "
-                                                    f"worker step {wk.steps} (commit {t + 1})")
-            commit = algo.worker_rule(wk.state, wk.x, model.grad, theta, hp, server)
-        if commit is None:  # the budget ended inside a communication window: nothing left to send
-            continue
-        staleness = t - wk.pulled_at
-        algo.server_rule(theta, commit, staleness, hp, server)
-        t += 1
-        if commit.pull:
-            wk.x.copy_(theta)
-        wk.pulled_at = t
-        row = {"step": t, "worker": w, "worker_step": wk.steps, "staleness": staleness,
-               "loss": loss_sum / local, "time_s": time.perf_counter() - t0, "sim_time": now,
-               **commit.metrics}
-        recorder.commit(row, tensor_rows(row, names, commit.tensors))
-        if t % job.eval_every == 0:
-            if not finite(theta):
-                return Result("diverged", t, reason=f"non-finite central variable at commit {t}")
-            recorder.eval(evaluate(theta, t, t0))
-        if wk.steps < budget:
-            heapq.heappush(heap, (now + schedule.duration(w) * local, w))
-    if not finite(theta):
-        return Result("diverged", t, reason=f"non-finite central variable at commit {t}")
-    if t % job.eval_every != 0:
-        recorder.eval(evaluate(theta, t, t0))
-    return Result("completed", t)
+        link.extra = {"sim_time": now}
+        before = wk.step
+        try:
+            committed = wk.cycle(link)
+        except Diverged as e:
+            coord.diverge(f"{e} (commit {server.t + 1})")
+            break
+        if committed and wk.step < wk.budget:
+            heapq.heappush(queue, (now + schedule.duration(w) * (wk.step - before), w))
+        else:
+            coord.finish(w)
+        if coord.evaluation_due():
+            coord.evaluate_at(server.t, server.theta)
+            if coord.diverged:
+                break
+        if coord.checkpoint_due():
+            _checkpoint(coord, workers, schedule, queue)
+    return coord.conclude()
+
+
+def _checkpoint(coord: Coordinator, workers: list[Worker], schedule: Schedule, queue: list) -> None:
+    """Between two cycles every virtual worker is at a commit boundary with nothing in hand."""
+    folder = ckpt.pending(coord.job.run_dir)
+    for _, w in queue:
+        ckpt.save_atomic(workers[w].state_dict(), ckpt.worker_file(folder, w))
+    coord.write_checkpoint(folder, coord.server.t, {"schedule_rng": schedule.rng.get_state(),
+                                                    "queue": [[at, w] for at, w in queue]})

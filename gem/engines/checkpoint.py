@@ -1,0 +1,116 @@
+"""Checkpoints, one format for every engine.
+
+<run_dir>/checkpoint/manifest.json names the newest complete checkpoint, <run_dir>/checkpoint/step-NNNNNNNNN/:
+
+- `central.pt`: the parameter server (gem.engines.server: θ, the algorithm's server tensors, the clock, every
+  worker's pull time), the coordinator's bookkeeping (finished and lost workers) and the engine's own schedule
+  (the sim engine's event queue);
+- `worker-W.pt`: worker W's state (gem.engines.worker: local copy, algorithm state, data position, random
+  streams, step count), one file per worker that was still running.
+
+Everything in them is tensors, numbers, strings, lists and dicts, read back with `weights_only=True`, which never
+runs code from the file. A checkpoint is written into `pending/`, renamed to its step, and only then named by the
+manifest (written last, by rename): it is either complete and named, or ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+CHECKPOINT = "checkpoint"
+# what must match between a checkpoint and the command that resumes it
+FINGERPRINT = ("algorithm", "model", "workers", "batch_size", "epochs", "seed")
+SCHEDULE_KEYS = ("staleness", "straggler_fraction", "straggler_slowdown")  # the sim engine's commit order
+
+
+class CheckpointError(ValueError):
+    """One line: the checkpoint is missing, unreadable, or from another configuration."""
+
+
+def fingerprint(job) -> dict:
+    engine = job.engine.get("name", "")
+    schedule = {k: job.engine.get(k) for k in SCHEDULE_KEYS} if engine == "sim" else {}
+    return {**{k: getattr(job, k) for k in FINGERPRINT}, "data": job.data.name, "hp": repr(job.hp),
+            "engine": engine, **schedule}
+
+
+def read_manifest(run_dir) -> dict:
+    path = Path(run_dir) / CHECKPOINT / "manifest.json"
+    if not path.exists():
+        raise CheckpointError(f"resume=true: no checkpoint in {path.parent}; resume needs the run directory "
+                              f"of a run that wrote checkpoints (hydra.run.dir=<that directory>)")
+    try:
+        manifest = json.loads(path.read_text())
+        step, folder = int(manifest["step"]), Path(run_dir) / CHECKPOINT / manifest["dir"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"resume=true: checkpoint manifest {path} is unreadable ({e})") from None
+    if not (folder / "central.pt").exists():
+        raise CheckpointError(f"resume=true: checkpoint {folder} is incomplete (no central.pt)")
+    return {**manifest, "step": step, "path": str(folder)}
+
+
+def check_resumable(manifest: dict, job) -> None:
+    ours = fingerprint(job)
+    for k, v in manifest.get("fingerprint", {}).items():
+        if ours.get(k) != v:
+            shown = "algorithm parameters" if k == "hp" else k
+            raise CheckpointError(f"resume=true: the checkpoint was made with {shown}={v}, this command has "
+                                  f"{shown}={ours.get(k)}; resume with the original command's overrides")
+
+
+def save_atomic(obj, path) -> None:
+    """torch.save to a temporary name, then rename: a file is whole or absent."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def load(path):
+    """Tensors, numbers, lists and dicts only: weights_only=True never runs code from the file."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure to read is the same one line for the user
+        raise CheckpointError(f"resume=true: cannot read checkpoint file {path} ({type(e).__name__}: {e})") from None
+
+
+def pending(run_dir) -> Path:
+    """An empty folder for the checkpoint being written."""
+    folder = Path(run_dir) / CHECKPOINT / "pending"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
+
+
+def worker_file(folder, w: int) -> Path:
+    return Path(folder) / f"worker-{w}.pt"
+
+
+def load_worker(manifest: dict, w: int) -> dict:
+    return load(worker_file(manifest["path"], w))
+
+
+def load_central(manifest: dict) -> dict:
+    return load(Path(manifest["path"]) / "central.pt")
+
+
+def finish(run_dir, folder: Path, step: int, central: dict, job, time_s: float) -> None:
+    """Write central.pt into `folder`, name the checkpoint by its step, point the manifest at it, and drop the
+    previous one. The caller has flushed the commit rows up to `step` to disk first."""
+    save_atomic(central, Path(folder) / "central.pt")
+    base = Path(run_dir) / CHECKPOINT
+    name = f"step-{step:09d}"
+    shutil.rmtree(base / name, ignore_errors=True)
+    os.replace(folder, base / name)
+    tmp = base / "manifest.json.tmp"
+    tmp.write_text(json.dumps({"step": step, "dir": name, "fingerprint": fingerprint(job), "time_s": time_s},
+                              indent=1))
+    os.replace(tmp, base / "manifest.json")
+    for old in base.glob("step-*"):  # the manifest names the new one now
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)

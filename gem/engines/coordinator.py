@@ -1,0 +1,192 @@
+"""The coordinator: the bookkeeping of a run, the same on every engine.
+
+It puts commit rows in clock order (`Ledger`), evaluates the central variable every `eval_every` commits,
+writes a checkpoint every `checkpoint_every` commits, keeps track of finished and lost workers, and ends the
+run: completed, diverged or failed. It lives in the process that writes the run directory: the sim engine's only
+process, the process engine's parent, rank 0 of the distributed engine.
+
+An engine with real workers subclasses it and supplies the transport: `poll` (read what the workers sent),
+`watch` (notice the dead), `snapshot` (θ and its clock, read under the server's turn), `save_workers` (every live
+worker's state at one clock), `sync` (after a loss: make sure the rows of the lost worker's commits are known)
+and `wrap_up`. `serve` is the loop they share. The sim engine calls the bookkeeping directly, one commit at a time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+
+import torch
+
+from gem.engines import Result
+from gem.engines import checkpoint as ckpt
+from gem.engines.core import finite
+from gem.engines.server import Server
+from gem.metrics import tensor_rows
+
+POLL_S = 0.5  # how often the loop looks at the workers when nothing arrives
+
+
+class Ledger:
+    """Records commit rows in clock order, though they arrive out of order (each worker sends its own rows,
+    in batches). A commit whose worker was lost before it sent the row gets a row that says so (`lost_row`),
+    so that the clock in metrics.parquet has no gap."""
+
+    def __init__(self, recorder, tensor_names: list[str], steps: int = 0):
+        self.recorder, self.tensor_names = recorder, tensor_names
+        self.rows: list = []  # heap of (step, tiebreak, row, tensors) not yet recorded
+        self.steps = steps  # the last step recorded
+        self.last_time = 0.0  # its time_s
+
+    def add(self, row: dict, tensors=None) -> None:
+        heapq.heappush(self.rows, (row["step"], id(row), row, tensors))
+
+    def lost(self, step: int) -> None:
+        """The commit at `step` was applied but its row will never come: its worker is gone."""
+        self.add({"step": step, "worker": -1, "worker_step": -1, "staleness": -1, "loss": float("nan"),
+                  "time_s": None, "lost_row": True})
+
+    def record(self) -> None:
+        """Record the rows that are next in clock order."""
+        while self.rows and self.rows[0][0] == self.steps + 1:
+            step, _, row, tensors = heapq.heappop(self.rows)
+            if row.get("lost_row"):
+                row["time_s"] = self.last_time  # no later than the rows around it
+            self.recorder.commit(row, tensor_rows(row, self.tensor_names, tensors))
+            self.steps, self.last_time = step, row["time_s"]
+
+    def fill_gaps(self, upto: int) -> None:
+        """Once every live worker has sent its rows, a commit up to `upto` without a row was made by a worker
+        that died before sending it: record a row that says so."""
+        while self.steps < upto:
+            self.record()
+            if self.steps < upto and not (self.rows and self.rows[0][0] == self.steps + 1):
+                self.lost(self.steps + 1)
+
+
+class Coordinator:
+    def __init__(self, job, recorder, server: Server, evaluate, resumed: dict | None = None):
+        self.job, self.recorder, self.server, self.evaluate = job, recorder, server, evaluate
+        past = (resumed or {}).get("coordinator", {})
+        self.finished: list[int] = list(past.get("finished", []))
+        self.lost: list[str] = list(past.get("lost", []))  # why each worker was lost, for the summary's reason
+        self.lost_workers: list[int] = list(past.get("lost_workers", []))
+        self.diverged = ""
+        self.resumed = resumed is not None
+        # one origin for time_s: workers stamp with the wall clock, the evaluations with perf_counter; a resumed
+        # run carries on its clock, so that time_s keeps increasing
+        elapsed = float(job.resume.get("time_s", 0.0)) if job.resume else 0.0
+        self.t0_wall, self.t0 = time.time() - elapsed, time.perf_counter() - elapsed
+        self.ledger = Ledger(recorder, evaluate.model.tensor_names, server.t)
+        every, ck = job.eval_every, (job.checkpoint_every if job.run_dir else 0)
+        self.next_eval = (self.steps // every + 1) * every
+        self.next_checkpoint = (self.steps // ck + 1) * ck if ck else None
+
+    @property
+    def steps(self) -> int:  # the last commit recorded
+        return self.ledger.steps
+
+    def now(self) -> float:
+        return time.time() - self.t0_wall
+
+    # --- bookkeeping
+
+    def start(self) -> None:
+        if not self.resumed:
+            self.recorder.eval(self.evaluate(self.server.theta, 0, self.t0))
+
+    def lose(self, w: int, why: str) -> bool:
+        """Record worker w as lost; False if it had finished or was lost already."""
+        if w in self.lost_workers or w in self.finished:
+            return False
+        msg = f"worker {w} lost at commit {self.server.t} ({why})"
+        self.lost.append(msg)
+        self.lost_workers.append(w)
+        print(f"gem: {msg}; the run goes on with the others", flush=True)
+        return True
+
+    def finish(self, w: int) -> None:
+        if w not in self.finished:
+            self.finished.append(w)
+
+    def diverge(self, why: str) -> None:
+        self.diverged = self.diverged or why
+
+    def evaluate_at(self, step: int, theta: torch.Tensor) -> None:
+        if not finite(theta):
+            self.diverge(f"non-finite central variable at commit {step}")
+            return
+        self.recorder.eval(self.evaluate(theta, step, self.t0))
+
+    # Both follow the server's clock, not the recorded rows: rows arrive in batches, and an evaluation should be
+    # taken when its commit is applied, not when its row is recorded.
+    def evaluation_due(self) -> bool:
+        t = self.server.t
+        if t < self.next_eval:
+            return False
+        self.next_eval = (t // self.job.eval_every + 1) * self.job.eval_every
+        return True
+
+    def checkpoint_due(self) -> bool:
+        t = self.server.t
+        if self.next_checkpoint is None or t < self.next_checkpoint:
+            return False
+        ck = self.job.checkpoint_every
+        self.next_checkpoint = (t // ck + 1) * ck
+        return True
+
+    def write_checkpoint(self, folder, step: int, engine_state: dict | None = None) -> None:
+        """Every worker's file is in `folder` and θ is as of `step`: flush the rows, write central.pt, name it."""
+        if not finite(self.server.theta):
+            self.diverge(f"non-finite central variable at commit {step}")
+            return
+        self.ledger.record()
+        self.recorder.flush()  # the rows up to the checkpoint are on disk before it is named
+        central = {**self.server.state_dict(), "engine": engine_state or {},
+                   "coordinator": {"finished": self.finished, "lost": self.lost, "lost_workers": self.lost_workers}}
+        ckpt.finish(self.job.run_dir, folder, step, central, self.job, time.perf_counter() - self.t0)
+
+    def conclude(self, extra: dict | None = None) -> Result:
+        """The end: diverged, failed (no worker finished) or completed, with a final evaluation of the central
+        variable unless one was taken at this very commit."""
+        extra = {"lost_workers": sorted(self.lost_workers), **(extra or {})}
+        steps, theta = self.steps, self.server.theta
+        if self.diverged:
+            return Result("diverged", steps, reason=self.diverged, extra=extra)
+        if not finite(theta):
+            return Result("diverged", steps, reason=f"non-finite central variable at commit {steps}", extra=extra)
+        if not self.finished:
+            return Result("failed", steps, reason="; ".join(self.lost) or "no worker finished", extra=extra)
+        if self.recorder.last_eval is None or self.recorder.last_eval["step"] != steps:
+            self.recorder.eval(self.evaluate(theta, steps, self.t0))
+        return Result("completed", steps, reason="; ".join(self.lost), extra=extra)
+
+    # --- the loop of an engine with real workers
+
+    def serve(self) -> Result:
+        self.start()
+        while self.running():
+            self.poll(POLL_S)
+            self.ledger.record()
+            self.watch()
+            if self.diverged:
+                break
+            self.sync()
+            if self.evaluation_due():
+                taken = self.snapshot()
+                if taken is not None:
+                    self.evaluate_at(*taken)
+            if self.checkpoint_due():
+                self.checkpoint()
+            if self.diverged:
+                break
+        return self.wrap_up()
+
+    # engine hooks
+    def running(self) -> bool: ...
+    def poll(self, timeout: float) -> None: ...
+    def watch(self) -> None: ...
+    def sync(self) -> None: ...
+    def snapshot(self) -> tuple[int, torch.Tensor] | None: ...
+    def checkpoint(self) -> None: ...
+    def wrap_up(self) -> Result: ...

@@ -1,0 +1,68 @@
+"""The parameter server's state and its one step, the same on every engine (DESIGN §3).
+
+The server holds the central variable θ, the algorithm's server tensors, the clock t (commits applied) and, for
+every worker, the clock at its last pull. All of it is tensors: the `process` engine puts them in shared memory,
+the `distributed` engine keeps them on rank 0 (and a worker keeps an exact replica of θ and the server tensors,
+which it brings up to date by replaying the same step), and every engine checkpoints them the same way.
+
+One commit, under the server's turn (whoever holds the turn is the only one touching this state):
+
+    view = server.view(w)                 # θ, server tensors, t, τ = t − (t at w's last pull), w
+    commit = worker_rule(..., view, ...)  # the worker's rule reads the live θ
+    server.apply(view, commit)            # server_rule(view, commit); t ← t + 1; w pulls at t
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gem.algorithms import Algorithm, Commit, View
+
+
+class Server:
+    def __init__(self, algo: Algorithm, hp, theta: torch.Tensor, state: dict[str, torch.Tensor],
+                 clock: torch.Tensor, pulled_at: torch.Tensor):
+        self.algo, self.hp = algo, hp
+        self.theta, self.state, self.clock, self.pulled_at = theta, state, clock, pulled_at
+
+    @classmethod
+    def create(cls, algo: Algorithm, hp, theta: torch.Tensor, workers: int) -> Server:
+        """A fresh server at t = 0, from which every worker has pulled θ₀."""
+        return cls(algo, hp, theta, algo.server_state(theta, hp, workers), torch.zeros((), dtype=torch.long),
+                   torch.zeros(workers, dtype=torch.long))
+
+    def tensors(self) -> dict:
+        """What another process needs to rebuild this server around the same (shared) tensors."""
+        return {"theta": self.theta, "state": self.state, "clock": self.clock, "pulled_at": self.pulled_at}
+
+    @property
+    def t(self) -> int:
+        return int(self.clock)
+
+    def share_memory_(self) -> Server:
+        for x in (self.theta, *self.state.values(), self.clock, self.pulled_at):
+            x.share_memory_()
+        return self
+
+    def view(self, worker: int) -> View:
+        t = int(self.clock)
+        return View(self.theta, self.state, t, t - int(self.pulled_at[worker]), worker)
+
+    def apply(self, view: View, commit: Commit) -> int:
+        """The server step: the server rule applies the commit, the clock advances, the worker pulls now."""
+        self.algo.server_rule(view, commit, self.hp)
+        t = view.t + 1
+        self.clock.fill_(t)
+        self.pulled_at[view.worker] = t
+        return t
+
+    def state_dict(self) -> dict:
+        return {"theta": self.theta, "server": dict(self.state), "clock": self.clock,
+                "pulled_at": self.pulled_at}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.theta.copy_(saved["theta"])
+        for k, v in saved["server"].items():
+            self.state[k].copy_(v)
+        self.clock.copy_(saved["clock"])
+        self.pulled_at.copy_(saved["pulled_at"])

@@ -1,0 +1,217 @@
+"""One worker's cycle, the same on every engine (DESIGN §3).
+
+A worker repeats: a gradient of the loss at its local copy x on its next mini-batch; a local step if that gradient
+does not end the algorithm's window (no server involved); else the commit, under the server's turn:
+
+    view = link.acquire(w)                       # the turn: the live θ, the server tensors, t, τ
+    commit = worker_rule(state, x, grad, view)   # only what the commit needs
+    link.submit(view, commit)                    # distributed: the commit travels to the server
+    link.server.apply(view, commit)              # server_rule, t ← t + 1 (on the worker's replica, if remote)
+    pull: x ← θ                                  # unless the commit says otherwise (EASGD)
+    link.release()
+    diagnostics, the commit row                  # after the turn: GEM's π statistics cost the others nothing
+
+An engine supplies only the `Link`: how the turn is taken, where the server's state lives, how rows travel.
+So the data stream, the random streams, the device, the row and the checkpointed state are the same everywhere,
+and with one worker every engine gives the same losses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import time
+from typing import Protocol
+
+import torch
+
+from gem.algorithms import Algorithm, Commit, View
+from gem.data import WorkerStream
+from gem.engines.core import build_flat_model, worker_steps
+from gem.engines.server import Server
+from gem.models import FlatModel
+
+
+class Diverged(Exception):
+    """A non-finite loss: the run stops with status diverged."""
+
+
+class Link(Protocol):
+    """How a worker reaches the parameter server; each engine has one."""
+
+    server: Server  # where the server step runs: the live server, or (distributed) the worker's replica of it
+    extra: dict  # engine-specific fields for the next commit row (set by acquire)
+
+    def acquire(self, worker: int) -> View: ...  # wait for the server's turn; a view of the live θ
+    def submit(self, view: View, commit: Commit) -> None: ...  # send the commit, where the server is remote
+    def release(self) -> None: ...  # hand the turn on
+    def now(self) -> float: ...  # seconds since the run started, for time_s
+    def rows(self, row: dict, tensors: dict | None) -> None: ...  # a commit row, on its way to the recorder
+
+
+# ------------------------------------------------------------------------------------ one worker process
+
+
+def threads_per_process(processes: int) -> int:
+    """floor(cores / processes), at least 1 (DESIGN §3)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, processes))
+
+
+# glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_heap() -> None:
+    """Stop glibc from returning the heap to the kernel after every step.
+
+    A step's activations are freed at its end; glibc then trims the top of the heap, and the next step faults the
+    same pages back in, zero-filled: about 1,000 page faults per `mnist_cnn` step, which made each gradient 30%
+    slower in a worker process (BENCHMARKS.md). A process that happened to free a large block early (loading a
+    dataset) has raised glibc's adaptive thresholds and does not trim; a worker that maps its data from shared
+    memory never does. Fixing the thresholds keeps the heap at its working size. Elsewhere than glibc: nothing.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's upper limit: blocks up to 32 MB come from the heap
+        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    except (OSError, AttributeError):
+        pass
+
+
+def setup_process(threads: int, ignore_sigint: bool = True) -> None:
+    """The start of every worker process: its torch threads, its heap, and Ctrl-C left to the coordinator (a
+    terminal's Ctrl-C reaches the whole process group; the coordinator stops its workers itself)."""
+    import signal
+
+    if ignore_sigint:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    keep_heap()
+
+
+# ------------------------------------------------------------------------------------------ the worker
+
+
+def device_of(job, worker: int) -> torch.device:
+    """The device a worker computes on: the one place that decides it."""
+    return torch.device(job.device)
+
+
+def dropout_seed(seed: int, worker: int) -> int:
+    # distinct from the data stream's seed (gem.data), so that the two streams are not the same numbers
+    return (seed * 1_000_003 + 7919 * (worker + 1)) % (2**63)
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class Worker:
+    """One worker: its local copy x, algorithm state, data stream and random stream, and its cycle.
+
+    `model` is where gradients are computed (the sim engine's virtual workers share one); `x` holds θ₀ when the
+    worker is built (the model's own parameters, where a worker has the model to itself).
+    """
+
+    def __init__(self, w: int, job, algo: Algorithm, model: FlatModel | None = None, x: torch.Tensor | None = None):
+        self.w, self.job, self.algo, self.hp = w, job, algo, job.hp
+        self.device = device_of(job, w)
+        self.model = model if model is not None else build_flat_model(job, self.device)
+        self.x = self.model.param if x is None else x
+        self.layout = list(zip(self.model.tensor_names, self.model.slices, strict=True))
+        self.state = algo.init_state(self.x, self.hp)
+        self.data = job.data
+        self.stream = WorkerStream(len(self.data.train_y), job.batch_size, job.seed, w)
+        # dropout draws from the default generator: each worker swaps its own state in around its gradient, so the
+        # draws depend on the worker alone, not on who else runs in the process (sim) or how often models are built
+        seeded = torch.Generator(self.device).manual_seed(dropout_seed(job.seed, w))
+        self.rng = seeded.get_state()
+        self.window = algo.commit_every(self.hp)
+        self.budget = worker_steps(job)
+        self.step = 0  # local gradients taken
+        self.loss_sum, self.local = 0.0, 0  # since the last commit
+        self.before: dict = {}  # the state before the gradient in hand (for a checkpoint taken at the turn)
+
+    def gradient(self) -> float:
+        _set_rng_state(self.rng, self.device)
+        xb, yb = self.data.batch(self.stream.next_indices(), self.stream.generator)
+        self.model.load(self.x)
+        loss = self.model.loss_and_grad(xb, yb)
+        self.rng = _rng_state(self.device)
+        return loss
+
+    def cycle(self, link: Link) -> bool:
+        """Local steps up to the commit boundary, then the commit. False once the budget is spent (a window cut
+        short by the end of the budget commits nothing)."""
+        while self.step < self.budget:
+            k = (self.step + 1) % self.window  # this gradient's place in its window; 0: it ends the window
+            if k == 0:
+                self.before = self._progress()
+            loss = self.gradient()
+            self.step += 1
+            self.loss_sum += loss
+            self.local += 1
+            if not math.isfinite(loss):
+                raise Diverged(f"non-finite loss {loss} at worker {self.w}, worker step {self.step}")
+            if k:
+                self.algo.local_step(self.state, self.x, self.model.grad, self.hp, k)
+                continue
+            self.commit(link)
+            return True
+        return False
+
+    def commit(self, link: Link) -> None:
+        asked = time.monotonic()
+        view = link.acquire(self.w)
+        try:
+            waited, stamp = time.monotonic() - asked, link.now()  # stamped in turn: times follow the clock
+            commit = self.algo.worker_rule(self.state, self.x, self.model.grad, view, self.hp)
+            link.submit(view, commit)
+            applied = time.perf_counter()
+            t = link.server.apply(view, commit)
+            applied = time.perf_counter() - applied
+            if commit.pull:
+                self.x.copy_(view.theta)
+        finally:
+            link.release()
+        row = {"step": t, "worker": self.w, "worker_step": self.step, "staleness": view.staleness,
+               "loss": self.loss_sum / self.local, "time_s": stamp, "wait_s": waited, "apply_s": applied,
+               **link.extra, **commit.metrics}
+        tensors = None
+        if self.algo.diagnostics is not None:
+            metrics, tensors = self.algo.diagnostics(commit, self.layout, self.hp)
+            row.update(metrics)
+        self.loss_sum, self.local = 0.0, 0
+        link.rows(row, tensors or None)
+
+    # --- checkpoints: tensors and numbers only
+
+    def _progress(self) -> dict:
+        s = self.stream
+        return {"step": self.step, "loss_sum": self.loss_sum, "local": self.local, "epoch": s.epoch, "pos": s.pos,
+                "perm": s.perm, "generator": s.generator.get_state(), "rng": self.rng}
+
+    def state_dict(self, in_hand: bool = False) -> dict:
+        """`in_hand`: the worker waits for the turn with a gradient it has not committed yet; its state is then
+        as it was before that gradient, which a resumed worker takes again. x and the algorithm state do not
+        change while a gradient is taken, so only the stream, the random state and the counters go back."""
+        return {"x": self.x, "state": dict(self.state), **(self.before if in_hand else self._progress())}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.x.copy_(saved["x"])
+        for k, v in saved["state"].items():
+            self.state[k].copy_(v)
+        s = self.stream
+        s.epoch, s.pos, s.perm = int(saved["epoch"]), int(saved["pos"]), saved["perm"]
+        s.generator.set_state(saved["generator"])
+        self.rng = saved["rng"]
+        self.step, self.loss_sum, self.local = int(saved["step"]), float(saved["loss_sum"]), int(saved["local"])

@@ -1,0 +1,441 @@
+"""The engine contract, one suite for the three engines (DESIGN §3): every commit once, staleness on the server's
+clock, windowed commits, the same losses on every engine with one worker, checkpoints and resume, divergence,
+lost workers and signals where an engine has real workers, and an algorithm the engines have never seen."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from conftest import ROOT
+from test_run import check_run_dir
+
+from gem import algorithms
+from gem.algorithms import downpour
+from gem.data import make_synthetic
+from gem.engines import Job, checkpoint, get
+from gem.engines.core import build_flat_model
+from gem.engines.server import Server
+from gem.engines.worker import Worker
+from gem.metrics import Recorder, read_table
+
+ENGINES = ["sim", "process", "distributed"]
+REAL = ["process", "distributed"]  # engines whose workers are processes
+TIMING = ["time_s", "wait_s", "apply_s", "wait_commits", "sim_time"]  # measured, not computed
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_synthetic((1, 28, 28), train_size=256, val_size=64, seed=1)
+
+
+def hp_for(name, n, **kw):
+    params = algorithms.get(name).Params
+    fields = {f.name for f in dataclasses.fields(params)}
+    return params(**{**({"workers": n} if "workers" in fields else {}), **kw})
+
+
+def job(data, engine, workers, algorithm="gem", hp=None, epochs=1, batch_size=32, options=None, **kw):
+    return Job(algorithm=algorithm, hp=hp or hp_for(algorithm, workers), model="mnist_cnn", data=data,
+               workers=workers, batch_size=batch_size, epochs=epochs, seed=0,
+               engine={"name": engine, "timeout_s": 60, **(options or {})},
+               eval_every=kw.pop("eval_every", 16), eval_train_size=64, **kw)
+
+
+def run(job_, d):
+    rec = Recorder(d)
+    try:
+        result = get(job_.engine["name"]).run(job_, rec)
+    finally:
+        rec.close()
+    return result, read_table(d)
+
+
+# ------------------------------------------------------------------------------------------ completion
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_commit_once_and_every_worker_step_once(data, tmp_path, engine):
+    n, steps = 3, 2 * 256 // 32
+    result, m = run(job(data, engine, n, epochs=2), tmp_path)
+    assert result.status == "completed" and result.steps == n * steps, result
+    assert m["step"].tolist() == list(range(1, n * steps + 1))  # the server's clock: each commit once, no gap
+    assert m.groupby("worker")["worker_step"].apply(list).tolist() == [list(range(1, steps + 1))] * n
+    assert m["time_s"].is_monotonic_increasing and (m["wait_s"] >= 0).all()
+    assert m["pi_median"].notna().all() and m["central_energy"].notna().all()  # GEM's diagnostics came back
+    assert len(pd.read_parquet(tmp_path / "tensors.parquet")) == 10 * len(m)
+    assert result.extra["lost_workers"] == []
+    ev = read_table(tmp_path, "eval")["step"]
+    if engine == "sim":  # every eval_every commits, and at the end
+        assert ev.tolist() == [0, 16, 32, 48]
+    else:  # taken at the server's clock once eval_every more commits are applied: within a worker's cycle of it
+        assert ev.iloc[0] == 0 and ev.iloc[-1] == n * steps and ev.is_unique and ev.is_monotonic_increasing
+    assert not _children(os.getpid())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_staleness_is_the_number_of_commits_since_the_workers_pull(data, tmp_path, engine):
+    _, m = run(job(data, engine, 3, epochs=2), tmp_path)
+    # a worker pulls right after its own commit, so τ = commits by others between two of its commits
+    for _, g in m.groupby("worker"):
+        steps = g["step"].tolist()
+        assert g["staleness"].iloc[0] == steps[0] - 1  # everyone starts from θ₀ at t = 0
+        assert g["staleness"].tolist()[1:] == [b - a - 1 for a, b in zip(steps, steps[1:], strict=False)]
+    assert m["staleness"].max() >= 1
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("algorithm", ["agn", "eamsgd"])
+def test_a_window_commits_once_per_window(data, tmp_path, engine, algorithm):
+    n, steps, window = 3, 2 * 256 // 32, 3  # 16 steps: five windows, and one cut short by the budget's end
+    result, m = run(job(data, engine, n, algorithm, hp_for(algorithm, n, window=window), epochs=2), tmp_path)
+    assert result.status == "completed" and result.steps == n * (steps // window) == len(m)
+    assert m.groupby("worker")["worker_step"].apply(list).tolist() == [[3, 6, 9, 12, 15]] * n
+
+
+class _CountingLink:
+    """A link to a server in this process that counts how often the worker takes the turn."""
+
+    def __init__(self, server):
+        self.server, self.extra, self.turns, self.rows_seen = server, {}, 0, []
+
+    def acquire(self, w):
+        self.turns += 1
+        return self.server.view(w)
+
+    def submit(self, view, commit):
+        pass
+
+    def release(self):
+        pass
+
+    def now(self):
+        return 0.0
+
+    def rows(self, row, tensors):
+        self.rows_seen.append(row)
+
+
+@pytest.mark.parametrize("algorithm, window", [("agn", 10), ("easgd", 4), ("downpour", 1)])
+def test_the_worker_cycle_takes_the_turn_only_when_it_commits(data, algorithm, window):
+    """Every engine runs this cycle, so no engine takes the turn for a local step."""
+    j = job(data, "sim", 1, algorithm, hp_for(algorithm, 1, window=window), epochs=5)  # 40 steps
+    algo = algorithms.get(algorithm)
+    model = build_flat_model(j)
+    link = _CountingLink(Server.create(algo, j.hp, model.param.clone(), 1))
+    worker = Worker(0, j, algo, model)
+    while worker.cycle(link):
+        pass
+    assert worker.step == 40 and link.turns == 40 // window == len(link.rows_seen)
+    assert [r["worker_step"] for r in link.rows_seen] == list(range(window, 41, window))[:40 // window]
+
+
+# ------------------------------------------------------------------------------ one worker, every engine
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", algorithms.ALGORITHMS)
+def test_one_worker_gives_the_same_losses_on_every_engine(data, tmp_path, algorithm):
+    """Same θ₀, data stream, dropout stream and arithmetic: with workers=1 the engines differ only in transport.
+    (distributed runs one torch thread per rank where the others run two: reductions in another order differ
+    in the last bits, far below 1e-6 over these steps.)"""
+    hp = hp_for(algorithm, 1, **({"window": 2} if "window" in hp_for(algorithm, 1).__dataclass_fields__ else {}))
+    losses = {}
+    for engine in ENGINES:
+        result, m = run(job(data, engine, 1, algorithm, hp, epochs=2), tmp_path / engine)
+        assert result.status == "completed", (engine, result)
+        losses[engine] = m["loss"].tolist()
+    assert len(losses["sim"]) == 16 // algorithms.get(algorithm).commit_every(hp)
+    for engine in REAL:
+        assert losses[engine] == pytest.approx(losses["sim"], abs=1e-6, rel=0), engine
+
+
+# ------------------------------------------------------------------------ an algorithm no engine knows
+
+SCRATCH = '''
+"""θ ← θ + Δ/(τ + 1)^p: a staleness-dependent learning rate, written against the record and nothing else."""
+from dataclasses import dataclass, replace
+
+from gem.algorithms import downpour
+
+
+@dataclass(frozen=True)
+class Params(downpour.Params):
+    power: float = 0.5
+
+
+def worker_rule(state, x, grad, view, hp):
+    commit = downpour.worker_rule(state, x, grad, view, hp)
+    commit.metrics["scale"] = 1.0 / (view.staleness + 1) ** hp.power  # what the server rule will use
+    return commit
+
+
+def server_rule(view, commit, hp):
+    view.theta.add_(commit.delta, alpha=1.0 / (view.staleness + 1) ** hp.power)
+
+
+ALGORITHM = replace(downpour.ALGORITHM, name="power_lr", Params=Params, worker_rule=worker_rule,
+                    server_rule=server_rule)
+'''
+
+
+@pytest.fixture
+def scratch_algorithm(tmp_path, monkeypatch):
+    pkg = tmp_path / "scratch_algos"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "power_lr.py").write_text(textwrap.dedent(SCRATCH))
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers get the parent's sys.path
+    return "scratch_algos.power_lr"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_new_algorithm_runs_on_every_engine_unchanged(data, tmp_path, scratch_algorithm, engine):
+    params = algorithms.get(scratch_algorithm).Params
+    result, m = run(job(data, engine, 3, scratch_algorithm, params(power=0.5), epochs=2), tmp_path / "new")
+    assert result.status == "completed" and len(m) == 3 * 16
+    assert m["scale"].tolist() == pytest.approx((1 / (m["staleness"] + 1) ** 0.5).tolist())
+    assert m["staleness"].max() >= 1
+    if engine == "sim":  # power 0 is downpour, commit for commit
+        _, zero = run(job(data, engine, 3, scratch_algorithm, params(power=0.0), epochs=2), tmp_path / "p0")
+        _, ref = run(job(data, engine, 3, "downpour", downpour.Params(), epochs=2), tmp_path / "downpour")
+        assert zero["loss"].tolist() == ref["loss"].tolist()
+
+
+# ------------------------------------------------------------------------------------------ divergence
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_divergence_stops_every_worker(data, tmp_path, engine):
+    result, m = run(job(data, engine, 3, "downpour", downpour.Params(lr=1e8), epochs=4), tmp_path)
+    assert result.status == "diverged" and "non-finite" in result.reason
+    assert m["step"].tolist() == list(range(1, len(m) + 1))  # the commits before it, each once
+    assert not _children(os.getpid())
+
+
+# ------------------------------------------------------------------------------------ checkpoints, resume
+
+
+class _Killed(Exception):
+    pass
+
+
+class _DyingRecorder(Recorder):
+    """A recorder whose process is killed once `after` commits are recorded, and a checkpoint exists."""
+
+    def __init__(self, d, after):
+        super().__init__(d, flush_every=5)
+        self.after = after
+
+    def commit(self, row, tensors=None):
+        super().commit(row, tensors)
+        if self.commits >= self.after and (self.run_dir / "checkpoint" / "manifest.json").exists():
+            self.flush()
+            raise _Killed()
+
+
+def test_a_resumed_sim_run_is_the_uninterrupted_run(data, tmp_path):
+    """sim is deterministic, and its checkpoint holds every random stream and the event queue: a run killed after
+    a checkpoint and resumed gives exactly the rows of a run never killed, whatever it recorded after the
+    checkpoint before it died."""
+    def make(d, resume=None):
+        return job(data, "sim", 4, "gem", hp_for("gem", 4), epochs=3, run_dir=str(d), checkpoint_every=10,
+                   resume=resume, options={"staleness": "exponential"})
+
+    whole, m_whole = run(make(tmp_path / "whole"), tmp_path / "whole")
+    d = tmp_path / "killed"
+    with pytest.raises(_Killed):
+        get("sim").run(make(d), _DyingRecorder(d, after=27))
+    manifest = checkpoint.read_manifest(d)
+    assert manifest["step"] == 20 and len(read_table(d)) > 20  # rows after the checkpoint were on disk
+    rec = Recorder(d, resume_step=manifest["step"])
+    result = get("sim").run(make(d, manifest), rec)
+    rec.close()
+    assert result.status == whole.status == "completed" and result.steps == whole.steps
+    m = read_table(d)
+    cols = [c for c in m_whole.columns if c not in TIMING]
+    pd.testing.assert_frame_equal(m[cols], m_whole[cols])
+    t, t_whole = (pd.read_parquet(p / "tensors.parquet") for p in (d, tmp_path / "whole"))
+    pd.testing.assert_frame_equal(t, t_whole)
+    ev, ev_whole = (read_table(p, "eval").drop(columns="time_s") for p in (d, tmp_path / "whole"))
+    pd.testing.assert_frame_equal(ev, ev_whole)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_resume_after_the_main_process_is_killed(tmp_path, engine):
+    """SIGKILL the process that writes the run directory (sim's only process, process's coordinator, rank 0 of a
+    local distributed launch) after a checkpoint; its workers must exit on their own; resume=true finishes the
+    run with every commit exactly once and every worker's steps 1..N exactly once."""
+    args = ["epochs=8", "engine.checkpoint_every=25"]
+    p, d = _start(tmp_path, *args, engine=engine)
+    kids = _children(p.pid)
+    step = _wait_for_checkpoint(d, p, 50)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while any(_alive(k) for k in kids):  # orphans notice and exit (reaped by init)
+        assert time.monotonic() < deadline, "workers outlived their coordinator"
+        time.sleep(0.2)
+    step = json.loads((d / "checkpoint" / "manifest.json").read_text())["step"]
+    assert len(read_table(d)) >= step  # rows up to the checkpoint are on disk (and perhaps some after it)
+
+    r = subprocess.run([sys.executable, "run.py", f"engine={engine}", "workers=3", "algorithm=gem",
+                        "logger.wandb.mode=disabled", "logger.flush_every=5", f"hydra.run.dir={d}", *args,
+                        "resume=true"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"resuming from the checkpoint at commit {step}" in r.stdout
+    budget = 8 * (1500 // 64)
+    summary, m, ev = check_run_dir(d, steps=3 * budget)  # each step exactly once, no gap
+    assert summary["status"] == "completed" and summary["engine"] == engine
+    assert m.groupby("worker")["worker_step"].apply(list).tolist() == [list(range(1, budget + 1))] * 3
+    assert ev["step"].is_unique and ev["step"].is_monotonic_increasing
+    t = pd.read_parquet(d / "tensors.parquet")
+    assert len(t) == 10 * len(m) and not t.duplicated(["step", "tensor_index"]).any()
+
+
+def test_resume_refuses_a_missing_or_foreign_checkpoint_with_one_line(tmp_path, data):
+    from gem.engines.checkpoint import CheckpointError, check_resumable, read_manifest
+
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        read_manifest(tmp_path)
+    folder = checkpoint.pending(tmp_path)
+    checkpoint.finish(tmp_path, folder, 10, {"theta": None}, job(data, "process", 3), 1.0)
+    (tmp_path / "checkpoint" / "step-000000010" / "central.pt").unlink()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        read_manifest(tmp_path)
+    (tmp_path / "checkpoint" / "step-000000010" / "central.pt").write_bytes(b"not a checkpoint")
+    manifest = read_manifest(tmp_path)
+    with pytest.raises(CheckpointError, match="made with workers=3, this command has workers=2"):
+        check_resumable(manifest, job(data, "process", 2))
+    with pytest.raises(CheckpointError, match="made with engine=process, this command has engine=sim"):
+        check_resumable(manifest, job(data, "sim", 3))
+    r = subprocess.run([sys.executable, "run.py", "engine=process", "workers=3", "algorithm=gem", "epochs=1",
+                        "batch_size=32", "data=synthetic", "data.synthetic.train_size=256",
+                        "data.synthetic.val_size=64", "data.synthetic.seed=1", "logger.wandb.mode=disabled",
+                        f"hydra.run.dir={tmp_path}", "resume=true"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "cannot read checkpoint file" in errors[0], r.stderr
+    assert not _children(os.getpid())
+
+
+# ---------------------------------------------------------------------------- lost workers and signals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", REAL)
+def test_a_killed_worker_is_recorded_and_the_run_goes_on(tmp_path, engine):
+    p, d = _start(tmp_path, "epochs=30", engine=engine)
+    victim = _children(p.pid)[1]
+    os.kill(victim, signal.SIGKILL)
+    try:
+        out, err = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err
+    summary, m, ev = check_run_dir(d)
+    assert summary["status"] == "completed"
+    assert len(summary["lost_workers"]) == 1 and "lost at commit" in summary["reason"], summary
+    lost_at = int(summary["reason"].split("lost at commit ")[1].split()[0])
+    # recording did not stall at the victim's missing rows: evaluations go on between the loss and the end
+    assert ((ev["step"] > lost_at + 100) & (ev["step"] < summary["steps"])).any(), (lost_at, ev["step"].tolist())
+    assert summary["final_train_loss"] is not None and summary["mean_staleness"] > 0
+    lost = summary["lost_workers"][0]
+    budget = 30 * (1500 // 64)
+    # rows the victim had not yet sent are lost with it; their commits are marked, so the clock has no gap
+    marked = m[m["worker"] == -1]
+    assert len(marked) <= 16 and (marked.get("lost_row", pd.Series(dtype=bool)) == True).all()  # noqa: E712
+    done = m[m["worker"] >= 0].groupby("worker")["worker_step"].max()
+    assert done.get(lost, 0) < budget and all(done[w] == budget for w in done.index if w != lost)
+    # seen by its process's exit code or, on engine=distributed, by its connection closing mid-commit
+    assert "lost" in out and ("process died" in summary["reason"] or "connection closed" in summary["reason"])
+    assert set(summary["commit_shares"]) == {"0", "1", "2"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_and_sigterm_leave_no_child_behind(tmp_path, sig, code, engine):
+    p, d = _start(tmp_path, "epochs=1000", engine=engine)
+    kids = _children(p.pid)
+    if sig == "SIGINT":
+        os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    else:
+        p.send_signal(signal.SIGTERM)  # what a scheduler does: the main process only
+    try:
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == code, err
+    time.sleep(0.5)
+    alive = [k for k in kids if _alive(k)]
+    assert alive == [], f"children left behind: {alive}"
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["status"] == "failed" and "interrupted" in summary["reason"]
+    m = pd.read_parquet(d / "metrics.parquet")
+    assert m["step"].tolist() == list(range(1, len(m) + 1))
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _children(pid) -> list[int]:
+    """Worker processes (spawn_main) whose parent is pid; the resource tracker is left out."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        state = stat.rsplit(")", 1)[1].split()[0]
+        if ppid == pid and "spawn_main" in cmd and state != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _start(tmp_path, *args, engine="process", workers=3):
+    """`python run.py` with `workers` workers, returned once they are committing."""
+    d = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "run.py", f"engine={engine}", f"workers={workers}", "algorithm=gem",
+                          "logger.wandb.mode=disabled", "logger.flush_every=5", f"hydra.run.dir={d}", *args],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    processes = workers if engine in REAL else 0
+    deadline = time.monotonic() + 180
+    while not (d / "metrics.parts").exists() or len(_children(p.pid)) < processes:  # the workers are committing
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            raise AssertionError(f"run did not start: {p.communicate()[1][-2000:]}")
+        time.sleep(0.2)
+    return p, d
+
+
+def _wait_for_checkpoint(d, p, at_least):
+    manifest = d / "checkpoint" / "manifest.json"
+    deadline = time.monotonic() + 240
+    while not (manifest.exists() and json.loads(manifest.read_text())["step"] >= at_least):
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            raise AssertionError(f"no checkpoint: {p.communicate()[1][-2000:]}")
+        time.sleep(0.2)
+    return json.loads(manifest.read_text())["step"]
