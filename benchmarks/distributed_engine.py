@@ -29,6 +29,7 @@ from transport import sgd_step_seconds  # noqa: E402
 
 from gem.data import load_dataset, make_synthetic  # noqa: E402
 from gem.engines import distributed, process  # noqa: E402
+from gem.engines.worker import threads_per_process  # noqa: E402
 
 
 def main() -> int:
@@ -43,7 +44,7 @@ def main() -> int:
     except Exception:  # noqa: BLE001
         data, name = load_dataset("digits", args.root, download=False), "digits"
     print(f"data={name} ({len(data.train_y)} train), mnist_cnn, b=64, torch {torch.__version__}, "
-          f"{process.threads_per_process(1)} cores", flush=True)
+          f"{threads_per_process(1)} cores", flush=True)
 
     # 1. throughput, distributed against process
     rows: dict[tuple[str, int], dict[str, list[float]]] = {}

@@ -1,11 +1,13 @@
-"""The `process` engine (issue 4), three ratios measured side by side in one run.
+"""The `process` engine (issues 4 and 13), ratios measured side by side in one run.
 
 1. Throughput: aggregate worker steps per second of `engine=process` with n workers (`gem` and `downpour`,
    `mnist_cnn`, b = 64), divided by the steps per second of plain sequential single-thread SGD
    (`torch.optim.SGD`, 1 torch thread, same model, batch and in-memory batches). The engine is timed between its
    first and last commit rows (`time_s`), so start-up and the evaluations of the central variable are left
    out; each worker runs floor(cores / n) torch threads. The reference is timed before and after each engine
-   run, and their mean is used.
+   run, and their mean is used. The ideal: n independent sequential 1-thread processes started together behind
+   a barrier, no communication at all. Windowed algorithms: `agn` (λ = 10) and `easgd` (λ = 4) worker steps per
+   second over `downpour`'s at the same n, run one after the other in each round.
 2. Parameter-server apply: the server rule θ ← θ + Δ for `alexnet_cifar` (7.5M parameters) as the engine runs
    it, θ in shared memory under the server's turn (`apply_s` of each commit), divided by a plain in-memory
    `θ.add_(Δ)` of the same size in this process. Also the whole turn (`wait_s` excluded): see BENCHMARKS.md.
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from gem import algorithms
 from gem.data import WorkerStream, load_dataset, make_synthetic
 from gem.engines import Job, process
+from gem.engines.worker import threads_per_process
 from gem.metrics import Recorder, read_table
 from gem.models import build_model
 
@@ -59,36 +62,40 @@ def sequential_steps_per_s(data, steps: int = 150) -> float:
         torch.set_num_threads(threads)
 
 
-def _independent(root: str, q) -> None:
+def _independent(root: str, barrier, q, steps: int) -> None:
     torch.set_num_threads(1)
     try:
         data = load_dataset("mnist", root, download=False)
     except Exception:  # noqa: BLE001
         data = load_dataset("digits", root, download=False)
-    q.put(sequential_steps_per_s(data, 300))
+    sequential_steps_per_s(data, 5)  # warm up
+    barrier.wait()
+    t0 = time.perf_counter()
+    sequential_steps_per_s(data, steps)
+    q.put((t0, time.perf_counter()))
 
 
-def ideal(root: str, k: int) -> float:
-    """Aggregate steps/s of k independent sequential 1-thread processes running at once: what the cores
-    allow with no communication at all."""
+def ideal(root: str, k: int, steps: int = 300) -> float:
+    """Aggregate steps/s of k independent sequential 1-thread processes started together: what the cores
+    allow with no communication at all, timed from the first start to the last end, as an engine run is."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_independent, args=(root, q)) for _ in range(k)]
+    q, barrier = ctx.Queue(), ctx.Barrier(k)
+    procs = [ctx.Process(target=_independent, args=(root, barrier, q, steps)) for _ in range(k)]
     for p in procs:
         p.start()
-    rates = [q.get(timeout=600) for _ in procs]
+    spans = [q.get(timeout=600) for _ in procs]
     for p in procs:
         p.join(30)
-    return sum(rates)
+    return k * steps / (max(e for _, e in spans) - min(s for s, _ in spans))
 
 
 def engine_run(data, name: str, workers: int, epochs: int, model: str = "mnist_cnn",
                batch_size: int = BATCH_SIZE, engine=process, options: dict | None = None, with_result=False):
     params = algorithms.get(name).Params
     hp = params(lr=LR, momentum=MOMENTUM, **({"workers": workers} if "workers" in params.__dataclass_fields__
-                                             else {}))
+                                             else {}))  # agn's and easgd's own default windows: 10 and 4
     job = Job(algorithm=name, hp=hp, model=model, data=data, workers=workers, batch_size=batch_size,
               epochs=epochs, seed=SEED, eval_every=10**9, eval_train_size=64, engine=options or {})
     with tempfile.TemporaryDirectory() as d:
@@ -101,14 +108,15 @@ def engine_run(data, name: str, workers: int, epochs: int, model: str = "mnist_c
 
 
 def throughput(data, name, workers, epochs, engine=process, options=None) -> tuple[float, float]:
-    """(whole run, while all workers run) aggregate commits per second. Each worker has the same budget, but
-    the OS does not share the cores exactly evenly, so the last workers finish alone: the second figure
-    leaves that tail out, as the ideal below (independent processes) does."""
+    """(whole run, while all workers run) aggregate worker steps per second, from the first to the last commit
+    row. Each worker has the same budget, but the OS does not share the cores exactly evenly, so the last
+    workers finish alone: the second figure leaves that tail out."""
     m = engine_run(data, name, workers, epochs, engine=engine, options=options)
     t = m["time_s"]
-    whole = (len(m) - 1) / (t.iloc[-1] - t.iloc[0])
-    full = m[t <= m.groupby("worker")["time_s"].max().min()]
-    return whole, (len(full) - 1) / (full["time_s"].iloc[-1] - full["time_s"].iloc[0])
+    span = m["worker_step"] - m.groupby("worker")["worker_step"].shift().fillna(0)  # λ steps per windowed commit
+    whole = span.iloc[1:].sum() / (t.iloc[-1] - t.iloc[0])
+    full = m.index[t <= m.groupby("worker")["time_s"].max().min()]
+    return whole, span[full[1:]].sum() / (t[full[-1]] - t[full[0]])
 
 
 def startup_ratio(tmp: Path) -> tuple[float, float, float]:
@@ -135,7 +143,7 @@ def startup_ratio(tmp: Path) -> tuple[float, float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default="../shared/data")
-    ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--workers", type=int, nargs="+", default=[4])
     ap.add_argument("--epochs", type=int, default=8, help="passes over the data per worker (long enough that "
                     "start-up and the initial evaluation do not dominate)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -145,16 +153,18 @@ def main() -> int:
     except Exception:  # noqa: BLE001
         data, name = load_dataset("digits", args.root, download=False), "digits"
     print(f"data={name} ({len(data.train_y)} train), mnist_cnn, b={BATCH_SIZE}, torch {torch.__version__}, "
-          f"{process.threads_per_process(1)} cores")
+          f"{threads_per_process(1)} cores")
 
-    # 1. throughput
+    # 1. throughput, and the windowed algorithms against downpour
     ratios: dict[tuple[str, int], list[float]] = {}
+    windowed: dict[tuple[str, int], list[float]] = {}
     refs = []
     for r in range(args.rounds):
-        for name_ in ("gem", "downpour"):
-            for n in args.workers:
+        for n in args.workers:
+            rates = {}
+            for name_ in ("gem", "downpour", "agn", "easgd"):
                 before = sequential_steps_per_s(data)
-                rate, rate_full = throughput(data, name_, n, args.epochs)
+                rate, rate_full = rates[name_] = throughput(data, name_, n, args.epochs)
                 after = sequential_steps_per_s(data)
                 ref = (before + after) / 2
                 refs.append(ref)
@@ -163,18 +173,23 @@ def main() -> int:
                 print(f"round {r + 1}: {name_} n={n}: {rate:.1f} worker steps/s ({rate_full:.1f} while all run), "
                       f"sequential 1 thread {ref:.1f} steps/s: {rate / ref:.2f}x ({rate_full / ref:.2f}x)",
                       flush=True)
-    for n in args.workers:
-        before = sequential_steps_per_s(data)
-        rate = ideal(args.root, n)
-        after = sequential_steps_per_s(data)
-        ratios.setdefault(("ideal: independent sequential processes", n), []).append(rate / ((before + after) / 2))
+            for name_ in ("agn", "easgd"):
+                windowed.setdefault((name_, n), []).append(rates[name_][0] / rates["downpour"][0])
+            before = sequential_steps_per_s(data)
+            rate = ideal(args.root, n)
+            after = sequential_steps_per_s(data)
+            ratios.setdefault(("ideal: independent sequential processes", n), []).append(rate / ((before + after) / 2))
     print(f"\n| engine=process | aggregate worker steps/s / sequential 1-thread SGD steps/s "
           f"(median [range] over {args.rounds} rounds) |")
     print("|---|---|")
     for (name_, n), rs in ratios.items():
-        print(f"| {name_}, n={n} ({process.threads_per_process(n)} thread(s) each) | **{statistics.median(rs):.2f}x** "
+        print(f"| {name_}, n={n} ({threads_per_process(n)} thread(s) each) | **{statistics.median(rs):.2f}x** "
               f"[{min(rs):.2f}-{max(rs):.2f}] |")
     print(f"(sequential reference: median {statistics.median(refs):.1f} steps/s)")
+    print("\n| windowed | worker steps/s over downpour's, same n, same round |\n|---|---|")
+    for (name_, n), rs in windowed.items():
+        print(f"| {name_} (window {algorithms.get(name_).commit_every(algorithms.get(name_).Params())}), n={n} | "
+              f"**{statistics.median(rs):.2f}x** [{min(rs):.2f}-{max(rs):.2f}] |")
 
     # 2. parameter-server apply, alexnet_cifar
     syn = make_synthetic((3, 32, 32), num_classes=10, train_size=64, val_size=16, seed=0)

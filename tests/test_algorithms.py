@@ -20,9 +20,11 @@ def at(theta, server=None, staleness=0, t=0, worker=0) -> View:
 
 
 def commit(module, state, x, grad, theta, hp, server=None, layout=LAYOUT):
-    """A commit as every engine makes it: the worker rule at a view of θ, then, once the turn is handed on, the
-    diagnostics (merged into commit.metrics; the per-tensor lists in commit.tensors)."""
+    """A commit as every engine makes it: prepare (before the turn), the worker rule at a view of θ, then, once
+    the turn is handed on, the diagnostics (merged into commit.metrics; the per-tensor lists in commit.tensors)."""
     algo = module.ALGORITHM
+    if algo.prepare is not None:
+        algo.prepare(state, x, grad, hp)
     c = algo.worker_rule(state, x, grad, at(theta, server), hp)
     c.tensors = {}
     if algo.diagnostics is not None:
@@ -364,3 +366,31 @@ def test_pi_median_is_torch_lower_median_with_ties_at_the_clamps(zero_frac, top_
     assert torch_metrics == pytest.approx(metrics)
     for key, values in tensors.items():
         assert torch_tensors[key] == pytest.approx(values), key
+
+
+MNIST_CNN_SIZES = [250, 10, 5000, 20, 96000, 300, 60000, 200, 2000, 10]  # the paper CNN's parameter tensors
+
+
+@pytest.mark.parametrize("sizes", [MNIST_CNN_SIZES, [7] * 40 + [3000, 2900], [1, 1, 1, 500], [64] * 16])
+@pytest.mark.parametrize("zero_frac, top_frac", [(0.0, 0.0), (0.45, 0.08), (0.49, 0.49), (0.1, 0.6), (0.7, 0.0),
+                                                 (0.0, 0.7), (0.3, 0.0)])
+def test_the_overall_median_built_from_the_parts_is_torchs(sizes, zero_frac, top_frac):
+    """The overall median comes from the per-tensor medians and a small selection between bounds: it must be
+    torch's lower median exactly, whatever the layout and the clamps; the other overall numbers must agree."""
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        n = sum(sizes)
+        pi = torch.rand(n, generator=g) * torch.rand(len(sizes), generator=g).repeat_interleave(torch.tensor(sizes)) * 5
+        u = torch.rand(n, generator=g)
+        pi[u < zero_frac] = 0.0
+        pi[u > 1 - top_frac] = 5.0
+        bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+        layout = [(str(i), slice(a, b)) for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))]
+        metrics, tensors = gem.pi_stats(pi, layout, 5.0)
+        assert metrics["pi_median"] == pi.median().item(), (seed, metrics["pi_median"], pi.median().item())
+        assert tensors["pi_median"] == [pi[sl].median().item() for _, sl in layout]
+        assert metrics["pi_mean"] == pytest.approx(pi.double().mean().item(), rel=1e-5)
+        assert metrics["pi_zero_frac"] == pytest.approx(float((pi == 0).double().mean()))
+        assert metrics["pi_max_frac"] == pytest.approx(float((pi == 5.0).double().mean()))
+        partial = gem.pi_stats(pi, layout[:-1], 5.0)[0]  # a layout that leaves some of π out
+        assert partial["pi_median"] == pi.median().item()

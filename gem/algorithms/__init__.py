@@ -17,6 +17,9 @@ Each algorithm module ends with one `Algorithm` record, in the spirit of optax's
   reference), the clock t, this commit's staleness τ and the worker's id. This runs before the server applies the
   worker's commit, so a copy of θ taken now is θ just before the worker's own commit, which is the reference
   GEM needs for θ − s (DESIGN §1). Do here only what the commit needs: statistics go in ``diagnostics``.
+- ``prepare(state, x, grad, hp)`` (optional): the part of a commit that does not read θ, run at the window's end
+  just before the worker takes the turn (GEM: Δθ, its proxy, π's numerator and denominator). The worker rule
+  follows it, under the turn; the arithmetic is the same, only less of it holds the others up.
 - ``server_rule(view, commit, hp)``: applies a commit to ``view.theta`` in place, with ``view.staleness`` (τ,
   measured by the server on its own clock) and ``view.worker`` (for state kept per worker at the server).
 - ``init_server(theta, hp, workers) -> dict[str, Tensor]`` (optional): tensors the server keeps next to θ
@@ -80,6 +83,7 @@ class Algorithm:
     commit_every: Callable = _every_step
     local_step: Callable | None = None
     init_server: Callable | None = None
+    prepare: Callable | None = None
     diagnostics: Callable | None = None
     sequential: bool = False
 

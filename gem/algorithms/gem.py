@@ -60,21 +60,35 @@ def init_server(theta: torch.Tensor, hp: Params, workers: int) -> dict:
     return {"proxy": torch.zeros_like(theta), "proxy_commits": torch.zeros((), dtype=torch.long)}
 
 
-def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
-    """Only what the commit needs happens here, under the server's turn; the statistics wait for
-    `diagnostics`, which the worker runs once it has handed the turn on."""
-    m, stale, theta = state["m"], state["stale"], view.theta
+def prepare(state, x, grad, hp: Params) -> None:
+    """The part of the commit that does not read θ, run before the worker takes the turn: Δθ, the proxy m, and
+    π's numerator κ|m| (for the local proxy) and denominator |Δθ| + ε, in scratch buffers."""
+    m = state["m"]
     update = torch.mul(grad, -hp.lr, out=scratch(grad, "update"))  # Δθ
     m.mul_(hp.momentum).add_(update)
+    torch.abs(update, out=scratch(m, "denominator")).add_(hp.eps)
+    if hp.proxy == "local":
+        _numerator(m, hp)
+
+
+def _numerator(proxy: torch.Tensor, hp: Params) -> torch.Tensor:
+    pi = torch.abs(proxy, out=scratch(proxy, "pi"))
+    if hp.kappa != 1:  # x·1 is x exactly: skip a pass over the model for the default κ
+        pi.mul_(hp.kappa)
+    return pi
+
+
+def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
+    """Under the server's turn, after `prepare`: only what reads θ. The statistics wait for `diagnostics`,
+    which the worker runs once it has handed the turn on."""
+    m, stale, theta = state["m"], state["stale"], view.theta
     central = torch.sub(theta, stale, out=scratch(theta, "central"))  # θ − s
     stale.copy_(theta)  # the next commit's s: θ as it is now, before this commit lands
     proxy = view.server["proxy"] if hp.proxy == "global" else m
-    pi = torch.abs(proxy, out=scratch(m, "pi")).mul_(hp.kappa)
-    tmp = torch.abs(central, out=scratch(m, "tmp"))
-    pi.sub_(tmp)
-    torch.abs(update, out=tmp).add_(hp.eps)
-    pi.div_(tmp).clamp_(0.0, hp.pi_max)
-    delta = update.mul_(pi)  # πΔθ, the commit
+    pi = _numerator(proxy, hp) if hp.proxy == "global" else scratch(m, "pi")  # κ|m|, from prepare
+    pi.sub_(torch.abs(central, out=scratch(m, "tmp")))
+    pi.div_(scratch(m, "denominator")).clamp_(0.0, hp.pi_max)
+    delta = scratch(grad, "update").mul_(pi)  # πΔθ, the commit
     # the global proxy moves with every commit: its energy is read now, while it is the one π used
     metrics = {"proxy_energy": 0.5 * hp.kappa**2 * float(proxy.dot(proxy))}
     payload = {"m": m} if hp.proxy == "global" else {}
@@ -98,43 +112,56 @@ def diagnostics(commit: Commit, layout, hp: Params) -> tuple[dict[str, float], d
     return metrics, tensors
 
 
-def _clamped_median(a, zero, top, inner, pi_max: float) -> float:
-    """Lower median of a π that is clamped to [0, pi_max], given its masks at 0, at pi_max, and in between.
+def _clamped_median(n: int, z: int, c: int, inner, pi_max: float) -> float:
+    """Lower median of n values of π clamped to [0, pi_max], z of them at 0 and c at pi_max, given the others
+    (`inner`, strictly between the clamps, in any order; partially sorted in place).
 
-    Sorted, π is its zeros, then the values inside the interval, then the values at pi_max. With few ties a
-    selection over all of π is quickest; with many (late in training most of π sits at a clamp), numpy's
-    introselect slows down about 4x, so only the inside values are selected from. A median per commit must
-    stay cheap: torch.median costs about 10x more on CPU.
+    Sorted, π is its zeros, then the inner values, then the values at pi_max, so the median is a clamp or the
+    inner value of rank k − z. Selecting among the inner values only is what keeps this cheap: late in training
+    most of π sits at a clamp, and those ties slow numpy's introselect down about 4x (torch.median costs about
+    10x more on CPU).
     """
-    k = (a.size - 1) // 2
-    z = int(np.count_nonzero(zero))
+    k = (n - 1) // 2
     if k < z:
         return 0.0
-    c = int(np.count_nonzero(top))
-    if k >= a.size - c:
+    if k >= n - c:
         return float(pi_max)
-    if 2 * (z + c) < a.size:
-        return float(np.partition(a, k)[k])
-    values = np.compress(inner, a)
-    return float(np.partition(values, k - z)[k - z])
+    inner.partition(k - z)
+    return float(inner[k - z])
 
 
 def pi_stats(pi: torch.Tensor, layout, pi_max: float) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """(overall metrics, per-tensor lists in layout order) of π."""
+    """(overall metrics, per-tensor lists in layout order) of π.
+
+    One copy of the inner values, tensor after tensor (a model's layout is contiguous and in order), serves every
+    median: each tensor's is a selection in its own segment, the overall one a selection in all of it.
+    """
     if pi.device.type != "cpu":  # the GPU does the selection itself; one transfer of the results
         return _pi_stats_torch(pi, layout, pi_max)
     a = pi.numpy()  # numpy selection is much faster than torch.median on CPU
     zero, top = a == 0, a == pi_max
-    inner = ~(zero | top)
-    metrics = {"pi_median": _clamped_median(a, zero, top, inner, pi_max), "pi_mean": float(a.mean()),
-               "pi_zero_frac": float(np.count_nonzero(zero)) / a.size,
-               "pi_max_frac": float(np.count_nonzero(top)) / a.size}
+    inner = np.compress(~(zero | top), a)
+    starts = [sl.start for _, sl in layout]
+    contiguous = starts == [0, *(sl.stop for _, sl in layout[:-1])]
+    sums = np.add.reduceat(a, starts) if contiguous else [a[sl].sum() for _, sl in layout]  # one call for all
     tensors = {"pi_median": [], "pi_mean": [], "pi_zero_frac": []}
-    for _, sl in layout:
-        part = a[sl]
-        tensors["pi_median"].append(_clamped_median(part, zero[sl], top[sl], inner[sl], pi_max))
-        tensors["pi_mean"].append(float(part.mean()))
-        tensors["pi_zero_frac"].append(float(np.count_nonzero(zero[sl])) / part.size)
+    start = 0
+    for (_, sl), total in zip(layout, sums, strict=True):
+        n = sl.stop - sl.start
+        z, c = int(np.count_nonzero(zero[sl])), int(np.count_nonzero(top[sl]))
+        if contiguous:
+            part_inner = inner[start:start + n - z - c]
+            start += n - z - c
+        else:
+            part_inner = np.compress(~(zero[sl] | top[sl]), a[sl])
+        tensors["pi_median"].append(_clamped_median(n, z, c, part_inner, pi_max))
+        tensors["pi_mean"].append(float(total) / n)
+        tensors["pi_zero_frac"].append(z / n)
+    z, c = int(np.count_nonzero(zero)), int(np.count_nonzero(top))
+    covered = contiguous and layout and layout[-1][1].stop == a.size
+    metrics = {"pi_median": _clamped_median(a.size, z, c, inner, pi_max),
+               "pi_mean": float(np.sum(sums, dtype=np.float64)) / a.size if covered else float(a.mean()),
+               "pi_zero_frac": z / a.size, "pi_max_frac": c / a.size}
     return metrics, tensors
 
 
@@ -152,4 +179,4 @@ def _pi_stats_torch(pi, layout, pi_max):
 
 
 ALGORITHM = Algorithm("gem", Params, init_state, worker_rule, server_rule, init_server=init_server,
-                      diagnostics=diagnostics)
+                      prepare=prepare, diagnostics=diagnostics)

@@ -75,7 +75,7 @@ TAG_ASK, TAG_X, TAG_JOB = 1, 2, 3  # worker→server headers (any source); one e
 ASK, READY, FINISHED, DIVERGED, ERROR, SAVED = range(6)
 # server → worker, first word of the reply to an ASK or FINISHED: [kind, t, τ]
 GO, STOP, BYE, SAVE = range(4)
-HEADER = 4  # int64 words: [kind, rows_nbytes, extra_nbytes, 0]
+HEADER = 4  # int64 words: [kind, rows_nbytes, rows_count, extra_nbytes]
 # the dtypes a state or payload may have on the wire
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                                torch.uint8, torch.bool)}
@@ -308,7 +308,7 @@ class _RemoteLink:
         batches, so that most ASKs are one small message."""
         batch = kind != ASK or len(self.buffer) >= ROWS_PER_MESSAGE or time.monotonic() - self.sent_at > ROWS_SECONDS
         rows = _rows_json(self.buffer) if batch and self.buffer else b""
-        h = torch.tensor([kind, len(rows), len(extra), 0], dtype=torch.long)
+        h = torch.tensor([kind, len(rows), len(self.buffer) if rows else 0, len(extra)], dtype=torch.long)
         try:
             _wait(self.pg.send([h], 0, TAG_ASK), self.timeout)
             if rows:
@@ -479,7 +479,7 @@ class _Server(threading.Thread):
                 continue
             src = self.next_header(header)
             if src is not None:
-                self.take(src, *(int(v) for v in header[:3]))
+                self.take(src, *(int(v) for v in header))
 
     def next_header(self, header: torch.Tensor) -> int | None:
         """The next worker's header, first come, first served: gloo keeps the notices of pending sends to a
@@ -494,11 +494,12 @@ class _Server(threading.Thread):
             raise RuntimeError(f"no worker sent anything for {self.timeout:.0f} s (engine.timeout_s)") from None
         return work._source_rank()
 
-    def take(self, src: int, kind: int, rows_nbytes: int, extra_nbytes: int) -> None:
-        """Act on a header from `src`, with the rows and message that follow it."""
+    def take(self, src: int, kind: int, rows_nbytes: int, rows_count: int, extra_nbytes: int) -> None:
+        """Act on a header from `src`, with the rows and message that follow it. The rows are decoded by the
+        coordinator: this thread's time is every worker's wait."""
         self.heard[src] = time.monotonic()
         try:
-            rows = json.loads(_recv_bytes(self.pg, rows_nbytes, src, TAG_X, self.timeout)) if rows_nbytes else []
+            rows = _recv_bytes(self.pg, rows_nbytes, src, TAG_X, self.timeout) if rows_nbytes else b""
             extra = _recv_bytes(self.pg, extra_nbytes, src, TAG_X, self.timeout) if extra_nbytes else b""
             state = _recv_spec_and_tensors(self.pg, extra, src, TAG_X, self.timeout) if kind == SAVED else None
         except RuntimeError as e:
@@ -507,7 +508,7 @@ class _Server(threading.Thread):
         with self.lock:
             lost = src in self.lost
             if not lost:
-                for _ in rows:
+                for _ in range(rows_count):
                     self.pending[src].popleft()
         if lost:  # given up for lost (silent too long) and back: its commits are marked already; it stops
             if kind == ASK:
@@ -745,7 +746,7 @@ class _Coordinator(Coordinator):
     def handle(self, ev) -> None:
         kind = ev[0]
         if kind == "rows":
-            for row, tensors in ev[1]:
+            for row, tensors in json.loads(ev[1]):
                 self.ledger.add(row, tensors)
         elif kind == "finished":
             self.finish(ev[1] - 1)

@@ -170,6 +170,8 @@ class Worker:
         return False
 
     def commit(self, link: Link) -> None:
+        if self.algo.prepare is not None:  # what does not read θ, before the turn
+            self.algo.prepare(self.state, self.x, self.model.grad, self.hp)
         asked = time.monotonic()
         view = link.acquire(self.w)
         try:
