@@ -18,8 +18,10 @@ Each algorithm module ends with one `Algorithm` record, in the spirit of optax's
   worker's commit, so a copy of θ taken now is θ just before the worker's own commit, which is the reference
   GEM needs for θ − s (DESIGN §1). Do here only what the commit needs: statistics go in ``diagnostics``.
 - ``prepare(state, x, grad, hp)`` (optional): the part of a commit that does not read θ, run at the window's end
-  just before the worker takes the turn (GEM: Δθ, its proxy, π's numerator and denominator). The worker rule
-  follows it, under the turn; the arithmetic is the same, only less of it holds the others up.
+  just before the worker takes the turn (GEM: Δθ, its proxy's next value, π's numerator and denominator). It
+  writes scratch buffers only, never ``state`` or ``x``: a checkpoint taken while the worker waits for the turn
+  saves the state as it was before this gradient, and a resumed worker takes the gradient and prepare again.
+  The worker rule follows, under the turn; the arithmetic is the same, only less of it holds the others up.
 - ``server_rule(view, commit, hp)``: applies a commit to ``view.theta`` in place, with ``view.staleness`` (τ,
   measured by the server on its own clock) and ``view.worker`` (for state kept per worker at the server).
 - ``init_server(theta, hp, workers) -> dict[str, Tensor]`` (optional): tensors the server keeps next to θ

@@ -61,14 +61,14 @@ def init_server(theta: torch.Tensor, hp: Params, workers: int) -> dict:
 
 
 def prepare(state, x, grad, hp: Params) -> None:
-    """The part of the commit that does not read θ, run before the worker takes the turn: Δθ, the proxy m, and
-    π's numerator κ|m| (for the local proxy) and denominator |Δθ| + ε, in scratch buffers."""
-    m = state["m"]
+    """The part of the commit that does not read θ, run before the worker takes the turn: Δθ, the proxy's next
+    value μm + Δθ, and π's numerator κ|μm + Δθ| (local proxy) and denominator |Δθ| + ε. In scratch buffers only:
+    the worker's state must stay as it was until its turn (a checkpoint taken while it waits saves it)."""
     update = torch.mul(grad, -hp.lr, out=scratch(grad, "update"))  # Δθ
-    m.mul_(hp.momentum).add_(update)
-    torch.abs(update, out=scratch(m, "denominator")).add_(hp.eps)
+    m_next = torch.mul(state["m"], hp.momentum, out=scratch(grad, "m_next")).add_(update)
+    torch.abs(update, out=scratch(grad, "denominator")).add_(hp.eps)
     if hp.proxy == "local":
-        _numerator(m, hp)
+        _numerator(m_next, hp)
 
 
 def _numerator(proxy: torch.Tensor, hp: Params) -> torch.Tensor:
@@ -81,7 +81,7 @@ def _numerator(proxy: torch.Tensor, hp: Params) -> torch.Tensor:
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     """Under the server's turn, after `prepare`: only what reads θ. The statistics wait for `diagnostics`,
     which the worker runs once it has handed the turn on."""
-    m, stale, theta = state["m"], state["stale"], view.theta
+    m, stale, theta = state["m"].copy_(scratch(grad, "m_next")), state["stale"], view.theta  # m ← μm + Δθ
     central = torch.sub(theta, stale, out=scratch(theta, "central"))  # θ − s
     stale.copy_(theta)  # the next commit's s: θ as it is now, before this commit lands
     proxy = view.server["proxy"] if hp.proxy == "global" else m
@@ -143,7 +143,8 @@ def pi_stats(pi: torch.Tensor, layout, pi_max: float) -> tuple[dict[str, float],
     inner = np.compress(~(zero | top), a)
     starts = [sl.start for _, sl in layout]
     contiguous = starts == [0, *(sl.stop for _, sl in layout[:-1])]
-    sums = np.add.reduceat(a, starts) if contiguous else [a[sl].sum() for _, sl in layout]  # one call for all
+    stop = layout[-1][1].stop if layout else 0
+    sums = np.add.reduceat(a[:stop], starts) if contiguous and layout else [a[sl].sum() for _, sl in layout]
     tensors = {"pi_median": [], "pi_mean": [], "pi_zero_frac": []}
     start = 0
     for (_, sl), total in zip(layout, sums, strict=True):
@@ -158,7 +159,7 @@ def pi_stats(pi: torch.Tensor, layout, pi_max: float) -> tuple[dict[str, float],
         tensors["pi_mean"].append(float(total) / n)
         tensors["pi_zero_frac"].append(z / n)
     z, c = int(np.count_nonzero(zero)), int(np.count_nonzero(top))
-    covered = contiguous and layout and layout[-1][1].stop == a.size
+    covered = contiguous and stop == a.size
     metrics = {"pi_median": _clamped_median(a.size, z, c, inner, pi_max),
                "pi_mean": float(np.sum(sums, dtype=np.float64)) / a.size if covered else float(a.mean()),
                "pi_zero_frac": z / a.size, "pi_max_frac": c / a.size}

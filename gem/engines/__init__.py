@@ -27,12 +27,12 @@ class Job:
     epochs: int
     seed: int
     device: str = "cpu"
-    engine: dict = field(default_factory=dict)  # engine-specific options (cfg.engine minus name)
+    engine: dict = field(default_factory=dict)  # cfg.engine: its name and engine-specific options
     eval_every: int = 100  # commits between evaluations of the central variable
     eval_train_size: int = 2048  # training examples used for the periodic train-loss estimate
     run_dir: str | None = None  # where checkpoints go (<run_dir>/checkpoint/)
     checkpoint_every: int = 0  # commits between checkpoints; 0: none
-    resume: dict | None = None  # the manifest of the checkpoint to continue from (gem.engines.core)
+    resume: dict | None = None  # the manifest of the checkpoint to continue from (gem.engines.checkpoint)
     # gem.data.load_dataset's arguments for `data`: lets a worker on another machine load it itself
     data_source: dict | None = None
 
@@ -42,7 +42,7 @@ class Result:
     status: str  # completed | diverged | failed
     steps: int  # commits applied by the parameter server
     reason: str = ""
-    extra: dict = field(default_factory=dict)  # engine-specific summary fields (the process engine's lost workers)
+    extra: dict = field(default_factory=dict)  # summary fields: lost workers, the distributed server's load
 
 
 def get(name: str) -> ModuleType:

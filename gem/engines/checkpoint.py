@@ -24,7 +24,7 @@ import torch
 
 CHECKPOINT = "checkpoint"
 # what must match between a checkpoint and the command that resumes it
-FINGERPRINT = ("algorithm", "model", "workers", "batch_size", "epochs", "seed")
+FINGERPRINT = ("algorithm", "model", "workers", "batch_size", "epochs", "seed", "device")
 SCHEDULE_KEYS = ("staleness", "straggler_fraction", "straggler_slowdown")  # the sim engine's commit order
 
 

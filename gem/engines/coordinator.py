@@ -1,20 +1,24 @@
 """The coordinator: the bookkeeping of a run, the same on every engine.
 
 It puts commit rows in clock order (`Ledger`), evaluates the central variable every `eval_every` commits,
-writes a checkpoint every `checkpoint_every` commits, keeps track of finished and lost workers, and ends the
-run: completed, diverged or failed. It lives in the process that writes the run directory: the sim engine's only
-process, the process engine's parent, rank 0 of the distributed engine.
+writes a checkpoint every `checkpoint_every` commits (and removes it once the run has completed: a completed
+run cannot be resumed), keeps track of finished and lost workers, and ends the run: completed, diverged or
+failed. It lives in the process that writes the run directory: the sim engine's only process, the process
+engine's parent, rank 0 of the distributed engine.
 
 An engine with real workers subclasses it and supplies the transport: `poll` (read what the workers sent),
-`watch` (notice the dead), `snapshot` (θ and its clock, read under the server's turn), `save_workers` (every live
-worker's state at one clock), `sync` (after a loss: make sure the rows of the lost worker's commits are known)
-and `wrap_up`. `serve` is the loop they share. The sim engine calls the bookkeeping directly, one commit at a time.
+`watch` (notice the dead), `snapshot` (θ and its clock, read under the server's turn), `checkpoint` (every live
+worker's state at one clock, then `write_checkpoint`), `sync` (after a loss: make sure the rows of the lost
+worker's commits are known) and `wrap_up`. `serve` is the loop they share. The sim engine calls the
+bookkeeping directly, one commit at a time.
 """
 
 from __future__ import annotations
 
 import heapq
+import shutil
 import time
+from pathlib import Path
 
 import torch
 
@@ -27,18 +31,32 @@ from gem.metrics import tensor_rows
 POLL_S = 0.5  # how often the loop looks at the workers when nothing arrives
 
 
+def start_server(job, algo, theta: torch.Tensor) -> tuple[Server, dict | None]:
+    """The parameter server at the start of a run: θ₀ (`theta`), or the state of the checkpoint that `resume`
+    continues, once it is checked against this job. Returns (server, the checkpoint's central state or None)."""
+    server = Server.create(algo, job.hp, theta, job.workers)
+    if job.resume is None:
+        return server, None
+    ckpt.check_resumable(job.resume, job)
+    resumed = ckpt.load_central(job.resume)
+    server.load_state_dict(resumed)
+    return server, resumed
+
+
 class Ledger:
     """Records commit rows in clock order, though they arrive out of order (each worker sends its own rows,
     in batches). A commit whose worker was lost before it sent the row gets a row that says so (`lost_row`),
     so that the clock in metrics.parquet has no gap."""
 
-    def __init__(self, recorder, tensor_names: list[str], steps: int = 0):
+    def __init__(self, recorder, tensor_names: list[str], steps: int = 0, last_time: float = 0.0):
         self.recorder, self.tensor_names = recorder, tensor_names
         self.rows: list = []  # heap of (step, tiebreak, row, tensors) not yet recorded
         self.steps = steps  # the last step recorded
-        self.last_time = 0.0  # its time_s
+        self.last_time = last_time  # its time_s
 
     def add(self, row: dict, tensors=None) -> None:
+        if row["step"] <= self.steps:  # recorded already, or marked lost (a lost worker's late row): drop it
+            return
         heapq.heappush(self.rows, (row["step"], id(row), row, tensors))
 
     def lost(self, step: int) -> None:
@@ -77,7 +95,7 @@ class Coordinator:
         # run carries on its clock, so that time_s keeps increasing
         elapsed = float(job.resume.get("time_s", 0.0)) if job.resume else 0.0
         self.t0_wall, self.t0 = time.time() - elapsed, time.perf_counter() - elapsed
-        self.ledger = Ledger(recorder, evaluate.model.tensor_names, server.t)
+        self.ledger = Ledger(recorder, evaluate.model.tensor_names, server.t, last_time=elapsed)
         every, ck = job.eval_every, (job.checkpoint_every if job.run_dir else 0)
         self.next_eval = (self.steps // every + 1) * every
         self.next_checkpoint = (self.steps // ck + 1) * ck if ck else None
@@ -88,6 +106,10 @@ class Coordinator:
 
     def now(self) -> float:
         return time.time() - self.t0_wall
+
+    def pending_workers(self) -> list[int]:
+        """Workers that still have work: neither finished nor lost (before the checkpoint a run resumes from)."""
+        return [w for w in range(self.job.workers) if w not in self.finished and w not in self.lost_workers]
 
     # --- bookkeeping
 
@@ -159,6 +181,8 @@ class Coordinator:
             return Result("failed", steps, reason="; ".join(self.lost) or "no worker finished", extra=extra)
         if self.recorder.last_eval is None or self.recorder.last_eval["step"] != steps:
             self.recorder.eval(self.evaluate(theta, steps, self.t0))
+        if self.job.run_dir:
+            shutil.rmtree(Path(self.job.run_dir) / ckpt.CHECKPOINT, ignore_errors=True)
         return Result("completed", steps, reason="; ".join(self.lost), extra=extra)
 
     # --- the loop of an engine with real workers

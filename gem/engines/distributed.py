@@ -29,8 +29,10 @@ sends them.)
 The server's exchanges run on a thread of rank 0; its main thread (the coordinator, gem.engines.coordinator)
 records rows in clock order, evaluates θ, writes checkpoints and watches the workers. For a checkpoint the server
 stops handing out turns: each worker, when it next asks, is answered SAVE and sends its state (the run directory
-is rank 0's, perhaps on another machine), then waits; once every live worker has sent its state the coordinator
-writes the checkpoint and the server serves the waiting workers in the order they asked. A worker lost
+is rank 0's, perhaps on another machine); asking again, it is told to WAIT and asks again shortly, until every
+live worker has sent its state, the coordinator has written the checkpoint, and turns are handed out again. (A
+worker is not left waiting on a reply: gloo's receive from any source does not wake when one peer dies, so the
+server, blocked on it, would never learn that the last worker it waits for is gone.) A worker lost
 mid-exchange (its connection closes) or silent for `engine.timeout_s` is recorded and the run goes on: its
 commits whose rows never came are marked (`lost_row`). Every wait has a timeout. gloo aborts the whole group
 when one of its waits times out, so the server never lets one expire unless no worker has spoken for
@@ -61,7 +63,7 @@ from gem.algorithms import Commit
 from gem.data import load_dataset
 from gem.engines import Job, Result
 from gem.engines import checkpoint as ckpt
-from gem.engines.coordinator import POLL_S, Coordinator
+from gem.engines.coordinator import POLL_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.server import Server
 from gem.engines.worker import Diverged, Worker, setup_process, threads_per_process
@@ -74,18 +76,13 @@ TAG_ASK, TAG_X, TAG_JOB = 1, 2, 3  # worker→server headers (any source); one e
 # header kinds, worker → server on TAG_ASK
 ASK, READY, FINISHED, DIVERGED, ERROR, SAVED = range(6)
 # server → worker, first word of the reply to an ASK or FINISHED: [kind, t, τ]
-GO, STOP, BYE, SAVE = range(4)
+GO, STOP, BYE, SAVE, WAIT = range(5)
+WAIT_S = 0.02  # a worker told to WAIT (a checkpoint is being taken) asks again after this long
 HEADER = 4  # int64 words: [kind, rows_nbytes, rows_count, extra_nbytes]
+DONE = {"done": True}  # instead of a worker's state: the run resumes from a checkpoint in which it had no work left
 # the dtypes a state or payload may have on the wire
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                                torch.uint8, torch.bool)}
-
-
-def _td(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
-
-
-# ------------------------------------------------------------------------------------- the group
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -170,7 +167,9 @@ def _pack(d: dict, prefix: str = "") -> tuple[dict, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
     for k, v in d.items():
         path = f"{prefix}{k}"
-        if isinstance(v, dict):
+        if isinstance(v, dict) and not v:
+            spec["numbers"][path] = {}  # an empty state (downpour's) must come back as one
+        elif isinstance(v, dict):
             sub, ts = _pack(v, path + "/")
             spec["numbers"].update(sub["numbers"])
             spec["tensors"] += sub["tensors"]
@@ -270,6 +269,8 @@ def _work(pg, rank: int, threads: int, ignore_sigint: bool = True) -> int:
         saved = _recv_packed(pg, 0, TAG_JOB, START_TIMEOUT_S)  # this worker's state, when the run resumes
     except RuntimeError:
         return 1
+    if saved == DONE:  # a resumed run whose checkpoint has this worker finished, or lost: nothing to do
+        return 0
     link = _RemoteLink(pg, rank, job)
     try:
         link.run(saved)
@@ -337,18 +338,20 @@ class _RemoteLink:
 
     # --- the Link of the worker cycle
     def acquire(self, w: int):
-        self.header(ASK)
         while True:
+            self.header(ASK)
             self._recv([self.reply], self.timeout)
             kind, t, staleness = (int(v) for v in self.reply)
             if kind == STOP:
                 raise _Stopped()
-            if kind != SAVE:
+            if kind == GO:
                 break
-            # the server is taking a checkpoint: our state as of before the gradient in hand, then wait our turn
-            spec, tensors = _pack(self.worker.state_dict(in_hand=True))
-            self.header(SAVED, json.dumps(spec).encode())
-            self._send(tensors)
+            if kind == SAVE:  # a checkpoint: our state as of before the gradient in hand, then ask again
+                spec, tensors = _pack(self.worker.state_dict(in_hand=True))
+                self.header(SAVED, json.dumps(spec).encode())
+                self._send(tensors)
+            else:  # WAIT: the others are still sending theirs. Asking again keeps the server awake, so that it
+                time.sleep(WAIT_S)  # notices when a worker it waits for has died (gloo's wait would not wake)
         server = self.server
         self._recv([server.theta, *server.state.values()], self.timeout)
         server.clock.fill_(t)
@@ -425,7 +428,7 @@ class _Server(threading.Thread):
         self.lost: set[int] = set()
         self.stopping = ""  # once set, every ASK is answered STOP
         self.early: deque = deque()  # ASKs that came before every worker was ready: all start from one θ
-        self.saving: dict | None = None  # a checkpoint being taken: {"folder", "saved": set, "held": deque}
+        self.saving: dict | None = None  # a checkpoint being taken: {"folder", "saved": ranks that sent their state}
         self.written = threading.Event()
         self.delta = torch.empty_like(server.theta)
         self.started = time.monotonic()
@@ -451,7 +454,7 @@ class _Server(threading.Thread):
             if self.saving is not None or self.stopping:
                 return False
             self.written.clear()
-            self.saving = {"folder": ckpt.pending(run_dir), "saved": set(), "held": deque()}
+            self.saving = {"folder": ckpt.pending(run_dir), "saved": set()}
             return True
 
     def run(self) -> None:
@@ -472,10 +475,9 @@ class _Server(threading.Thread):
             if self.saving is not None and self.saving["saved"] >= set(self.ranks) - self.done:
                 # the clock now, not when the save was asked for: an exchange in flight then has committed since
                 self.events.put(("saved", self.saving["folder"], self.server.t))
-                self.written.wait(self.timeout)  # the coordinator writes the checkpoint; θ stays as saved
-                held, self.saving = self.saving["held"], None
-                for src in held:
-                    self.exchange(src)
+                while not self.written.wait(POLL_S) and threading.main_thread().is_alive():
+                    pass  # the coordinator writes the checkpoint; θ must stay as saved until it is on disk
+                self.saving = None  # the waiting workers are served as they ask again
                 continue
             src = self.next_header(header)
             if src is not None:
@@ -519,8 +521,8 @@ class _Server(threading.Thread):
         if kind == READY:
             self.ready.add(src)
         elif kind == ASK:
-            if self.saving is not None and src not in self.saving["saved"]:
-                self.reply(src, SAVE)  # it answers with SAVED, then waits for its turn
+            if self.saving is not None:
+                self.reply(src, WAIT if src in self.saving["saved"] else SAVE)
             elif len(self.ready | self.done) < len(self.ranks):
                 self.early.append(src)
             else:
@@ -528,7 +530,6 @@ class _Server(threading.Thread):
         elif kind == SAVED:
             ckpt.save_atomic(state, ckpt.worker_file(self.saving["folder"], src - 1))
             self.saving["saved"].add(src)
-            self.saving["held"].append(src)
         elif kind == FINISHED:
             with self.lock:
                 self.done.add(src)
@@ -555,6 +556,8 @@ class _Server(threading.Thread):
         if not _closed(e):
             raise RuntimeError(f"worker rank {src} did not answer for {self.timeout:.0f} s (engine.timeout_s); "
                                "gloo gives up on the whole group after such a wait") from None
+        with self.lock:  # expect nothing more from it now: a checkpoint in progress must not wait for it
+            self.done.add(src)
         self.events.put(("lost", src, "its connection closed"))
 
     def exchange(self, src: int) -> None:
@@ -586,7 +589,10 @@ class _Server(threading.Thread):
             return
         with self.lock:
             t = server.apply(view, Commit(delta=self.delta, payload=payload))
-            self.pending[src].append(t)
+            if src in self.pending:
+                self.pending[src].append(t)
+            else:  # given up for lost while this exchange ran: its row will never come
+                self.events.put(("lost_steps", [t]))
         self.busy_s += time.perf_counter() - began
         self.served += 1
 
@@ -618,12 +624,7 @@ def run(job: Job, recorder) -> Result:
     timeout_s = float(eng.get("timeout_s", 300.0))
     n = job.workers
     algo = algorithms.get(job.algorithm)
-    server = Server.create(algo, job.hp, build_flat_model(job).param.clone(), n)
-    resumed = None
-    if job.resume is not None:
-        ckpt.check_resumable(job.resume, job)
-        resumed = ckpt.load_central(job.resume)
-        server.load_state_dict(resumed)
+    server, resumed = start_server(job, algo, build_flat_model(job).param.clone())
     children: list = []
     listener = None
     coord = None
@@ -659,7 +660,7 @@ def run(job: Job, recorder) -> Result:
         for r in range(1, n + 1):
             _wait(pg.send([torch.tensor([len(blob), 0, 0, 0], dtype=torch.long)], r, TAG_JOB), START_TIMEOUT_S)
             _send_bytes(pg, blob, r, TAG_JOB, START_TIMEOUT_S)
-            _send_packed(pg, saved.get(r - 1), r, TAG_JOB, START_TIMEOUT_S)
+            _send_packed(pg, saved.get(r - 1, DONE if resumed else None), r, TAG_JOB, START_TIMEOUT_S)
         coord.attach(pg, children)
         return coord.serve()
     finally:
@@ -721,9 +722,6 @@ class _Coordinator(Coordinator):
         self.server_done = False
         self.last_watch = 0.0
 
-    def pending_workers(self) -> list[int]:
-        return [w for w in range(self.job.workers) if w not in self.finished and w not in self.lost_workers]
-
     def attach(self, pg, children: list) -> None:
         ranks = [w + 1 for w in range(self.job.workers)]
         self.ps = _Server(pg, self.job, self.server, ranks, self.events)
@@ -758,11 +756,15 @@ class _Coordinator(Coordinator):
             self.lose_rank(ev[1], ev[2])
         elif kind == "saved":  # the server waits with every live worker's state in ev[1], θ as of ev[2]
             try:
-                self.ledger.record()
-                self.ledger.fill_gaps(ev[2])
-                self.write_checkpoint(ev[1], ev[2])
+                if not self.diverged:  # a diverged run's state is not worth resuming
+                    self.ledger.record()
+                    self.ledger.fill_gaps(ev[2])
+                    self.write_checkpoint(ev[1], ev[2])
             finally:
                 self.ps.written.set()
+        elif kind == "lost_steps":
+            for step in ev[1]:
+                self.ledger.lost(step)
         elif kind == "fatal":
             self.fatal = ev[1]
         elif kind == "done":

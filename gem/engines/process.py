@@ -36,7 +36,7 @@ import torch.multiprocessing as tmp
 from gem import algorithms
 from gem.engines import Job, Result
 from gem.engines import checkpoint as ckpt
-from gem.engines.coordinator import POLL_S, Coordinator
+from gem.engines.coordinator import POLL_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.server import Server
 from gem.engines.worker import Diverged, Worker, device_of, setup_process, threads_per_process
@@ -126,6 +126,8 @@ class Turn:
                     waiting()
                 if deadline is not None and time.monotonic() > deadline:
                     self.recover(who)  # out of line, or the turn handed on if it came just now
+                    while self.sems[who].acquire(block=False):
+                        pass  # a hand-over that came just now: recover passed the turn on, drop its permit
                     return False
                 continue
             act = int(self.action[who])
@@ -310,12 +312,7 @@ def run(job: Job, recorder) -> Result:
     n = job.workers
     threads = threads_per_process(n)
     torch.set_num_threads(threads)  # the coordinator evaluates while the workers train
-    server = Server.create(algo, job.hp, build_flat_model(job).param.clone(), n)
-    resumed = None
-    if job.resume is not None:
-        ckpt.check_resumable(job.resume, job)
-        resumed = ckpt.load_central(job.resume)
-        server.load_state_dict(resumed)
+    server, resumed = start_server(job, algo, build_flat_model(job).param.clone())
     server.share_memory_()
     coord = _Coordinator(job, recorder, server, Evaluator(job, job.data), resumed, n)
     if resumed is not None:  # a worker file that cannot be read: say so now, before any process starts
@@ -373,10 +370,6 @@ class _Coordinator(Coordinator):
         self.started = False  # the coordinator holds the turn until every worker is ready
         self.began = self.heard = time.monotonic()
         self.stalled = ""
-
-    def pending_workers(self) -> list[int]:
-        """Workers that still have work: not finished, not lost (before a checkpoint we resume from)."""
-        return [w for w in range(self.me) if w not in self.finished and w not in self.lost_workers]
 
     def add(self, c: _Child) -> None:
         self.children.append(c)

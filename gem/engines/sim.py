@@ -25,7 +25,7 @@ import torch
 from gem import algorithms
 from gem.engines import Job, Result
 from gem.engines import checkpoint as ckpt
-from gem.engines.coordinator import Coordinator
+from gem.engines.coordinator import Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.server import Server
 from gem.engines.worker import Diverged, Worker
@@ -85,7 +85,7 @@ def run(job: Job, recorder) -> Result:
     n = job.workers
     job.data.to(job.device)
     model = build_flat_model(job)
-    server = Server.create(algo, job.hp, model.param.clone(), n)
+    server, resumed = start_server(job, algo, model.param.clone())
     # with a single worker its local copy can be the model's own buffer: no copy on load
     workers = [Worker(w, job, algo, model, x=model.param if n == 1 else server.theta.clone()) for w in range(n)]
     opts = job.engine
@@ -93,11 +93,7 @@ def run(job: Job, recorder) -> Result:
                         opts.get("straggler_slowdown", 4.0))
     queue = [(schedule.duration(w), w) for w in range(n)]  # (simulated time the worker's cycle ends, worker)
     heapq.heapify(queue)
-    resumed = None
-    if job.resume is not None:
-        ckpt.check_resumable(job.resume, job)
-        resumed = ckpt.load_central(job.resume)
-        server.load_state_dict(resumed)
+    if resumed is not None:
         schedule.rng.set_state(resumed["engine"]["schedule_rng"])
         queue = [(float(at), int(w)) for at, w in resumed["engine"]["queue"]]
         heapq.heapify(queue)
@@ -126,6 +122,8 @@ def run(job: Job, recorder) -> Result:
                 break
         if coord.checkpoint_due():
             _checkpoint(coord, workers, schedule, queue)
+            if coord.diverged:
+                break
     return coord.conclude()
 
 

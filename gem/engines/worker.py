@@ -41,7 +41,7 @@ class Link(Protocol):
     """How a worker reaches the parameter server; each engine has one."""
 
     server: Server  # where the server step runs: the live server, or (distributed) the worker's replica of it
-    extra: dict  # engine-specific fields for the next commit row (set by acquire)
+    extra: dict  # engine-specific fields for the next commit row (process: wait_commits; sim: sim_time)
 
     def acquire(self, worker: int) -> View: ...  # wait for the server's turn; a view of the live θ
     def submit(self, view: View, commit: Commit) -> None: ...  # send the commit, where the server is remote
