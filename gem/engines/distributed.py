@@ -647,7 +647,9 @@ def run(job: Job, recorder) -> Result:
             port = listener.getsockname()[1]
             store = dist.TCPStore(host, port, n + 1, True, timeout=_td(START_TIMEOUT_S), wait_for_workers=False,
                                   master_listen_fd=listener.fileno())
-            threads = threads_per_process(n + 1)
+            # as on the process engine, the workers share the cores and the coordinating rank is not counted: it
+            # mostly waits on the wire. The same threads as the other engines: the same arithmetic at n = 1.
+            threads = threads_per_process(n)
             torch.set_num_threads(threads)
             ctx = tmp.get_context("spawn")
             for r in range(1, n + 1):
