@@ -446,6 +446,10 @@ def test_resume_refuses_a_missing_or_foreign_checkpoint_with_one_line(tmp_path, 
 def test_a_killed_worker_is_recorded_and_the_run_goes_on(tmp_path, engine):
     # with checkpoints every 50 commits, the loss often falls in or next to one
     p, d = _start(tmp_path, "epochs=30", "engine.checkpoint_every=50", engine=engine)
+    deadline = time.monotonic() + 120
+    while set(read_table(d).get("worker", [])) < {0, 1, 2}:  # every worker's rows have reached the disk
+        assert time.monotonic() < deadline and p.poll() is None, "not every worker reported a commit"
+        time.sleep(0.1)
     victim = _children(p.pid)[1]
     os.kill(victim, signal.SIGKILL)
     try:
