@@ -84,8 +84,11 @@ def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     m, stale, theta = state["m"].copy_(scratch(grad, "m_next")), state["stale"], view.theta  # m ← μm + Δθ
     central = torch.sub(theta, stale, out=scratch(theta, "central"))  # θ − s
     stale.copy_(theta)  # the next commit's s: θ as it is now, before this commit lands
-    proxy = view.server["proxy"] if hp.proxy == "global" else m
-    pi = _numerator(proxy, hp) if hp.proxy == "global" else scratch(m, "pi")  # κ|m|, from prepare
+    if hp.proxy == "global":  # the server's proxy, as it is now
+        proxy = view.server["proxy"]
+        pi = _numerator(proxy, hp)
+    else:  # κ|m|, from prepare
+        proxy, pi = m, scratch(m, "pi")
     pi.sub_(torch.abs(central, out=scratch(m, "tmp")))
     pi.div_(scratch(m, "denominator")).clamp_(0.0, hp.pi_max)
     delta = scratch(grad, "update").mul_(pi)  # πΔθ, the commit

@@ -156,8 +156,6 @@ def _closed(e: Exception) -> bool:
     return "Connection closed" in text or "Connection reset" in text or "Broken pipe" in text
 
 
-
-
 # ------------------------------------------------------------------------------------ tensors on the wire
 
 
@@ -504,7 +502,7 @@ class _Server(threading.Thread):
             rows = _recv_bytes(self.pg, rows_nbytes, src, TAG_X, self.timeout) if rows_nbytes else b""
             extra = _recv_bytes(self.pg, extra_nbytes, src, TAG_X, self.timeout) if extra_nbytes else b""
             state = _recv_spec_and_tensors(self.pg, extra, src, TAG_X, self.timeout) if kind == SAVED else None
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:
             self.gone(src, e)
             return
         with self.lock:
@@ -553,12 +551,15 @@ class _Server(threading.Thread):
             return False
 
     def gone(self, src: int, e: Exception) -> None:
-        if not _closed(e):
+        """`src` closed its connection (a RuntimeError from gloo), or sent what cannot be read (a ValueError: a
+        malformed spec or JSON): it is lost. Any other gloo error is a timeout, and gloo has dropped the group."""
+        if isinstance(e, RuntimeError) and not _closed(e):
             raise RuntimeError(f"worker rank {src} did not answer for {self.timeout:.0f} s (engine.timeout_s); "
                                "gloo gives up on the whole group after such a wait") from None
         with self.lock:  # expect nothing more from it now: a checkpoint in progress must not wait for it
             self.done.add(src)
-        self.events.put(("lost", src, "its connection closed"))
+        why = "its connection closed" if isinstance(e, RuntimeError) else f"it sent what cannot be read ({e})"
+        self.events.put(("lost", src, why))
 
     def exchange(self, src: int) -> None:
         if self.stopping or src in self.lost:
@@ -579,13 +580,10 @@ class _Server(threading.Thread):
             _wait(self.pg.recv([self.delta], src, TAG_X), self.timeout)
             payload = {}
             if int(header[0]):
-                spec = json.loads(_recv_bytes(self.pg, int(header[0]), src, TAG_X, self.timeout))
-                buffers = _empty(spec)
-                for b in buffers:
-                    _wait(self.pg.recv([b], src, TAG_X), self.timeout)
-                payload = _unpack(spec, buffers)
+                spec = _recv_bytes(self.pg, int(header[0]), src, TAG_X, self.timeout)
+                payload = _recv_spec_and_tensors(self.pg, spec, src, TAG_X, self.timeout)
         except (RuntimeError, ValueError) as e:
-            self.gone(src, e if isinstance(e, RuntimeError) else RuntimeError("Connection closed: " + str(e)))
+            self.gone(src, e)
             return
         with self.lock:
             t = server.apply(view, Commit(delta=self.delta, payload=payload))

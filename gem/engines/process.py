@@ -39,7 +39,7 @@ from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.server import Server
-from gem.engines.worker import Diverged, Worker, device_of, setup_process, threads_per_process
+from gem.engines.worker import Diverged, Worker, setup_process, threads_per_process
 
 START_TIMEOUT_S = 300.0  # a spawned worker imports torch and builds its model: slow on a loaded machine
 TURN_TIMEOUT_S = 120.0  # nothing holds the turn this long unless it is hung
@@ -258,9 +258,7 @@ def _worker(w: int, job: Job, tensors: dict, turn: Turn, conn, threads: int, t0_
     try:
         algo = algorithms.get(job.algorithm)
         server = Server(algo, job.hp, **tensors)
-        model = build_flat_model(job, device_of(job, w))
-        model.param.copy_(server.theta)  # the coordinator holds the turn until every worker is ready: θ is still
-        worker = Worker(w, job, algo, model)
+        worker = Worker(w, job, algo)  # its model: θ₀ from the seed, as in the coordinator and on every engine
         if job.resume is not None:
             worker.load_state_dict(ckpt.load_worker(job.resume, w))
         link = _Link(w, server, turn, conn, t0_wall, job.run_dir)
