@@ -470,8 +470,8 @@ class _Coordinator(Coordinator):
     def wrap_up(self) -> Result:
         if self.stalled:
             return Result("failed", self.steps, reason=self.stalled, extra={"lost_workers": sorted(self.lost_workers)})
-        if self.diverged:  # every live worker sends the rows of its commits before the run stops
-            self.flush_all(stop_on_divergence=False)
+        if self.diverged:  # every live worker sends the rows of its commits, and commits no more, before the end
+            self.flush_all(stop_on_divergence=False, keep_turn=True)
         for c in self.children:  # what the last workers sent before they exited
             self.drain(c)
         self.ledger.fill_gaps(self.server.t)
@@ -510,10 +510,12 @@ class _Coordinator(Coordinator):
             self.ledger.record()
         self.poll(0)
 
-    def flush_all(self, stop_on_divergence: bool = True) -> None:
+    def flush_all(self, stop_on_divergence: bool = True, keep_turn: bool = False) -> None:
         """Every live worker sends the rows it holds; commits with no row left are those of lost workers and
         get a row that says so. Needed after a loss (else recording, and the evaluations and checkpoints
-        that follow it, would wait at the first missing row until the end) and before stopping early."""
+        that follow it, would wait at the first missing row until the end) and before stopping early.
+        `keep_turn`: the run ends here, so hold the turn to the end (a commit made after the flush would have
+        its row cut off by the stop, and be recorded as lost)."""
         self.need_sync = False
         if not self.take_turn():
             return
@@ -521,4 +523,5 @@ class _Coordinator(Coordinator):
             self.collect(FLUSH, "flushed", stop_on_divergence)
             self.ledger.fill_gaps(self.server.t)
         finally:
-            self.release_turn()
+            if not keep_turn:
+                self.release_turn()
