@@ -57,8 +57,12 @@ class EngineConfig:
     straggler_slowdown: float = 4.0
     checkpoint_every: int = 500  # commits between checkpoints; 0: none
     host: str = "127.0.0.1"  # engine=distributed, local launch: the address rank 0 listens on
+    allow_remote: bool = False  # ... an address other than loopback needs this opt-in
     port: int = 0  # ... and its port; 0: a free one
-    timeout_s: float = 300.0  # engine=distributed: a worker silent this long is lost
+    # process, distributed: a worker that has not committed for silent_cycles x the median time between commits
+    # of a worker, and for at least timeout_s, is lost (killed, recorded; the run goes on with the others)
+    timeout_s: float = 60.0
+    silent_cycles: float = 10.0
 
 
 @dataclass
