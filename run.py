@@ -21,5 +21,5 @@ def main(cfg):
 if __name__ == "__main__":
     if runner.launched_worker():
         sys.exit(runner.work())
-    preflight(sys.argv[1:])
+    sys.argv[1:] = preflight(sys.argv[1:])
     main()

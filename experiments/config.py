@@ -182,6 +182,10 @@ def validate(cfg: DictConfig) -> dict:
 
     Returns the groups checked against their schemas (dataclass instances with every default filled in).
     """
+    known = [f.name for f in dataclasses.fields(Config)]
+    for key in cfg:
+        if key not in known:  # `+foo=1` adds a key that nothing reads: refuse it rather than ignore it
+            raise ConfigError(f"{key} is not a config key; top-level keys are: {', '.join(known)}")
     name = cfg.algorithm.get("name")
     if name not in algorithms.ALGORITHMS:
         raise ConfigError(f"algorithm={name} is not an algorithm; choose one of: {', '.join(algorithms.ALGORITHMS)}")
@@ -231,6 +235,7 @@ def validate(cfg: DictConfig) -> dict:
         ("engine.checkpoint_every", eng.checkpoint_every, eng.checkpoint_every >= 0, "an integer >= 0 (0: none)"),
         ("engine.port", eng.port, 0 <= eng.port <= 65535, "an integer in [0, 65535] (0: a free port)"),
         ("engine.timeout_s", eng.timeout_s, eng.timeout_s > 0, "a number of seconds > 0"),
+        ("engine.silent_cycles", eng.silent_cycles, eng.silent_cycles > 0, "a number > 0"),
         ("data.synthetic.train_size", dat.synthetic.train_size, dat.synthetic.train_size >= 1, "an integer >= 1"),
         ("data.synthetic.val_size", dat.synthetic.val_size, dat.synthetic.val_size >= 1, "an integer >= 1"),
         ("data.synthetic.num_classes", dat.synthetic.num_classes, dat.synthetic.num_classes >= 2, "an integer >= 2"),
@@ -244,7 +249,37 @@ def validate(cfg: DictConfig) -> dict:
         raise ConfigError(f"device={cfg.device} is not supported by engine=distributed yet (gloo moves CPU tensors); "
                           "use device=cpu, or engine=sim for the GPU")
     _check_launch(cfg, eng.name)
+    if eng.name == "distributed":  # the address a local launch listens on: refused before any run directory exists
+        try:
+            engines.get(eng.name).check_address(eng.host, eng.port, eng.allow_remote)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    _check_memory(cfg, eng.name, dat)
     return checked
+
+
+def _check_memory(cfg: DictConfig, engine: str, dat) -> None:
+    """Refuse a run that cannot fit in this machine's memory (gem.engines.memory says how it is estimated)."""
+    import torch
+
+    from gem.engines import distributed, memory
+
+    if distributed.launched():
+        return  # the launcher placed the ranks, possibly on other machines
+    algo = algorithms.get(cfg.algorithm.name)
+    n = 1 if algo.sequential else int(cfg.workers)
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        params = sum(p.numel() for p in models.build_model(cfg.model.name).parameters())
+        state = len(algo.init_state(torch.empty(params), algorithm_params(cfg)))
+    train = gdata.train_size(dat.name, data_root(dat.root), dat.synthetic.train_size) or 0
+    each = memory.per_worker(engine, params, state, train)
+    have = memory.available()
+    if have is None or n * each <= have:
+        return
+    what = "virtual workers" if engine == "sim" else "worker processes"
+    raise ConfigError(f"workers={n} is too many for this machine: engine={engine} needs at least "
+                      f"{memory.gib(n * each)} ({n} {what} of {memory.gib(each)} each) but "
+                      f"{memory.gib(have)} is available; use at most workers={have // each}")
 
 
 def _check_launch(cfg: DictConfig, engine: str) -> None:
@@ -372,14 +407,19 @@ def check_job(overrides: list[str]) -> tuple[DictConfig, dict]:
         raise ConfigError(_one_line(e)) from None
 
 
-def preflight(argv: list[str]) -> None:
-    """Validate every job of the command before Hydra starts; on bad input print one line and exit 2."""
+def preflight(argv: list[str]) -> list[str]:
+    """Validate every job of the command and its run directories before Hydra starts; on bad input print one
+    line and exit 2, with nothing written. Returns the command line for Hydra: the run (or sweep) directory
+    resolved here is passed on, so that Hydra uses the very directory that was checked (and, for one run,
+    locked: see experiments.rundir)."""
     from hydra._internal.utils import get_args_parser
+
+    from experiments.rundir import Refused
 
     try:
         args, _ = get_args_parser().parse_known_args(argv)
     except SystemExit:
-        return  # let Hydra report its own usage errors
+        return argv  # let Hydra report its own usage errors
     from gem.engines import distributed
 
     if args.multirun and distributed.launched() and int(os.environ["WORLD_SIZE"]) > 1:
@@ -391,21 +431,24 @@ def preflight(argv: list[str]) -> None:
         sys.exit(2)
     if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_name \
             or args.config_path or args.config_dir or args.experimental_rerun:
-        return
+        return argv
     try:
-        available = set()
+        available, jobs = set(), []
         for job in expand(args.overrides, args.multirun):
             cfg, checked = check_job(job)
+            jobs.append((cfg, checked))
             d = checked["data"]
             key = (d.name, data_root(d.root), d.download)
             if key not in available:  # download or fail once per dataset, before any job starts
                 gdata.ensure_available(*key)
                 available.add(key)
             check_batch_size(cfg.batch_size, d.name, gdata.train_size(d.name, key[1], d.synthetic.train_size))
+        argv = argv + [_check_directories(args, jobs)]
         note = None if args.multirun else single_run_note(args.overrides)
         if note:
             print(note, file=sys.stderr)
-    except (ConfigError, gdata.DatasetMissing) as e:
+        return argv
+    except (ConfigError, gdata.DatasetMissing, Refused) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except OmegaConfBaseException as e:
@@ -415,6 +458,39 @@ def preflight(argv: list[str]) -> None:
         msg = str(e).strip().splitlines()
         print(f"error: {msg[0] if msg else type(e).__name__}", file=sys.stderr)
         sys.exit(2)
+
+
+def _check_directories(args, jobs: list) -> str:
+    """One run: take its directory (the lock is held until this process exits) and check the command can run
+    there. A sweep: check that no job's directory is in use or holds results (unless resume=true). Returns the
+    override that fixes the directory for Hydra (its `${now:...}` would otherwise be resolved again)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from experiments import rundir
+
+    parsed = OverridesParser.create().parse_overrides(args.overrides)
+    hydra = compose([o.input_line for o in parsed if not o.is_sweep_override()], return_hydra_config=True).hydra
+    if not args.multirun:
+        run_dir = os.path.abspath(str(hydra.run.dir))
+        rundir.check_run_dir(*jobs[0], Path(run_dir))
+        return f"hydra.run.dir={_quoted(run_dir)}"
+    sweep_dir = os.path.abspath(str(hydra.sweep.dir))
+    if OmegaConf.to_container(hydra.sweep, resolve=False).get("subdir") == "${hydra.job.num}":
+        for num, (cfg, _) in enumerate(jobs):
+            job_dir = Path(sweep_dir) / str(num)
+            if rundir.in_use(job_dir):
+                raise rundir.Refused(f"hydra.sweep.dir={sweep_dir}: job {num}'s directory {job_dir} is in use by "
+                                     "another run that is still going; pick another sweep directory")
+            st = None if cfg.resume else rundir.status(job_dir)
+            if st is not None:  # results are never overwritten
+                raise rundir.Refused(f"hydra.sweep.dir={sweep_dir} already holds a sweep: job {num}'s directory "
+                                     f"holds a run (status {st}); pick a new sweep directory")
+    return f"hydra.sweep.dir={_quoted(sweep_dir)}"
+
+
+def _quoted(path: str) -> str:
+    """A path as one Hydra override value, whatever characters it holds."""
+    return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def data_root(root: str) -> str:

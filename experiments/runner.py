@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -20,13 +19,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import wandb_logger
+from experiments import rundir, wandb_logger
 from experiments.config import ConfigError, algorithm_params, check_batch_size, data_root, validate
+from experiments.rundir import Refused
 from gem import algorithms, engines, models
 from gem import data as gdata
 from gem.engines import Job, Result
-from gem.engines.checkpoint import CheckpointError, check_resumable, read_manifest
+from gem.engines.checkpoint import CheckpointError
 from gem.engines.core import commits_per_worker
+from gem.files import write_atomic
 from gem.metrics import Recorder
 
 
@@ -72,32 +73,42 @@ def _raise_on_sigterm(signum, frame):
     raise _Terminated()
 
 
+def prepare(cfg: DictConfig, run_dir: Path) -> tuple[Job, dict | None]:
+    """Every check a command must pass, and its data loaded, before anything in the run directory is written.
+    Refused (one line) otherwise."""
+    try:
+        checked = validate(cfg)
+    except ConfigError as e:
+        raise Refused(str(e)) from None
+    manifest = rundir.check_run_dir(cfg, checked, run_dir)
+    try:
+        return build_job(cfg, checked, run_dir=run_dir, resume=manifest), manifest
+    except (ConfigError, gdata.DatasetMissing) as e:
+        rundir.unclaim(run_dir)
+        raise Refused(str(e)) from None
+
+
 def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None,
         experiment: str | None = None) -> dict:
-    """Run one job and write its directory. Returns the summary. Never raises for a failed or diverged run;
-    Ctrl-C and SIGTERM close the run directory (status failed) and are raised again."""
+    """Run one job and write its directory. Returns the summary. Raises Refused (one line) before writing
+    anything when the command cannot run; never raises for a failed or diverged run; Ctrl-C and SIGTERM close
+    the run directory (status failed) and are raised again."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    job, manifest = prepare(cfg, run_dir)
     t0 = time.perf_counter()
     summary = {"status": "failed", "algorithm": cfg.algorithm.name, "engine": cfg.engine.name,
-               "workers": cfg.workers, "workers_requested": cfg.workers, "model": cfg.model.name,
+               "workers": job.workers, "workers_requested": cfg.workers, "model": cfg.model.name,
                "data": cfg.data.name, "seed": cfg.seed, "lr": cfg.lr, "momentum": cfg.momentum,
                "batch_size": cfg.batch_size, "epochs": cfg.epochs,
                "steps": 0, "final_train_loss": None, "val_loss": None, "val_accuracy": None,
-               "mean_staleness": None, "wall_time_s": None, "reason": "", "run_dir": str(run_dir),
-               "experiment": experiment, "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+               "mean_staleness": None, "wall_time_s": None, "reason": "", "lost_workers": [],
+               "run_dir": str(run_dir), "experiment": experiment,
+               "train_examples": len(job.data.train_y),  # epochs of data = step x batch_size x window / this
+               "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     recorder = wandb = result = None
     old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm) if _main_thread() else None
     try:
-        checked = validate(cfg)
-        manifest = read_manifest(run_dir) if cfg.resume else None  # before any data or process: one line
-        if manifest:
-            _check_not_completed(run_dir)
-        job = build_job(cfg, checked, run_dir=run_dir, resume=manifest)
-        if manifest:
-            check_resumable(manifest, job)  # before the recorder drops the rows after the checkpoint
-        summary["workers"] = job.workers
-        summary["train_examples"] = len(job.data.train_y)  # epochs of data = step x batch_size x window / this
+        rundir.write_hydra(run_dir, cfg)
         print(f"gem: algorithm={job.algorithm} engine={cfg.engine.name} workers={job.workers} model={job.model} "
               f"data={cfg.data.name} ({len(job.data.train_y)} train / {len(job.data.val_y)} val) -> {run_dir}")
         log_cfg = cfg.logger
@@ -113,54 +124,72 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
             print(f"gem: resuming from the checkpoint at commit {manifest['step']} in {manifest['path']}")
         result = engines.get(cfg.engine.name).run(job, recorder)
     except (ConfigError, CheckpointError, gdata.DatasetMissing) as e:
-        result = Result("failed", 0, reason=str(e))
+        result = Result("failed", recorder.commits if recorder else 0, reason=str(e))
         print(f"error: {e}", file=sys.stderr)
     except KeyboardInterrupt as e:
         why = "SIGTERM" if isinstance(e, _Terminated) else "Ctrl-C"
         result = Result("failed", recorder.commits if recorder else 0, reason=f"interrupted ({why})")
         raise
+    except OSError as e:  # a write failed (disk full, the directory gone or read-only): its own one line
+        result = Result("failed", recorder.commits if recorder else 0, reason=str(e))
+        rundir.remove_temporary(run_dir)
+        print(f"error: {e}", file=sys.stderr)
     except Exception as e:
         result = Result("failed", recorder.commits if recorder else 0, reason=f"{type(e).__name__}: {e}")
-        (run_dir / "error.txt").write_text(traceback.format_exc())
-        print(f"error: run failed with {type(e).__name__}: {e} (traceback in {run_dir / 'error.txt'})",
-              file=sys.stderr)
+        where = run_dir / "error.txt"
+        try:
+            where.write_text(traceback.format_exc())
+        except OSError:
+            where = None
+        print(f"error: run failed with {type(e).__name__}: {e}"
+              + (f" (traceback in {where})" if where else ""), file=sys.stderr)
     finally:
         if old_sigterm is not None:
             signal.signal(signal.SIGTERM, old_sigterm)
         if result is None:  # an exception that is not an Exception (SystemExit, say)
             result = Result("failed", recorder.commits if recorder else 0, reason="interrupted")
         summary.update(status=result.status, steps=result.steps, reason=result.reason, **result.extra)
+        summary["lost_workers"] = sorted(summary.get("lost_workers") or [])
         if recorder is not None:
-            try:
-                recorder.close()
-            except OSError as e:  # the flushed parts are still on disk and readable
-                summary["reason"] = (summary["reason"] + "; " if summary["reason"] else "") + str(e)
-            # validation numbers describe the final central variable only: a diverged or failed run has none
-            final = result.status == "completed" and recorder.last_eval and recorder.last_eval["step"] == result.steps
-            ev = recorder.last_eval if final else {}
-            summary.update(final_train_loss=_finite_or_none(recorder.final_train_loss),
-                           val_loss=_finite_or_none(ev.get("val_loss")), val_accuracy=ev.get("val_accuracy"),
-                           mean_staleness=_finite_or_none(recorder.mean_staleness))
-            if recorder.pi_median is not None:
-                summary["pi_median"] = recorder.pi_median
-            summary["commit_shares"] = recorder.commit_shares
+            _close(recorder, summary, result, run_dir)
         summary["wall_time_s"] = round(time.perf_counter() - t0, 3)
         if wandb is not None:
             summary["wandb"] = wandb.where
             wandb.finish(summary, exit_code=0 if summary["status"] == "completed" else 1)
-        tmp = run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, run_dir / "summary.json")  # atomic: a summary is whole or absent
+        try:
+            write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")  # whole or absent
+        except OSError as e:
+            rundir.remove_temporary(run_dir)
+            print(f"error: {e}; the run's summary is not on disk", file=sys.stderr)
     return summary
 
 
-def _check_not_completed(run_dir: Path) -> None:
+def _close(recorder: Recorder, summary: dict, result: Result, run_dir: Path) -> None:
+    """Merge the tables, and put the recorded numbers in the summary; a table that lost rows on disk is said."""
+    def fail(why: str) -> None:
+        summary["status"] = "failed"
+        summary["reason"] = (summary["reason"] + "; " if summary["reason"] else "") + why
+
     try:
-        status = json.loads((run_dir / "summary.json").read_text()).get("status")
-    except (OSError, ValueError):
-        return  # killed before it could write one: the usual case for a resume
-    if status == "completed":
-        raise CheckpointError(f"resume=true: the run in {run_dir} has already completed; nothing to resume")
+        recorder.close()
+    except OSError as e:  # the flushed parts are still on disk and readable
+        rundir.remove_temporary(run_dir)
+        fail(str(e))
+        print(f"error: {e}", file=sys.stderr)
+    missing = recorder.commits - recorder.rows_on_disk if recorder.rows_on_disk is not None else 0
+    if missing > 0:
+        fail(f"metrics.parquet holds {recorder.rows_on_disk} of the {recorder.commits} commit rows recorded: "
+             f"part files were removed from {run_dir / 'metrics.parts'} during the run")
+        print(f"error: {summary['reason']}", file=sys.stderr)
+    # validation numbers describe the final central variable only: a diverged or failed run has none
+    final = summary["status"] == "completed" and recorder.last_eval and recorder.last_eval["step"] == result.steps
+    ev = recorder.last_eval if final else {}
+    summary.update(final_train_loss=_finite_or_none(recorder.final_train_loss),
+                   val_loss=_finite_or_none(ev.get("val_loss")), val_accuracy=ev.get("val_accuracy"),
+                   mean_staleness=_finite_or_none(recorder.mean_staleness))
+    if recorder.pi_median is not None:
+        summary["pi_median"] = recorder.pi_median
+    summary["commit_shares"] = recorder.commit_shares
 
 
 def _main_thread() -> bool:
@@ -236,6 +265,11 @@ def main(cfg: DictConfig) -> dict | None:
     try:
         summary = run(cfg, Path(hc.runtime.output_dir), wandb_group=group, wandb_name=name,
                       experiment=hc.runtime.choices.get("experiment"))
+    except Refused as e:  # nothing was written; in a sweep the other jobs go on
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if not multirun:
+            sys.exit(2)
+        return None
     except KeyboardInterrupt as e:  # the run directory is already closed, with status failed
         why, code = ("SIGTERM", 143) if isinstance(e, _Terminated) else ("Ctrl-C", 130)
         print(f"gem: interrupted by {why}; the run directory {hc.runtime.output_dir} is closed "

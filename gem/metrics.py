@@ -18,6 +18,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from gem.files import write_atomic
+
 TABLES = ("metrics", "eval", "tensors")
 
 
@@ -46,9 +48,7 @@ class PartWriter:
             frame = table.to_pandas()
             # a crash between this rewrite and the removal of the parts below would merge them twice
             frame = frame[frame["step"] <= step].drop_duplicates()
-            tmp = self.final.with_suffix(".parquet.tmp")
-            pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), tmp)
-            os.replace(tmp, self.final)
+            write_parquet(pa.Table.from_pandas(frame, preserve_index=False), self.final)
         shutil.rmtree(self.parts, ignore_errors=True)
 
     def add(self, row: dict) -> None:
@@ -60,9 +60,7 @@ class PartWriter:
         self.parts.mkdir(parents=True, exist_ok=True)
         # through pandas so that every key of every row becomes a column, not only the first row's
         table = pa.Table.from_pandas(pd.DataFrame(self.rows), preserve_index=False)
-        tmp = self.parts / f".part-{self.next_part:06d}.tmp"
-        pq.write_table(table, tmp)
-        os.replace(tmp, self.parts / f"part-{self.next_part:06d}.parquet")  # atomic: never a torn part
+        write_parquet(table, self.parts / f"part-{self.next_part:06d}.parquet")  # atomic: never a torn part
         self.next_part += 1
         self.rows = []
 
@@ -75,10 +73,15 @@ class PartWriter:
             files.insert(0, self.final)
         if files:
             table = pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive")
-            tmp = self.final.with_suffix(".parquet.tmp")
-            pq.write_table(table, tmp)
-            os.replace(tmp, self.final)
+            write_parquet(table, self.final)
         shutil.rmtree(self.parts)
+
+
+def write_parquet(table: pa.Table, path: Path) -> None:
+    """Serialised in memory, then written whole (gem.files): a full disk leaves no torn or temporary file."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    write_atomic(path, memoryview(sink.getvalue()))
 
 
 def read_table(run_dir: str | os.PathLike, name: str = "metrics") -> pd.DataFrame:
@@ -131,6 +134,7 @@ class Recorder:
         self._loss_ema: float | None = None
         self.pi_medians: list[float] = []  # GEM's per-commit median π, for the summary
         self.worker_commits: dict[int, int] = {}  # commits per worker, for the summary's shares
+        self.rows_on_disk: int | None = None  # metrics.parquet's rows, once closed
         if resume_step is not None:
             self._restore()
 
@@ -207,6 +211,9 @@ class Recorder:
                 errors.append(f"{w.final.name}: {type(e).__name__}: {e}")
         if errors:
             raise OSError("could not merge " + "; ".join(errors))
+        # every recorded commit has its row on disk, or the run must say so (part files removed mid-run)
+        final = self.writers["metrics"].final
+        self.rows_on_disk = pq.ParquetFile(final).metadata.num_rows if final.exists() else 0
 
     @property
     def final_train_loss(self) -> float:

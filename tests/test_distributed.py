@@ -2,18 +2,25 @@
 over TCP; first come, first served at the server, payloads on the wire, torchrun. The contract every engine keeps
 (every commit once, staleness, windows, resume, lost workers, signals, ...) is in tests/test_engines.py."""
 
+import dataclasses
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
+import torch.distributed as dist
 from conftest import ROOT
 from test_run import check_run_dir
 
+from gem import algorithms
 from gem.algorithms import downpour, gem
 from gem.data import make_synthetic
 from gem.engines import Job, distributed
+from gem.engines.coordinator import start_server
+from gem.engines.core import Evaluator, build_flat_model
 from gem.metrics import Recorder, read_table
 
 
@@ -121,3 +128,271 @@ def test_the_fairness_test_catches_an_unfair_server(data, tmp_path, monkeypatch)
     monkeypatch.setattr(distributed, "_Server", _HighRankWaits)
     with pytest.raises(AssertionError, match=r"0\.1 / 4"):
         test_commits_are_served_first_come_first_served(data, tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ the wire is safe
+
+# what would unpickle a peer's bytes: these modules, and torch.distributed's object collectives (pickles inside)
+UNPICKLERS = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
+OBJECT_CALLS = {"send_object_list", "recv_object_list", "broadcast_object_list", "all_gather_object",
+                "gather_object", "scatter_object_list"}
+
+
+@pytest.mark.parametrize("module", ["distributed", "worker", "server", "coordinator", "core"])
+def test_nothing_on_the_distributed_wire_is_unpickled(module):
+    """engine=distributed's modules import no pickler and call no object collective: every message is int64
+    headers, JSON or raw tensors (a static check: the workers are spawned processes, out of a patch's reach)."""
+    import ast
+
+    tree = ast.parse((ROOT / "gem" / "engines" / f"{module}.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            assert not {a.name.split(".")[0] for a in node.names} & UNPICKLERS, ast.unparse(node)
+        elif isinstance(node, ast.ImportFrom):
+            assert (node.module or "").split(".")[0] not in UNPICKLERS, ast.unparse(node)
+            assert not {a.name for a in node.names} & OBJECT_CALLS, ast.unparse(node)
+        elif isinstance(node, ast.Attribute):
+            assert node.attr not in OBJECT_CALLS and ast.unparse(node) != "torch.load", ast.unparse(node)
+
+
+def _every_field_equal(a: Job, b: Job) -> None:
+    import dataclasses
+
+    import torch
+
+    for f in dataclasses.fields(Job):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "data" and x is not None:
+            assert type(y) is type(x)
+            for g in dataclasses.fields(x):
+                u, v = getattr(x, g.name), getattr(y, g.name)
+                if isinstance(u, torch.Tensor):
+                    assert u.dtype == v.dtype and u.shape == v.shape and torch.equal(u, v), g.name
+                else:
+                    assert type(u) is type(v) and u == v, g.name
+        else:
+            assert type(y) is type(x) and y == x, (f.name, x, y)
+
+
+def test_the_job_travels_as_json_and_raw_tensors(data, tmp_path):
+    """What rank 0 sends a worker rebuilds the same Job, field by field, from JSON and raw tensors."""
+    import json
+
+    source = {"name": "synthetic", "root": "/data", "download": False, "shape": (1, 28, 28), "augment": True,
+              "synthetic": {"num_classes": 10, "train_size": 256, "val_size": 64, "seed": 1}}
+    full = job(data, 3, hp=gem.Params(workers=3, kappa=2.5, proxy="global"), device="cpu", run_dir=str(tmp_path),
+               checkpoint_every=7, resume={"step": 12, "dir": "step-12", "path": str(tmp_path)}, data_source=source)
+    full.engine.update(host="127.0.0.1", port=0, allow_remote=False, t0_wall=1.5e9, train_examples=256)
+    for original in (full, distributed._for_workers(full), distributed._for_workers(job(data, 2))):
+        text, tensors = distributed.encode_job(original)
+        assert isinstance(json.loads(text), dict)
+        assert tensors is None or set(tensors) == {"train_x", "train_y", "val_x", "val_y"}
+        _every_field_equal(distributed.decode_job(text, tensors), original)
+
+
+@pytest.mark.parametrize("algorithm", ["sgd", "downpour", "adaptive", "agn", "easgd", "eamsgd", "gem"])
+def test_every_algorithms_hyperparameters_come_back_the_same(data, algorithm):
+    from gem import algorithms
+
+    hp = algorithms.get(algorithm).Params()
+    original = job(data, 2, algorithm=algorithm, hp=hp)
+    back = distributed.decode_job(*distributed.encode_job(original))
+    assert type(back.hp) is type(hp) and back.hp == hp
+
+
+def test_hyperparameters_that_json_would_change_are_refused(data, monkeypatch):
+    import dataclasses
+
+    from gem import algorithms
+
+    @dataclasses.dataclass
+    class Params:
+        lr: float = 0.1
+        sizes: tuple = (1, 2)  # JSON has no tuples: it would come back a list
+
+    record = dataclasses.replace(algorithms.get("sgd"), Params=Params)
+    monkeypatch.setattr(distributed.algorithms, "get", lambda name: record)
+    with pytest.raises(TypeError, match=r"sends algorithm=sgd's Params as JSON"):
+        distributed.encode_job(job(data, 2, algorithm="sgd", hp=Params()))
+
+
+# ------------------------------------------------------------------------------------- a local launch's address
+
+LOOPBACK = ["127.0.0.1", "127.4.5.6", "::1", "localhost", "LocalHost", "::ffff:127.0.0.1"]
+REMOTE = ["0.0.0.0", "::", "", "192.168.1.20", "10.0.0.1", "node17.cluster"]
+
+
+@pytest.mark.parametrize("host", LOOPBACK)
+def test_loopback_needs_no_opt_in(host):
+    assert distributed.check_host(host, allow_remote=False) is None
+
+
+@pytest.mark.parametrize("host", REMOTE)
+def test_any_other_host_needs_allow_remote(host):
+    with pytest.raises(ValueError, match=r"engine\.host=.* is not a loopback address.*engine\.allow_remote=true"):
+        distributed.check_host(host, allow_remote=False)
+    warning = distributed.check_host(host, allow_remote=True)
+    assert warning.startswith("gem: warning: ") and "anyone who can reach it can join the run" in warning
+
+
+def test_a_remote_host_is_refused_in_one_line_before_anything_starts():
+    from experiments.config import ConfigError, check_job
+
+    with pytest.raises(ConfigError) as e:
+        check_job(["engine=distributed", "engine.host=0.0.0.0"])
+    assert str(e.value) == ("engine.host=0.0.0.0 is not a loopback address, and anyone who can reach it could join "
+                            "the run; use engine.host=127.0.0.1 (or localhost, ::1), or set engine.allow_remote=true "
+                            "to expose the run on it")
+
+
+def test_allow_remote_prints_one_warning(monkeypatch, capsys):
+    """The config is validated by the preflight and again by the run: the warning is printed once."""
+    from experiments.config import check_job
+
+    monkeypatch.setattr(distributed, "_warned", set())
+    for _ in range(2):
+        check_job(["engine=distributed", "engine.host=0.0.0.0", "engine.allow_remote=true"])
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["gem: warning: engine.allow_remote=true: the run listens on every address of this machine "
+                   "(0.0.0.0), and anyone who can reach it can join the run and send it commits"]
+
+
+def test_a_host_that_is_not_this_machines_is_refused():
+    with pytest.raises(ValueError, match=r"^engine\.host=192\.0\.2\.1 cannot be listened on \(.*\); give an address"):
+        distributed.check_port("192.0.2.1", 0)  # TEST-NET-1: documentation only, never a local address
+
+
+@pytest.fixture
+def held_port():
+    """A port another program holds (bound, as a run's rank 0 or any server would)."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    yield s.getsockname()[1]
+    s.close()
+
+
+def _in_use(port):
+    return (f"engine.port={port} is in use on 127.0.0.1 (another run or program holds it); pick another port, or "
+            "engine.port=0 for a free one")
+
+
+def test_a_port_in_use_is_refused_in_one_line(held_port):
+    from experiments.config import ConfigError, check_job
+
+    with pytest.raises(ConfigError) as e:
+        check_job(["engine=distributed", f"engine.port={held_port}"])
+    assert str(e.value) == _in_use(held_port)
+
+
+def test_a_port_taken_after_the_check_fails_the_run_in_that_line(data, held_port, tmp_path):
+    """The port was free at the preflight and is taken when rank 0 listens: the same line, not an OSError."""
+    j = job(data, 2)
+    j.engine["port"] = held_port
+    with pytest.raises(ValueError) as e:
+        run(j, tmp_path)
+    assert str(e.value) == _in_use(held_port)
+
+
+def test_the_port_of_a_run_just_ended_is_not_refused(data, tmp_path):
+    """Connections that rank 0 closed wait out TIME_WAIT on its port; rank 0 listens with SO_REUSEADDR and can
+    bind it again at once (the next run of a sweep with an explicit engine.port), so the check must not refuse."""
+    import socket
+
+    listener = distributed._listener("127.0.0.1", 0)
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # rank 0 closes first: its side of the connection goes to TIME_WAIT
+    listener.close()
+    client.close()
+    distributed.check_port("127.0.0.1", port)
+
+
+def test_run_py_refuses_a_port_in_use_before_a_run_directory_exists(held_port, tmp_path):
+    d = tmp_path / "x"
+    p = subprocess.run([sys.executable, "run.py", "engine=distributed", f"engine.port={held_port}",
+                        "logger.wandb.mode=disabled", f"hydra.run.dir={d}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.splitlines() == [f"error: {_in_use(held_port)}"]
+    assert not d.exists()
+
+
+@pytest.mark.slow
+def test_run_py_with_allow_remote_warns_once_and_runs(tmp_path):
+    d = tmp_path / "x"
+    p = subprocess.run([sys.executable, "run.py", "engine=distributed", "engine.host=0.0.0.0",
+                        "engine.allow_remote=true", "workers=1", "data=synthetic", "data.synthetic.train_size=64",
+                        "data.synthetic.val_size=32", "batch_size=32", "logger.wandb.mode=disabled",
+                        f"hydra.run.dir={d}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    warnings = [line for line in p.stderr.splitlines() if line.startswith("gem: warning:")]
+    assert warnings == ["gem: warning: engine.allow_remote=true: the run listens on every address of this machine "
+                        "(0.0.0.0), and anyone who can reach it can join the run and send it commits"], p.stderr
+    assert (d / "summary.json").exists()
+
+
+# ------------------------------------------------------------------------ a silent worker is a lost worker
+
+
+class _ServerThreadSeen:
+    """What the coordinator's watch reads of the parameter server thread: the commits it applied, the headers it
+    took; and what it does to it: lose a rank."""
+
+    def __init__(self, ranks, now):
+        self.lock = threading.Lock()
+        self.ranks, self.ready, self.done, self.lost = ranks, set(ranks), set(), []
+        self.heard = dict.fromkeys(ranks, now - 10.0)
+        self.commits, self.started, self.wait_s = [], now - 10.0, None
+
+    def open(self):
+        return len(self.done) < len(self.ranks)
+
+    def lose(self, rank):
+        self.lost.append(rank)
+        self.done.add(rank)
+        return []
+
+
+def test_the_coordinator_loses_a_silent_worker_by_the_shared_rule(data, tmp_path):
+    """Rank 0 applies the `process` engine's rule (gem.engines.coordinator.Silence, engine.timeout_s and
+    engine.silent_cycles), timing the commits its server applies; a worker that says on the store that it waits
+    for the server (held up by another worker, say) is not to blame."""
+    j = dataclasses.replace(job(data, 3), engine={"name": "distributed", "timeout_s": 2, "silent_cycles": 4})
+    algo = algorithms.get(j.algorithm)
+    server, _ = start_server(j, algo, build_flat_model(j).param.clone())
+    rec = Recorder(tmp_path)
+    coord = distributed._Coordinator(j, rec, server, Evaluator(j, data), None)
+    now = time.monotonic()
+    coord.ps, coord.store = _ServerThreadSeen([1, 2, 3], now), dist.HashStore()
+    coord.watch()  # every worker is ready: the race, and the timers, start
+    assert coord.racing and coord.silence.watched() == [0, 1, 2] and coord.lost_workers == []
+    # ten seconds on: worker 0 committed every 0.1 s until now; worker 1 waited for the server; worker 2, nothing
+    coord.silence.since = dict.fromkeys([0, 1, 2], now - 10.0)
+    coord.ps.commits = [(0, now - 1.0 + 0.1 * k) for k in range(11)]
+    coord.store.add(distributed._waiting_key(2), 3)
+    coord.last_watch = 0.0
+    coord.watch()
+    rec.close()
+    assert coord.ps.lost == [3] and coord.lost_workers == [2]
+    assert coord.lost[0].startswith("worker 2 lost at commit 0 (silent for 10."), coord.lost
+    assert coord.lost[0].endswith("limit 2.0 s = max(engine.timeout_s, 4 x median cycle 0.1 s))"), coord.lost
+    assert coord.ps.wait_s == distributed._patience(2.0)  # gloo's waits on a worker outlast the limit
+
+
+def test_a_worker_waiting_for_the_server_says_so_on_the_store():
+    store = dist.HashStore()
+    key = distributed._waiting_key(2)
+    waiting = distributed._Waiting(store, 2)
+    waiting.start()
+    time.sleep(3 * distributed.WAITING_S)
+    assert int(store.add(key, 0)) == 0  # computing (or hung in its rule): it says nothing
+    waiting.waiting = True
+    deadline = time.monotonic() + 30
+    while int(store.add(key, 0)) < 2:
+        assert time.monotonic() < deadline, "a waiting worker said nothing"
+        time.sleep(0.1)

@@ -127,17 +127,19 @@ def test_online_init_failure_falls_back_to_offline_once_per_process(tmp_path, mo
     assert "logging offline instead" in capsys.readouterr().err
 
 
-def test_batch_larger_than_the_loaded_cifar_shard_fails_with_one_line(tmp_path, capsys):
+def test_batch_larger_than_the_loaded_cifar_shard_is_refused_with_one_line(tmp_path):
     from test_data import write_cifar
+
+    from experiments.rundir import Refused
 
     write_cifar(tmp_path / "cifar", per_batch=3)  # 15 training images: too few for one batch of 16
     cfg = compose(["data=cifar10", "model=alexnet_cifar", f"data.root={tmp_path / 'cifar'}", "batch_size=16",
                    "logger.wandb.mode=disabled"])
-    summary = run(cfg, tmp_path / "run")
-    assert summary["status"] == "failed"
-    assert summary["reason"] == ("batch_size=16 is larger than a worker's shard: data=cifar10 has 15 training "
-                                 "examples, and every worker draws from all of them")
-    assert capsys.readouterr().err.strip() == "error: " + summary["reason"]
+    with pytest.raises(Refused) as e:
+        run(cfg, tmp_path / "run")
+    assert str(e.value) == ("batch_size=16 is larger than a worker's shard: data=cifar10 has 15 training "
+                            "examples, and every worker draws from all of them")
+    assert not (tmp_path / "run").exists()  # refused: nothing written, not even the directory
 
 
 @pytest.mark.slow

@@ -15,12 +15,17 @@ manifest (written last, by rename): it is either complete and named, or ignored.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
+
+from gem.files import WriteError, write_atomic  # noqa: F401 - WriteError: what a checkpoint write raises
 
 CHECKPOINT = "checkpoint"
 # what must match between a checkpoint and the command that resumes it
@@ -64,19 +69,43 @@ def check_resumable(manifest: dict, job) -> None:
 
 
 def save_atomic(obj, path) -> None:
-    """torch.save to a temporary name, then rename: a file is whole or absent."""
+    """Write to a temporary name, then rename: a file is whole or absent. Serialised in memory first and written
+    with plain file I/O, so that a full disk is the OS's own error (torch's zip writer reports it as 'unexpected
+    pos'), and a failed write leaves no temporary file."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    write_atomic(path, buffer.getbuffer())
 
 
 def load(path):
     """Tensors, numbers, lists and dicts only: weights_only=True never runs code from the file."""
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - any failure to read is the same one line for the user
-        raise CheckpointError(f"resume=true: cannot read checkpoint file {path} ({type(e).__name__}: {e})") from None
+        with warnings.catch_warnings():  # torch warns about pickle protocols before it refuses: one line is ours
+            warnings.simplefilter("ignore")
+            return torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"resume=true: checkpoint file {path} is missing; the checkpoint is incomplete") from None
+    except pickle.UnpicklingError:  # weights_only refused something: never say "load it with weights_only=False"
+        why = "it holds objects other than tensors, numbers and strings; gem does not write such files"
+    except Exception as e:  # noqa: BLE001 - any other failure to read is the same one line for the user
+        why = "truncated or not a checkpoint" if isinstance(e, (RuntimeError, EOFError)) else type(e).__name__
+    raise CheckpointError(f"resume=true: checkpoint file {path} cannot be read ({why}); the run cannot resume "
+                          "from it")
+
+
+def verify(manifest: dict, workers: int) -> None:
+    """Read every file of the checkpoint (central.pt, then the file of every worker still running at it), so
+    that a damaged checkpoint is refused before anything of the run directory is cut or merged."""
+    central = load(Path(manifest["path"]) / "central.pt")
+    if not isinstance(central, dict) or not {"theta", "clock"} <= central.keys():
+        raise CheckpointError(f"resume=true: checkpoint file {Path(manifest['path']) / 'central.pt'} is not a "
+                              "parameter server's state")
+    past = central.get("coordinator", {})
+    done = set(past.get("finished", [])) | set(past.get("lost_workers", []))
+    for w in range(workers):
+        if w not in done:
+            load_worker(manifest, w)
 
 
 def pending(run_dir) -> Path:
@@ -107,10 +136,8 @@ def finish(run_dir, folder: Path, step: int, central: dict, job, time_s: float) 
     name = f"step-{step:09d}"
     shutil.rmtree(base / name, ignore_errors=True)
     os.replace(folder, base / name)
-    tmp = base / "manifest.json.tmp"
-    tmp.write_text(json.dumps({"step": step, "dir": name, "fingerprint": fingerprint(job), "time_s": time_s},
-                              indent=1))
-    os.replace(tmp, base / "manifest.json")
+    write_atomic(base / "manifest.json",
+                 json.dumps({"step": step, "dir": name, "fingerprint": fingerprint(job), "time_s": time_s}, indent=1))
     for old in base.glob("step-*"):  # the manifest names the new one now
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)

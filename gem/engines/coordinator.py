@@ -7,17 +7,19 @@ failed. It lives in the process that writes the run directory: the sim engine's 
 engine's parent, rank 0 of the distributed engine.
 
 An engine with real workers subclasses it and supplies the transport: `poll` (read what the workers sent),
-`watch` (notice the dead), `snapshot` (θ and its clock, read under the server's turn), `checkpoint` (every live
-worker's state at one clock, then `write_checkpoint`), `sync` (after a loss: make sure the rows of the lost
-worker's commits are known) and `wrap_up`. `serve` is the loop they share. The sim engine calls the
-bookkeeping directly, one commit at a time.
+`watch` (notice the dead, and the silent by the one rule of `Silence`), `snapshot` (θ and its clock, read under
+the server's turn), `checkpoint` (every live worker's state at one clock, then `write_checkpoint`), `sync` (after
+a loss: make sure the rows of the lost worker's commits are known) and `wrap_up`. `serve` is the loop they share.
+The sim engine calls the bookkeeping directly, one commit at a time.
 """
 
 from __future__ import annotations
 
 import heapq
 import shutil
+import statistics
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -29,6 +31,7 @@ from gem.engines.server import Server
 from gem.metrics import tensor_rows
 
 POLL_S = 0.5  # how often the loop looks at the workers when nothing arrives
+TIMEOUT_S, SILENT_CYCLES = 60.0, 10.0  # engine.timeout_s and engine.silent_cycles when a job does not set them
 
 
 def start_server(job, algo, theta: torch.Tensor) -> tuple[Server, dict | None]:
@@ -41,6 +44,83 @@ def start_server(job, algo, theta: torch.Tensor) -> tuple[Server, dict | None]:
     resumed = ckpt.load_central(job.resume)
     server.load_state_dict(resumed)
     return server, resumed
+
+
+class Silence:
+    """A silent worker is a lost worker: the one rule, for every engine with real workers, that says when a worker
+    that is alive but makes no progress (frozen, hung) is given up for lost.
+
+    A worker is silent when it has not made progress for longer than
+
+        limit = max(engine.timeout_s, engine.silent_cycles x the median time between two commits of a worker)
+
+    The median cycle (pooled over the workers, the last `samples` cycles) follows the run's own pace: a windowed
+    algorithm, a large model or a loaded machine commit less often, and get a longer limit; `timeout_s` is the
+    floor. Before the first cycle is known, the limit is the floor.
+
+    It is fed observations, in seconds on any one clock: `progress(w, at)`, a commit of w at `at` (a cycle
+    sample: the time since w's previous commit); `seen(w, at)`, w is known not to be silent through its own fault
+    at `at` (it committed, though when exactly is not known; or it waits for the server's turn behind another
+    worker): its silence starts again, and no cycle is sampled. `start` (the race starts, or restarts on a resumed
+    run) starts every worker's timer; `forget` stops watching a worker that finished or was lost.
+    """
+
+    def __init__(self, timeout_s: float = TIMEOUT_S, cycles: float = SILENT_CYCLES, samples: int = 1024):
+        self.floor, self.cycles = float(timeout_s), float(cycles)
+        self.gaps: deque[float] = deque(maxlen=samples)
+        self.committed: dict[int, float] = {}  # each watched worker's last commit
+        self.since: dict[int, float] = {}  # when its current silence began
+
+    @classmethod
+    def of(cls, engine: dict) -> Silence:
+        """The rule with a job's `engine.timeout_s` and `engine.silent_cycles`."""
+        return cls(float(engine.get("timeout_s", TIMEOUT_S)), float(engine.get("silent_cycles", SILENT_CYCLES)))
+
+    def start(self, workers, now: float) -> None:
+        for w in workers:  # (the time to a worker's first commit is no cycle: it may have waited for the start)
+            self.since[w] = now
+            self.committed.pop(w, None)
+
+    def progress(self, w: int, at: float) -> None:
+        if w not in self.since:
+            return  # not watched (yet, or any more)
+        prev = self.committed.get(w)
+        if prev is None or at > prev:
+            if prev is not None:
+                self.gaps.append(at - prev)
+            self.committed[w] = at
+        self.since[w] = max(self.since[w], at)
+
+    def seen(self, w: int, at: float) -> None:
+        if w in self.since:
+            self.since[w] = max(self.since[w], at)
+
+    def forget(self, w: int) -> None:
+        self.committed.pop(w, None)
+        self.since.pop(w, None)
+
+    def watched(self) -> list[int]:
+        return sorted(self.since)
+
+    def median(self) -> float | None:
+        return statistics.median(self.gaps) if self.gaps else None
+
+    def limit(self) -> float:
+        m = self.median()
+        return self.floor if m is None else max(self.floor, self.cycles * m)
+
+    def silent(self, now: float) -> list[tuple[int, float]]:
+        """(worker, seconds silent) of every watched worker silent for longer than the limit."""
+        limit = self.limit()
+        return [(w, now - s) for w, s in sorted(self.since.items()) if now - s > limit]
+
+    def why(self, silent_for: float, what: str = "silent") -> str:
+        """The reason, for the log line and the summary: 'silent for 12.3 s, limit 10.0 s = max(engine.timeout_s,
+        10 x median cycle 0.05 s)'."""
+        m = self.median()
+        cycle = f"median cycle {m:.3g} s" if m is not None else "median cycle not known yet"
+        return (f"{what} for {silent_for:.1f} s, limit {self.limit():.1f} s = max(engine.timeout_s, "
+                f"{self.cycles:g} x {cycle})")
 
 
 class Ledger:
@@ -89,6 +169,7 @@ class Coordinator:
         self.finished: list[int] = list(past.get("finished", []))
         self.lost: list[str] = list(past.get("lost", []))  # why each worker was lost, for the summary's reason
         self.lost_workers: list[int] = list(past.get("lost_workers", []))
+        self.silence = Silence.of(job.engine)  # started by an engine with real workers when its race starts
         self.diverged = ""
         self.resumed = resumed is not None
         # one origin for time_s: workers stamp with the wall clock, the evaluations with perf_counter; a resumed
@@ -124,12 +205,14 @@ class Coordinator:
         msg = f"worker {w} lost at commit {self.server.t} ({why})"
         self.lost.append(msg)
         self.lost_workers.append(w)
+        self.silence.forget(w)
         print(f"gem: {msg}; the run goes on with the others", flush=True)
         return True
 
     def finish(self, w: int) -> None:
         if w not in self.finished:
             self.finished.append(w)
+        self.silence.forget(w)
 
     def diverge(self, why: str) -> None:
         self.diverged = self.diverged or why

@@ -22,9 +22,13 @@ with the server, the `process` engine's turn over the wire:
 
 So a commit costs two model-sized messages, and the algorithms run unchanged: the worker rule sees the live θ
 and the server state, exactly as in the process engine, and staleness is measured on the server's clock. A
-windowed algorithm talks to the server only when it commits. Nothing that crosses the wire is unpickled by rank
-0: headers are int64 tensors, rows and tensor specs JSON, tensors raw. (Workers still unpickle the job rank 0
-sends them.)
+windowed algorithm talks to the server only when it commits. Nothing on the wire is a pickle, in either
+direction, so no rank runs code a peer sends: headers are int64 tensors, rows, tensor specs and the job JSON,
+tensors raw (the job: its fields and the algorithm's hyperparameters as JSON, the training set as raw tensors).
+
+A local launch listens on loopback. Another address (`engine.host=0.0.0.0`) lets anyone who can reach it join the
+run and send it commits, so it needs `engine.allow_remote=true`; the address and an explicit `engine.port` are
+checked before anything starts (check_address, called by the config's validation).
 
 The server's exchanges run on a thread of rank 0; its main thread (the coordinator, gem.engines.coordinator)
 records rows in clock order, evaluates θ, writes checkpoints and watches the workers. For a checkpoint the server
@@ -33,22 +37,31 @@ is rank 0's, perhaps on another machine); asking again, it is told to WAIT and a
 live worker has sent its state, the coordinator has written the checkpoint, and turns are handed out again. (A
 worker is not left waiting on a reply: gloo's receive from any source does not wake when one peer dies, so the
 server, blocked on it, would never learn that the last worker it waits for is gone.) A worker lost
-mid-exchange (its connection closes) or silent for `engine.timeout_s` is recorded and the run goes on: its
-commits whose rows never came are marked (`lost_row`). Every wait has a timeout. gloo aborts the whole group
-when one of its waits times out, so the server never lets one expire unless no worker has spoken for
-`timeout_s`, in which case the run ends. At the end every worker gets an answer (BYE or STOP) and exits;
-workers also exit when the server disappears.
+mid-exchange (its connection closes) or silent is recorded and the run goes on: its commits whose rows never
+came are marked (`lost_row`). Silent is the `process` engine's rule, written once (gem.engines.coordinator's
+`Silence`): no progress for longer than max(engine.timeout_s, engine.silent_cycles x the median time between two
+commits of a worker), where rank 0 times every commit it applies. A worker waiting for the server (for its turn,
+or behind a worker that holds the server up) is not silent through its own fault, and says so on the job's store
+while it waits (`_Waiting`): the server, stuck on a frozen worker, cannot hear the others, and gloo's receive from
+any source can be stuck on a frozen worker's header. A silent worker of a local launch is killed, which closes its
+connection and ends any wait on it. Every wait has a timeout. gloo aborts the whole group when one of its waits
+times out, so the server's waits on a worker last well beyond the silence limit (`_patience`; each reply tells the
+workers the server's patience, and they wait twice that for the server), and one expires only when no worker can
+be heard from at all, in which case the run ends.
+At the end every worker gets an answer (BYE or STOP) and exits; workers also exit when the server disappears.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
+import ipaddress
 import json
 import os
-import pickle
 import queue
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -60,13 +73,14 @@ import torch.multiprocessing as tmp
 
 from gem import algorithms
 from gem.algorithms import Commit
-from gem.data import load_dataset
+from gem.data import Dataset, load_dataset
 from gem.engines import Job, Result
 from gem.engines import checkpoint as ckpt
-from gem.engines.coordinator import POLL_S, Coordinator, start_server
+from gem.engines.coordinator import POLL_S, TIMEOUT_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.server import Server
 from gem.engines.worker import Diverged, Worker, setup_process, threads_per_process
+from gem.files import WriteError
 
 START_TIMEOUT_S = 300.0  # a rank imports torch, loads the data and builds its model before it connects
 BYE_TIMEOUT_S = 30.0  # a worker waits this long for the server's last answer
@@ -87,6 +101,40 @@ DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch
 
 def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
+
+
+WAITING_S = 0.5  # a worker waiting for the server says so on the store this often
+
+
+def _waiting_key(rank: int) -> str:
+    return f"gem-waiting/{rank}"
+
+
+class _Waiting(threading.Thread):
+    """While its worker waits for the server, add 1 to the worker's key on the job's store every WAITING_S: the
+    coordinator does not count a wait for the server as the worker's silence (the process engine's line). A frozen
+    worker's thread is frozen with it, and a worker hung anywhere else is not waiting: neither says anything."""
+
+    def __init__(self, store, rank: int):
+        super().__init__(name="gem-waiting", daemon=True)
+        self.store, self.key = store, _waiting_key(rank)
+        self.waiting = False
+
+    def run(self) -> None:
+        while True:
+            time.sleep(WAITING_S)
+            if self.waiting:
+                try:
+                    self.store.add(self.key, 1)
+                except Exception:  # noqa: BLE001 - the store went with rank 0: the worker finds out itself
+                    return
+
+
+def _patience(limit_s: float) -> float:
+    """How long rank 0 waits on one worker's message, given the silence limit: long enough that a silent worker
+    is lost (and, launched locally, killed, which ends the wait) before the wait expires, which would make gloo
+    abort the whole group; the coordinator may be busy (an evaluation) when the limit passes."""
+    return 2.0 * limit_s + 10.0
 
 
 # ------------------------------------------------------------------------------------- the group
@@ -240,36 +288,99 @@ def _rows_json(rows: list) -> bytes:
     return json.dumps([[row, tensors] for row, tensors in rows]).encode()
 
 
+# ------------------------------------------------------------------------------------- the job on the wire
+
+DATASET_TENSORS = ("train_x", "train_y", "val_x", "val_y")  # raw on the wire; gem.data.Dataset's other fields: JSON
+
+
+def encode_job(job: Job) -> tuple[bytes, dict[str, torch.Tensor] | None]:
+    """The job as JSON, and its dataset's tensors (None without a dataset), to be sent raw: every field of Job,
+    the algorithm's hyperparameters as a dict, the dataset's name and options. decode_job rebuilds it."""
+    fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
+    fields["hp"] = _hp_fields(job)
+    tensors = None
+    if job.data is not None:
+        if type(job.data) is not Dataset:  # a subclass's own behaviour would not travel with its fields
+            raise TypeError(f"engine=distributed sends a gem.data.Dataset, not a {type(job.data).__name__}")
+        fields["data"] = {f.name: getattr(job.data, f.name) for f in dataclasses.fields(Dataset)
+                          if f.name not in DATASET_TENSORS}
+        tensors = {k: getattr(job.data, k) for k in DATASET_TENSORS}
+    for name, value in fields.items():  # name the field that cannot travel, rather than fail somewhere in json
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"engine=distributed sends the job as JSON, and Job.{name} is not JSON ({e})") from None
+    return json.dumps(fields).encode(), tensors
+
+
+def _hp_fields(job: Job) -> dict:
+    """The algorithm's Params as a dict that rebuilds them exactly (Params(**d)); checked here, on rank 0, so that
+    a Params that JSON would change (a tuple, a nested dataclass) fails the run in one line before it starts."""
+    params = algorithms.get(job.algorithm).Params
+    d = dataclasses.asdict(job.hp)
+    try:
+        same = params(**json.loads(json.dumps(d))) == job.hp
+    except (TypeError, ValueError):
+        same = False
+    if not same:
+        raise TypeError(f"engine=distributed sends algorithm={job.algorithm}'s Params as JSON, and {d} does not "
+                        "come back the same")
+    return d
+
+
+def decode_job(text: bytes, tensors: dict[str, torch.Tensor] | None) -> Job:
+    """The Job that encode_job encoded: the same value in every field."""
+    fields = json.loads(text)
+    fields["hp"] = algorithms.get(fields["algorithm"]).Params(**fields["hp"])
+    if fields["data"] is not None:
+        fields["data"] = Dataset(**fields["data"], **tensors)
+    source = fields["data_source"]
+    if source is not None and source.get("shape") is not None:
+        source["shape"] = tuple(source["shape"])  # the model's input shape: a tuple, which JSON makes a list
+    return Job(**fields)
+
+
+def _send_job(pg, encoded: tuple[bytes, dict | None], dst: int, timeout_s: float) -> None:
+    text, tensors = encoded
+    _wait(pg.send([torch.tensor([len(text), 0, 0, 0], dtype=torch.long)], dst, TAG_JOB), timeout_s)
+    _send_bytes(pg, text, dst, TAG_JOB, timeout_s)
+    _send_packed(pg, tensors, dst, TAG_JOB, timeout_s)
+
+
+def _recv_job(pg, timeout_s: float) -> Job:
+    header = torch.zeros(HEADER, dtype=torch.long)
+    _wait(pg.recv([header], 0, TAG_JOB), timeout_s)
+    text = _recv_bytes(pg, int(header[0]), 0, TAG_JOB, timeout_s)
+    return decode_job(text, _recv_packed(pg, 0, TAG_JOB, timeout_s))
+
+
 # ------------------------------------------------------------------------------------------ worker
 
 
 def worker_main(timeout_s: float = START_TIMEOUT_S) -> int:
     """A rank > 0 started by torchrun or SLURM: join the group, take the job from rank 0, work, exit."""
     threads = threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    _store, pg, rank, _world = _launched_group(timeout_s)
-    return _work(pg, rank, threads, ignore_sigint=False)
+    store, pg, rank, _world = _launched_group(timeout_s)
+    return _work(pg, rank, threads, ignore_sigint=False, store=store)
 
 
 def _spawned(rank: int, world: int, host: str, port: int, timeout_s: float, threads: int) -> None:
     """A worker of a local launch (`python run.py engine=distributed`)."""
     store = dist.TCPStore(host, port, world, False, timeout=_td(timeout_s))
     pg = _group(store, rank, world, host, timeout_s)
-    _work(pg, rank, threads)
+    _work(pg, rank, threads, store=store)
 
 
-def _work(pg, rank: int, threads: int, ignore_sigint: bool = True) -> int:
+def _work(pg, rank: int, threads: int, ignore_sigint: bool = True, store=None) -> int:
     setup_process(threads, ignore_sigint)
-    header = torch.zeros(HEADER, dtype=torch.long)
     try:
-        _wait(pg.recv([header], 0, TAG_JOB), START_TIMEOUT_S)
-        # the job comes from rank 0, which started this run: the one message a worker unpickles
-        job: Job = pickle.loads(_recv_bytes(pg, int(header[0]), 0, TAG_JOB, START_TIMEOUT_S))
+        job = _recv_job(pg, START_TIMEOUT_S)
         saved = _recv_packed(pg, 0, TAG_JOB, START_TIMEOUT_S)  # this worker's state, when the run resumes
     except RuntimeError:
         return 1
     if saved == DONE:  # a resumed run whose checkpoint has this worker finished, or lost: nothing to do
         return 0
-    link = _RemoteLink(pg, rank, job)
+    link = _RemoteLink(pg, rank, job, store)
     try:
         link.run(saved)
     except _ServerGone:
@@ -289,14 +400,20 @@ class _RemoteLink:
     """A worker rank's way to the server: ASK, GO with θ, COMMIT, all over gloo; a replica of the server's state
     that the worker brings up to date by replaying the server step."""
 
-    def __init__(self, pg, rank: int, job: Job):
+    def __init__(self, pg, rank: int, job: Job, store=None):
         self.pg, self.rank, self.job = pg, rank, job
         self.w = rank - 1  # the worker's index in metrics.parquet, as in the other engines
+        self.waiting = _Waiting(store, rank) if store is not None else None
+        if self.waiting is not None:
+            self.waiting.start()
         self.timeout = float(job.engine["timeout_s"])
+        # how long to wait for the server: twice its own patience with a worker, which each reply updates (it may
+        # be held up by a silent worker until that one is lost)
+        self.wait_s = 2.0 * _patience(self.timeout)
         self.t0_wall = float(job.engine["t0_wall"])
         self.buffer: list = []
         self.sent_at = time.monotonic()
-        self.reply = torch.zeros(3, dtype=torch.long)
+        self.reply = torch.zeros(4, dtype=torch.long)  # [kind, t, τ, the server's patience in ms]
         self.extra: dict = {}
         self.worker: Worker | None = None
         self.server: Server | None = None
@@ -309,11 +426,11 @@ class _RemoteLink:
         rows = _rows_json(self.buffer) if batch and self.buffer else b""
         h = torch.tensor([kind, len(rows), len(self.buffer) if rows else 0, len(extra)], dtype=torch.long)
         try:
-            _wait(self.pg.send([h], 0, TAG_ASK), self.timeout)
+            _wait(self.pg.send([h], 0, TAG_ASK), self.wait_s)
             if rows:
-                _send_bytes(self.pg, rows, 0, TAG_X, self.timeout)
+                _send_bytes(self.pg, rows, 0, TAG_X, self.wait_s)
             if extra:
-                _send_bytes(self.pg, extra, 0, TAG_X, self.timeout)
+                _send_bytes(self.pg, extra, 0, TAG_X, self.wait_s)
         except RuntimeError as e:
             raise _ServerGone() from e
         if rows:
@@ -330,16 +447,26 @@ class _RemoteLink:
         try:
             works = [self.pg.send([t], 0, TAG_X) for t in tensors]
             for work in works:
-                _wait(work, self.timeout)
+                _wait(work, self.wait_s)
         except RuntimeError as e:
             raise _ServerGone() from e
 
     # --- the Link of the worker cycle
     def acquire(self, w: int):
+        if self.waiting is not None:
+            self.waiting.waiting = True
+        try:
+            return self._acquire(w)
+        finally:
+            if self.waiting is not None:
+                self.waiting.waiting = False
+
+    def _acquire(self, w: int):
         while True:
             self.header(ASK)
-            self._recv([self.reply], self.timeout)
-            kind, t, staleness = (int(v) for v in self.reply)
+            self._recv([self.reply], self.wait_s)
+            kind, t, staleness, patience_ms = (int(v) for v in self.reply)
+            self.wait_s = 2.0 * max(patience_ms / 1000, _patience(self.timeout))
             if kind == STOP:
                 raise _Stopped()
             if kind == GO:
@@ -351,7 +478,7 @@ class _RemoteLink:
             else:  # WAIT: the others are still sending theirs. Asking again keeps the server awake, so that it
                 time.sleep(WAIT_S)  # notices when a worker it waits for has died (gloo's wait would not wake)
         server = self.server
-        self._recv([server.theta, *server.state.values()], self.timeout)
+        self._recv([server.theta, *server.state.values()], self.wait_s)
         server.clock.fill_(t)
         server.pulled_at[w] = t - staleness
         return server.view(w)
@@ -416,11 +543,13 @@ class _Server(threading.Thread):
     def __init__(self, pg, job: Job, server: Server, workers: list[int], events: queue.Queue):
         super().__init__(name="gem-parameter-server", daemon=True)
         self.pg, self.job, self.server, self.events = pg, job, server, events
-        self.timeout = float(job.engine["timeout_s"])
+        # how long a wait on one worker may last (the coordinator keeps it at _patience of the silence limit)
+        self.wait_s = _patience(float(job.engine["timeout_s"]))
         self.lock = threading.Lock()
         self.ranks = workers  # ranks 1..n
         self.pending: dict[int, deque] = {r: deque() for r in workers}  # commits whose rows have not come
-        self.heard = dict.fromkeys(workers, time.monotonic())
+        self.heard = dict.fromkeys(workers, time.monotonic())  # each worker's last header: it asked, it waits
+        self.commits: list[tuple[int, float]] = []  # (worker, time) of the commits applied since the coordinator looked
         self.ready: set[int] = set()
         self.done: set[int] = set()  # finished, stopped, or lost: the server expects nothing more
         self.lost: set[int] = set()
@@ -458,8 +587,11 @@ class _Server(threading.Thread):
     def run(self) -> None:
         try:
             self.serve()
+        except WriteError as e:  # a worker's checkpoint file: the disk failed, and the run ends
+            self.events.put(("write_error", str(e)))
         except Exception as e:  # noqa: BLE001 - the coordinator reports it
-            self.events.put(("fatal", f"parameter server: {type(e).__name__}: {e}"))
+            if self.open():  # (else every worker had finished or was lost: nobody waited on what failed)
+                self.events.put(("fatal", f"parameter server: {type(e).__name__}: {e}"))
         finally:
             self.events.put(("done",))
 
@@ -486,12 +618,13 @@ class _Server(threading.Thread):
         slot in the order they arrive, and a receive from any source takes the first (recvFromAny in gloo's
         tcp transport). Returns its rank, or None if it died while its header was on the way."""
         work = self.pg.recv_anysource([header], TAG_ASK)
+        wait_s = self.wait_s
         try:
-            _wait(work, self.timeout)
+            _wait(work, wait_s)
         except RuntimeError as e:
             if _closed(e):
                 return None  # the coordinator sees it go
-            raise RuntimeError(f"no worker sent anything for {self.timeout:.0f} s (engine.timeout_s)") from None
+            raise RuntimeError(f"no worker sent anything for {wait_s:.0f} s (twice the silence limit + 10 s)") from None
         return work._source_rank()
 
     def take(self, src: int, kind: int, rows_nbytes: int, rows_count: int, extra_nbytes: int) -> None:
@@ -499,9 +632,9 @@ class _Server(threading.Thread):
         coordinator: this thread's time is every worker's wait."""
         self.heard[src] = time.monotonic()
         try:
-            rows = _recv_bytes(self.pg, rows_nbytes, src, TAG_X, self.timeout) if rows_nbytes else b""
-            extra = _recv_bytes(self.pg, extra_nbytes, src, TAG_X, self.timeout) if extra_nbytes else b""
-            state = _recv_spec_and_tensors(self.pg, extra, src, TAG_X, self.timeout) if kind == SAVED else None
+            rows = _recv_bytes(self.pg, rows_nbytes, src, TAG_X, self.wait_s) if rows_nbytes else b""
+            extra = _recv_bytes(self.pg, extra_nbytes, src, TAG_X, self.wait_s) if extra_nbytes else b""
+            state = _recv_spec_and_tensors(self.pg, extra, src, TAG_X, self.wait_s) if kind == SAVED else None
         except (RuntimeError, ValueError) as e:
             self.gone(src, e)
             return
@@ -544,7 +677,8 @@ class _Server(threading.Thread):
 
     def reply(self, src: int, kind: int, t: int = 0, staleness: int = 0) -> bool:
         try:
-            _wait(self.pg.send([torch.tensor([kind, t, staleness], dtype=torch.long)], src, TAG_X), self.timeout)
+            reply = torch.tensor([kind, t, staleness, int(self.wait_s * 1000)], dtype=torch.long)
+            _wait(self.pg.send([reply], src, TAG_X), self.wait_s)
             return True
         except RuntimeError as e:
             self.gone(src, e)
@@ -554,8 +688,8 @@ class _Server(threading.Thread):
         """`src` closed its connection (a RuntimeError from gloo), or sent what cannot be read (a ValueError: a
         malformed spec or JSON): it is lost. Any other gloo error is a timeout, and gloo has dropped the group."""
         if isinstance(e, RuntimeError) and not _closed(e):
-            raise RuntimeError(f"worker rank {src} did not answer for {self.timeout:.0f} s (engine.timeout_s); "
-                               "gloo gives up on the whole group after such a wait") from None
+            raise RuntimeError(f"worker rank {src} did not answer for {self.wait_s:.0f} s (twice the silence limit "
+                               "+ 10 s); gloo gives up on the whole group after such a wait") from None
         with self.lock:  # expect nothing more from it now: a checkpoint in progress must not wait for it
             self.done.add(src)
         why = "its connection closed" if isinstance(e, RuntimeError) else f"it sent what cannot be read ({e})"
@@ -572,21 +706,23 @@ class _Server(threading.Thread):
         view = server.view(src - 1)
         header = torch.zeros(2, dtype=torch.long)
         try:  # GO with the clock and τ, the live θ and the server's tensors, all in flight at once
-            go = torch.tensor([GO, view.t, view.staleness], dtype=torch.long)
+            wait_s = self.wait_s
+            go = torch.tensor([GO, view.t, view.staleness, int(wait_s * 1000)], dtype=torch.long)
             sends = [self.pg.send([v], src, TAG_X) for v in (go, server.theta, *server.state.values())]
             for s in sends:
-                _wait(s, self.timeout)
-            _wait(self.pg.recv([header], src, TAG_X), self.timeout)
-            _wait(self.pg.recv([self.delta], src, TAG_X), self.timeout)
+                _wait(s, wait_s)
+            _wait(self.pg.recv([header], src, TAG_X), wait_s)
+            _wait(self.pg.recv([self.delta], src, TAG_X), wait_s)
             payload = {}
             if int(header[0]):
-                spec = _recv_bytes(self.pg, int(header[0]), src, TAG_X, self.timeout)
-                payload = _recv_spec_and_tensors(self.pg, spec, src, TAG_X, self.timeout)
+                spec = _recv_bytes(self.pg, int(header[0]), src, TAG_X, wait_s)
+                payload = _recv_spec_and_tensors(self.pg, spec, src, TAG_X, wait_s)
         except (RuntimeError, ValueError) as e:
             self.gone(src, e)
             return
         with self.lock:
             t = server.apply(view, Commit(delta=self.delta, payload=payload))
+            self.commits.append((src - 1, time.monotonic()))  # progress, for the coordinator's Silence
             if src in self.pending:
                 self.pending[src].append(t)
             else:  # given up for lost while this exchange ran: its row will never come
@@ -598,11 +734,87 @@ class _Server(threading.Thread):
 # ------------------------------------------------------------------------------------- rank 0: the run
 
 
-def _free_listener(host: str, port: int) -> socket.socket:
+def check_address(host: str, port: int, allow_remote: bool) -> None:
+    """engine=distributed: refuse, in one line (ValueError), an address a local launch must not or cannot listen
+    on, before anything starts; print the warning for an exposed one (once). Under a launcher the addresses are
+    the launcher's (MASTER_ADDR, MASTER_PORT): nothing to check."""
+    if launched():
+        return
+    warning = check_host(host, allow_remote)
+    check_port(host, port)
+    _warn_once(warning)
+
+
+def check_host(host: str, allow_remote: bool) -> str | None:
+    """None for loopback (127.0.0.0/8, ::1, localhost); for any other address, the warning line to print when
+    engine.allow_remote=true, else ValueError: whoever can reach rank 0's address can join the run as a worker
+    and send it commits."""
+    if _loopback(host):
+        return None
+    if not allow_remote:
+        raise ValueError(f"engine.host={host} is not a loopback address, and anyone who can reach it could join the "
+                         "run; use engine.host=127.0.0.1 (or localhost, ::1), or set engine.allow_remote=true to "
+                         "expose the run on it")
+    where = f"every address of this machine ({host or 'all'})" if _any_address(host) else host
+    return (f"gem: warning: engine.allow_remote=true: the run listens on {where}, and anyone who can reach it can "
+            "join the run and send it commits")
+
+
+def _loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def _any_address(host: str) -> bool:
+    return host in ("", "0.0.0.0", "::")
+
+
+def _local_address(host: str) -> str:
+    """The address a local launch's ranks use for one another: the one rank 0 listens on, or loopback when it
+    listens on every address (a connection needs one destination, and gloo one interface)."""
+    if not _any_address(host):
+        return host
+    return "::1" if host == "::" else "127.0.0.1"
+
+
+_warned: set[str] = set()  # the validation runs once for the preflight and once per run: one warning a process
+
+
+def _warn_once(line: str | None) -> None:
+    if line and line not in _warned:
+        _warned.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def check_port(host: str, port: int) -> None:
+    """ValueError, in one line, when rank 0 could not listen on (host, port): the port is taken, or the host is
+    not an address of this machine. It binds as rank 0 will (_listener) and lets go at once. (SO_REUSEADDR as
+    there: without it, a port that the previous run of a sweep used would be refused while its closed
+    connections wait out TIME_WAIT, though rank 0 could listen on it.)"""
+    _listener(host, port).close()
+
+
+def _listener(host: str, port: int) -> socket.socket:
+    """Rank 0's listening socket for the job's TCPStore (port 0: a free one). A bind that fails, here or when a
+    port free at the preflight has been taken since, is one line naming the key."""
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((host, port))
-    s.listen(128)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+        s.listen(128)
+    except OSError as e:
+        s.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"engine.port={port} is in use on {host} (another run or program holds it); pick "
+                             "another port, or engine.port=0 for a free one") from None
+        raise ValueError(f"engine.host={host} cannot be listened on ({e.strerror or e}); give an address of this "
+                         "machine, such as 127.0.0.1") from None
     return s
 
 
@@ -619,7 +831,7 @@ def run(job: Job, recorder) -> Result:
     if job.device != "cpu":
         raise ValueError("engine=distributed runs on device=cpu only for now; use engine=sim for device=cuda")
     eng = job.engine
-    timeout_s = float(eng.get("timeout_s", 300.0))
+    timeout_s = float(eng.get("timeout_s", TIMEOUT_S))
     n = job.workers
     algo = algorithms.get(job.algorithm)
     server, resumed = start_server(job, algo, build_flat_model(job).param.clone())
@@ -632,19 +844,23 @@ def run(job: Job, recorder) -> Result:
         job = dataclasses.replace(job, engine={**eng, "timeout_s": timeout_s, "t0_wall": coord.t0_wall,
                                                "train_examples": len(job.data.train_y)})
         coord.job = job
+        encoded = encode_job(_for_workers(job))  # before any worker starts: a field that JSON cannot carry fails here
         if launched():
             world = int(os.environ["WORLD_SIZE"])
             if world != n + 1:
                 raise ValueError(f"workers={n} but the launcher started {world} processes; engine=distributed needs "
                                  f"workers + 1 (rank 0 is the parameter server): pass workers={world - 1}")
             torch.set_num_threads(threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-            pg = _connect(lambda: _launched_group(START_TIMEOUT_S)[1], [])
+            store, pg = _connect(lambda: _launched_group(START_TIMEOUT_S)[:2], [])
         else:
             host, port = str(eng.get("host", "127.0.0.1")), int(eng.get("port", 0))
-            listener = _free_listener(host, port)
+            # the config's validation has checked the address; again here for a caller of the engine itself
+            _warn_once(check_host(host, bool(eng.get("allow_remote", False))))
+            listener = _listener(host, port)
             port = listener.getsockname()[1]
             store = dist.TCPStore(host, port, n + 1, True, timeout=_td(START_TIMEOUT_S), wait_for_workers=False,
                                   master_listen_fd=listener.fileno())
+            local = _local_address(host)  # where this machine's ranks reach rank 0 and one another
             # as on the process engine, the workers share the cores and the coordinating rank is not counted: it
             # mostly waits on the wire. The same threads as the other engines: the same arithmetic at n = 1.
             threads = threads_per_process(n)
@@ -652,16 +868,14 @@ def run(job: Job, recorder) -> Result:
             ctx = tmp.get_context("spawn")
             for r in range(1, n + 1):
                 p = ctx.Process(target=_spawned, name=f"gem-worker-{r - 1}", daemon=True,
-                                args=(r, n + 1, host, port, START_TIMEOUT_S, threads))
+                                args=(r, n + 1, local, port, START_TIMEOUT_S, threads))
                 p.start()
                 children.append(p)
-            pg = _connect(lambda: _group(store, 0, n + 1, host, START_TIMEOUT_S), children)
-        blob = pickle.dumps(_for_workers(job))
+            pg = _connect(lambda: _group(store, 0, n + 1, local, START_TIMEOUT_S), children)
         for r in range(1, n + 1):
-            _wait(pg.send([torch.tensor([len(blob), 0, 0, 0], dtype=torch.long)], r, TAG_JOB), START_TIMEOUT_S)
-            _send_bytes(pg, blob, r, TAG_JOB, START_TIMEOUT_S)
+            _send_job(pg, encoded, r, START_TIMEOUT_S)
             _send_packed(pg, saved.get(r - 1, DONE if resumed else None), r, TAG_JOB, START_TIMEOUT_S)
-        coord.attach(pg, children)
+        coord.attach(pg, children, store)
         return coord.serve()
     finally:
         _stop(children)
@@ -719,13 +933,18 @@ class _Coordinator(Coordinator):
         self.children: list = []
         self.ps: _Server | None = None
         self.fatal = ""
+        self.write_error = ""  # a file of the run directory could not be written: the run ends, failed
         self.server_done = False
         self.last_watch = 0.0
+        self.racing = False  # every worker is ready (or given up): the silence timers run
+        self.store = None  # the job's store, on which a worker waiting for the server says so
+        self.waited: dict[int, int] = {}  # each rank's count on it when the coordinator last looked
+        self.closed_at: float | None = None  # when every worker had finished or was lost
 
-    def attach(self, pg, children: list) -> None:
+    def attach(self, pg, children: list, store=None) -> None:
         ranks = [w + 1 for w in range(self.job.workers)]
         self.ps = _Server(pg, self.job, self.server, ranks, self.events)
-        self.children = children
+        self.children, self.store = children, store
         for w in set(range(self.job.workers)) - set(self.pending_workers()):  # done before the checkpoint
             self.ps.done.add(w + 1)
             self.ps.ready.add(w + 1)
@@ -756,10 +975,12 @@ class _Coordinator(Coordinator):
             self.lose_rank(ev[1], ev[2])
         elif kind == "saved":  # the server waits with every live worker's state in ev[1], θ as of ev[2]
             try:
-                if not self.diverged:  # a diverged run's state is not worth resuming
+                if not self.diverged and not self.write_error:  # a diverged run's state is not worth resuming
                     self.ledger.record()
                     self.ledger.fill_gaps(ev[2])
                     self.write_checkpoint(ev[1], ev[2])
+            except WriteError as e:
+                self.write_error = str(e)
             finally:
                 self.ps.written.set()
         elif kind == "lost_steps":
@@ -767,13 +988,15 @@ class _Coordinator(Coordinator):
                 self.ledger.lost(step)
         elif kind == "fatal":
             self.fatal = ev[1]
+        elif kind == "write_error":
+            self.write_error = ev[1]
         elif kind == "done":
             self.server_done = True
 
     # --- the engine hooks of Coordinator.serve
 
     def running(self) -> bool:
-        return not self.server_done
+        return not self.server_done and not self.write_error
 
     def poll(self, timeout: float) -> None:
         try:
@@ -784,24 +1007,64 @@ class _Coordinator(Coordinator):
             pass
 
     def watch(self) -> None:
-        """Notice workers that died (local launch: their process) or went silent (any launch)."""
+        """Notice workers that died (local launch: their process) or went silent (any launch): the rule of
+        `Silence`, fed with the time of every commit the server applies. A worker whose header the server took,
+        or that says on the store that it waits for the server (`_Waiting`), is not silent through its own fault."""
         now = time.monotonic()
         if now - self.last_watch < POLL_S:
             return
         self.last_watch = now
         ps = self.ps
+        with ps.lock:
+            commits, ps.commits = ps.commits, []
+        if not self.racing:
+            self.start_race(now)
+        for w, at in commits:
+            self.silence.progress(w, at)
         for r in ps.ranks:
-            if r in ps.done:
-                continue
-            if self.children and self.children[r - 1].exitcode is not None:
+            self.silence.seen(r - 1, ps.heard[r])
+            if self.waited_since_last_look(r):
+                self.silence.seen(r - 1, now)
+        ps.wait_s = _patience(self.silence.limit())
+        for r in ps.ranks:
+            if r not in ps.done and self.children and self.children[r - 1].exitcode is not None:
                 self.lose_rank(r, f"process died, exit code {self.children[r - 1].exitcode}")
-            elif now - ps.heard[r] > ps.timeout:
-                self.lose_rank(r, f"silent for {ps.timeout:.0f} s (engine.timeout_s)")
+        for w, silent_for in self.silence.silent(now):
+            if w + 1 in ps.done:  # finished (its event is on the way) or lost
+                self.silence.forget(w)
+            else:
+                self.lose_rank(w + 1, self.silence.why(silent_for))
         if not ps.open() and not self.server_done:
-            # every worker finished or lost: the server ends by itself, unless it is waiting for a header from a
-            # worker that died; then stop waiting for it (it gives up at its timeout)
+            # every worker finished or lost: the server ends by itself, unless it waits for a header from a worker
+            # that died or was lost (gloo's receive from any source does not wake when a peer dies); it gives up at
+            # its own timeout. Wait for it: it holds the group and its store, which must not outlive the run (the
+            # store's listening socket is closed at the end, and its number may be reused by the next run's)
             ps.join(1.0)
-            self.server_done = not ps.is_alive()
+            self.closed_at = self.closed_at or now
+            self.server_done = not ps.is_alive() or now - self.closed_at > ps.wait_s + BYE_TIMEOUT_S
+
+    def waited_since_last_look(self, rank: int) -> bool:
+        if self.store is None or rank in self.ps.done:
+            return False
+        try:
+            count = int(self.store.add(_waiting_key(rank), 0))
+        except Exception:  # noqa: BLE001 - no store, no excuse: the rule still holds
+            return False
+        waited, self.waited[rank] = count != self.waited.get(rank, 0), count
+        return waited
+
+    def start_race(self, now: float) -> None:
+        """The silence timers start once every worker is ready, as the server's turns do: a worker not ready
+        START_TIMEOUT_S after the start is lost, and the others start without it."""
+        ps = self.ps
+        if len(ps.ready | ps.done) < len(ps.ranks):
+            if now - ps.started <= START_TIMEOUT_S:
+                return
+            for r in ps.ranks:
+                if r not in ps.ready and r not in ps.done:
+                    self.lose_rank(r, f"not ready within {START_TIMEOUT_S:.0f} s of its start")
+        self.racing = True
+        self.silence.start([r - 1 for r in ps.ranks if r not in ps.done], now)
 
     def sync(self) -> None:
         pass  # the server knows which commits a lost worker made: they are marked when it is lost
@@ -814,8 +1077,8 @@ class _Coordinator(Coordinator):
         self.ps.request_save(self.job.run_dir)
 
     def wrap_up(self) -> Result:
-        if self.diverged:  # every worker that asks is told to stop; wait for them to go
-            self.ps.stop(self.diverged)
+        if self.diverged or self.write_error:  # every worker that asks is told to stop; wait for them to go
+            self.ps.stop(self.diverged or self.write_error)
             deadline = time.monotonic() + BYE_TIMEOUT_S
             while not self.server_done and time.monotonic() < deadline:
                 self.poll(POLL_S)
@@ -831,6 +1094,8 @@ class _Coordinator(Coordinator):
         # the server, not the workers, set the pace
         extra = {"server_commit_s": round(ps.busy_s / ps.served, 6) if ps.served else None,
                  "server_busy": round(ps.busy_s / wall, 4) if wall > 0 else None}
+        if self.write_error:  # every process has stopped and the rows are recorded: the runner says it, once
+            raise WriteError(self.write_error)
         if self.fatal and not self.diverged:
             return Result("failed", self.steps, reason="; ".join([self.fatal, *self.lost]),
                           extra={"lost_workers": sorted(self.lost_workers), **extra})

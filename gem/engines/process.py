@@ -18,9 +18,14 @@ worker's commit rows from that worker's pipe and is the only process that writes
 (gem.engines.coordinator). It takes the turn itself to read θ for an evaluation, and for a checkpoint, during
 which every worker writes its own state. It watches every worker's process: a worker killed mid-run (SIGKILL
 included) is recorded, the turn is taken back from it if it held it, the others are asked to send the rows they
-hold so that the lost worker's unreported commits can be marked (`lost_row`), and the run goes on. Every wait
-has a timeout, workers exit when the coordinator disappears, and the coordinator stops every child on the way
-out, Ctrl-C and SIGTERM included.
+hold so that the lost worker's unreported commits can be marked (`lost_row`), and the run goes on. A worker that
+is alive but makes no progress (frozen by SIGSTOP, hung in its rule) is lost the same way, and killed, once it is
+silent for longer than the limit of `Silence` (gem.engines.coordinator: max(engine.timeout_s, engine.silent_cycles
+x the median time between two commits of a worker)). The coordinator sees progress without a message: every commit
+sets the worker's `pulled_at` in shared memory, and its row gives the commit's time. A worker waiting in line for
+the turn is not silent through its own fault (if the turn's holder is frozen, everyone waits): only the holder and
+workers out of the line are blamed. Every wait has a timeout, workers exit when the coordinator disappears, and
+the coordinator stops every child on the way out, Ctrl-C and SIGTERM included.
 """
 
 from __future__ import annotations
@@ -40,14 +45,18 @@ from gem.engines.coordinator import POLL_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.server import Server
 from gem.engines.worker import Diverged, Worker, setup_process, threads_per_process
+from gem.files import WriteError
 
-START_TIMEOUT_S = 300.0  # a spawned worker imports torch and builds its model: slow on a loaded machine
-TURN_TIMEOUT_S = 120.0  # nothing holds the turn this long unless it is hung
+START_TIMEOUT_S = 300.0  # a spawned worker imports torch and builds its model: slow on a loaded machine; one not
+# ready after this long is lost, and the others start without it
+TURN_TIMEOUT_S = 120.0  # the coordinator waits for the turn at most this long beyond the silence limit (a frozen
+# holder is lost at the limit, and its turn handed on: this bound is a backstop)
 # a worker sends its commit rows in batches of this many, or this often: each message wakes the coordinator,
 # which on a machine with as many workers as cores takes CPU from a worker
 ROWS_PER_MESSAGE, ROWS_SECONDS = 16, 0.25
 
 GO, SAVE, STOP, FLUSH = 0, 1, 2, 3  # what a worker woken on its semaphore is asked to do
+_ASKED = {SAVE: "SAVE", FLUSH: "FLUSH"}
 
 
 class _Gone(Exception):
@@ -160,6 +169,16 @@ class Turn:
         finally:
             self.meta.release()
 
+    def peek(self) -> list[int]:
+        """(coordinator) Who waits in line for the turn now. Read under `meta` if it can be had soon (it is held
+        for a few instructions only), else as it stands."""
+        locked = self.meta.acquire(timeout=POLL_S)
+        try:
+            return self._line()
+        finally:
+            if locked:
+                self.meta.release()
+
     def stop(self, who: int) -> None:
         if self.meta.acquire(timeout=2.0):
             try:
@@ -271,6 +290,8 @@ def _worker(w: int, job: Job, tensors: dict, turn: Turn, conn, threads: int, t0_
     except Diverged as e:
         link.send_rows()
         conn.send(("diverged", str(e)))
+    except WriteError as e:  # its checkpoint file: the disk, not the worker, failed; the run ends
+        conn.send(("write_error", str(e)))
     except (_Gone, BrokenPipeError, EOFError, ConnectionResetError):
         return
     except Exception as e:  # tell the coordinator why, then die
@@ -366,8 +387,9 @@ class _Coordinator(Coordinator):
         self.replies: set[int] = set()  # workers that answered the current SAVE or FLUSH request
         self.need_sync = False  # a worker was lost: its unsent rows leave a gap to fill
         self.started = False  # the coordinator holds the turn until every worker is ready
-        self.began = self.heard = time.monotonic()
-        self.stalled = ""
+        self.began = time.monotonic()
+        self.pulled: list[int] = []  # every worker's pulled_at when the coordinator last looked
+        self.watched_at = 0.0
 
     def add(self, c: _Child) -> None:
         self.children.append(c)
@@ -391,7 +413,7 @@ class _Coordinator(Coordinator):
     # --- the engine hooks of Coordinator.serve
 
     def running(self) -> bool:
-        return bool(self.active()) and not self.stalled
+        return bool(self.active())
 
     def poll(self, timeout: float) -> None:
         """Read whatever the workers have sent, for up to `timeout` s; notice the dead."""
@@ -403,16 +425,17 @@ class _Coordinator(Coordinator):
             if c.process.exitcode is not None and not c.finished and not c.lost and not self.diverged:
                 self.drain(c)
                 self.lose_child(c, "process died")
-        now = time.monotonic()
-        if events:
-            self.heard = now
-        if not self.started and all(c.index in self.ready or c.lost for c in self.children):
-            self.started = True
-            self.release_turn()  # every worker has copied θ: the race begins
-        elif not self.started and now - self.began > START_TIMEOUT_S:
-            self.stalled = f"workers did not start for {START_TIMEOUT_S:.0f} s"
-        elif self.started and now - self.heard > TURN_TIMEOUT_S:
-            self.stalled = f"workers sent nothing for {TURN_TIMEOUT_S:.0f} s"
+        if self.started:
+            return
+        if time.monotonic() - self.began > START_TIMEOUT_S:  # the others start without it
+            for c in self.active():
+                if c.index not in self.ready:
+                    self.lose_child(c, f"not ready within {START_TIMEOUT_S:.0f} s of its start")
+        if all(c.index in self.ready or c.lost for c in self.children):
+            self.started = True  # every worker has copied θ: the race begins, and the silence timers with it
+            self.silence.start([c.index for c in self.active()], self.now())
+            self.pulled = self.server.pulled_at.tolist()
+            self.release_turn()
 
     def drain(self, c: _Child) -> None:
         while True:
@@ -426,6 +449,7 @@ class _Coordinator(Coordinator):
             if kind == "rows":
                 for row, tensors in msg[1]:
                     self.ledger.add(row, tensors)
+                    self.silence.progress(c.index, row["time_s"])  # stamped under the turn, on our clock
             elif kind == "ready":
                 self.ready.add(c.index)
             elif kind in ("saved", "flushed"):
@@ -438,9 +462,32 @@ class _Coordinator(Coordinator):
                 c.finished = True  # it has stopped and will send nothing more (not counted as finished)
             elif kind == "error":
                 self.lose_child(c, f"raised {msg[1]}")
+            elif kind == "write_error":
+                raise WriteError(msg[1])
 
     def watch(self) -> None:
-        pass  # poll watches every worker's process sentinel
+        """Lose every worker silent for longer than the limit (`Silence`); poll notices the dead. A worker whose
+        `pulled_at` moved has committed; one waiting in line for the turn waits on others (the holder, or the
+        coordinator): neither is silent through its own fault. The turn's holder is blamed, and a frozen holder
+        is killed and its turn handed on (`lose_child`)."""
+        if not self.started:
+            return
+        now = self.now()
+        if now - self.watched_at < POLL_S / 2:
+            return
+        self.watched_at = now
+        line = set(self.turn.peek())
+        pulled = self.server.pulled_at.tolist()
+        active = {c.index: c for c in self.active()}
+        for w in active:
+            if pulled[w] != self.pulled[w] or w in line:
+                self.silence.seen(w, now)
+        self.pulled = pulled
+        for w, silent_for in self.silence.silent(now):
+            if w in active:
+                self.lose_child(active[w], self.silence.why(silent_for))
+            else:
+                self.silence.forget(w)
 
     def sync(self) -> None:
         if self.need_sync and self.started and self.active():
@@ -468,8 +515,6 @@ class _Coordinator(Coordinator):
             self.release_turn()
 
     def wrap_up(self) -> Result:
-        if self.stalled:
-            return Result("failed", self.steps, reason=self.stalled, extra={"lost_workers": sorted(self.lost_workers)})
         if self.diverged:  # every live worker sends the rows of its commits, and commits no more, before the end
             self.flush_all(stop_on_divergence=False, keep_turn=True)
         for c in self.children:  # what the last workers sent before they exited
@@ -481,33 +526,38 @@ class _Coordinator(Coordinator):
 
     def take_turn(self) -> bool:
         """Take the server's turn, waiting in line like a worker while reading rows and watching for the
-        dead (`lose_child` hands a dead holder's turn on). False, out of line again, if it did not come in time."""
-        return self.turn.acquire(self.me, self._waiting, timeout=TURN_TIMEOUT_S)
+        dead and the silent (`lose_child` hands a lost holder's turn on). False, out of line again, if it did not
+        come in time."""
+        return self.turn.acquire(self.me, self._waiting, timeout=self.silence.limit() + TURN_TIMEOUT_S)
 
     def _waiting(self) -> None:
         self.poll(0)
         self.ledger.record()
+        self.watch()
 
     def release_turn(self) -> None:
         self.turn.release(self._waiting)
 
     def collect(self, action: int, reply: str, stop_on_divergence: bool = True) -> None:
         """(holding the turn) Ask every active worker to SAVE or FLUSH and wait for each one's reply; a worker
-        that does not answer in time is lost."""
+        that does not answer within the silence limit is lost. (One waiting in line answers at once; one that
+        computes, when it reaches its commit boundary and asks for the turn: within a cycle.)"""
         self.replies = set()
         want = {c.index for c in self.active()}
         self.turn.ask(want, action, self._waiting)
-        deadline = time.monotonic() + TURN_TIMEOUT_S
+        asked = time.monotonic()
         while not (stop_on_divergence and self.diverged):
             missing = [c for c in self.active() if c.index in want and c.index not in self.replies]
             if not missing:
                 break
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - asked
+            if waited > self.silence.limit():
                 for c in missing:
-                    self.lose_child(c, f"did not answer a {reply} request within {TURN_TIMEOUT_S:.0f} s")
+                    self.lose_child(c, self.silence.why(waited, f"no answer to a {_ASKED[action]} request"))
                 break
             self.poll(POLL_S)
             self.ledger.record()
+            self.watch()
         self.poll(0)
 
     def flush_all(self, stop_on_divergence: bool = True, keep_turn: bool = False) -> None:

@@ -1,0 +1,181 @@
+"""A run directory's owner and its state, checked before anything in it is written.
+
+One run owns a directory: `claim()` takes an exclusive `flock` on the directory itself, held by this process until
+it exits. The kernel drops the lock on any exit, SIGKILL included, so a killed run never leaves a stale lock,
+and no lock file is left behind either. Spawned workers do not inherit it (Python opens descriptors
+non-inheritable), so a run whose main process died can be resumed at once.
+
+A directory that already holds a run's results is never written over: `python run.py hydra.run.dir=<it>` is
+refused, `resume=true` continues it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from experiments.config import algorithm_params
+from gem import algorithms
+from gem.engines.checkpoint import CheckpointError, check_resumable, read_manifest, verify
+from gem.files import write_atomic
+
+# what a run writes: a directory holding any of these holds a run
+RESULTS = ("summary.json", "metrics.parquet", "metrics.parts", "eval.parquet", "eval.parts", "checkpoint")
+
+_held: dict[str, tuple[int, bool]] = {}  # directory (real path) -> (descriptor holding its flock, made by us)
+
+
+class Refused(ValueError):
+    """One line for the user; raised before anything in the run directory is created or changed."""
+
+
+def claim(run_dir: Path, key: str = "hydra.run.dir") -> None:
+    """Make `run_dir` (if needed) and hold its lock for the life of this process. Refused if another process
+    holds it, or it cannot be made or written."""
+    run_dir = Path(run_dir)
+    if holds(run_dir):
+        return
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise Refused(f"{key}={run_dir} cannot be used as a run directory: {e.strerror or e}") from None
+    _held[os.path.realpath(run_dir)] = (fd, created)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        unclaim(run_dir)
+        raise Refused(f"{key}={run_dir} is in use by another run that is still going (it holds the directory's "
+                      "lock); wait for it to end, or pick another directory") from None
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        unclaim(run_dir)
+        raise Refused(f"{key}={run_dir} is not writable by this user")
+
+
+def holds(run_dir: Path) -> bool:
+    return os.path.realpath(run_dir) in _held
+
+
+def in_use(run_dir: Path) -> bool:
+    """Another process holds `run_dir`'s lock (checked without keeping it)."""
+    if holds(run_dir) or not Path(run_dir).is_dir():
+        return False
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # and with it the lock, if it was ours
+
+
+def unclaim(run_dir: Path) -> None:
+    """Let go of `run_dir` (a command refused after `claim`), and remove it if this command made it."""
+    fd, created = _held.pop(os.path.realpath(run_dir), (None, False))
+    if fd is not None:
+        os.close(fd)  # closing the descriptor drops the lock
+    if created:
+        try:
+            Path(run_dir).rmdir()  # only if still empty
+        except OSError:
+            pass
+
+
+def status(run_dir: Path) -> str | None:
+    """The status in `run_dir`'s summary.json; 'unfinished' for results without a summary (a killed run);
+    None if it holds no run."""
+    run_dir = Path(run_dir)
+    if not any((run_dir / name).exists() for name in RESULTS):
+        return None
+    try:
+        return str(json.loads((run_dir / "summary.json").read_text()).get("status", "unfinished"))
+    except (OSError, ValueError):
+        return "unfinished"
+
+
+def check_fresh(run_dir: Path, key: str = "hydra.run.dir") -> None:
+    """A new run (resume=false) must not write over another run's results."""
+    st = status(run_dir)
+    if st is None:
+        return
+    if st == "completed":
+        raise Refused(f"{key}={run_dir} already holds a completed run; pick a new directory (results are never "
+                      "overwritten)")
+    raise Refused(f"{key}={run_dir} already holds a run (status {st}); resume=true continues it from its last "
+                  "checkpoint, or pick a new directory (results are never overwritten)")
+
+
+def check_run_dir(cfg: DictConfig, checked: dict, run_dir: Path, key: str = "hydra.run.dir") -> dict | None:
+    """Take `run_dir` for this command (its lock, held until this process exits) and check that the command
+    can run there: a new run only where no results are, a resume only from a whole checkpoint of the same
+    configuration, every file of it read. Returns the checkpoint's manifest (resume) or None. Refused, with the
+    directory as it was, otherwise."""
+    run_dir = Path(run_dir)
+    if cfg.resume and not run_dir.is_dir():  # before claim(), which would create it
+        raise Refused(f"resume=true: {key}={run_dir} does not exist; resume needs {key}=<the directory of the "
+                      "run to continue>")
+    claim(run_dir, key)
+    try:
+        if not cfg.resume:
+            check_fresh(run_dir, key)
+            return None
+        if status(run_dir) == "completed":
+            raise Refused(f"resume=true: the run in {run_dir} has already completed; nothing to resume")
+        manifest = read_manifest(run_dir)
+        identity = _identity(cfg, checked)
+        check_resumable(manifest, identity)
+        verify(manifest, identity.workers)
+        return manifest
+    except (CheckpointError, Refused) as e:
+        unclaim(run_dir)
+        raise Refused(str(e)) from None
+
+
+def _identity(cfg: DictConfig, checked: dict):
+    """What a checkpoint's fingerprint is compared with, from the config alone (no data loaded)."""
+    from types import SimpleNamespace
+
+    sequential = algorithms.get(cfg.algorithm.name).sequential
+    return SimpleNamespace(algorithm=cfg.algorithm.name, model=cfg.model.name, workers=1 if sequential else cfg.workers,
+                           batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed, device=cfg.device,
+                           data=SimpleNamespace(name=checked["data"].name), hp=algorithm_params(cfg),
+                           engine=dataclasses.asdict(checked["engine"]))
+
+
+def write_hydra(run_dir: Path, cfg) -> None:
+    """Hydra's `.hydra/` (config.yaml, hydra.yaml, overrides.yaml), written by the runner once every check has
+    passed: conf/config.yaml sets `hydra.output_subdir: null`, so that a refused command never replaces the
+    `.hydra/` of the run it was refused for. Nothing when not run by Hydra (tests call the runner directly)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    if not HydraConfig.initialized():
+        return
+    hydra = OmegaConf.create(OmegaConf.to_container(HydraConfig.instance().cfg, resolve=False))  # {"hydra": ...}
+    with open_dict(hydra):
+        hydra.hydra.output_subdir = ".hydra"  # where it is, as Hydra itself would have recorded it
+    folder = Path(run_dir) / ".hydra"
+    folder.mkdir(exist_ok=True)
+    write_atomic(folder / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_atomic(folder / "hydra.yaml", OmegaConf.to_yaml(hydra))
+    write_atomic(folder / "overrides.yaml", OmegaConf.to_yaml(hydra.hydra.overrides.task))
+
+
+def remove_temporary(run_dir: Path) -> None:
+    """After a failed write: no `*.tmp` file and no half-written checkpoint is left behind."""
+    import shutil
+
+    run_dir = Path(run_dir)
+    for tmp in run_dir.rglob("*.tmp"):
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+    shutil.rmtree(run_dir / "checkpoint" / "pending", ignore_errors=True)

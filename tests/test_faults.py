@@ -1,0 +1,281 @@
+"""Faults and bad input, as a user meets them (issue 14's table): a refused command changes nothing, a run
+directory has one owner, and every fault ends with one clear line and a summary that says what happened.
+
+Most commands here go through `python run.py` in a subprocess, as a user types them, on the `sim` engine and
+the embedded digits (fast); generous timeouts because CI machines are shared.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from conftest import ROOT
+
+QUICK = ["engine=sim", "epochs=1", "logger.wandb.mode=disabled", "logger.progress=false"]
+KILLED = [*QUICK, "epochs=10", "engine.checkpoint_every=40"]  # the run that `killed_run` kills
+
+
+def run_py(*args, timeout=300, **kw):
+    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def snapshot(d: Path) -> dict:
+    """Every file under `d`, by content and modification time: equal snapshots mean nothing was touched."""
+    return {str(p.relative_to(d)): (hashlib.sha1(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def one_line(p) -> str:
+    """A refusal: exit code 2 and exactly one line on stderr."""
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2, p.stderr
+    assert len(lines) == 1, p.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory) -> Path:
+    """A sim run killed with SIGKILL after it wrote a checkpoint: what `resume=true` is for."""
+    d = tmp_path_factory.mktemp("killed") / "run"
+    p = subprocess.Popen([sys.executable, "run.py", *KILLED, f"hydra.run.dir={d}"], cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    try:
+        while not (d / "checkpoint" / "manifest.json").exists():
+            assert p.poll() is None, "the run ended before its first checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.1)
+        time.sleep(0.1)  # some rows after the checkpoint, which a resume must cut
+    finally:
+        p.kill()
+        p.wait(30)
+    assert not (d / "summary.json").exists()
+    return d
+
+
+@pytest.fixture
+def killed(killed_run, tmp_path) -> Path:
+    d = tmp_path / "run"
+    shutil.copytree(killed_run, d)
+    return d
+
+
+# --- the issue's table, row by row
+
+
+def test_resume_of_a_completed_run_is_refused_and_changes_nothing(tmp_path):
+    d = tmp_path / "x"
+    assert run_py(*QUICK, f"hydra.run.dir={d}").returncode == 0
+    before = snapshot(d)
+    line = one_line(run_py(*QUICK, "resume=true", f"hydra.run.dir={d}"))
+    assert line == f"error: resume=true: the run in {d} has already completed; nothing to resume"
+    assert snapshot(d) == before  # summary.json still says completed, with its numbers
+    assert json.loads((d / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_new_run_never_writes_over_a_finished_one(tmp_path):
+    d = tmp_path / "x"
+    assert run_py(*QUICK, f"hydra.run.dir={d}").returncode == 0
+    before = snapshot(d)
+    line = one_line(run_py(*QUICK, "seed=1", f"hydra.run.dir={d}"))
+    assert "already holds a completed run" in line and "hydra.run.dir" in line
+    assert snapshot(d) == before
+
+
+def test_resume_with_a_changed_key_is_refused_and_keeps_hydra_and_rows(killed):
+    before = snapshot(killed)
+    line = one_line(run_py(*KILLED, "lr=0.1", "resume=true",
+                           f"hydra.run.dir={killed}"))
+    assert "lr" in line and "resume with the original command's overrides" in line
+    assert snapshot(killed) == before  # .hydra/ and the rows after the checkpoint are as they were
+    assert not (killed / "summary.json").exists()
+
+
+def test_a_truncated_central_checkpoint_is_refused_before_rows_are_cut(killed):
+    central = next((killed / "checkpoint").glob("step-*")) / "central.pt"
+    central.write_bytes(central.read_bytes()[:100])
+    before = snapshot(killed)
+    line = one_line(run_py(*KILLED, "resume=true",
+                           f"hydra.run.dir={killed}"))
+    assert str(central) in line and "cannot be read" in line
+    assert snapshot(killed) == before  # the row parts were neither merged nor cut
+
+
+def test_garbage_in_a_worker_checkpoint_is_one_line_without_torch_advice(killed):
+    worker = next((killed / "checkpoint").glob("step-*")) / "worker-0.pt"
+    worker.write_bytes(b"not a checkpoint at all" * 100)
+    before = snapshot(killed)
+    line = one_line(run_py(*KILLED, "resume=true",
+                           f"hydra.run.dir={killed}"))
+    assert str(worker) in line and "weights_only" not in line
+    assert snapshot(killed) == before
+
+
+def test_the_killed_run_resumes_and_completes(killed):
+    p = run_py(*KILLED, "resume=true", f"hydra.run.dir={killed}",
+               timeout=600)
+    assert p.returncode == 0, p.stderr
+    summary = json.loads((killed / "summary.json").read_text())
+    m = pd.read_parquet(killed / "metrics.parquet")
+    assert summary["status"] == "completed" and m["step"].tolist() == list(range(1, summary["steps"] + 1))
+
+
+def test_resume_in_a_directory_that_does_not_exist_creates_nothing(tmp_path):
+    d = tmp_path / "fresh"
+    line = one_line(run_py(*QUICK, "resume=true", f"hydra.run.dir={d}"))
+    assert "does not exist" in line and "hydra.run.dir" in line
+    assert not d.exists()
+
+
+def test_a_directory_in_use_is_refused_in_one_line(tmp_path):
+    """The lock is the kernel's (flock): a second command on a directory held by a live run is refused, and a
+    holder killed with SIGKILL releases it."""
+    d = tmp_path / "same"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from experiments import rundir; "
+                               f"rundir.claim(__import__('pathlib').Path({str(d)!r})); print('held', flush=True); "
+                               "time.sleep(600)"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        line = one_line(run_py(*QUICK, f"hydra.run.dir={d}"))
+        assert line.startswith(f"error: hydra.run.dir={d} is in use by another run")
+        assert list(d.iterdir()) == []  # nothing written by the refused command
+    finally:
+        holder.kill()
+        holder.wait(30)
+    p = run_py(*QUICK, f"hydra.run.dir={d}")  # SIGKILL released the lock: no stale lock file to clean up
+    assert p.returncode == 0, p.stderr
+
+
+@pytest.mark.slow
+def test_two_runs_started_together_on_one_directory(tmp_path):
+    d = tmp_path / "same"
+    procs = [subprocess.Popen([sys.executable, "run.py", *QUICK, "epochs=20", f"seed={s}", f"hydra.run.dir={d}"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in (1, 2)]
+    out = [p.communicate(timeout=600) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], out
+    refused = out[[p.returncode for p in procs].index(2)][1]
+    assert "is in use by another run" in refused or "already holds" in refused
+    summary = json.loads((d / "summary.json").read_text())
+    m = pd.read_parquet(d / "metrics.parquet")
+    ev = pd.read_parquet(d / "eval.parquet")
+    assert len(m) == summary["steps"] and m["step"].is_unique and ev["step"].is_unique
+    winner = procs[[p.returncode for p in procs].index(0)]
+    assert f"seed={summary['seed']}" in " ".join(winner.args)
+    assert f"seed: {summary['seed']}" in (d / ".hydra" / "config.yaml").read_text()  # one run's config only
+
+
+def test_an_unusable_run_directory_is_one_line():
+    line = one_line(run_py(*QUICK, "hydra.run.dir=/proc/gem-run"))
+    assert line == "error: hydra.run.dir=/proc/gem-run cannot be used as a run directory: No such file or directory"
+
+
+@pytest.mark.parametrize("args, figure", [(["engine=process", "workers=1000"], "worker processes"),
+                                          (["engine=sim", "workers=100000"], "virtual workers")])
+def test_too_many_workers_for_this_machine_is_refused(tmp_path, args, figure):
+    line = one_line(run_py("logger.wandb.mode=disabled", *args, f"hydra.run.dir={tmp_path / 'x'}"))
+    assert line.startswith(f"error: {args[1]} is too many for this machine") and figure in line
+    assert "is available; use at most workers=" in line
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_unknown_key_is_refused_plus_included(tmp_path):
+    line = one_line(run_py(*QUICK, "+foo=1", f"hydra.run.dir={tmp_path / 'x'}"))
+    assert line.startswith("error: foo is not a config key; top-level keys are: algorithm, engine")
+    line = one_line(run_py(*QUICK, "+engine.bar=1", f"hydra.run.dir={tmp_path / 'x'}"))
+    assert line.startswith("error: engine.bar is not a key of engine")
+    assert not (tmp_path / "x").exists()
+
+
+def test_removed_row_parts_do_not_pass_as_completed(tmp_path, monkeypatch):
+    """Part files deleted while the run goes on: the summary says rows are missing, and the status is not
+    `completed`."""
+    from experiments.config import compose
+    from experiments.runner import run
+    from gem import metrics
+
+    flush = metrics.PartWriter.flush
+
+    def flush_then_lose(self):
+        flush(self)
+        if self.final.name == "metrics.parquet" and self.next_part == 3:  # someone removes the first part
+            (self.parts / "part-000000.parquet").unlink()
+
+    monkeypatch.setattr(metrics.PartWriter, "flush", flush_then_lose)
+    cfg = compose([*QUICK, "logger.flush_every=5"])
+    summary = run(cfg, tmp_path)
+    assert summary["status"] == "failed"
+    assert summary["reason"].startswith(f"metrics.parquet holds {summary['steps'] - 5} of the {summary['steps']} "
+                                        "commit rows recorded")
+    assert summary["val_loss"] is None
+
+
+def test_a_write_error_ends_the_run_with_one_line_and_no_temporary_files(tmp_path):
+    """A file-size limit makes the first large write (a checkpoint) fail as a full disk does: the run ends
+    failed, with the path and the OS's reason, and leaves no temporary file."""
+    import resource
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write(), not a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    d = tmp_path / "x"
+    p = run_py(*QUICK, "epochs=3", "engine.checkpoint_every=20", f"hydra.run.dir={d}", preexec_fn=limit)
+    assert p.returncode == 1, p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "cannot write" in errors[0] and "File too large" in errors[0], p.stderr
+    assert "Traceback" not in p.stderr
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["status"] == "failed" and "cannot write" in summary["reason"]
+    assert not list(d.rglob("*.tmp")) and not (d / "checkpoint" / "pending").exists()
+
+
+def test_lost_workers_is_a_list_on_every_status(tmp_path):
+    from experiments.config import compose
+    from experiments.runner import run
+
+    done = run(compose(QUICK), tmp_path / "a")
+    diverged = run(compose([*QUICK, "lr=10000"]), tmp_path / "b")
+    assert (done["status"], done["lost_workers"]) == ("completed", [])
+    assert diverged["status"] == "diverged" and diverged["lost_workers"] == []
+
+
+@pytest.mark.slow
+def test_every_worker_killed_fails_with_every_worker_lost(tmp_path):
+    d = tmp_path / "x"
+    p = subprocess.Popen([sys.executable, "run.py", "engine=process", "workers=2", "epochs=200",
+                          "logger.wandb.mode=disabled", f"hydra.run.dir={d}"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (d / "metrics.parts").exists():  # the race is on: rows are on disk
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.2)
+        pids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        workers = [int(x) for x in pids if "gem-worker" in Path(f"/proc/{x}/cmdline").read_text(errors="ignore")
+                   or _named(int(x))]
+        assert len(workers) == 2, pids
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        p.communicate(timeout=300)
+    finally:
+        p.kill()
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["lost_workers"] == [0, 1]
+
+
+def _named(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip().startswith("gem-worker") or \
+            "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text(errors="ignore")
+    except OSError:
+        return False
