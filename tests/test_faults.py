@@ -42,6 +42,18 @@ def one_line(p) -> str:
     return lines[0]
 
 
+def refused_line(capsys, *argv) -> str:
+    """What `python run.py <argv>` says before Hydra starts (run.py's preflight, in this process): exit code 2
+    and one line."""
+    from experiments.config import preflight
+
+    with pytest.raises(SystemExit) as e:
+        preflight(list(argv))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert e.value.code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory) -> Path:
     """A sim run killed with SIGKILL after it wrote a checkpoint: what `resume=true` is for."""
@@ -72,9 +84,15 @@ def killed(killed_run, tmp_path) -> Path:
 # --- the issue's table, row by row
 
 
-def test_resume_of_a_completed_run_is_refused_and_changes_nothing(tmp_path):
-    d = tmp_path / "x"
+@pytest.fixture(scope="module")
+def completed_run(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("completed") / "x"
     assert run_py(*QUICK, f"hydra.run.dir={d}").returncode == 0
+    return d
+
+
+def test_resume_of_a_completed_run_is_refused_and_changes_nothing(completed_run):
+    d = completed_run
     before = snapshot(d)
     line = one_line(run_py(*QUICK, "resume=true", f"hydra.run.dir={d}"))
     assert line == f"error: resume=true: the run in {d} has already completed; nothing to resume"
@@ -82,13 +100,11 @@ def test_resume_of_a_completed_run_is_refused_and_changes_nothing(tmp_path):
     assert json.loads((d / "summary.json").read_text())["status"] == "completed"
 
 
-def test_a_new_run_never_writes_over_a_finished_one(tmp_path):
-    d = tmp_path / "x"
-    assert run_py(*QUICK, f"hydra.run.dir={d}").returncode == 0
-    before = snapshot(d)
-    line = one_line(run_py(*QUICK, "seed=1", f"hydra.run.dir={d}"))
+def test_a_new_run_never_writes_over_a_finished_one(completed_run, capsys):
+    before = snapshot(completed_run)
+    line = refused_line(capsys, *QUICK, "seed=1", f"hydra.run.dir={completed_run}")
     assert "already holds a completed run" in line and "hydra.run.dir" in line
-    assert snapshot(d) == before
+    assert snapshot(completed_run) == before
 
 
 def test_resume_with_a_changed_key_is_refused_and_keeps_hydra_and_rows(killed):
@@ -174,24 +190,24 @@ def test_two_runs_started_together_on_one_directory(tmp_path):
     assert f"seed: {summary['seed']}" in (d / ".hydra" / "config.yaml").read_text()  # one run's config only
 
 
-def test_an_unusable_run_directory_is_one_line():
-    line = one_line(run_py(*QUICK, "hydra.run.dir=/proc/gem-run"))
+def test_an_unusable_run_directory_is_one_line(capsys):
+    line = refused_line(capsys, *QUICK, "hydra.run.dir=/proc/gem-run")
     assert line == "error: hydra.run.dir=/proc/gem-run cannot be used as a run directory: No such file or directory"
 
 
 @pytest.mark.parametrize("args, figure", [(["engine=process", "workers=1000"], "worker processes"),
                                           (["engine=sim", "workers=100000"], "virtual workers")])
-def test_too_many_workers_for_this_machine_is_refused(tmp_path, args, figure):
-    line = one_line(run_py("logger.wandb.mode=disabled", *args, f"hydra.run.dir={tmp_path / 'x'}"))
+def test_too_many_workers_for_this_machine_is_refused(tmp_path, args, figure, capsys):
+    line = refused_line(capsys, "logger.wandb.mode=disabled", *args, f"hydra.run.dir={tmp_path / 'x'}")
     assert line.startswith(f"error: {args[1]} is too many for this machine") and figure in line
     assert "is available; use at most workers=" in line
     assert not (tmp_path / "x").exists()
 
 
-def test_an_unknown_key_is_refused_plus_included(tmp_path):
-    line = one_line(run_py(*QUICK, "+foo=1", f"hydra.run.dir={tmp_path / 'x'}"))
+def test_an_unknown_key_is_refused_plus_included(tmp_path, capsys):
+    line = one_line(run_py(*QUICK, "+foo=1", f"hydra.run.dir={tmp_path / 'x'}"))  # as typed, once
     assert line.startswith("error: foo is not a config key; top-level keys are: algorithm, engine")
-    line = one_line(run_py(*QUICK, "+engine.bar=1", f"hydra.run.dir={tmp_path / 'x'}"))
+    line = refused_line(capsys, *QUICK, "+engine.bar=1", f"hydra.run.dir={tmp_path / 'x'}")
     assert line.startswith("error: engine.bar is not a key of engine")
     assert not (tmp_path / "x").exists()
 

@@ -39,7 +39,10 @@ def test_every_figure_has_a_full_and_a_quick_experiment():
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_experiment_composes_and_every_job_is_valid(name):
+def test_experiment_composes_and_every_job_is_valid(name, monkeypatch):
+    from gem.engines import memory
+
+    monkeypatch.setattr(memory, "available", lambda: 2**50)  # fig2's 100 processes need a bigger machine than CI
     jobs = expand([f"experiment={name}"], multirun=True)
     assert len(jobs) >= 1
     for job in jobs:
