@@ -111,15 +111,19 @@ class Turn:
             self.action[nxt] = GO
         self.sems[nxt].release()
 
-    def acquire(self, who: int, waiting=None, on_request=None, timeout: float | None = None) -> bool:
+    def acquire(self, who: int, waiting=None, on_request=None, timeout: float | None = None,
+                on_queued=None) -> bool:
         """Wait for the turn. `on_request(action)`: do what the coordinator asks (SAVE, FLUSH) meanwhile.
-        With a `timeout`, give up after it, out of line again, and return False."""
+        With a `timeout`, give up after it, out of line again, and return False. `on_queued()` runs at the
+        moment `who` takes its place (under `meta`): what is measured from then is the line's doing alone."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._lock_meta(waiting)
         try:
             act = int(self.action[who])
             if act == STOP:
                 raise _Gone()
+            if on_queued is not None:
+                on_queued()
             if int(self.state[0]) == -1:
                 self.state[0] = who
                 return True
@@ -232,10 +236,11 @@ class _Link:
             raise _Gone()
 
     def acquire(self, w: int):
-        asked_at = int(self.server.clock)
-        self.turn.acquire(w, self.waiting, self.on_request)
+        asked: list[int] = []  # the clock when this worker took its place in line (not before: a worker
+        # delayed on its way into the line would count commits that FIFO order has nothing to do with)
+        self.turn.acquire(w, self.waiting, self.on_request, on_queued=lambda: asked.append(int(self.server.clock)))
         view = self.server.view(w)
-        self.extra = {"wait_commits": view.t - asked_at}  # commits by others between asking and the turn
+        self.extra = {"wait_commits": view.t - asked[0]}  # commits by others between taking its place and the turn
         return view
 
     def submit(self, view, commit) -> None:
