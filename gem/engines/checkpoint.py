@@ -15,6 +15,7 @@ manifest (written last, by rename): it is either complete and named, or ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -40,7 +41,7 @@ class CheckpointError(ValueError):
 def fingerprint(job) -> dict:
     engine = job.engine.get("name", "")
     schedule = {k: job.engine.get(k) for k in SCHEDULE_KEYS} if engine == "sim" else {}
-    return {**{k: getattr(job, k) for k in FINGERPRINT}, "data": job.data.name, "hp": repr(job.hp),
+    return {**{k: getattr(job, k) for k in FINGERPRINT}, "data": job.data.name, "hp": dataclasses.asdict(job.hp),
             "engine": engine, **schedule}
 
 
@@ -61,11 +62,18 @@ def read_manifest(run_dir) -> dict:
 
 def check_resumable(manifest: dict, job) -> None:
     ours = fingerprint(job)
-    for k, v in manifest.get("fingerprint", {}).items():
-        if ours.get(k) != v:
-            shown = "algorithm parameters" if k == "hp" else k
+    theirs = dict(manifest.get("fingerprint", {}))
+    # the algorithm's parameters one by one, named as the command line names them
+    hp_ours, hp_theirs = ours.pop("hp"), theirs.pop("hp", {})
+    if not isinstance(hp_theirs, dict):  # a checkpoint that recorded them otherwise: compare the whole
+        hp_theirs, hp_ours = {"algorithm parameters": hp_theirs}, {"algorithm parameters": repr(job.hp)}
+    top = ("lr", "momentum", "workers")
+    pairs = [(k, v, ours.get(k)) for k, v in theirs.items()]
+    pairs += [(k if k in top or " " in k else f"algorithm.{k}", v, hp_ours.get(k)) for k, v in hp_theirs.items()]
+    for shown, v, mine in pairs:
+        if mine != v:
             raise CheckpointError(f"resume=true: the checkpoint was made with {shown}={v}, this command has "
-                                  f"{shown}={ours.get(k)}; resume with the original command's overrides")
+                                  f"{shown}={mine}; resume with the original command's overrides")
 
 
 def save_atomic(obj, path) -> None:
