@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from gem import algorithms, engines, models
 from gem import data as gdata
-from gem.engines.sim import STALENESS_MODELS
+from gem.engines.sim import STALENESS_MODELS, TraceError, read_trace
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("algorithm", "engine", "model", "data", "logger", "experiment")
@@ -55,6 +55,8 @@ class EngineConfig:
     staleness: str = "round_robin"
     straggler_fraction: float = 0.25
     straggler_slowdown: float = 4.0
+    cycle_cv: float = 0.0  # gamma: coefficient of variation of a worker's cycle time (0: round robin, 1: exponential)
+    trace: str = ""  # trace: the run directory of a process or distributed run whose cycle times are replayed
     checkpoint_every: int = 500  # commits between checkpoints; 0: none
     host: str = "127.0.0.1"  # engine=distributed, local launch: the address rank 0 listens on
     allow_remote: bool = False  # ... an address other than loopback needs this opt-in
@@ -213,6 +215,17 @@ def validate(cfg: DictConfig) -> dict:
     if eng.staleness not in STALENESS_MODELS:
         raise ConfigError(f"engine.staleness={eng.staleness} is not allowed; choose one of: "
                           f"{', '.join(STALENESS_MODELS)}")
+    if eng.name == "sim" and eng.staleness == "trace":
+        if not eng.trace:
+            raise ConfigError("engine.staleness=trace needs engine.trace=<the run directory of a process or "
+                              "distributed run>")
+        try:
+            read_trace(eng.trace)
+        except TraceError as e:
+            raise ConfigError(str(e)) from None
+    elif eng.trace and eng.name == "sim":
+        raise ConfigError(f"engine.trace is set but engine.staleness={eng.staleness}; add engine.staleness=trace to "
+                          f"replay it")
     if mod.name not in models.MODELS:
         raise ConfigError(f"model={mod.name} is not a model; choose one of: {', '.join(models.MODELS)}")
     if dat.name not in gdata.DATASETS:
@@ -232,6 +245,7 @@ def validate(cfg: DictConfig) -> dict:
         ("logger.wandb.log_every", log.wandb.log_every, log.wandb.log_every >= 1, "an integer >= 1"),
         ("engine.straggler_fraction", eng.straggler_fraction, 0 < eng.straggler_fraction <= 1, "a number in (0, 1]"),
         ("engine.straggler_slowdown", eng.straggler_slowdown, eng.straggler_slowdown >= 1, "a number >= 1"),
+        ("engine.cycle_cv", eng.cycle_cv, 0 <= eng.cycle_cv <= 10, "a number in [0, 10] (0: round robin)"),
         ("engine.checkpoint_every", eng.checkpoint_every, eng.checkpoint_every >= 0, "an integer >= 0 (0: none)"),
         ("engine.port", eng.port, 0 <= eng.port <= 65535, "an integer in [0, 65535] (0: a free port)"),
         ("engine.timeout_s", eng.timeout_s, eng.timeout_s > 0, "a number of seconds > 0"),

@@ -1,9 +1,10 @@
 """python -m paper_figures <id> <sweep_dir>... [--out DIR]   |   python -m paper_figures all <root> [--out DIR]
 
-<id> is fig1 ... fig8, fig9, fig10, fig9_10 or baselines (the report). Each figure is written as <id>.png and
-<id>.pdf in --out (default: ./figures). `all` looks under <root> for the sweeps of each experiment (Hydra records
-which `experiment=` launched a run), takes the first experiment a figure can use and its newest full sweep (or,
-when there is none, its newest _quick sweep), draws every figure it can, and says which it could not and why.
+<id> is fig1 ... fig8, fig3_cv (Fig. 3 by the spread of cycle times), fig9, fig10, fig9_10 or baselines (the
+report). Each figure is written as <id>.png and <id>.pdf in --out (default: ./figures). `all` looks under <root>
+for the sweeps of each experiment (Hydra records which `experiment=` launched a run), takes the first experiment a
+figure can use and its newest full sweep (or, when there is none, its newest _quick sweep), draws every figure it
+can, and says which it could not and why.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis import load, plots
+from analysis import load, pi, plots
 from analysis.plots import plt
 
 
@@ -20,11 +20,12 @@ class NoRuns(ValueError):
 
 # The experiments whose sweeps each figure reads, in order of preference (`<name>_quick` counts as <name>).
 SOURCES = {
-    "fig1": ("fig1",), "fig2": ("fig2",), "fig3": ("fig3", "fig1"), "fig4": ("fig4",), "fig5": ("fig5",),
-    "fig6": ("fig6",), "fig7": ("fig7", "fig9_10"), "fig8": ("fig8",), "fig9": ("fig9_10", "fig7"),
+    "fig1": ("fig1",), "fig2": ("fig2",), "fig3": ("fig3", "fig1"), "fig3_cv": ("fig3_cv",), "fig4": ("fig4",),
+    "fig5": ("fig5",), "fig6": ("fig6",), "fig7": ("fig7", "fig9_10"), "fig8": ("fig8",), "fig9": ("fig9_10", "fig7"),
     "fig10": ("fig9_10", "fig7"), "fig9_10": ("fig9_10", "fig7"), "baselines": ("baselines",),
 }
 COMMIT_COLUMNS = ["algorithm", "workers", "seed", "status", "experiment", "algorithm.kappa", "algorithm.window", "lr",
+                  "engine.staleness", "engine.cycle_cv",
                   "data", "engine", "epochs", "steps", "batch_size", "train_examples"]
 
 
@@ -102,16 +103,69 @@ def fig2(paths):
     return _finish(fig, "Fig. 2", "GEM, training loss against wall-clock seconds", m)
 
 
+# Fig. 3's median π, read off the paper's plot (DESIGN §5): not measured here, drawn for comparison
+PAPER_FIG3 = {5: 0.8, 10: 0.45, 20: 0.15, 30: 0.08}
+
+
 def fig3(paths):
-    """GEM's median π against worker steps, one line per n; beside it, the fraction of π clamped to 0 (the
-    median is 0 whenever more than half of the elements are)."""
+    """(a) GEM's median π against worker steps, one line per n; (b) the fraction of π clamped to 0 (the median
+    is 0 whenever more than half of the elements are); (c, d) both against each commit's own staleness, τ/(n − 1),
+    over the second half of every run: the mechanism by which the spread of τ sets the median."""
     m = runs_for("fig3", paths, ["workers"], ["gem"], need="fig3 needs GEM runs (a fig3 or fig1 sweep)")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    plots.curves(m, axes[0], x="worker_step", y="pi_median", hue="workers", log=False)
-    plots.curves(m, axes[1], x="worker_step", y="pi_zero_frac", hue="workers", log=False)
-    axes[1].set_ylabel("fraction of π clamped to 0")
-    axes[0].legend(fontsize=8)
-    return _finish(fig, "Fig. 3", "GEM's median π (each commit's median over all elements) against worker steps", m)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    palette = plots.colours(sorted(m["workers"].unique()))
+    plots.curves(m, axes[0, 0], x="worker_step", y="pi_median", hue="workers", log=False, palette=palette)
+    plots.curves(m, axes[0, 1], x="worker_step", y="pi_zero_frac", hue="workers", log=False, palette=palette)
+    axes[0, 1].set_ylabel("fraction of π clamped to 0")
+    axes[0, 0].legend(fontsize=8)
+    by_tau(m, axes[1, 0], axes[1, 1], palette)
+    return _finish(fig, "Fig. 3", "GEM's median π (each commit's median over all elements), by worker step and by "
+                   "the commit's own staleness", m)
+
+
+def by_tau(m: pd.DataFrame, ax_median, ax_zero, palette: dict) -> None:
+    """Median π and the zero fraction against τ/(n − 1), one line per n (analysis.pi.by_staleness)."""
+    s = pi.by_staleness(m[m["status"] != "diverged"])
+    for n, g in s.groupby("workers"):
+        style = {"color": palette.get(n), "marker": "o", "ms": 4, "lw": 1.2, "label": f"n = {n}"}
+        ax_median.plot(g["tau_rel"], g["pi_median"], **style)
+        ax_zero.plot(g["tau_rel"], g["pi_zero_frac"], **style)
+    for ax, what in ((ax_median, "median π (mean over commits)"), (ax_zero, "fraction of π clamped to 0")):
+        ax.axvline(1.0, color="grey", lw=0.8, ls=":")  # round robin's τ = n − 1
+        ax.set_xlabel(f"the commit's staleness τ / (n − 1), buckets of {pi.BUCKET:g}; second half of each run")
+        ax.set_ylabel(what)
+        ax.grid(True, alpha=0.3)
+    ax_median.legend(fontsize=8, title=f"commits ≥ {pi.MIN_COMMITS} per point", title_fontsize=7)
+
+
+def fig3_cv(paths):
+    """Fig. 3 as the spread of the workers' cycle times grows (a fig3_cv sweep, engine.staleness=gamma): (a) the
+    mean over the second half of each run of the per-commit median π against n, one line per CV, the paper's
+    values beside them; (b) the fraction of π clamped to 0; (c, d) both against each commit's own τ/(n − 1),
+    pooled over every CV."""
+    m = runs_for("fig3_cv", paths, ["engine.cycle_cv", "workers"], ["gem"],
+                 need="fig3_cv needs GEM runs with several engine.cycle_cv (a fig3_cv sweep)")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    t = pi.by_run(m[m["status"] != "diverged"], ["engine.cycle_cv", "workers"])
+    cvs = sorted(t["engine.cycle_cv"].unique())
+    pal_cv = dict(zip(cvs, plt.get_cmap("plasma")(np.linspace(0.05, 0.8, len(cvs))), strict=True))
+    for cv, g in t.groupby("engine.cycle_cv"):
+        for ax, y in ((axes[0, 0], "pi_median"), (axes[0, 1], "pi_zero_frac")):
+            ax.errorbar(g["workers"], g[y], yerr=g[f"{y}_std"].fillna(0), color=pal_cv[cv], marker="o", ms=4,
+                        capsize=3, lw=1.2, label=f"CV = {cv:g}" + (" (round robin)" if cv == 0 else ""))
+    ns = sorted(t["workers"].unique())
+    axes[0, 0].plot(list(PAPER_FIG3), list(PAPER_FIG3.values()), "kx", ms=9, mew=2, label="paper (read off Fig. 3)")
+    seeds = "/".join(str(s) for s in sorted(t["seeds"].unique()))
+    axes[0, 0].set_ylabel(f"median π, mean over the second half ({seeds} seeds; bars: sd)")
+    axes[0, 1].set_ylabel("fraction of π clamped to 0")
+    for ax in axes[0]:
+        ax.set_xlabel("n")
+        ax.set_xticks(ns)
+        ax.grid(True, alpha=0.3)
+    axes[0, 0].legend(fontsize=8)
+    by_tau(m, axes[1, 0], axes[1, 1], plots.colours(ns))
+    return _finish(fig, "Fig. 3 by the spread of cycle times", "GEM's median π as each worker's cycle time varies "
+                   "(Gamma, coefficient of variation CV)", m)
 
 
 def fig4(paths):
@@ -255,5 +309,5 @@ def fig9_10(paths):
     return heatmaps(paths)
 
 
-FIGURES = {"fig1": fig1, "fig2": fig2, "fig3": fig3, "fig4": fig4, "fig5": fig5, "fig6": fig6, "fig7": fig7,
-           "fig8": fig8, "fig9": fig9, "fig10": fig10, "fig9_10": fig9_10}
+FIGURES = {"fig1": fig1, "fig2": fig2, "fig3": fig3, "fig3_cv": fig3_cv, "fig4": fig4, "fig5": fig5, "fig6": fig6,
+           "fig7": fig7, "fig8": fig8, "fig9": fig9, "fig10": fig10, "fig9_10": fig9_10}

@@ -73,6 +73,13 @@ BAD = [
     (["logger.wandb.mode=loud"], "logger.wandb.mode=loud is not allowed; choose one of: offline, online, disabled"),
     (["engine.staleness=fast"], "engine.staleness is not a key of engine=process; its keys are: name, "),
     (["engine=sim", "engine.staleness=fast"], "engine.staleness=fast is not allowed; choose one of: round_robin"),
+    (["engine=sim", "engine.cycle_cv=-1"], "engine.cycle_cv=-1.0 is not allowed; it must be a number in [0, 10]"),
+    (["engine=sim", "engine.staleness=trace"],
+     "engine.staleness=trace needs engine.trace=<the run directory of a process or distributed run>"),
+    (["engine=sim", "engine.trace=/no/run"],
+     "engine.trace is set but engine.staleness=round_robin; add engine.staleness=trace to replay it"),
+    (["engine=sim", "engine.staleness=trace", "engine.trace=/no/run"],
+     "engine.trace=/no/run is not a run directory (no summary.json)"),
     (["device=tpu"], "device=tpu is not allowed; use cpu, cuda or cuda:N"),
     (["model=alexnet_cifar", "data=digits", "data=mnist"], "model=alexnet_cifar expects 3x32x32 inputs but data=mnist"),
 ]

@@ -382,3 +382,25 @@ def test_an_experiment_without_m_runs_one_job_and_says_so(capsys):
     with pytest.raises(SystemExit):  # bad input: the error line only, no note before it
         preflight(["experiment=fig4", "workers=0"])
     assert capsys.readouterr().err == "error: workers=0 is not allowed; workers must be an integer >= 1\n"
+
+
+def test_pi_by_run_takes_the_second_half_and_by_staleness_buckets_tau_relative_to_round_robin():
+    from analysis import pi
+
+    rows = []
+    for run_dir, seed in (("a", 0), ("b", 1)):
+        for step in range(1, 101):
+            tau = (0, 4, 8)[step % 3]  # n = 5: τ/(n − 1) = 0, 1, 2
+            rows.append({"run_dir": run_dir, "seed": seed, "workers": 5, "status": "completed", "step": step,
+                         "staleness": tau, "pi_median": (2.0, 0.5, 0.0)[step % 3] + (step > 50) * (seed + 1),
+                         "pi_zero_frac": tau / 10})
+    rows.append({**rows[-1], "run_dir": "c", "status": "diverged", "pi_median": 1e9})  # left out
+    m = pd.DataFrame(rows)
+    t = pi.by_run(m, ["workers"])
+    late = m[(m["step"] > 50) & (m["run_dir"] != "c")].groupby("run_dir")["pi_median"].mean()
+    assert t["seeds"].tolist() == [2] and t["pi_median"].iloc[0] == pytest.approx(late.mean())
+    assert t["pi_median_std"].iloc[0] == pytest.approx(late.std())
+    s = pi.by_staleness(m).set_index("tau_rel")
+    assert s.index.tolist() == [0.0, 1.0, 2.0] and (s["commits"] >= pi.MIN_COMMITS).all()
+    assert s["pi_zero_frac"].tolist() == pytest.approx([0.0, 0.4, 0.8])
+    assert s.loc[1.0, "pi_median"] == pytest.approx(0.5 + 1.5)  # 0.5 plus the mean of the seeds' late shift

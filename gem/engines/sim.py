@@ -9,6 +9,14 @@ simulated duration, and the worker whose cycle ends first commits next (an event
   and τ = n − 1 exactly once the first n commits are done.
 - `exponential`: cycle durations are Exp(1), as for workers with random compute times.
 - `stragglers`: a fraction `straggler_fraction` of the workers take `straggler_slowdown` times longer.
+- `gamma`: cycle durations are Gamma-distributed with mean 1 and coefficient of variation `cycle_cv`. The
+  workers' phases start spread evenly over one cycle (worker w's first commit at w/n + its first duration), as
+  a cluster's are once it has run a while; so CV = 0 is round robin's order and a small CV perturbs it. CV = 1
+  is the exponential distribution.
+- `trace`: the cycle times a real run recorded (`read_trace`), replayed per worker, then drawn from that
+  worker's own recorded durations once they run out.
+
+Durations are per local step: a cycle of k local steps (a window) takes k times one draw.
 
 A cycle runs to its end, commit included, before the next starts: the server's turn is simply the next event.
 With one worker this is exactly sequential SGD. A checkpoint holds the event queue and the schedule's random
@@ -30,18 +38,51 @@ from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.server import Server
 from gem.engines.worker import Diverged, Worker
 
-STALENESS_MODELS = ("round_robin", "exponential", "stragglers")
+STALENESS_MODELS = ("round_robin", "exponential", "stragglers", "gamma", "trace")
+
+
+class TraceError(ValueError):
+    """A run directory that cannot be replayed: one line naming it and why."""
+
+
+def read_trace(run_dir) -> list[list[tuple[float, int]]]:
+    """The asynchrony a real run (`process` or `distributed`) recorded: for each of its workers, the (time_s,
+    worker_step) of its commits in order. Lost commits (no row) are skipped."""
+    import json
+    from pathlib import Path
+
+    from gem.metrics import read_table
+
+    d = Path(run_dir)
+    summary = d / "summary.json"
+    if not summary.is_file():
+        raise TraceError(f"engine.trace={run_dir} is not a run directory (no summary.json)")
+    engine = json.loads(summary.read_text()).get("engine")
+    if engine == "sim":
+        raise TraceError(f"engine.trace={run_dir} is a sim run; a trace replays the measured asynchrony of a "
+                         f"process or distributed run")
+    try:
+        m = read_table(d)
+    except (OSError, ValueError) as e:
+        raise TraceError(f"engine.trace={run_dir}: its metrics cannot be read ({e})") from None
+    m = m[(m["worker"] >= 0) & m["time_s"].notna()].sort_values("step")
+    per = [list(zip(g["time_s"].astype(float), g["worker_step"].astype(int), strict=True))
+           for _, g in m.groupby("worker", sort=True)]
+    if not any(len(c) >= 2 for c in per):
+        raise TraceError(f"engine.trace={run_dir}: no worker of that run committed twice, so it holds no cycle time")
+    return per
 
 
 class Schedule:
-    """Simulated cycle durations for the staleness model; seeded, hence deterministic."""
+    """Simulated cycle durations for the staleness model; seeded, hence deterministic. `start(w, k)` is when
+    worker w's first cycle of k local steps ends, `cycle(w, k)` how long its next one takes."""
 
     def __init__(self, model: str, n: int, seed: int, straggler_fraction: float = 0.25,
-                 straggler_slowdown: float = 4.0):
+                 straggler_slowdown: float = 4.0, cycle_cv: float = 0.0, trace=None):
         if model not in STALENESS_MODELS:
             raise ValueError(f"engine.staleness={model} is not a staleness model; "
                              f"choose one of: {', '.join(STALENESS_MODELS)}")
-        self.model = model
+        self.model, self.n, self.cv = model, n, float(cycle_cv)
         self.rng = torch.Generator().manual_seed(seed + 99_991)
         self.slowdown = [1.0] * n
         if model == "stragglers":
@@ -49,11 +90,67 @@ class Schedule:
             slow = torch.randperm(n, generator=self.rng)[:k].tolist()
             for w in slow:
                 self.slowdown[w] = float(straggler_slowdown)
+        self.used = [0] * n  # trace: recorded durations replayed so far, per worker
+        if model == "trace":
+            self._load_trace(trace)
 
-    def duration(self, worker: int) -> float:
+    def _load_trace(self, trace) -> None:
+        """Per recorded worker: its first commit's offset from the run's first commit, and the duration per
+        local step of each later cycle, all in units of the run's mean duration per step (so that, as in the
+        other models, a cycle of one step takes 1 on average)."""
+        if not trace:
+            raise TraceError("engine.staleness=trace needs engine.trace=<the run directory of a process or "
+                             "distributed run>")
+        per_step = [[(t1 - t0) / max(1, s1 - s0) for (t0, s0), (t1, s1) in zip(c, c[1:], strict=False)] for c in trace]
+        pooled = [d for ds in per_step for d in ds]
+        unit = sum(pooled) / len(pooled) if pooled and sum(pooled) > 0 else 1.0
+        first = min(c[0][0] for c in trace if c)
+        self.offsets = [(c[0][0] - first) / unit if c else 0.0 for c in trace]
+        # a recorded worker that committed once has no duration of its own: it draws from everyone's
+        self.recorded = [[d / unit for d in (ds or pooled)] for ds in per_step]
+
+    def _draw(self, w: int) -> float:
+        """One duration per local step for worker w."""
         if self.model == "exponential":
             return float(torch.empty(1).exponential_(1.0, generator=self.rng))
-        return self.slowdown[worker]
+        if self.model == "gamma":
+            if self.cv == 0:
+                return 1.0
+            shape = 1.0 / self.cv**2  # mean shape * scale = 1, CV 1/sqrt(shape)
+            return float(torch._standard_gamma(torch.tensor([shape], dtype=torch.float64), generator=self.rng)
+                         / shape)
+        if self.model == "trace":
+            m = len(self.recorded)
+            mine = self.recorded[w % m]
+            if w < m and self.used[w] < len(mine):  # the recorded durations, in order
+                self.used[w] += 1
+                return mine[self.used[w] - 1]
+            return mine[int(torch.randint(len(mine), (1,), generator=self.rng))]  # then drawn from them
+        return self.slowdown[w]
+
+    def start(self, w: int, steps: int) -> float:
+        if self.model == "gamma":
+            return steps * (w / self.n + self._draw(w))
+        if self.model == "trace" and w < len(self.recorded):
+            # the recorded offset of its first commit, then one mean cycle: its later commits keep their
+            # recorded spacing, so with as many workers as the run had, the sim commits in the run's order
+            return self.offsets[w] + steps
+        return steps * self._draw(w)
+
+    def cycle(self, w: int, steps: int) -> float:
+        if self.model in ("exponential", "gamma"):  # one draw per cycle: its CV is the model's, whatever k is
+            return steps * self._draw(w)
+        if self.model == "trace":
+            return sum(self._draw(w) for _ in range(steps))
+        return steps * self.slowdown[w]
+
+    def state_dict(self) -> dict:
+        return {"schedule_rng": self.rng.get_state(), "trace_used": torch.tensor(self.used, dtype=torch.long)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.set_state(state["schedule_rng"])
+        if "trace_used" in state:
+            self.used = [int(u) for u in state["trace_used"]]
 
 
 class _Link:
@@ -89,12 +186,15 @@ def run(job: Job, recorder) -> Result:
     # with a single worker its local copy can be the model's own buffer: no copy on load
     workers = [Worker(w, job, algo, model, x=model.param if n == 1 else server.theta.clone()) for w in range(n)]
     opts = job.engine
-    schedule = Schedule(opts.get("staleness", "round_robin"), n, job.seed, opts.get("straggler_fraction", 0.25),
-                        opts.get("straggler_slowdown", 4.0))
-    queue = [(schedule.duration(w), w) for w in range(n)]  # (simulated time the worker's cycle ends, worker)
+    model_name = opts.get("staleness", "round_robin")
+    schedule = Schedule(model_name, n, job.seed, opts.get("straggler_fraction", 0.25),
+                        opts.get("straggler_slowdown", 4.0), opts.get("cycle_cv", 0.0),
+                        read_trace(opts["trace"]) if model_name == "trace" else None)
+    # (simulated time the worker's first cycle, up to its first commit, ends; worker)
+    queue = [(schedule.start(w, workers[w].window), w) for w in range(n)]
     heapq.heapify(queue)
     if resumed is not None:
-        schedule.rng.set_state(resumed["engine"]["schedule_rng"])
+        schedule.load_state_dict(resumed["engine"])
         queue = [(float(at), int(w)) for at, w in resumed["engine"]["queue"]]
         heapq.heapify(queue)
         for _, w in queue:
@@ -113,7 +213,7 @@ def run(job: Job, recorder) -> Result:
             coord.diverge(f"{e} (commit {server.t + 1})")
             break
         if committed and wk.step < wk.budget:
-            heapq.heappush(queue, (now + schedule.duration(w) * (wk.step - before), w))
+            heapq.heappush(queue, (now + schedule.cycle(w, wk.step - before), w))
         else:
             coord.finish(w)
         if coord.evaluation_due():
@@ -132,5 +232,4 @@ def _checkpoint(coord: Coordinator, workers: list[Worker], schedule: Schedule, q
     folder = ckpt.pending(coord.job.run_dir)
     for _, w in queue:
         ckpt.save_atomic(workers[w].state_dict(), ckpt.worker_file(folder, w))
-    coord.write_checkpoint(folder, coord.server.t, {"schedule_rng": schedule.rng.get_state(),
-                                                    "queue": [[at, w] for at, w in queue]})
+    coord.write_checkpoint(folder, coord.server.t, {**schedule.state_dict(), "queue": [[at, w] for at, w in queue]})

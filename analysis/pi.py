@@ -1,0 +1,95 @@
+"""GEM's π statistics by run and by a commit's own staleness (the mechanism of Fig. 3).
+
+Every GEM commit row holds `pi_median` (the median of π over all elements at that commit) and `pi_zero_frac`
+(the share of elements clamped to 0). Two views:
+
+- `by_run`: each run's mean of the per-commit medians and zero fractions over the second half of its commits
+  (training has settled by then; the paper's Fig. 3 is flat after its first ~5% of steps), then the mean and
+  standard deviation over seeds.
+- `by_staleness`: the same per-commit numbers grouped by τ/(n − 1) (a commit's staleness relative to round robin's),
+  in buckets 0.25 wide centred on 0, 0.25, ..., 1 (round robin's τ = n − 1), ..., pooled over seeds: how π depends
+  on the commit's own τ.
+
+    python -m analysis.pi <sweep or run folders>... [--by engine.cycle_cv workers]
+
+prints both as Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pandas as pd
+
+from analysis import load
+
+BUCKET = 0.25  # width of a τ/(n − 1) bucket
+MIN_COMMITS = 20  # a bucket with fewer commits is not shown: its mean is noise
+
+
+def second_half(m: pd.DataFrame) -> pd.DataFrame:
+    """Each run's commits after the middle of its clock."""
+    last = m.groupby("run_dir")["step"].transform("max")
+    return m[m["step"] > last / 2]
+
+
+def by_run(m: pd.DataFrame, by) -> pd.DataFrame:
+    """One row per setting `by`: the mean (over seeds) of each run's mean median π and zero fraction over the
+    second half of its commits, their standard deviations, and the number of seeds."""
+    by = list(by)
+    h = second_half(m[m["status"] == "completed"] if "status" in m else m)
+    per = h.groupby([*by, "run_dir"], dropna=False).agg(pi_median=("pi_median", "mean"),
+                                                         pi_zero_frac=("pi_zero_frac", "mean"),
+                                                         tau_mean=("staleness", "mean"), tau_sd=("staleness", "std"))
+    out = per.groupby(level=by, dropna=False).agg(["mean", "std"])
+    out.columns = [f"{a}_{b}" if b == "std" else a for a, b in out.columns]
+    out["seeds"] = per.groupby(level=by, dropna=False).size()
+    return out.reset_index()
+
+
+def by_staleness(m: pd.DataFrame, by=("workers",)) -> pd.DataFrame:
+    """Per setting `by` and τ/(n − 1) bucket (its centre in `tau_rel`): the mean of the per-commit median π and
+    zero fraction over the second half of every run, and how many commits; buckets with fewer than
+    MIN_COMMITS commits are dropped."""
+    by = list(by)
+    h = second_half(m[m["status"] == "completed"] if "status" in m else m)
+    h = h[h["workers"] > 1]
+    rel = h["staleness"] / (h["workers"] - 1)
+    h = h.assign(tau_rel=np.round(rel / BUCKET) * BUCKET)
+    out = h.groupby([*by, "tau_rel"], dropna=False).agg(pi_median=("pi_median", "mean"),
+                                                        pi_zero_frac=("pi_zero_frac", "mean"),
+                                                        commits=("pi_median", "size")).reset_index()
+    return out[out["commits"] >= MIN_COMMITS]
+
+
+def _ints(t: pd.DataFrame) -> pd.DataFrame:
+    for c in ("workers", "seeds", "commits"):
+        if c in t:
+            t[c] = t[c].astype(int)
+    return t
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis.pi", description=__doc__.splitlines()[0])
+    p.add_argument("paths", nargs="+", help="sweep or run folders")
+    p.add_argument("--by", nargs="+", default=["workers"], help="settings to group runs by (default: workers)")
+    args = p.parse_args(argv)
+    r = load.runs(args.paths)
+    r = r[r["algorithm"] == "gem"] if "algorithm" in r else r
+    if r.empty:
+        print("no GEM runs under " + " ".join(args.paths))
+        return 1
+    m = load.commits(args.paths, columns=list(dict.fromkeys([*args.by, "workers", "status"])), meta=r)
+    unfinished = r[r["status"] != "completed"]
+    if len(unfinished):
+        left = (f"{d} ({s})" for d, s in zip(unfinished["run_dir"], unfinished["status"], strict=True))
+        print(f"left out, not completed: {', '.join(left)}\n")
+    print(_ints(by_run(m, args.by)).to_markdown(index=False, floatfmt=".3f"))
+    print()
+    print(_ints(by_staleness(m, args.by)).to_markdown(index=False, floatfmt=".3f"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
