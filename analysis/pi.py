@@ -18,6 +18,7 @@ prints both as Markdown tables.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 import pandas as pd
@@ -56,18 +57,16 @@ def by_staleness(m: pd.DataFrame, by=("workers",)) -> pd.DataFrame:
     h = second_half(m[m["status"] == "completed"] if "status" in m else m)
     h = h[h["workers"] > 1]
     rel = h["staleness"] / (h["workers"] - 1)
-    h = h.assign(tau_rel=np.round(rel / BUCKET) * BUCKET)
+    h = h.assign(tau_rel=np.floor(rel / BUCKET + 0.5) * BUCKET)  # halves up, not to even
     out = h.groupby([*by, "tau_rel"], dropna=False).agg(pi_median=("pi_median", "mean"),
                                                         pi_zero_frac=("pi_zero_frac", "mean"),
                                                         commits=("pi_median", "size")).reset_index()
     return out[out["commits"] >= MIN_COMMITS]
 
 
-def _ints(t: pd.DataFrame) -> pd.DataFrame:
-    for c in ("workers", "seeds", "commits"):
-        if c in t:
-            t[c] = t[c].astype(int)
-    return t
+def markdown(t: pd.DataFrame) -> str:
+    """Counts as integers, settings as given, statistics to 3 decimals."""
+    return t.to_markdown(index=False, floatfmt=tuple(".3f" if c.startswith(("pi_", "tau_")) else "g" for c in t))
 
 
 def main(argv=None) -> int:
@@ -80,14 +79,24 @@ def main(argv=None) -> int:
     if r.empty:
         print("no GEM runs under " + " ".join(args.paths))
         return 1
+    missing = [k for k in args.by if k not in r.columns]
+    if missing:
+        print(f"error: --by {' '.join(missing)}: not a setting of these runs; settings are dotted config keys "
+              f"such as workers, engine.cycle_cv, algorithm.kappa", file=sys.stderr)
+        return 2
+    mixed = load.varying(r, args.by)
+    if mixed:
+        print(f"error: runs with the same {', '.join(args.by)} differ in {', '.join(mixed[:3])}: add them to --by, or "
+              f"pass folders that differ only in {', '.join(args.by)} and seed", file=sys.stderr)
+        return 2
     m = load.commits(args.paths, columns=list(dict.fromkeys([*args.by, "workers", "status"])), meta=r)
     unfinished = r[r["status"] != "completed"]
     if len(unfinished):
         left = (f"{d} ({s})" for d, s in zip(unfinished["run_dir"], unfinished["status"], strict=True))
         print(f"left out, not completed: {', '.join(left)}\n")
-    print(_ints(by_run(m, args.by)).to_markdown(index=False, floatfmt=".3f"))
+    print(markdown(by_run(m, args.by)))
     print()
-    print(_ints(by_staleness(m, args.by)).to_markdown(index=False, floatfmt=".3f"))
+    print(markdown(by_staleness(m, args.by)))
     return 0
 
 

@@ -223,6 +223,7 @@ def validate(cfg: DictConfig) -> dict:
             read_trace(eng.trace)
         except TraceError as e:
             raise ConfigError(str(e)) from None
+        eng.trace = str(Path(eng.trace).resolve())  # the run records where it is, whatever directory resumes it
     elif eng.trace and eng.name == "sim":
         raise ConfigError(f"engine.trace is set but engine.staleness={eng.staleness}; add engine.staleness=trace to "
                           f"replay it")

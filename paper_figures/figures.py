@@ -143,10 +143,16 @@ def fig3_cv(paths):
     mean over the second half of each run of the per-commit median π against n, one line per CV, the paper's
     values beside them; (b) the fraction of π clamped to 0; (c, d) both against each commit's own τ/(n − 1),
     pooled over every CV."""
-    m = runs_for("fig3_cv", paths, ["engine.cycle_cv", "workers"], ["gem"],
-                 need="fig3_cv needs GEM runs with several engine.cycle_cv (a fig3_cv sweep)")
+    need = "fig3_cv needs completed GEM runs with engine.staleness=gamma (a fig3_cv sweep)"
+    m = runs_for("fig3_cv", paths, ["engine.cycle_cv", "workers"], ["gem"], need=need)
+    other = sorted(set(m["engine.staleness"].dropna()) - {"gamma"})
+    if other:  # engine.cycle_cv is a setting of the gamma model only: another model's runs have no CV to plot at
+        raise NoRuns(f"fig3_cv plots gamma runs by their engine.cycle_cv, but some of these runs have "
+                     f"engine.staleness={'/'.join(other)}; pass the runs of a fig3_cv sweep")
+    t = pi.by_run(m, ["engine.cycle_cv", "workers"])
+    if t.empty:
+        raise NoRuns(need)
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    t = pi.by_run(m[m["status"] != "diverged"], ["engine.cycle_cv", "workers"])
     cvs = sorted(t["engine.cycle_cv"].unique())
     pal_cv = dict(zip(cvs, plt.get_cmap("plasma")(np.linspace(0.05, 0.8, len(cvs))), strict=True))
     for cv, g in t.groupby("engine.cycle_cv"):

@@ -301,13 +301,14 @@ class _DyingRecorder(Recorder):
             raise _Killed()
 
 
-def test_a_resumed_sim_run_is_the_uninterrupted_run(data, tmp_path):
+@pytest.mark.parametrize("staleness", [{"staleness": "exponential"}, {"staleness": "gamma", "cycle_cv": 0.5}])
+def test_a_resumed_sim_run_is_the_uninterrupted_run(data, tmp_path, staleness):
     """sim is deterministic, and its checkpoint holds every random stream and the event queue: a run killed after
     a checkpoint and resumed gives exactly the rows of a run never killed, whatever it recorded after the
     checkpoint before it died."""
     def make(d, resume=None):
         return job(data, "sim", 4, "gem", hp_for("gem", 4), epochs=3, run_dir=str(d), checkpoint_every=10,
-                   resume=resume, options={"staleness": "exponential"})
+                   resume=resume, options=staleness)
 
     whole, m_whole = run(make(tmp_path / "whole"), tmp_path / "whole")
     d = tmp_path / "killed"

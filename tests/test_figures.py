@@ -22,6 +22,8 @@ from experiments.runner import run
 from paper_figures import __main__ as cli
 from paper_figures.figures import FIGURES, NoRuns
 
+PAPER = "paper (read off Fig. 3)"
+
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = options("experiment")
 
@@ -64,6 +66,23 @@ def test_fig1_sweeps_three_algorithms_four_n_three_seeds_on_mnist():
     c = cfgs[0]
     assert (c.engine.name, c.data.name, c.model.name, c.lr, c.momentum, c.batch_size, c.epochs) == (
         "sim", "mnist", "mnist_cnn", 0.05, 0.9, 64, 1)
+
+
+@pytest.mark.parametrize("name", ["fig1", "fig3", "fig6", "fig8", "fig1_quick", "fig8_quick"])
+def test_the_paper_figures_run_under_gamma_staleness_and_round_robin_is_one_override_away(name):
+    assert {(c.engine.staleness, c.engine.cycle_cv) for c in _jobs(name)} == {("gamma", 0.25)}
+    assert {c.engine.staleness for c in _jobs(name, "engine.staleness=round_robin")} == {"round_robin"}
+
+
+def test_fig3_cv_sweeps_the_spread_at_four_n():
+    cfgs = _jobs("fig3_cv")
+    assert {(c.algorithm.name, c.engine.staleness) for c in cfgs} == {("gem", "gamma")}
+    assert {(c.engine.cycle_cv, c.workers, c.seed) for c in cfgs} == {
+        (cv, n, s) for cv in (0, 0.25, 0.5, 1) for n in (5, 10, 20, 30) for s in (0, 1, 2)}
+
+
+def test_fig7_uses_algorithm_1s_default_learning_rate():
+    assert {c.lr for c in _jobs("fig7")} == {0.01}  # §4.3: "set to their default values, as specified in Algorithm 1"
 
 
 def test_fig4_keeps_the_effective_batch_and_the_data_fixed():
@@ -171,6 +190,15 @@ def kappa_run(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def gamma_runs(tmp_path_factory):
+    """GEM at n = 2 and 3 under gamma staleness with two CVs: what fig3_cv draws."""
+    root = tmp_path_factory.mktemp("gamma")
+    for i, (n, cv) in enumerate((n, cv) for n in (2, 3) for cv in (0.0, 0.5)):
+        _run(root / str(i), ["algorithm=gem", f"workers={n}", "engine.staleness=gamma", f"engine.cycle_cv={cv}"])
+    return root
+
+
 def test_the_sweep_has_what_the_figures_need(sweep):
     r = load.runs(sweep)
     assert len(r) == len(JOBS) and set(r["experiment"]) == {"test"}
@@ -178,16 +206,21 @@ def test_the_sweep_has_what_the_figures_need(sweep):
 
 
 @pytest.mark.parametrize("fig_id", sorted(FIGURES))
-def test_every_figure_draws_from_a_small_sweep(sweep, kappa_run, tmp_path, fig_id):
+def test_every_figure_draws_from_a_small_sweep(sweep, kappa_run, gamma_runs, tmp_path, fig_id):
     if fig_id in ("fig9", "fig10"):  # n = 8 and n = 16: not in this sweep
         with pytest.raises(NoRuns, match="requested number of workers"):
             FIGURES[fig_id](sweep)
         return
     # fig8 compares κ at one n: GEM at n = 2, seeds 0 and 1 (κ = 1), and the κ = 2 run
     paths = [sweep / "2", sweep / "3", kappa_run] if fig_id == "fig8" else sweep
+    if fig_id == "fig3_cv":  # a CV is a setting of gamma runs only: round robin's are refused
+        with pytest.raises(NoRuns, match="some of these runs have engine.staleness=round_robin"):
+            FIGURES[fig_id](sweep)
+        paths = gamma_runs
     fig = FIGURES[fig_id](paths)
-    lines = sum(len(ax.get_lines()) + len(ax.get_images()) for ax in fig.axes)
-    assert lines >= 2, f"{fig_id} drew almost nothing"
+    # data only: not the reference lines and the paper's markers, which are drawn whatever the runs hold
+    data = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_linestyle() != ":" and ln.get_label() != PAPER]
+    assert len(data) + sum(len(ax.get_images()) for ax in fig.axes) >= 2, f"{fig_id} drew almost nothing"
     paths = plots.save(fig, tmp_path, fig_id)
     assert [p.name for p in paths] == [f"{fig_id}.png", f"{fig_id}.pdf"]
     assert all(p.stat().st_size > 5000 for p in paths)

@@ -136,3 +136,27 @@ def test_a_checkpointed_schedule_continues_its_trace_where_it_stopped():
     b.load_state_dict(a.state_dict())
     assert [b.cycle(w, 1) for w in (0, 1, 2, 0, 0, 1)] == [a.cycle(w, 1) for w in (0, 1, 2, 0, 0, 1)]
     assert first[:2] == [1 / unit, 1.5 / unit]  # each worker's first recorded cycle, in the trace's unit
+
+
+def test_a_windowed_cycle_takes_one_recorded_cycle_and_a_worker_without_one_draws_from_all():
+    """A trace's duration is per local step of one recorded cycle: a sim cycle of k steps takes k of it (so AGN's
+    windows replay AGN's recorded commits), and a recorded worker that committed once has no cycle of its own."""
+    trace = [[(0.0, 10), (2.0, 20), (6.0, 30)], [(1.0, 10)]]  # worker 0: cycles of 10 steps; worker 1: one commit
+    s = Schedule("trace", 2, seed=0, trace=trace)
+    unit = (0.2 + 0.4) / 2
+    assert [s.cycle(0, 10), s.cycle(0, 10)] == pytest.approx([2.0 / unit, 4.0 / unit])
+    assert all(s.cycle(1, 10) / 10 in (pytest.approx(0.2 / unit), pytest.approx(0.4 / unit)) for _ in range(20))
+    assert s.used[1] == 0  # drawn, not replayed
+
+
+def test_a_trace_that_cannot_be_replayed_is_refused_in_one_line(tmp_path):
+    from gem.engines.sim import TraceError
+
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "summary.json").write_text(json.dumps({"engine": "process", "status": "failed", "workers": 2}))
+    with pytest.raises(TraceError, match=r"^engine.trace=.*: its metrics hold no commit rows$"):
+        read_trace(d)
+    (d / "summary.json").write_text("{not json")
+    with pytest.raises(TraceError, match=r"^engine.trace=.*: its summary.json cannot be read"):
+        read_trace(d)

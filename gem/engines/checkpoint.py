@@ -31,7 +31,8 @@ from gem.files import WriteError, write_atomic  # noqa: F401 - WriteError: what 
 CHECKPOINT = "checkpoint"
 # what must match between a checkpoint and the command that resumes it
 FINGERPRINT = ("algorithm", "model", "workers", "batch_size", "epochs", "seed", "device")
-SCHEDULE_KEYS = ("staleness", "straggler_fraction", "straggler_slowdown")  # the sim engine's commit order
+# the sim engine's commit order (a trace's contents are read again on resume: keep its run directory as it is)
+SCHEDULE_KEYS = ("staleness", "straggler_fraction", "straggler_slowdown", "cycle_cv", "trace")
 
 
 class CheckpointError(ValueError):

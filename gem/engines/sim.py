@@ -46,30 +46,40 @@ class TraceError(ValueError):
 
 
 def read_trace(run_dir) -> list[list[tuple[float, int]]]:
-    """The asynchrony a real run (`process` or `distributed`) recorded: for each of its workers, the (time_s,
-    worker_step) of its commits in order. Lost commits (no row) are skipped."""
+    """The asynchrony a real run (`process` or `distributed`) recorded: for each of its workers 0..m−1, the
+    (time_s, worker_step) of its commits in order (empty for a worker that never committed). Lost commits (no
+    row) are skipped."""
     import json
     from pathlib import Path
 
     from gem.metrics import read_table
 
     d = Path(run_dir)
-    summary = d / "summary.json"
-    if not summary.is_file():
-        raise TraceError(f"engine.trace={run_dir} is not a run directory (no summary.json)")
-    engine = json.loads(summary.read_text()).get("engine")
-    if engine == "sim":
+    try:
+        summary = json.loads((d / "summary.json").read_text())
+    except FileNotFoundError:
+        raise TraceError(f"engine.trace={run_dir} is not a run directory (no summary.json)") from None
+    except (OSError, ValueError) as e:
+        raise TraceError(f"engine.trace={run_dir}: its summary.json cannot be read ({e})") from None
+    if summary.get("engine") == "sim":
         raise TraceError(f"engine.trace={run_dir} is a sim run; a trace replays the measured asynchrony of a "
                          f"process or distributed run")
     try:
         m = read_table(d)
     except (OSError, ValueError) as e:
         raise TraceError(f"engine.trace={run_dir}: its metrics cannot be read ({e})") from None
-    m = m[(m["worker"] >= 0) & m["time_s"].notna()].sort_values("step")
-    per = [list(zip(g["time_s"].astype(float), g["worker_step"].astype(int), strict=True))
-           for _, g in m.groupby("worker", sort=True)]
+    if m.empty or not {"step", "worker", "worker_step", "time_s"} <= set(m.columns):
+        raise TraceError(f"engine.trace={run_dir}: its metrics hold no commit rows")
+    m = m[(m["worker"] >= 0) & m["time_s"].notna()].drop_duplicates("step").sort_values("step")
+    workers = max(int(summary.get("workers") or 0), int(m["worker"].max()) + 1 if len(m) else 0)
+    per = [[] for _ in range(workers)]
+    for w, g in m.groupby("worker", sort=True):
+        per[int(w)] = list(zip(g["time_s"].astype(float), g["worker_step"].astype(int), strict=True))
     if not any(len(c) >= 2 for c in per):
         raise TraceError(f"engine.trace={run_dir}: no worker of that run committed twice, so it holds no cycle time")
+    gaps = [t1 - t0 for c in per for (t0, _), (t1, _) in zip(c, c[1:], strict=False)]
+    if min(gaps) < 0 or sum(gaps) <= 0:
+        raise TraceError(f"engine.trace={run_dir}: its commit times do not increase, so they are not cycle times")
     return per
 
 
@@ -103,10 +113,11 @@ class Schedule:
                              "distributed run>")
         per_step = [[(t1 - t0) / max(1, s1 - s0) for (t0, s0), (t1, s1) in zip(c, c[1:], strict=False)] for c in trace]
         pooled = [d for ds in per_step for d in ds]
-        unit = sum(pooled) / len(pooled) if pooled and sum(pooled) > 0 else 1.0
+        unit = sum(pooled) / len(pooled)
         first = min(c[0][0] for c in trace if c)
         self.offsets = [(c[0][0] - first) / unit if c else 0.0 for c in trace]
-        # a recorded worker that committed once has no duration of its own: it draws from everyone's
+        # a recorded worker that committed less than twice has no duration of its own: it draws from everyone's
+        self.own = [bool(ds) for ds in per_step]
         self.recorded = [[d / unit for d in (ds or pooled)] for ds in per_step]
 
     def _draw(self, w: int) -> float:
@@ -122,7 +133,7 @@ class Schedule:
         if self.model == "trace":
             m = len(self.recorded)
             mine = self.recorded[w % m]
-            if w < m and self.used[w] < len(mine):  # the recorded durations, in order
+            if w < m and self.own[w] and self.used[w] < len(mine):  # the recorded durations, in order
                 self.used[w] += 1
                 return mine[self.used[w] - 1]
             return mine[int(torch.randint(len(mine), (1,), generator=self.rng))]  # then drawn from them
@@ -131,17 +142,15 @@ class Schedule:
     def start(self, w: int, steps: int) -> float:
         if self.model == "gamma":
             return steps * (w / self.n + self._draw(w))
-        if self.model == "trace" and w < len(self.recorded):
+        if self.model == "trace" and w < len(self.recorded) and self.own[w]:
             # the recorded offset of its first commit, then one mean cycle: its later commits keep their
             # recorded spacing, so with as many workers as the run had, the sim commits in the run's order
             return self.offsets[w] + steps
         return steps * self._draw(w)
 
     def cycle(self, w: int, steps: int) -> float:
-        if self.model in ("exponential", "gamma"):  # one draw per cycle: its CV is the model's, whatever k is
-            return steps * self._draw(w)
-        if self.model == "trace":
-            return sum(self._draw(w) for _ in range(steps))
+        if self.model in ("exponential", "gamma", "trace"):  # one draw per cycle: its spread whatever k is
+            return steps * self._draw(w)  # (a trace's draw is one recorded cycle over its local steps)
         return steps * self.slowdown[w]
 
     def state_dict(self) -> dict:
