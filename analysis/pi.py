@@ -29,8 +29,10 @@ BUCKET = 0.25  # width of a τ/(n − 1) bucket
 MIN_COMMITS = 20  # a bucket with fewer commits is not shown: its mean is noise
 
 
-def second_half(m: pd.DataFrame) -> pd.DataFrame:
-    """Each run's commits after the middle of its clock."""
+def settled(m: pd.DataFrame) -> pd.DataFrame:
+    """The commits both views read: those of completed runs (when `m` says), after the middle of each run's clock."""
+    if "status" in m:
+        m = m[m["status"] == "completed"]
     last = m.groupby("run_dir")["step"].transform("max")
     return m[m["step"] > last / 2]
 
@@ -39,7 +41,7 @@ def by_run(m: pd.DataFrame, by) -> pd.DataFrame:
     """One row per setting `by`: the mean (over seeds) of each run's mean median π and zero fraction over the
     second half of its commits, their standard deviations, and the number of seeds."""
     by = list(by)
-    h = second_half(m[m["status"] == "completed"] if "status" in m else m)
+    h = settled(m)
     per = h.groupby([*by, "run_dir"], dropna=False).agg(pi_median=("pi_median", "mean"),
                                                          pi_zero_frac=("pi_zero_frac", "mean"),
                                                          tau_mean=("staleness", "mean"), tau_sd=("staleness", "std"))
@@ -54,7 +56,7 @@ def by_staleness(m: pd.DataFrame, by=("workers",)) -> pd.DataFrame:
     zero fraction over the second half of every run, and how many commits; buckets with fewer than
     MIN_COMMITS commits are dropped."""
     by = list(by)
-    h = second_half(m[m["status"] == "completed"] if "status" in m else m)
+    h = settled(m)
     h = h[h["workers"] > 1]
     rel = h["staleness"] / (h["workers"] - 1)
     h = h.assign(tau_rel=np.floor(rel / BUCKET + 0.5) * BUCKET)  # halves up, not to even

@@ -125,7 +125,7 @@ def fig3(paths):
 
 def by_tau(m: pd.DataFrame, ax_median, ax_zero, palette: dict) -> None:
     """Median π and the zero fraction against τ/(n − 1), one line per n (analysis.pi.by_staleness)."""
-    s = pi.by_staleness(m[m["status"] != "diverged"])
+    s = pi.by_staleness(m)
     for n, g in s.groupby("workers"):
         style = {"color": palette.get(n), "marker": "o", "ms": 4, "lw": 1.2, "label": f"n = {n}"}
         ax_median.plot(g["tau_rel"], g["pi_median"], **style)

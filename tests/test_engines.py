@@ -342,12 +342,15 @@ def test_resume_continues_every_worker_where_the_checkpoint_left_it(data, tmp_pa
         real_finish(*args, **kw)
         raise _Killed()
 
+    epochs = 8  # 64 steps per worker, 192 commits
+    steps_each = epochs * 256 // 32
+
     def make(resume=None):
-        # an early checkpoint (t >= 4 of 48 commits) and no evaluation before the end: rank 0 notices its clock
-        # between events, and an evaluation taken first (t >= 16) let a loaded machine's workers (downpour's are
-        # quick) finish the short run before the checkpoint was asked for (CI, twice)
-        return job(data, engine, 3, algorithm, epochs=2, run_dir=str(tmp_path), checkpoint_every=4, eval_every=48,
-                   resume=resume)
+        # an early checkpoint and no evaluation before the end. The coordinator asks for a checkpoint when it next
+        # looks at the clock (it wakes on the workers' row batches, or every POLL_S): DOWNPOUR's 48 commits of a
+        # 2-epoch run could all be served before that, and the run end with no checkpoint (1 run in 6, and in CI)
+        return job(data, engine, 3, algorithm, epochs=epochs, run_dir=str(tmp_path), checkpoint_every=4,
+                   eval_every=3 * steps_each, resume=resume)
 
     monkeypatch.setattr(checkpoint, "finish", finish_then_die)
     with pytest.raises(_Killed):
@@ -367,7 +370,7 @@ def test_resume_continues_every_worker_where_the_checkpoint_left_it(data, tmp_pa
     m = read_table(tmp_path)
     assert m["step"].tolist() == list(range(1, len(m) + 1))  # every commit once
     steps = m.groupby("worker")["worker_step"].apply(list)
-    assert steps[0] == steps[1] == list(range(1, 17))
+    assert steps[0] == steps[1] == list(range(1, steps_each + 1))
     assert steps[2] == list(range(1, len(steps[2]) + 1)) and m.loc[m["worker"] == 2, "step"].max() <= step
     assert not (tmp_path / "checkpoint").exists()  # a completed run cannot be resumed: its checkpoint is gone
 

@@ -512,7 +512,7 @@ class _Coordinator(Coordinator):
             return
         try:
             step = self.server.t
-            self.collect(SAVE, "saved")  # every live worker sends its rows, then writes its state
+            self.collect(SAVE)  # every live worker sends its rows, then writes its state
             if not self.diverged:
                 self.ledger.fill_gaps(step)
                 self.write_checkpoint(folder, step)
@@ -543,7 +543,7 @@ class _Coordinator(Coordinator):
     def release_turn(self) -> None:
         self.turn.release(self._waiting)
 
-    def collect(self, action: int, reply: str, stop_on_divergence: bool = True) -> None:
+    def collect(self, action: int, stop_on_divergence: bool = True) -> None:
         """(holding the turn) Ask every active worker to SAVE or FLUSH and wait for each one's reply; a worker
         that does not answer within the silence limit is lost. (One waiting in line answers at once; one that
         computes, when it reaches its commit boundary and asks for the turn: within a cycle.)"""
@@ -575,7 +575,7 @@ class _Coordinator(Coordinator):
         if not self.take_turn():
             return
         try:
-            self.collect(FLUSH, "flushed", stop_on_divergence)
+            self.collect(FLUSH, stop_on_divergence)
             self.ledger.fill_gaps(self.server.t)
         finally:
             if not keep_turn:

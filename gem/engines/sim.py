@@ -93,6 +93,8 @@ class Schedule:
             raise ValueError(f"engine.staleness={model} is not a staleness model; "
                              f"choose one of: {', '.join(STALENESS_MODELS)}")
         self.model, self.n, self.cv = model, n, float(cycle_cv)
+        # gamma: shape k with scale 1/k has mean 1 and CV 1/sqrt(k)
+        self.shape = torch.tensor([1.0 / self.cv**2 if self.cv > 0 else 0.0], dtype=torch.float64)
         self.rng = torch.Generator().manual_seed(seed + 99_991)
         self.slowdown = [1.0] * n
         if model == "stragglers":
@@ -107,10 +109,7 @@ class Schedule:
     def _load_trace(self, trace) -> None:
         """Per recorded worker: its first commit's offset from the run's first commit, and the duration per
         local step of each later cycle, all in units of the run's mean duration per step (so that, as in the
-        other models, a cycle of one step takes 1 on average)."""
-        if not trace:
-            raise TraceError("engine.staleness=trace needs engine.trace=<the run directory of a process or "
-                             "distributed run>")
+        other models, a cycle of one step takes 1 on average). `trace` is what read_trace returns."""
         per_step = [[(t1 - t0) / max(1, s1 - s0) for (t0, s0), (t1, s1) in zip(c, c[1:], strict=False)] for c in trace]
         pooled = [d for ds in per_step for d in ds]
         unit = sum(pooled) / len(pooled)
@@ -127,9 +126,8 @@ class Schedule:
         if self.model == "gamma":
             if self.cv == 0:
                 return 1.0
-            shape = 1.0 / self.cv**2  # mean shape * scale = 1, CV 1/sqrt(shape)
-            return float(torch._standard_gamma(torch.tensor([shape], dtype=torch.float64), generator=self.rng)
-                         / shape)
+            # torch.distributions.Gamma takes no generator: its sampler, with the schedule's own
+            return float(torch._standard_gamma(self.shape, generator=self.rng) / self.shape)
         if self.model == "trace":
             m = len(self.recorded)
             mine = self.recorded[w % m]
