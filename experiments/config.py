@@ -19,6 +19,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from experiments import instantiate
+from experiments.instantiate import ConfigError
 from gem import algorithms, engines, models
 from gem import data as gdata
 from gem.engines.sim import STALENESS_MODELS, TraceError, read_trace
@@ -45,6 +47,8 @@ class Config:
     epochs: int = MISSING  # full passes over the training set, per worker
     seed: int = MISSING
     device: str = MISSING
+    loss: Any = MISSING  # nll | cross_entropy | null (the model's own: nll if it outputs log-probabilities)
+    precision: str = MISSING  # fp32 | bf16 (the workers' forward and backward passes)
     resume: bool = MISSING
 
 
@@ -68,11 +72,6 @@ class EngineConfig:
 
 
 @dataclass
-class ModelConfig:
-    name: str = "mnist_cnn"
-
-
-@dataclass
 class SyntheticConfig:
     num_classes: int = 10
     train_size: int = 5000
@@ -82,10 +81,12 @@ class SyntheticConfig:
 
 @dataclass
 class DataConfig:
+    _target_: Any = None  # null: the built-in loader `name`; else a torchvision-style dataset (experiments.instantiate)
     name: str = "digits"
     root: str = "data"
     download: bool = False
     augment: bool = True
+    num_classes: int = 10
     synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
 
 
@@ -108,7 +109,7 @@ class LoggerConfig:
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
 
 
-GROUP_SCHEMAS = {"engine": EngineConfig, "model": ModelConfig, "data": DataConfig, "logger": LoggerConfig}
+GROUP_SCHEMAS = {"engine": EngineConfig, "data": DataConfig, "logger": LoggerConfig}  # model: any _target_
 
 
 def per_worker(total: int, *, _root_: DictConfig) -> int:
@@ -133,10 +134,6 @@ def register() -> None:
 
 
 register()
-
-
-class ConfigError(ValueError):
-    """One line for the user: which key is wrong and what is allowed."""
 
 
 def options(group: str) -> list[str]:
@@ -184,6 +181,9 @@ def validate(cfg: DictConfig) -> dict:
 
     Returns the groups checked against their schemas (dataclass instances with every default filled in).
     """
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:  # `???` in a config (data=tensors: data.path, data.num_classes)
+        raise ConfigError(f"{missing[0]} must be given: add {missing[0]}=<value> to the command")
     known = [f.name for f in dataclasses.fields(Config)]
     for key in cfg:
         if key not in known:  # `+foo=1` adds a key that nothing reads: refuse it rather than ignore it
@@ -200,16 +200,14 @@ def validate(cfg: DictConfig) -> dict:
     ):
         if not cond:
             raise ConfigError(f"{key}={cfg[key]} is not allowed; {key} must be {allowed}")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", cfg.device):
-        raise ConfigError(f"device={cfg.device} is not allowed; use cpu, cuda or cuda:N")
-    if cfg.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device={cfg.device}: no CUDA device is available on this machine; use device=cpu")
+    _check_device(cfg.device)
+    if cfg.precision not in models.PRECISIONS:
+        raise ConfigError(f"precision={cfg.precision} is not allowed; choose one of: {', '.join(models.PRECISIONS)} "
+                          "(bf16: the workers' forward and backward passes; θ and the algorithms stay float32)")
     algorithm_params(cfg)
-    checked = {g: _merge_checked(s, cfg[g], g, g) for g, s in GROUP_SCHEMAS.items()}
-    eng, mod, dat, log = checked["engine"], checked["model"], checked["data"], checked["logger"]
+    checked = {g: _merge_checked(s, cfg[g], g, g) for g, s in GROUP_SCHEMAS.items() if g != "data"}
+    checked["data"] = _check_data(cfg.data)
+    eng, dat, log = checked["engine"], checked["data"], checked["logger"]
     if eng.name not in engines.ENGINES:
         raise ConfigError(f"engine={eng.name} is not an engine; choose one of: {', '.join(engines.ENGINES)}")
     if eng.staleness not in STALENESS_MODELS:
@@ -227,14 +225,13 @@ def validate(cfg: DictConfig) -> dict:
     elif eng.trace and eng.name == "sim":
         raise ConfigError(f"engine.trace is set but engine.staleness={eng.staleness}; add engine.staleness=trace to "
                           f"replay it")
-    if mod.name not in models.MODELS:
-        raise ConfigError(f"model={mod.name} is not a model; choose one of: {', '.join(models.MODELS)}")
-    if dat.name not in gdata.DATASETS:
-        raise ConfigError(f"data={dat.name} is not a dataset; choose one of: {', '.join(gdata.DATASETS)}")
-    fixed = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
-    want = models.input_shape(mod.name)
-    if dat.name in fixed and fixed[dat.name] != want:
-        raise ConfigError(f"model={mod.name} expects {'x'.join(map(str, want))} inputs but data={dat.name} gives "
+    module = checked["model"] = instantiate.build_meta(cfg)
+    checked["loss"] = instantiate.resolve_loss(cfg, module)
+    fixed = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32), "fashion_mnist": (1, 28, 28), "cifar100": (3, 32, 32)}
+    want = models.input_shape(module)
+    if want is not None and dat.name in fixed and fixed[dat.name] != want:
+        name = instantiate.display_name("model", cfg.model)
+        raise ConfigError(f"model={name} expects {'x'.join(map(str, want))} inputs but data={dat.name} gives "
                           f"{'x'.join(map(str, fixed[dat.name]))}; pick a matching model")
     if log.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={log.wandb.mode} is not allowed; choose one of: {', '.join(WANDB_MODES)}")
@@ -257,12 +254,6 @@ def validate(cfg: DictConfig) -> dict:
     ):
         if not cond:
             raise ConfigError(f"{key}={value} is not allowed; it must be {allowed}")
-    if cfg.device != "cpu" and eng.name == "process":
-        raise ConfigError(f"device={cfg.device} is not supported by engine=process (its central variable lives in "
-                          "shared host memory); use engine=sim for the GPU, or device=cpu")
-    if cfg.device != "cpu" and eng.name == "distributed":
-        raise ConfigError(f"device={cfg.device} is not supported by engine=distributed yet (gloo moves CPU tensors); "
-                          "use device=cpu, or engine=sim for the GPU")
     _check_launch(cfg, eng.name)
     if eng.name == "distributed":  # the address a local launch listens on: refused before any run directory exists
         try:
@@ -271,6 +262,55 @@ def validate(cfg: DictConfig) -> dict:
             raise ConfigError(str(e)) from None
     _check_memory(cfg, eng.name, dat)
     return checked
+
+
+def _check_device(device: str) -> None:
+    """cpu, cuda (the workers spread over the visible GPUs) or cuda:N (all on GPU N), which must be visible."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ConfigError(f"device={device} is not allowed; use cpu, cuda (workers spread over the visible GPUs) "
+                          "or cuda:N (all workers on GPU N)")
+    if device == "cpu":
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ConfigError(f"device={device}: no CUDA device is visible on this machine (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use device=cpu")
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if index >= count:
+        raise ConfigError(f"device={device}: this machine has {count} visible CUDA device(s), cuda:0 to "
+                          f"cuda:{count - 1}; use one of them, or device=cuda to spread the workers over all")
+
+
+def _check_data(node: DictConfig) -> DataConfig:
+    """A built-in dataset's keys against DataConfig; a `_target_` dataset's own keys go to its class unchecked,
+    gem's (experiments.instantiate.DATA_KEYS) are checked here."""
+    if not instantiate.is_instantiated(node):
+        dat = _merge_checked(DataConfig, OmegaConf.to_container(node, resolve=True), "data", "data")
+        if dat.name not in gdata.DATASETS:
+            raise ConfigError(f"data={dat.name} is not a dataset; choose one of: {', '.join(gdata.DATASETS)}, or "
+                              "data._target_=<a torchvision-style dataset class>")
+        if dat.name == "synthetic" and dat.num_classes != dat.synthetic.num_classes:
+            raise ConfigError(f"data.num_classes={dat.num_classes} but data.synthetic.num_classes="
+                              f"{dat.synthetic.num_classes}; set data.synthetic.num_classes")
+        return dat
+    target = node.get("_target_")
+    try:
+        models.locate(str(target))
+    except ValueError as e:
+        raise ConfigError(f"data._target_={target}: {e}") from None
+    num_classes, augment = node.get("num_classes", 10), node.get("augment", False)
+    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 2:
+        raise ConfigError(f"data.num_classes={num_classes} is not allowed; it must be an integer >= 2")
+    if not isinstance(augment, bool):
+        raise ConfigError(f"data.augment={augment} is not allowed; it must be true or false")
+    for key in ("train_kwargs", "val_kwargs"):
+        if node.get(key) is not None and not isinstance(node.get(key), DictConfig):
+            raise ConfigError(f"data.{key} must be a mapping of keyword arguments, such as {{train: true}}")
+    root = node.get("root")
+    return DataConfig(name=instantiate.display_name("data", node), root=root if isinstance(root, str) else "data",
+                      download=bool(node.get("download", False)), augment=augment, num_classes=num_classes)
 
 
 def _check_memory(cfg: DictConfig, engine: str, dat) -> None:
@@ -283,8 +323,8 @@ def _check_memory(cfg: DictConfig, engine: str, dat) -> None:
         return  # the launcher placed the ranks, possibly on other machines
     algo = algorithms.get(cfg.algorithm.name)
     n = 1 if algo.sequential else int(cfg.workers)
-    with torch.device("meta"):  # shapes only: nothing is allocated
-        params = sum(p.numel() for p in models.build_model(cfg.model.name).parameters())
+    params = sum(p.numel() for p in instantiate.build_meta(cfg).parameters())  # shapes only: nothing allocated
+    with torch.device("meta"):
         state = len(algo.init_state(torch.empty(params), algorithm_params(cfg)))
     train = gdata.train_size(dat.name, data_root(dat.root), dat.synthetic.train_size) or 0
     each = memory.per_worker(engine, params, state, train)
@@ -329,6 +369,9 @@ def check_batch_size(batch_size: int, data: str, train: int | None) -> None:
 def _one_line(exc: Exception) -> str:
     """Reduce a Hydra/OmegaConf composition error to its first meaningful line, naming the key."""
     cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
+    missing = re.search(r"Missing mandatory value: ([\w.]+)", str(cause))
+    if missing:  # `???` in a config (data=tensors: data.path, data.num_classes)
+        return f"{missing.group(1)} must be given: add {missing.group(1)}=<value> to the command"
     inner = re.search(r"ConfigError raised while resolving interpolation: (.*)", str(cause))
     if inner:  # our own resolver (per_worker) already wrote the line
         return inner.group(1).splitlines()[0]

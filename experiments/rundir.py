@@ -142,8 +142,11 @@ def _identity(cfg: DictConfig, checked: dict):
     """What a checkpoint's fingerprint is compared with, from the config alone (no data loaded)."""
     from types import SimpleNamespace
 
+    from experiments.instantiate import display_name
+
     sequential = algorithms.get(cfg.algorithm.name).sequential
-    return SimpleNamespace(algorithm=cfg.algorithm.name, model=cfg.model.name, workers=1 if sequential else cfg.workers,
+    return SimpleNamespace(algorithm=cfg.algorithm.name, model=display_name("model", cfg.model),
+                           loss=checked["loss"], precision=cfg.precision, workers=1 if sequential else cfg.workers,
                            batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed, device=cfg.device,
                            data=SimpleNamespace(name=checked["data"].name), hp=algorithm_params(cfg),
                            engine=dataclasses.asdict(checked["engine"]))

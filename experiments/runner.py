@@ -19,7 +19,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import rundir, wandb_logger
+from experiments import instantiate, rundir, wandb_logger
 from experiments.config import ConfigError, algorithm_params, check_batch_size, data_root, validate
 from experiments.rundir import Refused
 from gem import algorithms, engines, models
@@ -39,15 +39,22 @@ def build_job(cfg: DictConfig, checked: dict, log=print, run_dir: Path | None = 
     if algorithms.get(cfg.algorithm.name).sequential and workers != 1:
         log(f"gem: algorithm={cfg.algorithm.name} is sequential: running 1 worker (workers={workers} ignored)")
         workers = 1
-    shape = models.input_shape(cfg.model.name)
-    source = {"name": d.name, "root": data_root(d.root), "download": d.download,
-              "synthetic": dataclasses.asdict(d.synthetic), "shape": shape, "augment": d.augment}
-    dataset = gdata.load_dataset(**source)
-    # validate() has matched the model to the data's shape; only the loaded size is new here (cifar10)
+    shape = models.input_shape(checked["model"])  # digits and synthetic take the model's input shape
+    if instantiate.is_instantiated(cfg.data):  # a torchvision-style class: its tensors travel with the job
+        source = None
+        dataset = instantiate.load_data(cfg, d, shape, data_root(d.root))
+    else:  # a built-in loader: a distributed worker on another machine loads it itself
+        source = {"name": d.name, "root": data_root(d.root), "download": d.download,
+                  "synthetic": dataclasses.asdict(d.synthetic), "shape": shape or (1, 28, 28), "augment": d.augment}
+        dataset = gdata.load_dataset(**source)
+    spec, loss = instantiate.model_spec(cfg), checked["loss"]
+    # the loaded data meets the model: inputs, number of classes, loss; and the loaded size (cifar10, _target_)
+    instantiate.check_pairing(spec, loss, dataset, cfg.seed)
     check_batch_size(cfg.batch_size, d.name, len(dataset.train_y))
     engine = {k: v for k, v in dataclasses.asdict(eng).items() if k != "checkpoint_every"}
-    return Job(algorithm=cfg.algorithm.name, hp=algorithm_params(cfg), model=cfg.model.name, data=dataset,
+    return Job(algorithm=cfg.algorithm.name, hp=algorithm_params(cfg), model=spec, data=dataset,
                workers=workers, batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed, device=cfg.device,
+               loss=loss, precision=cfg.precision,
                engine=engine, eval_every=cfg.logger.eval_every, eval_train_size=cfg.logger.eval_train_size,
                run_dir=str(run_dir) if run_dir is not None else None, checkpoint_every=eng.checkpoint_every,
                resume=resume, data_source=source)
@@ -97,8 +104,8 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
     job, manifest = prepare(cfg, run_dir)
     t0 = time.perf_counter()
     summary = {"status": "failed", "algorithm": cfg.algorithm.name, "engine": cfg.engine.name,
-               "workers": job.workers, "workers_requested": cfg.workers, "model": cfg.model.name,
-               "data": cfg.data.name, "seed": cfg.seed, "lr": cfg.lr, "momentum": cfg.momentum,
+               "workers": job.workers, "workers_requested": cfg.workers, "model": job.model.name,
+               "data": job.data.name, "loss": job.loss, "precision": job.precision, "device": job.device, "seed": cfg.seed, "lr": cfg.lr, "momentum": cfg.momentum,
                "batch_size": cfg.batch_size, "epochs": cfg.epochs,
                "steps": 0, "final_train_loss": None, "val_loss": None, "val_accuracy": None,
                "mean_staleness": None, "wall_time_s": None, "reason": "", "lost_workers": [],
@@ -109,8 +116,8 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
     old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm) if _main_thread() else None
     try:
         rundir.write_hydra(run_dir, cfg)
-        print(f"gem: algorithm={job.algorithm} engine={cfg.engine.name} workers={job.workers} model={job.model} "
-              f"data={cfg.data.name} ({len(job.data.train_y)} train / {len(job.data.val_y)} val) -> {run_dir}")
+        print(f"gem: algorithm={job.algorithm} engine={cfg.engine.name} workers={job.workers} model={job.model.name} "
+              f"data={job.data.name} ({len(job.data.train_y)} train / {len(job.data.val_y)} val) -> {run_dir}")
         log_cfg = cfg.logger
         wandb = wandb_logger.start(log_cfg.wandb.mode, run_dir, OmegaConf.to_container(cfg, resolve=True),
                                    project=log_cfg.wandb.project, entity=log_cfg.wandb.entity,

@@ -5,7 +5,9 @@ augmentation (CIFAR's random crop and flip) runs on whole batches, so no per-sam
 the training path (see BENCHMARKS.md for what that buys against a torchvision DataLoader).
 
 Datasets: `digits` (scikit-learn's bundled digits, offline), `mnist` and `cifar10` (torchvision), and
-`synthetic` (a learnable task labelled by a fixed random teacher).
+`synthetic` (a learnable task labelled by a fixed random teacher); and any torchvision-style dataset, read into
+memory by `from_datasets` (experiments/ instantiates it from the config: Fashion-MNIST, CIFAR-100, a user's own,
+or plain tensors from a file through `TensorFile`).
 """
 
 from __future__ import annotations
@@ -180,28 +182,42 @@ def load_mnist(root: str, download: bool = False) -> Dataset:
     return Dataset("mnist", tx, ty, vx, vy)
 
 
-def _cifar_class():
-    from torchvision.datasets import CIFAR10
+def _files_only(cls, files):
+    """A torchvision CIFAR class that checks that its batch files exist rather than their md5 on every load.
 
-    class CIFAR10Files(CIFAR10):
-        """torchvision's CIFAR10, checking that the batch files exist rather than their md5 on every load.
+    A download is still verified (torchvision checks the archive's md5 before extracting it). Skipping the per-load
+    md5 also lets tests run the real loader on small files written in CIFAR's own format."""
 
-        A download is still verified (torchvision checks the archive's md5 before extracting it). Skipping
-        the per-load md5 also lets tests run the real loader on small files written in CIFAR's own format.
-        """
-
+    class FilesOnly(cls):
         def _check_integrity(self) -> bool:
             folder = os.path.join(self.root, self.base_folder)
-            return all(os.path.isfile(os.path.join(folder, f)) for f in CIFAR_FILES)
+            return all(os.path.isfile(os.path.join(folder, f)) for f in files)
 
-        def _load_meta(self) -> None:  # torchvision md5-checks batches.meta here too; we only need the names
+        def _load_meta(self) -> None:  # torchvision md5-checks the meta file here too; we only need the names
             import pickle
 
             with open(os.path.join(self.root, self.base_folder, self.meta["filename"]), "rb") as f:
                 self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
             self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
 
-    return CIFAR10Files
+    FilesOnly.__name__ = cls.__name__
+    return FilesOnly
+
+
+def _cifar_class():
+    from torchvision.datasets import CIFAR10
+
+    return _files_only(CIFAR10, CIFAR_FILES)
+
+
+CIFAR100_FILES = ("train", "test", "meta")
+
+
+def cifar100(root: str, train: bool = True, download: bool = False, **kwargs):
+    """torchvision's CIFAR-100 (`<root>/cifar-100-python/`), checking file presence rather than md5 on load."""
+    from torchvision.datasets import CIFAR100
+
+    return _files_only(CIFAR100, CIFAR100_FILES)(root, train=train, download=download, **kwargs)
 
 
 def load_cifar10(root: str, download: bool = False, augment: bool = True) -> Dataset:
@@ -243,6 +259,114 @@ def make_synthetic(shape=(1, 28, 28), num_classes: int = 10, train_size: int = 5
     x = (x - x.mean()) / x.std()
     return Dataset("synthetic", x[:train_size].contiguous(), y[:train_size], x[train_size:].contiguous(),
                    y[train_size:], num_classes=num_classes)
+
+
+# ------------------------------------------------------------------------- any torchvision-style dataset
+
+
+class TensorFile:
+    """Plain tensors from a file, as a torchvision-style dataset: `.npz` (numpy) or `.pt` (a dict of tensors).
+
+    The file holds `x` (N, ...) inputs and `y` (N,) integer labels, and optionally `x_val`, `y_val`. Without
+    them, a fixed `val_fraction` of the examples (the same for every seed) is the validation split. `.pt` files
+    are read with `weights_only=True`: tensors only, no code runs.
+    """
+
+    def __init__(self, path: str, train: bool = True, val_fraction: float = 0.1):
+        arrays = _read_arrays(path)
+        for k in ("x", "y"):
+            if k not in arrays:
+                raise ValueError(f"{path} has no '{k}' array (it has: {', '.join(sorted(arrays)) or 'none'}); "
+                                 "it needs x (inputs) and y (labels), optionally x_val and y_val")
+        x, y = torch.as_tensor(arrays["x"]), torch.as_tensor(arrays["y"])
+        if "x_val" in arrays and "y_val" in arrays:
+            if not train:
+                x, y = torch.as_tensor(arrays["x_val"]), torch.as_tensor(arrays["y_val"])
+        else:
+            if not 0 < val_fraction < 1:
+                raise ValueError(f"val_fraction={val_fraction} must be in (0, 1)")
+            perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+            k = max(1, int(round(len(x) * val_fraction)))
+            idx = perm[k:] if train else perm[:k]
+            x, y = x[idx], y[idx]
+        if len(x) != len(y):
+            raise ValueError(f"{path}: {len(x)} inputs but {len(y)} labels")
+        self.data, self.targets, self.transform = x, y, None
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i):
+        return self.data[i], int(self.targets[i])
+
+
+def _read_arrays(path: str) -> dict:
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist")
+    if path.endswith(".npz"):
+        with np.load(path, allow_pickle=False) as f:
+            return {k: f[k] for k in f.files}
+    if path.endswith(".pt"):
+        obj = torch.load(path, weights_only=True, map_location="cpu")
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path} holds a {type(obj).__name__}, not a dict of tensors")
+        return obj
+    raise ValueError(f"{path}: give a .npz or .pt file")
+
+
+def _as_tensor(item) -> torch.Tensor:
+    if isinstance(item, torch.Tensor):
+        return item
+    if isinstance(item, np.ndarray):
+        return torch.from_numpy(item)
+    from torchvision.transforms.functional import pil_to_tensor  # a PIL image
+
+    return pil_to_tensor(item)
+
+
+def _inputs(ds) -> tuple[torch.Tensor, torch.Tensor]:
+    """All of a dataset's examples as (inputs, labels). Datasets that hold their examples as `.data` and
+    `.targets` and transform nothing (torchvision's MNIST family, CIFAR, TensorFile) are read at once; any
+    other dataset item by item."""
+    if getattr(ds, "transform", None) is None and hasattr(ds, "data") and hasattr(ds, "targets"):
+        x, y = _as_tensor(np.asarray(ds.data) if not isinstance(ds.data, torch.Tensor) else ds.data), ds.targets
+        if x.dim() == 4 and x.shape[-1] in (1, 3) and x.shape[1] not in (1, 3):  # N,H,W,C (CIFAR's numpy)
+            x = x.permute(0, 3, 1, 2)
+    else:
+        items = [ds[i] for i in range(len(ds))]
+        x = torch.stack([_as_tensor(a) for a, _ in items])
+        y = [int(b) for _, b in items]
+    x = x.unsqueeze(1) if x.dim() == 3 else x  # N,H,W: one channel
+    return x, torch.as_tensor(np.asarray(y), dtype=torch.int64)
+
+
+def from_datasets(name: str, train, val, num_classes: int, augment: bool = False) -> Dataset:
+    """Two torchvision-style datasets (items `(input, label)`; inputs PIL images, arrays or tensors) in memory.
+
+    Integer inputs (8-bit images) are scaled to [0, 1]; every input is then standardised per channel (dimension
+    1) with the training split's mean and standard deviation, as the built-in datasets are.
+    """
+    tx, ty = _inputs(train)
+    vx, vy = _inputs(val)
+    if len(tx) == 0 or len(vx) == 0:
+        raise ValueError(f"the {'training' if len(tx) == 0 else 'validation'} split is empty")
+    if tx.shape[1:] != vx.shape[1:]:
+        raise ValueError(f"training inputs are {tuple(tx.shape[1:])} but validation inputs {tuple(vx.shape[1:])}")
+    for split, y in (("training", ty), ("validation", vy)):
+        lo, hi = int(y.min()), int(y.max())
+        if lo < 0 or hi >= num_classes:
+            raise ValueError(f"{split} labels run from {lo} to {hi}, outside 0..{num_classes - 1}; set "
+                             f"data.num_classes to the number of classes")
+    scale = 255.0 if not tx.is_floating_point() else 1.0
+    tx, vx = tx.to(torch.float32) / scale, vx.to(torch.float32) / scale
+    dims = [0] + list(range(2, tx.dim()))
+    mean = tx.mean(dim=dims, keepdim=True)
+    std = tx.std(dim=dims, keepdim=True).clamp_min(1e-6)
+    if augment and tx.dim() != 4:
+        raise ValueError("augment=true crops and flips images: it needs (N, C, H, W) inputs")
+    return Dataset(name, ((tx - mean) / std).contiguous(), ty, ((vx - mean) / std).contiguous(), vy,
+                   num_classes=num_classes, augment=augment)
 
 
 # ------------------------------------------------------------------------ cheap checks before loading

@@ -1,11 +1,21 @@
-"""Models of the paper, and a flat view of their parameters.
+"""Models of the paper, any other model by import path, and a flat view of their parameters.
 
 Every engine works on one flat tensor of parameters (the central variable θ, a worker's stale copy `s`,
 its momentum `m`, ...). `FlatModel` rebinds a module's parameters and gradients to views of two flat buffers,
 so that a forward/backward pass reads θ and writes ∇L without any gather or scatter copy.
+
+Buffers (BatchNorm's running statistics, say) are not part of θ: each worker's model keeps its own, and they never
+reach a gradient, since a module in training mode normalises with the batch's own statistics. The central
+variable's running statistics are those of θ itself, measured when it is evaluated (gem.engines.core.Evaluator:
+`recalibrate`). Averaging workers' statistics instead would mix statistics of stale parameters into θ's, and
+sending them with every commit would cost a second message for numbers no gradient reads.
 """
 
 from __future__ import annotations
+
+import importlib
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +31,7 @@ class MnistCNN(nn.Module):
     """
 
     input_shape = (1, 28, 28)
+    log_probs = True  # outputs log-probabilities: the default loss is nll (LOSSES)
 
     def __init__(self, num_classes: int = 10):
         super().__init__()
@@ -54,6 +65,7 @@ class AlexNetCifar(nn.Module):
     """
 
     input_shape = (3, 32, 32)
+    log_probs = True
 
     def __init__(self, num_classes: int = 10):
         super().__init__()
@@ -75,17 +87,86 @@ class AlexNetCifar(nn.Module):
         return F.log_softmax(self.classifier(x), dim=1)
 
 
-MODELS = {"mnist_cnn": MnistCNN, "alexnet_cifar": AlexNetCifar}
+def resnet18_cifar(num_classes: int = 10) -> nn.Module:
+    """torchvision's ResNet-18 with the usual CIFAR stem: a 3×3/1 first convolution and no max-pool, so that a
+    32×32 image reaches the last stage at 4×4 rather than 1×1 (He et al. 2016, §4.2, do the same for CIFAR). It
+    outputs logits (loss=cross_entropy) and has BatchNorm: see this module's docstring for its buffers."""
+    from torchvision.models import resnet18
+
+    m = resnet18(num_classes=num_classes)
+    m.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    m.maxpool = nn.Identity()
+    m.input_shape = (3, 32, 32)
+    return m
 
 
-def build_model(name: str, num_classes: int = 10) -> nn.Module:
-    if name not in MODELS:
-        raise ValueError(f"model={name} is not a model; choose one of: {', '.join(sorted(MODELS))}")
-    return MODELS[name](num_classes=num_classes)
+MODELS = {"mnist_cnn": MnistCNN, "alexnet_cifar": AlexNetCifar, "resnet18_cifar": resnet18_cifar}
+LOSSES = ("nll", "cross_entropy")  # nll: the model outputs log-probabilities; cross_entropy: logits
 
 
-def input_shape(name: str) -> tuple[int, int, int]:
-    return MODELS[name].input_shape
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build a model in any process: `factory(**kwargs)` must return a `torch.nn.Module`.
+
+    Plain strings and JSON values only, so that a spec travels to spawned processes and over the wire
+    (engine=distributed) and is rebuilt there. `factory` is an import path ("package.module.Class"); a Hydra
+    config becomes `ModelSpec(name, "hydra.utils.instantiate", {"config": {...}})` (experiments/ does that: this
+    package never imports Hydra itself).
+    """
+
+    name: str  # what the run directory calls the model
+    factory: str
+    kwargs: dict = field(default_factory=dict)
+
+
+def locate(path: str):
+    """The object at an import path: "package.module.attr" (or "package.module:attr")."""
+    module, _, attr = path.replace(":", ".").rpartition(".")
+    if not module:
+        raise ValueError(f"{path} is not an import path (package.module.Name)")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{path} cannot be imported ({type(e).__name__}: {e})") from None
+
+
+def build_model(model: str | ModelSpec, num_classes: int = 10) -> nn.Module:
+    """A built-in model by name (with `num_classes` outputs), or the module a ModelSpec builds."""
+    if isinstance(model, ModelSpec):
+        module = locate(model.factory)(**model.kwargs)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"model {model.name}: {model.factory} returned a {type(module).__name__}, not a "
+                            "torch.nn.Module")
+        return module
+    if model not in MODELS:
+        raise ValueError(f"model={model} is not a model; choose one of: {', '.join(sorted(MODELS))}")
+    return MODELS[model](num_classes=num_classes)
+
+
+def model_name(model: str | ModelSpec) -> str:
+    return model.name if isinstance(model, ModelSpec) else model
+
+
+def input_shape(model: str | nn.Module) -> tuple[int, ...] | None:
+    """The input shape a model declares (`input_shape`, as the built-in ones do); None if it declares none."""
+    if isinstance(model, str):
+        return tuple(build_model_meta(model).input_shape)
+    shape = getattr(model, "input_shape", None)
+    return tuple(shape) if shape is not None else None
+
+
+def build_model_meta(model: str | ModelSpec, num_classes: int = 10) -> nn.Module:
+    """The model's structure without allocating or initialising anything (shapes, names, attributes)."""
+    with torch.device("meta"):
+        return build_model(model, num_classes)
+
+
+def default_loss(module: nn.Module) -> str:
+    """nll for a model that says it outputs log-probabilities (`log_probs = True`), else cross_entropy."""
+    return "nll" if getattr(module, "log_probs", False) else "cross_entropy"
+
+
+PRECISIONS = ("fp32", "bf16")
 
 
 class FlatModel:
@@ -94,10 +175,22 @@ class FlatModel:
     `load(x)` copies a flat parameter vector in; `loss_and_grad(x, y)` runs forward and backward and leaves
     ∇L in `grad`. Parameter tensors keep their module order, which is also the order of `tensor_names`
     (used for per-tensor diagnostics such as GEM's π heatmaps).
+
+    `loss`: nll (the model outputs log-probabilities, as the paper's networks do) or cross_entropy (logits).
+    `precision`: bf16 runs the forward and backward passes under autocast; the parameters, their gradients and
+    everything the algorithms compute stay float32.
     """
 
-    def __init__(self, module: nn.Module, device: torch.device | str = "cpu"):
+    def __init__(self, module: nn.Module, device: torch.device | str = "cpu", loss: str = "nll",
+                 precision: str = "fp32"):
+        if loss not in LOSSES:
+            raise ValueError(f"loss={loss} is not allowed; choose one of: {', '.join(LOSSES)}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision} is not allowed; choose one of: {', '.join(PRECISIONS)}")
         self.module = module.to(device)
+        self.device = torch.device(device)
+        self.loss_fn = F.nll_loss if loss == "nll" else F.cross_entropy
+        self.precision = precision
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self.tensor_names = [n for n, _ in named]
         self.numels = [p.numel() for _, p in named]
@@ -113,6 +206,8 @@ class FlatModel:
             p.grad = self.grad[view].view_as(p)
             self.slices.append(view)
             offset += k
+        self.norms = [m for m in self.module.modules()
+                      if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
 
     @property
     def numel(self) -> int:
@@ -120,25 +215,55 @@ class FlatModel:
 
     def load(self, flat: torch.Tensor) -> None:
         if flat.data_ptr() != self.param.data_ptr():
-            self.param.copy_(flat)
+            self.param.copy_(flat, non_blocking=True)
+
+    def _autocast(self):
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
 
     def loss_and_grad(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Mean NLL loss of the current parameters on (x, y); ∇L is written into `self.grad`."""
+        """Mean loss of the current parameters on (x, y); ∇L is written into `self.grad`."""
         self.module.train()
         self.grad.zero_()
-        loss = F.nll_loss(self.module(x), y)
+        with self._autocast():
+            out = self.module(x)
+        loss = self.loss_fn(out.float(), y)
         # autograd accumulates into the existing .grad views in place, so ∇L lands in the flat buffer
         loss.backward()
         return loss.item()
 
     @torch.no_grad()
+    def recalibrate(self, x: torch.Tensor, batch_size: int = 256) -> None:
+        """Running statistics of every BatchNorm layer measured afresh for the current parameters: an equally
+        weighted average over the batches of `x`, in training-mode normalisation. Other modules stay in eval mode
+        (no dropout draws). Nothing to do for a model without such layers."""
+        if not self.norms:
+            return
+        self.module.eval()
+        saved = [m.momentum for m in self.norms]
+        for m in self.norms:
+            m.reset_running_stats()
+            m.momentum = None  # None: the cumulative average over the batches seen since the reset
+            m.train()
+        try:
+            for i in range(0, len(x), batch_size):
+                self.module(x[i:i + batch_size].to(self.device, non_blocking=True))
+        finally:
+            for m, momentum in zip(self.norms, saved, strict=True):
+                m.momentum = momentum
+            self.module.eval()
+
+    @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> tuple[float, float]:
-        """(mean loss, accuracy) of the current parameters on a whole split, in eval mode."""
+        """(mean loss, accuracy) of the current parameters on a whole split, in eval mode and float32."""
         self.module.eval()
         total_loss, correct = 0.0, 0
         for i in range(0, len(x), batch_size):
-            out = self.module(x[i:i + batch_size])
-            total_loss += F.nll_loss(out, y[i:i + batch_size], reduction="sum").item()
-            correct += (out.argmax(1) == y[i:i + batch_size]).sum().item()
+            xb = x[i:i + batch_size].to(self.device, non_blocking=True)
+            yb = y[i:i + batch_size].to(self.device, non_blocking=True)
+            out = self.module(xb)
+            total_loss += self.loss_fn(out, yb, reduction="sum").item()
+            correct += (out.argmax(1) == yb).sum().item()
         n = max(len(x), 1)
         return total_loss / n, correct / n

@@ -15,7 +15,7 @@ def test_default_config_composes_and_validates():
     for key in ("algorithm", "engine", "model", "data", "logger", "workers", "lr", "momentum", "batch_size",
                 "epochs", "seed", "device", "resume"):
         assert key in cfg, key
-    assert cfg.data.name == "digits" and cfg.model.name == "mnist_cnn"
+    assert cfg.data.name == "digits" and cfg.model._target_ == "gem.models.MnistCNN"
     assert (cfg.lr, cfg.momentum, cfg.batch_size) == (0.05, 0.9, 64)  # the paper's MNIST settings
     validate(cfg)
 
@@ -27,10 +27,12 @@ def test_every_group_option_composes(group, monkeypatch):
     monkeypatch.setattr(memory, "available", lambda: 2**50)  # fig2's 100 processes need a bigger machine than CI
     for option in options(group):
         overrides = [f"{group}={option}"]
-        if group == "model" and option == "alexnet_cifar":
+        if group == "model" and option in ("alexnet_cifar", "resnet18_cifar"):
             overrides.append("data=synthetic")
-        if group == "data" and option == "cifar10":
+        if group == "data" and option in ("cifar10", "cifar100"):
             overrides.append("model=alexnet_cifar")
+        if group == "data" and option == "tensors":  # its file and classes are the user's to give
+            overrides += ["data.path=x.npz", "data.num_classes=3"]
         cfg = compose(overrides)
         validate(cfg)
 
@@ -38,8 +40,9 @@ def test_every_group_option_composes(group, monkeypatch):
 BAD = [
     (["algorithm=foo"], "algorithm=foo is not an option; choose one of: "),
     (["engine=warp"], "engine=warp is not an option; choose one of: "),
-    (["model=resnet"], "model=resnet is not an option; choose one of: alexnet_cifar, mnist_cnn"),
-    (["data=imagenet"], "data=imagenet is not an option; choose one of: cifar10, digits, mnist, synthetic"),
+    (["model=resnet"], "model=resnet is not an option; choose one of: alexnet_cifar, mnist_cnn, resnet18_cifar"),
+    (["data=imagenet"], "data=imagenet is not an option; choose one of: cifar10, cifar100, digits, fashion_mnist, "
+                        "mnist, synthetic, tensors"),
     (["workers=0"], "workers=0 is not allowed; workers must be an integer >= 1"),
     (["workers=two"], "workers=two is not allowed; workers must be of type int"),
     (["lr=0"], "lr=0.0 is not allowed; lr must be a finite number > 0"),
@@ -80,7 +83,7 @@ BAD = [
      "engine.trace is set but engine.staleness=round_robin; add engine.staleness=trace to replay it"),
     (["engine=sim", "engine.staleness=trace", "engine.trace=/no/run"],
      "engine.trace=/no/run is not a run directory (no summary.json)"),
-    (["device=tpu"], "device=tpu is not allowed; use cpu, cuda or cuda:N"),
+    (["device=tpu"], "device=tpu is not allowed; use cpu, cuda (workers spread over the visible GPUs) or cuda:N"),
     (["model=alexnet_cifar", "data=digits", "data=mnist"], "model=alexnet_cifar expects 3x32x32 inputs but data=mnist"),
 ]
 
@@ -116,7 +119,7 @@ def test_cuda_requested_without_cuda(capsys):
         pytest.skip("this machine has CUDA")
     with pytest.raises(SystemExit):
         preflight(["device=cuda"])
-    assert "device=cuda: no CUDA device is available" in capsys.readouterr().err
+    assert "device=cuda: no CUDA device is visible" in capsys.readouterr().err
 
 
 def test_good_input_passes_and_sweeps_expand():

@@ -69,8 +69,8 @@ def test_fig1_sweeps_three_algorithms_four_n_three_seeds_on_mnist():
     assert {(c.algorithm.name, c.workers, c.seed) for c in cfgs} == {
         (a, n, s) for a in ("gem", "downpour", "adaptive") for n in (5, 10, 20, 30) for s in (0, 1, 2)}
     c = cfgs[0]
-    assert (c.engine.name, c.data.name, c.model.name, c.lr, c.momentum, c.batch_size, c.epochs) == (
-        "sim", "mnist", "mnist_cnn", 0.05, 0.9, 64, 1)
+    assert (c.engine.name, c.data.name, c.model._target_, c.lr, c.momentum, c.batch_size, c.epochs) == (
+        "sim", "mnist", "gem.models.MnistCNN", 0.05, 0.9, 64, 1)
 
 
 def _first(name, *extra):

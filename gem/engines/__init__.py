@@ -20,13 +20,15 @@ class Job:
 
     algorithm: str
     hp: Any  # the algorithm's Params dataclass
-    model: str
+    model: Any  # a built-in model's name (gem.models.MODELS) or a gem.models.ModelSpec
     data: Any  # gem.data.Dataset, already in memory
     workers: int
     batch_size: int
     epochs: int
     seed: int
-    device: str = "cpu"
+    device: str = "cpu"  # cpu, cuda (workers spread over the visible GPUs) or cuda:N (gem.engines.core.device_of)
+    loss: str = "nll"  # nll (log-probabilities) or cross_entropy (logits)
+    precision: str = "fp32"  # fp32, or bf16 for the workers' forward and backward passes
     engine: dict = field(default_factory=dict)  # cfg.engine: its name and engine-specific options
     eval_every: int = 100  # commits between evaluations of the central variable
     eval_train_size: int = 2048  # training examples used for the periodic train-loss estimate

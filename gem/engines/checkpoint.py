@@ -30,7 +30,7 @@ from gem.files import WriteError, write_atomic  # noqa: F401 - WriteError: what 
 
 CHECKPOINT = "checkpoint"
 # what must match between a checkpoint and the command that resumes it
-FINGERPRINT = ("algorithm", "model", "workers", "batch_size", "epochs", "seed", "device")
+FINGERPRINT = ("algorithm", "workers", "batch_size", "epochs", "seed", "device", "loss", "precision")
 # the sim engine's commit order (a trace's contents are read again on resume: keep its run directory as it is)
 SCHEDULE_KEYS = ("staleness", "straggler_fraction", "straggler_slowdown", "cycle_cv", "trace")
 
@@ -42,7 +42,9 @@ class CheckpointError(ValueError):
 def fingerprint(job) -> dict:
     engine = job.engine.get("name", "")
     schedule = {k: job.engine.get(k) for k in SCHEDULE_KEYS} if engine == "sim" else {}
-    return {**{k: getattr(job, k) for k in FINGERPRINT}, "data": job.data.name, "hp": dataclasses.asdict(job.hp),
+    from gem.models import model_name
+
+    return {**{k: getattr(job, k) for k in FINGERPRINT}, "model": model_name(job.model), "data": job.data.name, "hp": dataclasses.asdict(job.hp),
             "engine": engine, **schedule}
 
 

@@ -1,7 +1,9 @@
-"""Small pieces every engine shares: building the model, the step budget, evaluating the central variable."""
+"""Small pieces every engine shares: building the model, devices, the step budget, evaluating the central
+variable."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -11,9 +13,29 @@ from gem.models import FlatModel, build_model
 
 
 def build_flat_model(job, device=None) -> FlatModel:
-    """The job's model with the seed's initialisation, as a FlatModel: the same θ₀ in every process."""
+    """The job's model with the seed's initialisation, as a FlatModel: the same θ₀ in every process (the model
+    is initialised on the CPU, whose random stream does not depend on the device, and then moved)."""
     torch.manual_seed(job.seed)
-    return FlatModel(build_model(job.model, num_classes=job.data.num_classes), device=device or job.device)
+    module = build_model(job.model, num_classes=job.data.num_classes)
+    return FlatModel(module, device=device or resolve_device(job.device), loss=job.loss, precision=job.precision)
+
+
+def resolve_device(device: str, index: int = 0) -> torch.device:
+    """`cpu`, `cuda:N` as given; `cuda`: the visible GPUs in turn (the index-th modulo their number)."""
+    if device == "cuda":
+        return torch.device("cuda", index % max(1, torch.cuda.device_count()))
+    return torch.device(device)
+
+
+def device_of(job, worker: int) -> torch.device:
+    """The device worker `worker` computes on: the one place that decides it. `device=cuda` spreads the workers
+    over the visible GPUs (worker w on GPU w mod count; a torchrun rank by its local rank, which is where the
+    launcher placed it); `cuda:N` pins every worker to GPU N. The sim engine's workers share one model: GPU 0."""
+    if job.device == "cuda" and job.engine.get("name") != "sim":
+        local = os.environ.get("LOCAL_RANK")
+        index = int(local) - 1 if local is not None and int(local) > 0 else worker
+        return resolve_device("cuda", index)
+    return resolve_device(job.device)
 
 
 def worker_steps(job) -> int:
@@ -35,17 +57,22 @@ class Evaluator:
 
     It has its own copy of the model, so evaluating never disturbs a worker's parameters, and it draws no random
     numbers (eval mode), so it never disturbs a worker's random streams either.
+
+    A model with BatchNorm has its running statistics measured for θ on the same fixed training subset before
+    every evaluation (FlatModel.recalibrate; gem.models says why buffers are not shared).
     """
 
     def __init__(self, job, data: Dataset):
-        self.model = build_flat_model(job)
+        self.model = build_flat_model(job, device=device_of(job, 0))
         self.data = data
+        self.batch_size = job.batch_size
         k = min(job.eval_train_size, len(data.train_y))
         idx = torch.randperm(len(data.train_y), generator=torch.Generator().manual_seed(job.seed))[:k]
-        self.train_x, self.train_y = data.train_x[idx], data.train_y[idx]
+        self.train_x, self.train_y = data.train_x[idx.to(data.train_x.device)], data.train_y[idx.to(data.train_y.device)]
 
     def __call__(self, theta: torch.Tensor, step: int, t0: float, **extra) -> dict:
         self.model.load(theta)
+        self.model.recalibrate(self.train_x, self.batch_size)
         val_loss, val_acc = self.model.evaluate(self.data.val_x, self.data.val_y)
         train_loss, train_acc = self.model.evaluate(self.train_x, self.train_y)
         return {"step": step, "time_s": time.perf_counter() - t0, "val_loss": val_loss,

@@ -78,6 +78,7 @@ from gem.engines import Job, Result
 from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, TIMEOUT_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
+from gem.models import ModelSpec
 from gem.engines.server import Server
 from gem.engines.worker import Diverged, Worker, setup_process, threads_per_process
 from gem.files import WriteError
@@ -298,6 +299,8 @@ def encode_job(job: Job) -> tuple[bytes, dict[str, torch.Tensor] | None]:
     the algorithm's hyperparameters as a dict, the dataset's name and options. decode_job rebuilds it."""
     fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
     fields["hp"] = _hp_fields(job)
+    if isinstance(job.model, ModelSpec):  # its name, factory and keyword arguments: JSON, rebuilt by decode_job
+        fields["model"] = {"spec": dataclasses.asdict(job.model)}
     tensors = None
     if job.data is not None:
         if type(job.data) is not Dataset:  # a subclass's own behaviour would not travel with its fields
@@ -332,6 +335,8 @@ def decode_job(text: bytes, tensors: dict[str, torch.Tensor] | None) -> Job:
     """The Job that encode_job encoded: the same value in every field."""
     fields = json.loads(text)
     fields["hp"] = algorithms.get(fields["algorithm"]).Params(**fields["hp"])
+    if isinstance(fields["model"], dict):
+        fields["model"] = ModelSpec(**fields["model"]["spec"])
     if fields["data"] is not None:
         fields["data"] = Dataset(**fields["data"], **tensors)
     source = fields["data_source"]
@@ -510,7 +515,8 @@ class _RemoteLink:
                                  f"0 has {job.engine['train_examples']}: every node needs the same data.root")
             algo = algorithms.get(job.algorithm)
             worker = self.worker = Worker(self.w, job, algo)  # its model: θ₀ from the seed, as on every rank
-            self.server = Server.create(algo, job.hp, worker.x.clone(), job.workers)
+            # the replica of the server's state stays on the host, where gloo sends and receives it
+            self.server = Server.create(algo, job.hp, worker.x.detach().to("cpu", copy=True), job.workers)
             if saved is not None:
                 worker.load_state_dict(saved)
             self.header(READY)
@@ -828,13 +834,12 @@ def _for_workers(job: Job) -> Job:
 
 
 def run(job: Job, recorder) -> Result:
-    if job.device != "cpu":
-        raise ValueError("engine=distributed runs on device=cpu only for now; use engine=sim for device=cuda")
     eng = job.engine
     timeout_s = float(eng.get("timeout_s", TIMEOUT_S))
     n = job.workers
     algo = algorithms.get(job.algorithm)
-    server, resumed = start_server(job, algo, build_flat_model(job).param.clone())
+    # θ on rank 0's host: gloo moves CPU tensors. A GPU worker stages θ on its device at its commits.
+    server, resumed = start_server(job, algo, build_flat_model(job, device="cpu").param.clone())
     children: list = []
     listener = None
     coord = None

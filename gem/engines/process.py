@@ -329,14 +329,13 @@ def _share(job: Job) -> Job:
 
 
 def run(job: Job, recorder) -> Result:
-    if job.device != "cpu":
-        raise ValueError("engine=process runs on device=cpu only (its central variable lives in shared host "
-                         "memory); use engine=sim for device=cuda")
     algo = algorithms.get(job.algorithm)
     n = job.workers
     threads = threads_per_process(n)
     torch.set_num_threads(threads)  # the coordinator evaluates while the workers train
-    server, resumed = start_server(job, algo, build_flat_model(job).param.clone())
+    # θ and the server's tensors in shared host memory, whatever device the workers compute on: every worker
+    # process maps them, and a GPU worker stages them on its device at its commits (Worker.staged)
+    server, resumed = start_server(job, algo, build_flat_model(job, device="cpu").param.clone())
     server.share_memory_()
     coord = _Coordinator(job, recorder, server, Evaluator(job, job.data), resumed, n)
     if resumed is not None:  # a worker file that cannot be read: say so now, before any process starts

@@ -28,7 +28,7 @@ import torch
 
 from gem.algorithms import Algorithm, Commit, View
 from gem.data import WorkerStream
-from gem.engines.core import build_flat_model, worker_steps
+from gem.engines.core import build_flat_model, device_of, worker_steps
 from gem.engines.server import Server
 from gem.models import FlatModel
 
@@ -94,9 +94,14 @@ def setup_process(threads: int, ignore_sigint: bool = True) -> None:
 # ------------------------------------------------------------------------------------------ the worker
 
 
-def device_of(job, worker: int) -> torch.device:
-    """The device a worker computes on: the one place that decides it."""
-    return torch.device(job.device)
+def to_device(commit: Commit, device: torch.device) -> Commit:
+    """The commit's tensors for the server rule, on the server's device (the same commit when already there).
+    `aux` stays: diagnostics run on the worker."""
+    if commit.delta.device == device:
+        return commit
+    return Commit(commit.delta.to(device), commit.pull, {k: v.to(device) for k, v in commit.payload.items()},
+                  commit.metrics, commit.aux)
+
 
 
 def dropout_seed(seed: int, worker: int) -> int:
@@ -140,10 +145,13 @@ class Worker:
         self.step = 0  # local gradients taken
         self.loss_sum, self.local = 0.0, 0  # since the last commit
         self.before: dict = {}  # the state before the gradient in hand (for a checkpoint taken at the turn)
+        self._stage: dict | None = None  # the server's tensors on this worker's device, if they live elsewhere
 
     def gradient(self) -> float:
         _set_rng_state(self.rng, self.device)
         xb, yb = self.data.batch(self.stream.next_indices(), self.stream.generator)
+        # the data stays where the engine put it (shared host memory, or the sim engine's device): the batch moves
+        xb, yb = xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True)
         self.model.load(self.x)
         loss = self.model.loss_and_grad(xb, yb)
         self.rng = _rng_state(self.device)
@@ -176,7 +184,8 @@ class Worker:
         view = link.acquire(self.w)
         try:
             waited, stamp = time.monotonic() - asked, link.now()  # stamped in turn: times follow the clock
-            commit = self.algo.worker_rule(self.state, self.x, self.model.grad, view, self.hp)
+            commit = self.algo.worker_rule(self.state, self.x, self.model.grad, self.staged(view), self.hp)
+            commit = to_device(commit, view.theta.device)
             link.submit(view, commit)
             applied = time.perf_counter()
             t = link.server.apply(view, commit)
@@ -194,6 +203,19 @@ class Worker:
             row.update(metrics)
         self.loss_sum, self.local = 0.0, 0
         link.rows(row, tensors or None)
+
+    def staged(self, view: View) -> View:
+        """The view on this worker's device. Where the server's tensors live elsewhere (a GPU worker of the
+        process engine, whose θ is in shared host memory), the worker rule reads copies of them here, and its
+        commit goes back to the server's device (`to_device`): the algorithms never see two devices."""
+        if view.theta.device == self.device:
+            return view
+        if self._stage is None:
+            self._stage = {k: torch.empty_like(v, device=self.device)
+                           for k, v in {"theta": view.theta, **view.server}.items()}
+        theta = self._stage["theta"].copy_(view.theta)
+        server = {k: self._stage[k].copy_(v) for k, v in view.server.items()}
+        return View(theta, server, view.t, view.staleness, view.worker)
 
     # --- checkpoints: tensors and numbers only
 

@@ -1,0 +1,99 @@
+"""GPU workers of the `process` engine (issue 16), ratios measured side by side in one run.
+
+1. One worker: AlexNet-CIFAR worker steps per second of `engine=process` with one worker on the device
+   (`downpour`, b = 64: a commit, hence a θ round trip through host memory, after every gradient), divided by
+   the steps per second of a plain training loop on the same device (`torch.optim.SGD` with momentum, same
+   model, batch and in-memory batches). Target: at least 0.9.
+2. Sharing: aggregate worker steps per second of 4 `process` workers on one device over 1 worker.
+3. bf16: the plain loop under `torch.autocast(bfloat16)` over the plain loop in float32.
+
+The engine is timed between its first and last commit rows (`time_s`), so start-up and CUDA initialisation are
+left out. Runs on the CPU as well (`--device cpu`), which only checks that the script works: the numbers that
+matter need a GPU.
+
+    python benchmarks/gpu.py --device cuda [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gem import algorithms
+from gem.data import WorkerStream, make_synthetic
+from gem.engines import Job, process
+from gem.metrics import Recorder, read_table
+from gem.models import build_model
+
+BATCH_SIZE, LR, MOMENTUM, SEED = 64, 0.01, 0.9, 0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain_steps_per_s(data, device: torch.device, steps: int, bf16: bool = False) -> float:
+    torch.manual_seed(SEED)
+    model = build_model("alexnet_cifar", num_classes=data.num_classes).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    stream = WorkerStream(len(data.train_y), BATCH_SIZE, seed=SEED, worker=0)
+    t0 = None
+    for i in range(steps + 10):
+        if i == 10:  # after warm-up (cuDNN autotuning, allocator)
+            _sync(device)
+            t0 = time.perf_counter()
+        x, y = data.batch(stream.next_indices(), stream.generator)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = model(x)
+        F.nll_loss(out.float(), y).backward()
+        opt.step()
+    _sync(device)
+    return steps / (time.perf_counter() - t0)
+
+
+def engine_steps_per_s(data, device: str, workers: int, steps: int) -> float:
+    hp = algorithms.get("downpour").Params(lr=LR, momentum=MOMENTUM)
+    epochs = max(1, -(-steps * BATCH_SIZE // len(data.train_y)))
+    job = Job(algorithm="downpour", hp=hp, model="alexnet_cifar", data=data, workers=workers,
+              batch_size=BATCH_SIZE, epochs=epochs, seed=SEED, device=device, eval_every=10**9, eval_train_size=64,
+              engine={"name": "process"})
+    with tempfile.TemporaryDirectory() as d:
+        rec = Recorder(d)
+        result = process.run(job, rec)
+        rec.close()
+        m = read_table(d)
+    assert result.status == "completed", result
+    m = m[m["step"] > 10 * workers]  # warm-up
+    return (len(m) - 1) / (m["time_s"].iloc[-1] - m["time_s"].iloc[0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--steps", type=int, default=300)
+    args = ap.parse_args()
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device(args.device)
+    data = make_synthetic(shape=(3, 32, 32), train_size=4096, val_size=64)
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+          f"alexnet_cifar, b={BATCH_SIZE}")
+    plain = plain_steps_per_s(data, device, args.steps)
+    one = engine_steps_per_s(data, str(device), 1, args.steps)
+    plain_after = plain_steps_per_s(data, device, args.steps)
+    reference = (plain + plain_after) / 2
+    print(f"1. one process worker / plain loop: {one / reference:.3f}  "
+          f"(plain {plain:.1f} and {plain_after:.1f} steps/s before and after)")
+    four = engine_steps_per_s(data, str(device), 4, args.steps)
+    print(f"2. 4 process workers on one device / 1 worker: {four / one:.3f}")
+    bf16 = plain_steps_per_s(data, device, args.steps, bf16=True)
+    print(f"3. plain loop bf16 / fp32: {bf16 / plain_after:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Models and datasets from the config, by Hydra instantiation (`_target_`), as plain objects for gem.
+
+- A model config is `_target_: <import path of a torch.nn.Module, or of a function returning one>` plus its
+  keyword arguments. Built-in configs (conf/model/) pass `num_classes: ${data.num_classes}`. It becomes a
+  `gem.models.ModelSpec` that any process can rebuild (spawned workers, distributed ranks).
+- A data config is either a built-in loader (`name:` digits, mnist, cifar10, synthetic: gem.data) or
+  `_target_: <a torchvision-style dataset class>`: it is built twice, with `train_kwargs` (default
+  `{train: true}`) and `val_kwargs` (`{train: false}`), and read into memory once (gem.data.from_datasets).
+  The keys gem reads itself (DATA_KEYS) are not passed to the class; every other key is.
+
+Refusals are one line naming the key (ConfigError), raised before anything is written.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from gem import data as gdata
+from gem import models
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# keys of a `_target_` data config that gem reads and does not pass to the dataset class. `name` and
+# `synthetic` come from a built-in config under a `data._target_=...` override: ignored there.
+DATA_KEYS = ("num_classes", "augment", "train_kwargs", "val_kwargs", "name", "synthetic")
+
+
+class ConfigError(ValueError):
+    """One line for the user: which key is wrong and what is allowed (experiments.config re-exports it)."""
+
+
+@functools.cache
+def _targets(group: str) -> dict[str, str]:
+    """`_target_` → the config option (conf/<group>/<option>.yaml) that names it."""
+    out = {}
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        node = OmegaConf.load(path)
+        target = node.get("_target_") if isinstance(node, DictConfig) else None
+        if isinstance(target, str) and not target.startswith("???"):
+            out.setdefault(target, path.stem)
+    return out
+
+
+def display_name(group: str, node: DictConfig) -> str:
+    """What the run directory calls a model or dataset: the config option whose `_target_` it is, else the
+    `_target_` itself (a user's class), else (built-in data loaders) its `name`."""
+    target = node.get("_target_")
+    if target is None:
+        return str(node.get("name"))
+    return _targets(group).get(str(target), str(target))
+
+
+def is_instantiated(node: DictConfig) -> bool:
+    return node.get("_target_") is not None
+
+
+# --------------------------------------------------------------------------------------------- models
+
+
+def model_spec(cfg: DictConfig) -> models.ModelSpec:
+    """The model config as a spec gem can build anywhere: Hydra's `instantiate` on the resolved config."""
+    node = cfg.model
+    if not is_instantiated(node):
+        raise ConfigError("model has no _target_; give model=<one of the configs in conf/model> or "
+                          "model._target_=<import path of a torch.nn.Module>")
+    config = OmegaConf.to_container(node, resolve=True)
+    return models.ModelSpec(display_name("model", node), "hydra.utils.instantiate", {"config": config})
+
+
+def build_meta(cfg: DictConfig) -> torch.nn.Module:
+    """The model's structure, nothing allocated: its parameter count, input shape and output kind. A model that
+    cannot be built is one line naming model._target_."""
+    spec = model_spec(cfg)
+    try:
+        return models.build_model_meta(spec)
+    except Exception as e:  # noqa: BLE001 - whatever the user's constructor raises
+        raise ConfigError(_build_failed(cfg.model, e)) from None
+
+
+def _build_failed(node: DictConfig, e: Exception) -> str:
+    cause = e
+    while cause.__cause__ is not None:  # Hydra wraps the constructor's own error
+        cause = cause.__cause__
+    text = str(cause).strip().splitlines()
+    args = ", ".join(k for k in node if k != "_target_")
+    hint = f" (it is given {args}; remove a key with ~model.<key>, add one with +model.<key>=...)" if args else ""
+    return (f"model._target_={node.get('_target_')} could not be built: {type(cause).__name__}: "
+            f"{text[0] if text else ''}{hint}")
+
+
+def resolve_loss(cfg: DictConfig, module: torch.nn.Module) -> str:
+    """`loss` as given, or (null) nll for a model that says it outputs log-probabilities, else cross_entropy."""
+    loss = cfg.get("loss")
+    if loss is None:
+        return models.default_loss(module)
+    if loss not in models.LOSSES:
+        raise ConfigError(f"loss={loss} is not allowed; choose one of: {', '.join(models.LOSSES)} "
+                          "(nll: the model outputs log-probabilities; cross_entropy: logits)")
+    return str(loss)
+
+
+@torch.no_grad()
+def check_pairing(spec: models.ModelSpec, loss: str, dataset: gdata.Dataset, seed: int) -> None:
+    """One forward pass on two training examples: the model must take the data's inputs, give one output per
+    class, and, under loss=nll, give log-probabilities. Refused in one line otherwise."""
+    torch.manual_seed(seed)
+    module = models.build_model(spec).eval()
+    x = dataset.train_x[:2].cpu()
+    shape = "x".join(map(str, dataset.shape))
+    try:
+        out = module(x)
+    except Exception as e:  # noqa: BLE001
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"model={spec.name} cannot take data={dataset.name}'s {shape} inputs "
+                          f"({type(e).__name__}: {first}); pick a model and data that match") from None
+    if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != len(x):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(f"model={spec.name} gives outputs of shape {got} for a batch of {len(x)}; gem trains "
+                          "classifiers: the model must return (batch, classes) scores")
+    if out.shape[1] != dataset.num_classes:
+        raise ConfigError(f"model={spec.name} has {out.shape[1]} outputs but data={dataset.name} has "
+                          f"{dataset.num_classes} classes; set model.num_classes={dataset.num_classes} (or "
+                          "data.num_classes)")
+    if loss == "nll":
+        lse = torch.logsumexp(out.float(), dim=1).abs().max().item()
+        if lse > 1e-3:
+            raise ConfigError(f"loss=nll needs log-probabilities, but model={spec.name}'s outputs are not (their "
+                              f"logsumexp is {lse:.3g} from 0): use loss=cross_entropy for a model that outputs "
+                              "logits")
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+def data_name(cfg: DictConfig) -> str:
+    return display_name("data", cfg.data)
+
+
+def load_data(cfg: DictConfig, checked_data, shape: tuple[int, ...] | None, root: str) -> gdata.Dataset:
+    """The dataset in memory: a built-in loader, or a torchvision-style dataset class by `_target_`."""
+    node = cfg.data
+    if not is_instantiated(node):
+        import dataclasses
+
+        d = checked_data
+        return gdata.load_dataset(d.name, root, d.download, dataclasses.asdict(d.synthetic), shape, d.augment)
+    from hydra.utils import instantiate
+
+    config = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in DATA_KEYS}
+    name = data_name(cfg)
+    splits = []
+    for key, default in (("train_kwargs", {"train": True}), ("val_kwargs", {"train": False})):
+        extra = node.get(key)
+        extra = default if extra is None else OmegaConf.to_container(extra, resolve=True)
+        try:
+            splits.append(instantiate(config, **extra))
+        except Exception as e:  # noqa: BLE001 - missing files, a wrong keyword, no internet
+            cause = e
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            first = (str(cause).strip().splitlines() or [""])[0]
+            raise gdata.DatasetMissing(f"data._target_={config.get('_target_')} ({key}={extra}) could not be "
+                                       f"loaded: {type(cause).__name__}: {first}") from None
+    try:
+        return gdata.from_datasets(name, *splits, num_classes=int(node.get("num_classes", 10)),
+                                   augment=bool(node.get("augment", False)))
+    except ValueError as e:
+        raise ConfigError(f"data={name}: {e}") from None

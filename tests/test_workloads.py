@@ -1,0 +1,370 @@
+"""Real workloads: a user's model and data by `_target_`, the loss, BatchNorm buffers, devices and bf16."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from experiments import instantiate, runner
+from experiments.config import ConfigError, compose, preflight, validate
+from gem import data as gdata
+from gem import models
+from gem.algorithms import gem as gem_algo
+from gem.engines import Job, core, sim
+from gem.metrics import Recorder, read_table
+
+USER_MODEL = '''
+import torch
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    """A researcher's own model, outside the package: logits out, BatchNorm inside."""
+
+    def __init__(self, num_classes: int = 10, width: int = 8):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(16 * width, num_classes))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class Broken(nn.Module):
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        raise RuntimeError("this model refuses to be built")
+'''
+
+QUIET = ["logger.wandb.mode=disabled", "logger.progress=false"]
+
+
+@pytest.fixture
+def user_models(tmp_path, monkeypatch):
+    folder = tmp_path / "elsewhere"
+    folder.mkdir()
+    (folder / "my_models.py").write_text(USER_MODEL)
+    monkeypatch.syspath_prepend(str(folder))  # spawned workers inherit the parent's sys.path
+    return folder
+
+
+def _run(overrides, run_dir):
+    return runner.run(compose([*QUIET, *overrides]), run_dir)
+
+
+# ------------------------------------------------------------------------------------ models by _target_
+
+
+@pytest.mark.parametrize("engine", ["sim", "process"])
+def test_a_user_model_by_target_trains_on_sim_and_process(user_models, tmp_path, engine):
+    s = _run([f"engine={engine}", "workers=2", "epochs=2", "model._target_=my_models.TinyNet", "+model.width=4"],
+             tmp_path / engine)
+    assert s["status"] == "completed", s["reason"]
+    assert (s["model"], s["loss"], s["steps"]) == ("my_models.TinyNet", "cross_entropy", 2 * 2 * (1500 // 64))
+    assert s["val_loss"] < 0.75 * math.log(10)  # it learns: well below chance
+
+
+def test_builtin_models_keep_their_names_and_losses():
+    for option, loss in (("mnist_cnn", "nll"), ("alexnet_cifar", "nll"), ("resnet18_cifar", "cross_entropy")):
+        cfg = compose([f"model={option}", *(["data=synthetic"] if option != "mnist_cnn" else [])])
+        checked = validate(cfg)
+        assert (instantiate.display_name("model", cfg.model), checked["loss"]) == (option, loss)
+    assert validate(compose(["loss=cross_entropy"]))["loss"] == "cross_entropy"  # = nll on log-probabilities
+
+
+def test_resnet18_cifar_has_a_cifar_stem():
+    m = models.build_model(models.ModelSpec("r", "gem.models.resnet18_cifar", {"num_classes": 7}))
+    assert m.conv1.kernel_size == (3, 3) and m.conv1.stride == (1, 1) and isinstance(m.maxpool, nn.Identity)
+    assert m(torch.randn(2, 3, 32, 32)).shape == (2, 7)
+    assert models.input_shape(m) == (3, 32, 32) and models.default_loss(m) == "cross_entropy"
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["model._target_=my_models.Nope"], "model._target_=my_models.Nope could not be built: "),
+    (["model._target_=my_models.Broken"], "model._target_=my_models.Broken could not be built: RuntimeError: "
+                                          "this model refuses to be built"),
+    (["model._target_=torch.nn.Linear"], "model._target_=torch.nn.Linear could not be built: TypeError: "),
+    (["model=resnet18_cifar", "data=mnist"], "model=resnet18_cifar expects 3x32x32 inputs but data=mnist gives "
+                                             "1x28x28"),
+    (["loss=mse"], "loss=mse is not allowed; choose one of: nll, cross_entropy"),
+    (["precision=fp16"], "precision=fp16 is not allowed; choose one of: fp32, bf16"),
+    (["data=tensors"], "data.num_classes must be given: add data.num_classes=<value> to the command"),
+    (["data=tensors", "data.num_classes=3"], "data.path must be given: add data.path=<value> to the command"),
+    (["data._target_=no.such.Dataset"], "data._target_=no.such.Dataset: no.such.Dataset cannot be imported"),
+])
+def test_bad_models_and_losses_get_one_line(user_models, overrides, line, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        preflight([*overrides, f"hydra.run.dir={tmp_path / 'never'}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: " + line) and err.count("\n") == 1, err
+    assert not (tmp_path / "never").exists()
+
+
+def _pairing_data(num_classes=10, shape=(1, 28, 28)):
+    x = torch.randn(4, *shape)
+    return gdata.Dataset("toy", x, torch.arange(4) % num_classes, x, torch.arange(4) % num_classes,
+                         num_classes=num_classes)
+
+
+def test_pairings_the_data_reveals_are_refused_in_one_line(user_models):
+    tiny = models.ModelSpec("tiny", "my_models.TinyNet", {"num_classes": 10})
+    with pytest.raises(ConfigError, match=r"^loss=nll needs log-probabilities, but model=tiny's outputs are not"):
+        instantiate.check_pairing(tiny, "nll", _pairing_data(), 0)
+    instantiate.check_pairing(tiny, "cross_entropy", _pairing_data(), 0)
+    with pytest.raises(ConfigError, match=r"^model=tiny has 10 outputs but data=toy has 4 classes; set "
+                                          r"model.num_classes=4"):
+        instantiate.check_pairing(tiny, "cross_entropy", _pairing_data(num_classes=4), 0)
+    with pytest.raises(ConfigError, match=r"^model=tiny cannot take data=toy's 3x32x32 inputs \(RuntimeError"):
+        instantiate.check_pairing(tiny, "cross_entropy", _pairing_data(shape=(3, 32, 32)), 0)
+    cnn = models.ModelSpec("mnist_cnn", "gem.models.MnistCNN", {"num_classes": 10})
+    instantiate.check_pairing(cnn, "nll", _pairing_data(), 0)
+
+
+def test_the_loss_is_the_configured_one():
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 1, 28, 28), torch.arange(8) % 10
+    net = models.MnistCNN()
+    for loss, fn in (("nll", nn.functional.nll_loss), ("cross_entropy", nn.functional.cross_entropy)):
+        flat = models.FlatModel(models.MnistCNN(), loss=loss)
+        flat.load(torch.cat([p.detach().flatten() for p in net.parameters()]))
+        flat.module.eval()  # no dropout: the reference below is deterministic
+        flat.module.train = lambda mode=True, m=flat.module: nn.Module.train(m, False)
+        got = flat.loss_and_grad(x, y)
+        assert got == pytest.approx(fn(net.eval()(x), y).item(), rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def _write_idx(path: Path, array: np.ndarray) -> None:
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + b"".join(struct.pack(">I", d) for d in array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def test_fashion_mnist_loads_through_torchvision_from_idx_files(tmp_path):
+    raw = tmp_path / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    tx, vx = rng.integers(0, 256, (20, 28, 28)), rng.integers(0, 256, (6, 28, 28))
+    ty, vy = np.arange(20) % 10, np.arange(6) % 10
+    for prefix, x, y in (("train", tx, ty), ("t10k", vx, vy)):
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", x)
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", y)
+    cfg = compose(["data=fashion_mnist", f"data.root={tmp_path}", "data.download=false"])
+    ds = instantiate.load_data(cfg, validate(cfg)["data"], None, str(tmp_path))
+    assert (ds.name, ds.shape, ds.num_classes, len(ds.train_y), len(ds.val_y)) == ("fashion_mnist", (1, 28, 28),
+                                                                                    10, 20, 6)
+    assert torch.equal(ds.train_y, torch.as_tensor(ty))
+    mean, std = (tx / 255.0).mean(), (tx / 255.0).std(ddof=1)  # per channel, from the training split
+    torch.testing.assert_close(ds.train_x[3, 0], torch.as_tensor((tx[3] / 255.0 - mean) / std, dtype=torch.float32))
+    torch.testing.assert_close(ds.val_x[5, 0], torch.as_tensor((vx[5] / 255.0 - mean) / std, dtype=torch.float32))
+
+
+def test_cifar100_loads_from_files_in_cifars_pickle_format(tmp_path):
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    for name, n in (("train", 12), ("test", 5)):
+        entry = {"data": rng.integers(0, 256, (n, 3072)).astype(np.uint8), "fine_labels": list(range(88, 88 + n)),
+                 "coarse_labels": [0] * n}
+        with open(folder / name, "wb") as f:
+            pickle.dump(entry, f)
+    with open(folder / "meta", "wb") as f:
+        pickle.dump({"fine_label_names": [f"c{i}" for i in range(100)]}, f)
+    cfg = compose(["data=cifar100", f"data.root={tmp_path}", "data.download=false", "model=alexnet_cifar"])
+    ds = instantiate.load_data(cfg, validate(cfg)["data"], None, str(tmp_path))
+    assert (ds.name, ds.shape, ds.num_classes, ds.augment) == ("cifar100", (3, 32, 32), 100, True)
+    assert ds.train_y.tolist() == list(range(88, 100)) and ds.val_y.tolist() == list(range(88, 93))
+
+
+def test_cifar100_missing_is_one_line(tmp_path):
+    cfg = compose(["data=cifar100", f"data.root={tmp_path}", "data.download=false", "model=alexnet_cifar"])
+    with pytest.raises(gdata.DatasetMissing, match=r"^data._target_=gem.data.cifar100 \(train_kwargs="):
+        instantiate.load_data(cfg, validate(cfg)["data"], None, str(tmp_path))
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".pt"])
+def test_plain_tensors_from_a_file(tmp_path, suffix):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(50, 2, 5, 5, generator=g) * 3 + 1, torch.arange(50) % 3
+    path = tmp_path / f"mine{suffix}"
+    if suffix == ".npz":
+        np.savez(path, x=x.numpy(), y=y.numpy())
+    else:
+        torch.save({"x": x, "y": y}, path)
+    train, val = gdata.TensorFile(str(path), train=True), gdata.TensorFile(str(path), train=False)
+    assert (len(train), len(val)) == (45, 5)
+    assert sorted(train.data[:, 0, 0, 0].tolist() + val.data[:, 0, 0, 0].tolist()) == sorted(x[:, 0, 0, 0].tolist())
+    ds = gdata.from_datasets("tensors", train, val, num_classes=3)
+    torch.testing.assert_close(ds.train_x.mean(dim=(0, 2, 3)), torch.zeros(2), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ds.train_x.std(dim=(0, 2, 3)), torch.ones(2), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="labels run from 0 to 2, outside 0..1; set data.num_classes"):
+        gdata.from_datasets("tensors", train, val, num_classes=2)
+
+
+def test_data_tensors_runs_end_to_end(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(400) % 4
+    x = torch.randn(400, 1, 28, 28, generator=g) * 0.5 + y[:, None, None, None].float()  # easy: mean = label
+    np.savez(tmp_path / "easy.npz", x=x.numpy(), y=y.numpy())
+    s = _run(["engine=sim", "workers=2", "epochs=5", "batch_size=32", "data=tensors",
+              f"data.path={tmp_path / 'easy.npz'}", "data.num_classes=4"], tmp_path / "run")
+    assert s["status"] == "completed" and s["data"] == "tensors" and s["val_accuracy"] > 0.9, s
+
+
+# ------------------------------------------------------------------------------------- BatchNorm buffers
+
+
+def _bn_job(data, model="resnet18_cifar", **kw):
+    spec = models.ModelSpec(model, f"gem.models.{model}", {"num_classes": data.num_classes})
+    return Job(algorithm="gem", hp=gem_algo.Params(workers=2), model=spec, data=data, workers=2, batch_size=8,
+               epochs=1, seed=0, loss="cross_entropy", engine={"name": "sim"}, eval_train_size=16, **kw)
+
+
+def test_resnet18_buffers_are_not_in_theta_and_evaluation_measures_thetas_own_statistics():
+    data = gdata.make_synthetic(shape=(3, 32, 32), train_size=32, val_size=8)
+    job = _bn_job(data)
+    evaluate = core.Evaluator(job, data)
+    flat = evaluate.model
+    assert flat.numel == sum(p.numel() for p in flat.module.parameters())  # θ: parameters only
+    assert len(flat.norms) == 20  # ResNet-18's BatchNorm layers, with running statistics
+    theta = flat.param.clone() + 0.01 * torch.randn(flat.numel, generator=torch.Generator().manual_seed(1))
+    first = evaluate(theta, 0, 0.0)
+    # whatever statistics the evaluator's model held before (a worker's, a previous θ's), θ's own are measured
+    for m in flat.norms:
+        m.running_mean.normal_()
+        m.running_var.uniform_(5, 6)
+    again = evaluate(theta, 0, 0.0)
+    assert {k: again[k] for k in ("val_loss", "train_loss")} == {k: first[k] for k in ("val_loss", "train_loss")}
+    # ... and they are the equally weighted average of the batch statistics on the fixed training subset
+    bn1, captured = flat.module.bn1, []
+    hook = flat.module.conv1.register_forward_hook(lambda mod, inp, out: captured.append(out.detach()))
+    flat.recalibrate(evaluate.train_x, batch_size=8)
+    hook.remove()
+    assert len(captured) == 2  # 16 examples in batches of 8
+    want_mean = torch.stack([c.mean(dim=(0, 2, 3)) for c in captured]).mean(0)
+    want_var = torch.stack([c.var(dim=(0, 2, 3), unbiased=True) for c in captured]).mean(0)
+    torch.testing.assert_close(bn1.running_mean, want_mean)
+    torch.testing.assert_close(bn1.running_var, want_var)
+    assert all(m.momentum == 0.1 for m in flat.norms) and not flat.module.training
+
+
+def test_a_workers_buffers_never_reach_a_gradient():
+    data = gdata.make_synthetic(shape=(3, 32, 32), train_size=16, val_size=8)
+    flat = core.build_flat_model(_bn_job(data))
+    x, y = data.train_x[:8], data.train_y[:8]
+    flat.loss_and_grad(x, y)
+    g1 = flat.grad.clone()
+    for m in flat.norms:
+        m.running_mean.normal_()
+    flat.loss_and_grad(x, y)
+    assert torch.equal(flat.grad, g1)
+
+
+# --------------------------------------------------------------------------------------------- devices
+
+
+def test_device_of_spreads_workers_over_gpus_or_pins_them(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    job = _bn_job(gdata.make_synthetic(train_size=8, val_size=4), model="resnet18_cifar")
+    spread = Job(**{**job.__dict__, "device": "cuda", "engine": {"name": "process"}})
+    assert [str(core.device_of(spread, w)) for w in range(5)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:0", "cuda:1"]
+    pinned = Job(**{**job.__dict__, "device": "cuda:2", "engine": {"name": "process"}})
+    assert {str(core.device_of(pinned, w)) for w in range(5)} == {"cuda:2"}
+    on_sim = Job(**{**job.__dict__, "device": "cuda", "engine": {"name": "sim"}})
+    assert {str(core.device_of(on_sim, w)) for w in range(5)} == {"cuda:0"}  # one shared model
+    monkeypatch.setenv("LOCAL_RANK", "2")  # a torchrun rank: where the launcher put it (rank 0 is the server)
+    assert str(core.device_of(spread, 7)) == "cuda:1"
+    assert str(core.device_of(Job(**{**job.__dict__, "device": "cpu"}), 3)) == "cpu"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_gpu_request_without_a_gpu_is_one_line(device, capsys, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for engine in ("process", "distributed", "sim"):
+        with pytest.raises(SystemExit):
+            preflight([f"device={device}", f"engine={engine}", f"hydra.run.dir={tmp_path / 'never'}"])
+        assert capsys.readouterr().err.startswith(f"error: device={device}: no CUDA device is visible on this "
+                                                  "machine")
+    assert not (tmp_path / "never").exists()
+
+
+def _sim_rows(job, tmp_path):
+    rec = Recorder(tmp_path, flush_every=10_000)
+    result = sim.run(job, rec)
+    rec.close()
+    return result, read_table(tmp_path, "metrics")
+
+
+def test_staged_views_give_the_same_commits_as_the_server_s_own_tensors(monkeypatch, tmp_path):
+    """A worker whose device is not the server's (a GPU worker of the process engine) reads copies of θ and the
+    server tensors. Forced here on the CPU (the workers say `cpu:0`, the server's tensors are on `cpu`): the
+    arithmetic must not change at all."""
+    from gem.engines import worker as wmod
+
+    data = gdata.make_synthetic(train_size=256, val_size=32)
+    job = Job(algorithm="gem", hp=gem_algo.Params(workers=3), model="mnist_cnn", data=data, workers=3,
+              batch_size=32, epochs=1, seed=0, engine={"name": "sim"})
+    _, direct = _sim_rows(job, tmp_path / "direct")
+    staged = []
+    real = wmod.Worker.staged
+
+    def counted(self, view):
+        out = real(self, view)
+        staged.append(out is not view and out.theta.data_ptr() != view.theta.data_ptr())
+        return out
+
+    monkeypatch.setattr(wmod, "device_of", lambda job, w: torch.device("cpu", 0))
+    monkeypatch.setattr(wmod.Worker, "staged", counted)
+    _, copied = _sim_rows(job, tmp_path / "staged")
+    assert len(staged) == len(direct) and all(staged)
+    for col in ("loss", "staleness", "pi_median"):
+        assert copied[col].tolist() == direct[col].tolist()
+
+
+def test_to_device_moves_only_what_the_server_reads():
+    from gem.algorithms import Commit
+    from gem.engines.worker import to_device
+
+    c = Commit(torch.ones(3), payload={"p": torch.zeros(2)}, metrics={"m": 1.0}, aux={"a": torch.ones(1)})
+    assert to_device(c, torch.device("cpu")) is c  # already there: no copy
+    meta = to_device(c, torch.device("meta"))
+    assert meta.delta.device.type == "meta" and meta.payload["p"].device.type == "meta"
+    assert meta.aux["a"] is c.aux["a"] and meta.metrics == {"m": 1.0} and meta.pull
+
+
+# ------------------------------------------------------------------------------------------------ bf16
+
+
+def test_bf16_computes_in_bf16_and_keeps_float32_parameters_and_gradients():
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 1, 28, 28), torch.arange(16) % 10
+    net = models.MnistCNN().eval()
+    fp32 = models.FlatModel(net, loss="nll")
+    theta = fp32.param.clone()
+    seen = []
+    bf16 = models.FlatModel(models.MnistCNN().eval(), loss="nll", precision="bf16")
+    bf16.module.fc1.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    bf16.load(theta)
+    for f in (fp32, bf16):  # no dropout, so the two see the same function
+        f.module.train = lambda mode=True, m=f.module: nn.Module.train(m, False)
+    l32, l16 = fp32.loss_and_grad(x, y), bf16.loss_and_grad(x, y)
+    assert seen == [torch.bfloat16]
+    assert bf16.param.dtype == bf16.grad.dtype == torch.float32
+    assert l16 == pytest.approx(l32, rel=0.02)
+    cos = torch.nn.functional.cosine_similarity(fp32.grad, bf16.grad, dim=0)
+    assert 0.99 < cos < 1.0  # close, and not the same numbers: bf16 really ran
+
+
+def test_bf16_run_learns_on_sim(tmp_path):
+    s = _run(["engine=sim", "workers=2", "epochs=2", "precision=bf16"], tmp_path / "bf16")
+    assert s["status"] == "completed" and s["precision"] == "bf16" and s["val_loss"] < 0.75 * math.log(10), s
