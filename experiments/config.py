@@ -77,6 +77,8 @@ class SyntheticConfig:
     train_size: int = 5000
     val_size: int = 1000
     seed: int = 0
+    task: str = "teacher"  # teacher (a random linear teacher's labels) | prototypes (class templates plus noise)
+    snr: float = 0.5  # prototypes: the templates' scale against unit noise
 
 
 @dataclass
@@ -291,6 +293,11 @@ def _check_data(node: DictConfig) -> DataConfig:
         if dat.name not in gdata.DATASETS:
             raise ConfigError(f"data={dat.name} is not a dataset; choose one of: {', '.join(gdata.DATASETS)}, or "
                               "data._target_=<a torchvision-style dataset class>")
+        if dat.synthetic.task not in gdata.SYNTHETIC_TASKS:
+            raise ConfigError(f"data.synthetic.task={dat.synthetic.task} is not allowed; choose one of: "
+                              f"{', '.join(gdata.SYNTHETIC_TASKS)}")
+        if not 0 <= dat.synthetic.snr < math.inf:
+            raise ConfigError(f"data.synthetic.snr={dat.synthetic.snr} is not allowed; it must be a number >= 0")
         if dat.name == "synthetic" and dat.num_classes != dat.synthetic.num_classes:
             raise ConfigError(f"data.num_classes={dat.num_classes} but data.synthetic.num_classes="
                               f"{dat.synthetic.num_classes}; set data.synthetic.num_classes")

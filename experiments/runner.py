@@ -105,7 +105,8 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
     t0 = time.perf_counter()
     summary = {"status": "failed", "algorithm": cfg.algorithm.name, "engine": cfg.engine.name,
                "workers": job.workers, "workers_requested": cfg.workers, "model": job.model.name,
-               "data": job.data.name, "loss": job.loss, "precision": job.precision, "device": job.device, "seed": cfg.seed, "lr": cfg.lr, "momentum": cfg.momentum,
+               "data": job.data.name, "loss": job.loss, "precision": job.precision, "device": job.device,
+               "seed": cfg.seed, "lr": cfg.lr, "momentum": cfg.momentum,
                "batch_size": cfg.batch_size, "epochs": cfg.epochs,
                "steps": 0, "final_train_loss": None, "val_loss": None, "val_accuracy": None,
                "mean_staleness": None, "wall_time_s": None, "reason": "", "lost_workers": [],

@@ -498,3 +498,19 @@ def test_train_size_mnist_from_idx_header():
 def test_train_size_unknown_when_not_cheap(tmp_path):
     assert train_size("mnist", str(tmp_path)) is None
     assert train_size("cifar10", str(tmp_path)) is None
+
+
+def test_make_synthetic_prototypes_are_templates_plus_noise():
+    a = make_synthetic(shape=(3, 32, 32), train_size=300, val_size=100, task="prototypes", snr=1.0)
+    b = make_synthetic(shape=(3, 32, 32), train_size=300, val_size=100, task="prototypes", snr=1.0)
+    assert torch.equal(a.train_x, b.train_x) and torch.equal(a.val_y, b.val_y)
+    assert set(a.train_y.tolist()) == set(range(10))
+    # images of one class share their template: each is closer to its own class mean than to any other's
+    means = torch.stack([a.train_x[a.train_y == k].mean(0) for k in range(10)]).flatten(1)
+    nearest = torch.cdist(a.val_x.flatten(1), means).argmin(1)
+    assert (nearest == a.val_y).float().mean() > 0.9
+    noise = make_synthetic(shape=(3, 32, 32), train_size=300, val_size=100, task="prototypes", snr=0.0)
+    means = torch.stack([noise.train_x[noise.train_y == k].mean(0) for k in range(10)]).flatten(1)
+    assert (torch.cdist(noise.val_x.flatten(1), means).argmin(1) == noise.val_y).float().mean() < 0.3
+    with pytest.raises(ValueError, match="data.synthetic.task=nope is not allowed"):
+        make_synthetic(task="nope")

@@ -231,3 +231,16 @@ def test_sim_sgd_one_worker_equals_torch_sgd_with_momentum(tmp_path, monkeypatch
     assert metrics["step"].tolist() == list(range(1, steps + 1))
     assert (metrics["staleness"] == 0).all() and (metrics["worker"] == 0).all()
     assert metrics["loss"].tolist() == pytest.approx(losses, rel=1e-4)
+
+
+def test_alexnet_hidden_layers_are_he_initialised_and_the_output_layer_is_default():
+    torch.manual_seed(0)
+    m = AlexNetCifar()
+    layers = [x for x in m.modules() if isinstance(x, (torch.nn.Conv2d, torch.nn.Linear))]
+    for layer in layers[:-1]:  # kaiming_uniform_(relu): U(±√(6 / fan_in)), std √(2 / fan_in); zero biases
+        fan_in = layer.weight[0].numel()
+        assert layer.weight.std().item() == pytest.approx((2 / fan_in) ** 0.5, rel=0.05)
+        assert not layer.bias.any()
+    out = layers[-1]  # PyTorch's default: U(±1/√fan_in), std 1/√(3 fan_in)
+    assert out.weight.std().item() == pytest.approx((1 / (3 * 1024)) ** 0.5, rel=0.05) and out.bias.any()
+

@@ -44,7 +44,8 @@ def fingerprint(job) -> dict:
     schedule = {k: job.engine.get(k) for k in SCHEDULE_KEYS} if engine == "sim" else {}
     from gem.models import model_name
 
-    return {**{k: getattr(job, k) for k in FINGERPRINT}, "model": model_name(job.model), "data": job.data.name, "hp": dataclasses.asdict(job.hp),
+    return {**{k: getattr(job, k) for k in FINGERPRINT}, "model": model_name(job.model), "data": job.data.name,
+            "hp": dataclasses.asdict(job.hp),
             "engine": engine, **schedule}
 
 

@@ -68,7 +68,8 @@ class Evaluator:
         self.batch_size = job.batch_size
         k = min(job.eval_train_size, len(data.train_y))
         idx = torch.randperm(len(data.train_y), generator=torch.Generator().manual_seed(job.seed))[:k]
-        self.train_x, self.train_y = data.train_x[idx.to(data.train_x.device)], data.train_y[idx.to(data.train_y.device)]
+        idx = idx.to(data.train_x.device)  # the sim engine's data may be on a GPU
+        self.train_x, self.train_y = data.train_x[idx], data.train_y[idx]
 
     def __call__(self, theta: torch.Tensor, step: int, t0: float, **extra) -> dict:
         self.model.load(theta)

@@ -78,10 +78,10 @@ from gem.engines import Job, Result
 from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, TIMEOUT_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
-from gem.models import ModelSpec
 from gem.engines.server import Server
 from gem.engines.worker import Diverged, Worker, setup_process, threads_per_process
 from gem.files import WriteError
+from gem.models import ModelSpec
 
 START_TIMEOUT_S = 300.0  # a rank imports torch, loads the data and builds its model before it connects
 BYE_TIMEOUT_S = 30.0  # a worker waits this long for the server's last answer
