@@ -161,7 +161,8 @@ def load_data(cfg: DictConfig, checked_data, shape: tuple[int, ...] | None, root
             cause = e
             while cause.__cause__ is not None:
                 cause = cause.__cause__
-            first = (str(cause).strip().splitlines() or [""])[0]
+            lines = [x.strip() for x in str(cause).strip().splitlines() if x.strip()] or [""]
+            first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "Error downloading x:" + why
             raise gdata.DatasetMissing(f"data._target_={config.get('_target_')} ({key}={extra}) could not be "
                                        f"loaded: {type(cause).__name__}: {first}") from None
     try:
