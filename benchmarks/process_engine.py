@@ -92,12 +92,13 @@ def ideal(root: str, k: int, steps: int = 300) -> float:
 
 
 def engine_run(data, name: str, workers: int, epochs: int, model: str = "mnist_cnn",
-               batch_size: int = BATCH_SIZE, engine=process, options: dict | None = None, with_result=False):
+               batch_size: int = BATCH_SIZE, engine=process, options: dict | None = None, with_result=False,
+               device: str = "cpu", lr: float = LR):
     params = algorithms.get(name).Params
-    hp = params(lr=LR, momentum=MOMENTUM, **({"workers": workers} if "workers" in params.__dataclass_fields__
+    hp = params(lr=lr, momentum=MOMENTUM, **({"workers": workers} if "workers" in params.__dataclass_fields__
                                              else {}))  # agn's and easgd's own default windows: 10 and 4
     job = Job(algorithm=name, hp=hp, model=model, data=data, workers=workers, batch_size=batch_size,
-              epochs=epochs, seed=SEED, eval_every=10**9, eval_train_size=64, engine=options or {})
+              epochs=epochs, seed=SEED, eval_every=10**9, eval_train_size=64, engine=options or {}, device=device)
     with tempfile.TemporaryDirectory() as d:
         rec = Recorder(d)
         result = engine.run(job, rec)

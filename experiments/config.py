@@ -262,7 +262,7 @@ def validate(cfg: DictConfig) -> dict:
             engines.get(eng.name).check_address(eng.host, eng.port, eng.allow_remote)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    _check_memory(cfg, eng.name, dat)
+    _check_memory(cfg, eng.name, dat, module)
     return checked
 
 
@@ -320,7 +320,7 @@ def _check_data(node: DictConfig) -> DataConfig:
                       download=bool(node.get("download", False)), augment=augment, num_classes=num_classes)
 
 
-def _check_memory(cfg: DictConfig, engine: str, dat) -> None:
+def _check_memory(cfg: DictConfig, engine: str, dat, module) -> None:
     """Refuse a run that cannot fit in this machine's memory (gem.engines.memory says how it is estimated)."""
     import torch
 
@@ -330,7 +330,7 @@ def _check_memory(cfg: DictConfig, engine: str, dat) -> None:
         return  # the launcher placed the ranks, possibly on other machines
     algo = algorithms.get(cfg.algorithm.name)
     n = 1 if algo.sequential else int(cfg.workers)
-    params = sum(p.numel() for p in instantiate.build_meta(cfg).parameters())  # shapes only: nothing allocated
+    params = sum(p.numel() for p in module.parameters())  # `module` is on the meta device: shapes only
     with torch.device("meta"):
         state = len(algo.init_state(torch.empty(params), algorithm_params(cfg)))
     train = gdata.train_size(dat.name, data_root(dat.root), dat.synthetic.train_size) or 0

@@ -135,22 +135,13 @@ def check_pairing(spec: models.ModelSpec, loss: str, dataset: gdata.Dataset, see
 # ----------------------------------------------------------------------------------------------- data
 
 
-def data_name(cfg: DictConfig) -> str:
-    return display_name("data", cfg.data)
-
-
-def load_data(cfg: DictConfig, checked_data, shape: tuple[int, ...] | None, root: str) -> gdata.Dataset:
-    """The dataset in memory: a built-in loader, or a torchvision-style dataset class by `_target_`."""
+def load_data(cfg: DictConfig) -> gdata.Dataset:
+    """A torchvision-style dataset class by `data._target_`, in memory (the runner loads built-ins itself)."""
     node = cfg.data
-    if not is_instantiated(node):
-        import dataclasses
-
-        d = checked_data
-        return gdata.load_dataset(d.name, root, d.download, dataclasses.asdict(d.synthetic), shape, d.augment)
     from hydra.utils import instantiate
 
     config = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in DATA_KEYS}
-    name = data_name(cfg)
+    name = display_name("data", node)
     splits = []
     for key, default in (("train_kwargs", {"train": True}), ("val_kwargs", {"train": False})):
         extra = node.get(key)

@@ -42,10 +42,10 @@ def build_job(cfg: DictConfig, checked: dict, log=print, run_dir: Path | None = 
     shape = models.input_shape(checked["model"])  # digits and synthetic take the model's input shape
     if instantiate.is_instantiated(cfg.data):  # a torchvision-style class: its tensors travel with the job
         source = None
-        dataset = instantiate.load_data(cfg, d, shape, data_root(d.root))
+        dataset = instantiate.load_data(cfg)
     else:  # a built-in loader: a distributed worker on another machine loads it itself
         source = {"name": d.name, "root": data_root(d.root), "download": d.download,
-                  "synthetic": dataclasses.asdict(d.synthetic), "shape": shape or (1, 28, 28), "augment": d.augment}
+                  "synthetic": dataclasses.asdict(d.synthetic), "shape": shape, "augment": d.augment}
         dataset = gdata.load_dataset(**source)
     spec, loss = instantiate.model_spec(cfg), checked["loss"]
     # the loaded data meets the model: inputs, number of classes, loss; and the loaded size (cifar10, _target_)

@@ -158,7 +158,8 @@ def test_fashion_mnist_loads_through_torchvision_from_idx_files(tmp_path):
         _write_idx(raw / f"{prefix}-images-idx3-ubyte", x)
         _write_idx(raw / f"{prefix}-labels-idx1-ubyte", y)
     cfg = compose(["data=fashion_mnist", f"data.root={tmp_path}", "data.download=false"])
-    ds = instantiate.load_data(cfg, validate(cfg)["data"], None, str(tmp_path))
+    validate(cfg)
+    ds = instantiate.load_data(cfg)
     assert (ds.name, ds.shape, ds.num_classes, len(ds.train_y), len(ds.val_y)) == ("fashion_mnist", (1, 28, 28),
                                                                                     10, 20, 6)
     assert torch.equal(ds.train_y, torch.as_tensor(ty))
@@ -179,7 +180,8 @@ def test_cifar100_loads_from_files_in_cifars_pickle_format(tmp_path):
     with open(folder / "meta", "wb") as f:
         pickle.dump({"fine_label_names": [f"c{i}" for i in range(100)]}, f)
     cfg = compose(["data=cifar100", f"data.root={tmp_path}", "data.download=false", "model=alexnet_cifar"])
-    ds = instantiate.load_data(cfg, validate(cfg)["data"], None, str(tmp_path))
+    validate(cfg)
+    ds = instantiate.load_data(cfg)
     assert (ds.name, ds.shape, ds.num_classes, ds.augment) == ("cifar100", (3, 32, 32), 100, True)
     assert ds.train_y.tolist() == list(range(88, 100)) and ds.val_y.tolist() == list(range(88, 93))
 
@@ -187,7 +189,7 @@ def test_cifar100_loads_from_files_in_cifars_pickle_format(tmp_path):
 def test_cifar100_missing_is_one_line(tmp_path):
     cfg = compose(["data=cifar100", f"data.root={tmp_path}", "data.download=false", "model=alexnet_cifar"])
     with pytest.raises(gdata.DatasetMissing, match=r"^data._target_=gem.data.cifar100 \(train_kwargs="):
-        instantiate.load_data(cfg, validate(cfg)["data"], None, str(tmp_path))
+        instantiate.load_data(cfg)
 
 
 @pytest.mark.parametrize("suffix", [".npz", ".pt"])

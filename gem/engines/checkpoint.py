@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from gem.files import WriteError, write_atomic  # noqa: F401 - WriteError: what a checkpoint write raises
+from gem.models import model_name
 
 CHECKPOINT = "checkpoint"
 # what must match between a checkpoint and the command that resumes it
@@ -42,8 +43,6 @@ class CheckpointError(ValueError):
 def fingerprint(job) -> dict:
     engine = job.engine.get("name", "")
     schedule = {k: job.engine.get(k) for k in SCHEDULE_KEYS} if engine == "sim" else {}
-    from gem.models import model_name
-
     return {**{k: getattr(job, k) for k in FINGERPRINT}, "model": model_name(job.model), "data": job.data.name,
             "hp": dataclasses.asdict(job.hp),
             "engine": engine, **schedule}
