@@ -148,6 +148,43 @@ def test_the_server_rule_sees_the_committing_worker(data, tmp_path, monkeypatch)
     assert seen == [(0, 0), (1, 1), (2, 2)] + [(w, 2) for w in (0, 1, 2)] * (192 // 32 - 1)
 
 
+def _barrier_stub(ahead: int, log: list):
+    """DOWNPOUR whose commits set a barrier `ahead` commits past their own (Commit.pull_at)."""
+    from gem.algorithms import downpour
+
+    def worker_rule(state, x, grad, view, hp):
+        log.append((view.worker, view.t, view.staleness))
+        commit = downpour.worker_rule(state, x, grad, view, hp)
+        commit.pull_at = view.t + ahead
+        return commit
+
+    mod = types.ModuleType("gem.algorithms.stub")
+    mod.ALGORITHM = dataclasses.replace(downpour.ALGORITHM, name="stub", worker_rule=worker_rule)
+    return mod
+
+
+def test_a_barrier_holds_a_worker_until_the_clock_reaches_it(data, tmp_path, monkeypatch):
+    """A commit with pull_at: the worker takes no gradient until the clock has reached it, then pulls (τ counts
+    from there); a barrier that nothing can reach is an error, not a hang."""
+    from gem.algorithms import downpour
+
+    log = []
+    monkeypatch.setattr(algorithms, "ALGORITHMS", (*algorithms.ALGORITHMS, "stub"))
+    monkeypatch.setitem(sys.modules, "gem.algorithms.stub", _barrier_stub(3, log))
+    rec = Recorder(tmp_path / "a")
+    assert sim.run(job(data, 3, algorithm="stub", hp=downpour.Params(), staleness="exponential", seed=2),
+                   rec).status == "completed"
+    rec.close()
+    for w in range(3):
+        mine = [(t, tau) for v, t, tau in log if v == w]
+        assert len(mine) == 192 // 32
+        for (t0, _), (t1, tau) in zip(mine, mine[1:], strict=False):
+            assert t1 >= t0 + 3 and tau == t1 - (t0 + 3)  # held until t0 + 3, pulled exactly then
+    monkeypatch.setitem(sys.modules, "gem.algorithms.stub", _barrier_stub(2, []))
+    with pytest.raises(RuntimeError, match="barrier"):  # a lone worker can never reach t + 2
+        sim.run(job(data, 1, algorithm="stub", hp=downpour.Params()), Recorder(tmp_path / "b"))
+
+
 # ------------------------------------------------------------------------------- every algorithm on sim
 
 ASYNC = [a for a in algorithms.ALGORITHMS if a != "sgd"]
@@ -170,7 +207,9 @@ def test_each_algorithm_runs_with_round_robin_staleness(data, tmp_path, name):
     commits_per_worker = 2 * (192 // 32) // window
     assert result.status == "completed" and result.steps == n * commits_per_worker == len(m)
     assert m["step"].tolist() == list(range(1, len(m) + 1))
-    assert (m["staleness"].iloc[n:] == n - 1).all()
+    # ssgd's workers pull at the end of each round, so τ is a commit's place in its round
+    expected = (m["step"] - 1) % n if name == "ssgd" else pd.Series(n - 1, index=m.index)
+    assert m["staleness"].iloc[n:].tolist() == expected.iloc[n:].tolist()
     assert m["loss"].map(math.isfinite).all()
     assert set(m.groupby("worker")["worker_step"].max()) == {commits_per_worker * window}
 

@@ -33,7 +33,10 @@ Each algorithm module ends with one `Algorithm` record, in the spirit of optax's
 - ``sequential``: True for the proxy, momentum SGD: it always runs with one worker.
 
 After a commit has been applied the worker pulls, copying θ into ``x``, unless the commit says ``pull=False``
-(EASGD's workers keep their own variable). Engines know nothing else about algorithms, so adding one takes a
+(EASGD's workers keep their own variable). A commit may instead set ``pull_at``, a clock value: a barrier. The
+worker then takes no further gradient until the server's clock has reached it, and pulls θ then (synchronous SGD:
+the end of the round). Every engine honours it the same way (gem.engines.worker); a barrier that no commit can
+reach ends the run with an error rather than a hang. Engines know nothing else about algorithms, so adding one takes a
 module here, its name in ``ALGORITHMS``, a YAML file in conf/algorithm/ and a test. An algorithm outside this
 package can be run by its import path: ``get("my_package.my_module")`` finds the module's ``ALGORITHM``.
 """
@@ -66,6 +69,8 @@ class View:
 class Commit:
     delta: torch.Tensor  # flat update; applied by server_rule before the worker's next gradient
     pull: bool = True  # copy θ into the worker's x once the commit is applied
+    pull_at: int | None = None  # a barrier: pull only once the server's clock has reached this t (not before
+    # the worker's next gradient); None or a t already reached: pull at once, as `pull` says
     payload: dict[str, torch.Tensor] = field(default_factory=dict)  # extra tensors for server_rule only
     metrics: dict[str, float] = field(default_factory=dict)  # numbers that must be read under the turn
     aux: dict[str, torch.Tensor] = field(default_factory=dict)  # worker-private tensors for diagnostics

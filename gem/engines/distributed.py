@@ -89,10 +89,11 @@ ROWS_PER_MESSAGE, ROWS_SECONDS = 16, 0.25  # a worker sends its commit rows in b
 
 TAG_ASK, TAG_X, TAG_JOB = 1, 2, 3  # worker→server headers (any source); one exchange's messages; the job
 # header kinds, worker → server on TAG_ASK
-ASK, READY, FINISHED, DIVERGED, ERROR, SAVED = range(6)
+ASK, READY, FINISHED, DIVERGED, ERROR, SAVED, PULL = range(7)  # PULL: θ once the clock reaches t (a barrier)
 # server → worker, first word of the reply to an ASK or FINISHED: [kind, t, τ]
 GO, STOP, BYE, SAVE, WAIT = range(5)
-WAIT_S = 0.02  # a worker told to WAIT (a checkpoint is being taken) asks again after this long
+WAIT_S = 0.02  # a worker told to WAIT (a checkpoint is being taken, or its barrier not reached) asks again after
+# this long at most (a barrier's first looks come sooner)
 HEADER = 4  # int64 words: [kind, rows_nbytes, rows_count, extra_nbytes]
 DONE = {"done": True}  # instead of a worker's state: the run resumes from a checkpoint in which it had no work left
 # the dtypes a state or payload may have on the wire
@@ -477,9 +478,7 @@ class _RemoteLink:
             if kind == GO:
                 break
             if kind == SAVE:  # a checkpoint: our state as of before the gradient in hand, then ask again
-                spec, tensors = _pack(self.worker.state_dict(in_hand=True))
-                self.header(SAVED, json.dumps(spec).encode())
-                self._send(tensors)
+                self._save()
             else:  # WAIT: the others are still sending theirs. Asking again keeps the server awake, so that it
                 time.sleep(WAIT_S)  # notices when a worker it waits for has died (gloo's wait would not wake)
         server = self.server
@@ -487,6 +486,41 @@ class _RemoteLink:
         server.clock.fill_(t)
         server.pulled_at[w] = t - staleness
         return server.view(w)
+
+    def await_clock(self, w: int, t: int):
+        """A barrier: PULL until the server's clock has reached t; the server then sends θ and its tensors (no
+        turn is held: nothing is committed) and marks the pull. A checkpoint meanwhile is answered as for an ASK."""
+        if self.waiting is not None:
+            self.waiting.waiting = True
+        try:
+            pause = 0.0005
+            while True:
+                self.header(PULL, str(t).encode())
+                self._recv([self.reply], self.wait_s)
+                kind, clock, _, patience_ms = (int(v) for v in self.reply)
+                self.wait_s = 2.0 * max(patience_ms / 1000, _patience(self.timeout))
+                if kind == STOP:
+                    raise _Stopped()
+                if kind == GO:
+                    break
+                if kind == SAVE:
+                    self._save()
+                else:  # WAIT: not there yet (or a checkpoint is being taken)
+                    time.sleep(pause)
+                    pause = min(2 * pause, WAIT_S)
+        finally:
+            if self.waiting is not None:
+                self.waiting.waiting = False
+        server = self.server
+        self._recv([server.theta, *server.state.values()], self.wait_s)
+        server.clock.fill_(clock)
+        return server.pull(w)
+
+    def _save(self) -> None:
+        """A checkpoint: our state as of before the gradient in hand (or at the barrier)."""
+        spec, tensors = _pack(self.worker.state_dict(in_hand=True))
+        self.header(SAVED, json.dumps(spec).encode())
+        self._send(tensors)
 
     def submit(self, view, commit: Commit) -> None:
         spec = json.dumps(_pack(commit.payload)[0]).encode() if commit.payload else b""
@@ -664,6 +698,22 @@ class _Server(threading.Thread):
                 self.early.append(src)
             else:
                 self.exchange(src)
+        elif kind == PULL:
+            try:
+                barrier = int(extra.decode("ascii"))
+            except ValueError as e:
+                self.gone(src, e)
+                return
+            if self.saving is not None:
+                self.reply(src, WAIT if src in self.saving["saved"] else SAVE)
+            elif self.stopping:
+                with self.lock:
+                    self.done.add(src)
+                self.reply(src, STOP)
+            elif self.server.t < barrier:
+                self.reply(src, WAIT)
+            else:
+                self.pull(src)
         elif kind == SAVED:
             ckpt.save_atomic(state, ckpt.worker_file(self.saving["folder"], src - 1))
             self.saving["saved"].add(src)
@@ -700,6 +750,18 @@ class _Server(threading.Thread):
             self.done.add(src)
         why = "its connection closed" if isinstance(e, RuntimeError) else f"it sent what cannot be read ({e})"
         self.events.put(("lost", src, why))
+
+    def pull(self, src: int) -> None:
+        """A worker at a barrier that the clock has reached: θ and the server's tensors; no commit follows."""
+        with self.lock:
+            view = self.server.pull(src - 1)
+        try:
+            go = torch.tensor([GO, view.t, 0, int(self.wait_s * 1000)], dtype=torch.long)
+            sends = [self.pg.send([v], src, TAG_X) for v in (go, self.server.theta, *self.server.state.values())]
+            for s in sends:
+                _wait(s, self.wait_s)
+        except RuntimeError as e:
+            self.gone(src, e)
 
     def exchange(self, src: int) -> None:
         if self.stopping or src in self.lost:

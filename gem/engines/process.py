@@ -246,6 +246,19 @@ class _Link:
     def submit(self, view, commit) -> None:
         pass  # the server's state is right here, in shared memory
 
+    def await_clock(self, w: int, t: int):
+        """A barrier: take the turn until the clock has reached t (in line, so checkpoint and flush requests are
+        answered), backing off from 0.5 ms to 20 ms between looks."""
+        pause = 0.0005
+        while True:
+            self.turn.acquire(w, self.waiting, self.on_request)
+            if int(self.server.clock) >= t:
+                return self.server.pull(w)
+            self.turn.release(self.waiting)
+            self.waiting()
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+
     def release(self) -> None:
         self.turn.release(self.waiting)
 

@@ -56,6 +56,11 @@ class Server:
         self.pulled_at[view.worker] = t
         return t
 
+    def pull(self, worker: int) -> View:
+        """A worker that waited at a barrier (Commit.pull_at) pulls θ now: τ counts from here."""
+        self.pulled_at[worker] = int(self.clock)
+        return self.view(worker)
+
     def state_dict(self) -> dict:
         return {"theta": self.theta, "server": dict(self.state), "clock": self.clock,
                 "pulled_at": self.pulled_at}

@@ -19,6 +19,9 @@ simulated duration, and the worker whose cycle ends first commits next (an event
 Durations are per local step: a cycle of k local steps (a window) takes k times one draw.
 
 A cycle runs to its end, commit included, before the next starts: the server's turn is simply the next event.
+A worker whose commit set a barrier (Commit.pull_at, synchronous SGD) is parked instead of queued: it pulls, and its
+next cycle starts, when the commit that brings the clock to its barrier ends, so a round lasts as long as its
+slowest cycle.
 With one worker this is exactly sequential SGD. A checkpoint holds the event queue and the schedule's random
 state with everything else, so a resumed run continues exactly as the uninterrupted one would have.
 """
@@ -183,6 +186,11 @@ class _Link:
         self.coord.ledger.add(row, tensors)
         self.coord.ledger.record()
 
+    def await_clock(self, w: int, t: int):
+        if self.server.t < t:  # the engine parks a worker until its barrier is reached: this would be a bug
+            raise RuntimeError(f"sim: worker {w} started a cycle at t={self.server.t} before its barrier t={t}")
+        return self.server.pull(w)
+
 
 def run(job: Job, recorder) -> Result:
     algo = algorithms.get(job.algorithm)
@@ -200,11 +208,13 @@ def run(job: Job, recorder) -> Result:
     # (simulated time the worker's first cycle, up to its first commit, ends; worker)
     queue = [(schedule.start(w, workers[w].window), w) for w in range(n)]
     heapq.heapify(queue)
+    parked: dict[int, int] = {}  # workers waiting at a barrier: the local steps of their last cycle
     if resumed is not None:
         schedule.load_state_dict(resumed["engine"])
         queue = [(float(at), int(w)) for at, w in resumed["engine"]["queue"]]
         heapq.heapify(queue)
-        for _, w in queue:
+        parked = {int(w): int(k) for w, k in resumed["engine"].get("parked", [])}
+        for w in [*(w for _, w in queue), *parked]:
             workers[w].load_state_dict(ckpt.load_worker(job.resume, w))
     coord = Coordinator(job, recorder, server, Evaluator(job, job.data), resumed)
     link = _Link(server, coord)
@@ -220,23 +230,35 @@ def run(job: Job, recorder) -> Result:
             coord.diverge(f"{e} (commit {server.t + 1})")
             break
         if committed and wk.step < wk.budget:
-            heapq.heappush(queue, (now + schedule.cycle(w, wk.step - before), w))
+            if wk.pull_at > server.t:
+                parked[w] = wk.step - before
+            else:
+                heapq.heappush(queue, (now + schedule.cycle(w, wk.step - before), w))
         else:
             coord.finish(w)
+        for v in [v for v in parked if workers[v].pull_at <= server.t]:  # this commit reached their barrier:
+            workers[v].await_pull(link)  # they pull now, and their next cycles start
+            heapq.heappush(queue, (now + schedule.cycle(v, parked.pop(v)), v))
+        if parked and not queue:
+            barrier = min(workers[v].pull_at for v in parked)
+            raise RuntimeError(f"sim: workers {sorted(parked)} wait at a barrier (t={barrier}) that no commit can "
+                               f"reach (t={server.t}, no other worker runs)")
         if coord.evaluation_due():
             coord.evaluate_at(server.t, server.theta)
             if coord.diverged:
                 break
         if coord.checkpoint_due():
-            _checkpoint(coord, workers, schedule, queue)
+            _checkpoint(coord, workers, schedule, queue, parked)
             if coord.diverged:
                 break
     return coord.conclude()
 
 
-def _checkpoint(coord: Coordinator, workers: list[Worker], schedule: Schedule, queue: list) -> None:
+def _checkpoint(coord: Coordinator, workers: list[Worker], schedule: Schedule, queue: list,
+                parked: dict[int, int]) -> None:
     """Between two cycles every virtual worker is at a commit boundary with nothing in hand."""
     folder = ckpt.pending(coord.job.run_dir)
-    for _, w in queue:
+    for w in [*(w for _, w in queue), *parked]:
         ckpt.save_atomic(workers[w].state_dict(), ckpt.worker_file(folder, w))
-    coord.write_checkpoint(folder, coord.server.t, {**schedule.state_dict(), "queue": [[at, w] for at, w in queue]})
+    coord.write_checkpoint(folder, coord.server.t, {**schedule.state_dict(), "queue": [[at, w] for at, w in queue],
+                                                    "parked": [[w, k] for w, k in parked.items()]})

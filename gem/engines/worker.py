@@ -11,6 +11,10 @@ does not end the algorithm's window (no server involved); else the commit, under
     link.release()
     diagnostics, the commit row                  # after the turn: GEM's π statistics cost the others nothing
 
+A commit with a barrier (`Commit.pull_at`, synchronous SGD's round) defers the pull: before its next gradient the
+worker waits until the server's clock has reached pull_at (`link.await_clock`, which takes the turn then), and
+pulls. The sim engine never runs such a worker's cycle before that (it parks it), so the same code serves all.
+
 An engine supplies only the `Link`: how the turn is taken, where the server's state lives, how rows travel.
 So the data stream, the random streams, the device, the row and the checkpointed state are the same everywhere,
 and with one worker every engine gives the same losses.
@@ -48,6 +52,8 @@ class Link(Protocol):
     def release(self) -> None: ...  # hand the turn on
     def now(self) -> float: ...  # seconds since the run started, for time_s
     def rows(self, row: dict, tensors: dict | None) -> None: ...  # a commit row, on its way to the recorder
+    def await_clock(self, worker: int, t: int) -> View: ...  # the turn, once the server's clock has reached t;
+    # the worker pulls then (the server marks the pull: server.pull)
 
 
 # ------------------------------------------------------------------------------------ one worker process
@@ -145,6 +151,7 @@ class Worker:
         self.step = 0  # local gradients taken
         self.loss_sum, self.local = 0.0, 0  # since the last commit
         self.before: dict = {}  # the state before the gradient in hand (for a checkpoint taken at the turn)
+        self.pull_at = -1  # a barrier this worker waits at before its next gradient (Commit.pull_at); −1: none
         self._stage: dict | None = None  # the server's tensors on this worker's device, if they live elsewhere
 
     def gradient(self) -> float:
@@ -161,6 +168,8 @@ class Worker:
         """Local steps up to the commit boundary, then the commit. False once the budget is spent (a window cut
         short by the end of the budget commits nothing)."""
         while self.step < self.budget:
+            if self.pull_at >= 0:
+                self.await_pull(link)
             k = (self.step + 1) % self.window  # this gradient's place in its window; 0: it ends the window
             if k == 0:
                 self.before = self._progress()
@@ -190,7 +199,9 @@ class Worker:
             applied = time.perf_counter()
             t = link.server.apply(view, commit)
             applied = time.perf_counter() - applied
-            if commit.pull:
+            if commit.pull_at is not None and commit.pull_at > t:
+                self.pull_at = commit.pull_at  # a barrier: pull before the next gradient, once t has reached it
+            elif commit.pull:
                 self.x.copy_(view.theta)
         finally:
             link.release()
@@ -203,6 +214,17 @@ class Worker:
             row.update(metrics)
         self.loss_sum, self.local = 0.0, 0
         link.rows(row, tensors or None)
+
+    def await_pull(self, link: Link) -> None:
+        """Wait at the barrier of the last commit, then pull. A checkpoint taken meanwhile saves this worker as it
+        is, barrier included: it has no gradient in hand."""
+        self.before = self._progress()
+        view = link.await_clock(self.w, self.pull_at)
+        try:
+            self.x.copy_(view.theta)
+        finally:
+            link.release()
+        self.pull_at = -1
 
     def staged(self, view: View) -> View:
         """The view on this worker's device. Where the server's tensors live elsewhere (a GPU worker of the
@@ -222,7 +244,7 @@ class Worker:
     def _progress(self) -> dict:
         s = self.stream
         return {"step": self.step, "loss_sum": self.loss_sum, "local": self.local, "epoch": s.epoch, "pos": s.pos,
-                "perm": s.perm, "generator": s.generator.get_state(), "rng": self.rng}
+                "perm": s.perm, "generator": s.generator.get_state(), "rng": self.rng, "pull_at": self.pull_at}
 
     def state_dict(self, in_hand: bool = False) -> dict:
         """`in_hand`: the worker waits for the turn with a gradient it has not committed yet; its state is then
@@ -239,3 +261,4 @@ class Worker:
         s.generator.set_state(saved["generator"])
         self.rng = saved["rng"]
         self.step, self.loss_sum, self.local = int(saved["step"]), float(saved["loss_sum"]), int(saved["local"])
+        self.pull_at = int(saved.get("pull_at", -1))
