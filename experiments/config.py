@@ -331,17 +331,23 @@ def _check_memory(cfg: DictConfig, engine: str, dat, module) -> None:
     algo = algorithms.get(cfg.algorithm.name)
     n = 1 if algo.sequential else int(cfg.workers)
     params = sum(p.numel() for p in module.parameters())  # `module` is on the meta device: shapes only
+    hp = algorithm_params(cfg)
     with torch.device("meta"):
-        state = len(algo.init_state(torch.empty(params), algorithm_params(cfg)))
+        state = len(algo.init_state(torch.empty(params), hp))
+        # the server's own tensors (DC-ASGD: a backup of θ per worker), held once; on distributed every worker's
+        # replica of the server holds them too
+        server = sum(v.numel() for v in algo.server_state(torch.empty(params), hp, n).values()) * memory.FLOAT
+    server_each = server // n if engine == "distributed" else 0
     train = gdata.train_size(dat.name, data_root(dat.root), dat.synthetic.train_size) or 0
-    each = memory.per_worker(engine, params, state, train)
+    each = memory.per_worker(engine, params, state, train) + server_each
     have = memory.available()
-    if have is None or n * each <= have:
+    if have is None or n * each + server <= have:
         return
     what = "virtual workers" if engine == "sim" else "worker processes"
+    server_part = f" and the server's {memory.gib(server)}" if server > params * memory.FLOAT else ""
     raise ConfigError(f"workers={n} is too many for this machine: engine={engine} needs at least "
-                      f"{memory.gib(n * each)} ({n} {what} of {memory.gib(each)} each) but "
-                      f"{memory.gib(have)} is available; use at most workers={have // each}")
+                      f"{memory.gib(n * each + server)} ({n} {what} of {memory.gib(each)} each{server_part}) but "
+                      f"{memory.gib(have)} is available; use at most workers={max(1, have // (each + server // n))}")
 
 
 def _check_launch(cfg: DictConfig, engine: str) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from experiments.config import CONF_DIR
 from gem import algorithms
-from gem.algorithms import View, adaptive, agn, downpour, eamsgd, easgd, gem, sgd
+from gem.algorithms import View, adaptive, agn, async_localsgd, dcasgd, downpour, eamsgd, easgd, gem, sgd, ssgd
 
 T = torch.tensor
 LAYOUT = [("a", slice(0, 4)), ("b", slice(4, 6))]
@@ -305,6 +305,77 @@ def test_eamsgd_gradient_point_is_ahead_along_the_velocity():
     assert close(x, [0.1 + 0.5 * 0.1])  # next gradient at x̂ + δv, further along v
 
 
+# ------------------------------------------------------------------------------ beyond the paper's baselines
+
+
+def test_ssgd_applies_the_rounds_mean_with_momentum_once_per_round():
+    # n = 2, η = 1, μ = 0.5. Round 1: Δ = [−2, 4], [−4, 0]: m = [−3, 2], θ = [−2, 3]. Round 2: Δ = [0, −2], [−2, −2]:
+    # m = 0.5·[−3, 2] + [−1, −2] = [−2.5, −1], θ = [−4.5, 2]
+    hp = ssgd.Params(lr=1.0, momentum=0.5, workers=2)
+    theta = T([1.0, 1.0])
+    server = ssgd.ALGORITHM.server_state(theta, hp, 2)
+    for t, grad, expected in [(0, [2.0, -4.0], [1.0, 1.0]), (1, [4.0, 0.0], [-2.0, 3.0]),
+                              (2, [0.0, 2.0], [-2.0, 3.0]), (3, [2.0, 2.0], [-4.5, 2.0])]:
+        c = ssgd.ALGORITHM.worker_rule({}, theta.clone(), T(grad), at(theta, server, t=t, worker=t % 2), hp)
+        assert close(c.delta, [-g for g in grad]) and c.pull_at == (t // 2 + 1) * 2  # pull at the round's end
+        ssgd.ALGORITHM.server_rule(at(theta, server, t=t, worker=t % 2), c, hp)
+        assert close(theta, expected), t  # θ moves only at a round's last commit
+    assert close(server["m"], [-2.5, -1.0]) and close(server["round"], [0.0, 0.0])
+
+
+def dc_commit(hp, grad, theta, workers=2, worker=1):
+    server = dcasgd.ALGORITHM.server_state(T([1.0, 2.0]), hp, workers)  # every backup: θ₀ = [1, 2]
+    c = dcasgd.ALGORITHM.worker_rule({}, T([1.0, 2.0]), T(grad), at(theta, server, worker=worker), hp)
+    dcasgd.ALGORITHM.server_rule(at(theta, server, worker=worker), c, hp)
+    return c, server
+
+
+def test_dcasgd_compensates_with_the_committing_workers_backup():
+    # η = 0.5, λ = 0.25, θ = [2, 0], θ_bak = [1, 2], g = [2, −4]: θ − θ_bak = [1, −2], λg⊙g⊙(θ − θ_bak) = [1, −8],
+    # g + it = [3, −12]; θ − η(…) = [0.5, 6]
+    hp = dcasgd.Params(lr=0.5, dc_lambda=0.25, workers=2)
+    theta = T([2.0, 0.0])
+    c, server = dc_commit(hp, [2.0, -4.0], theta)
+    assert close(c.delta, [-1.0, 2.0])  # the worker commits −ηg
+    assert close(theta, [0.5, 6.0])
+    assert close(server["backup"][1], [0.5, 6.0]) and close(server["backup"][0], [1.0, 2.0])  # w pulled; 0 did not
+
+
+def test_dcasgd_adaptive_lambda_divides_by_the_root_mean_square():
+    # m = 0.75, λ₀ = 0.5, g = [2, 4]: MeanSquare = 0.25·g⊙g = [1, 4], λ_t = λ₀/√· = [0.5, 0.25],
+    # λ_t g⊙g⊙(θ − θ_bak) = [0.5·4·1, 0.25·16·(−2)] = [2, −8]; g + it = [4, −4]; θ = [2, 0] − 0.5·[4, −4] = [0, 2]
+    hp = dcasgd.Params(lr=0.5, dc_lambda=0.5, adaptive_lambda=True, ms_momentum=0.75, workers=2)
+    theta = T([2.0, 0.0])
+    _, server = dc_commit(hp, [2.0, 4.0], theta)
+    assert close(server["mean_square"], [1.0, 4.0]) and close(theta, [0.0, 2.0], tol=1e-5)
+
+
+def test_dcasgd_default_lambda_is_the_papers_for_each_variant():
+    assert dcasgd.Params().lam == 0.04 and dcasgd.Params(adaptive_lambda=True).lam == 2.0
+    assert dcasgd.Params(dc_lambda=0.0, adaptive_lambda=True).lam == 0.0
+
+
+def test_async_localsgd_inner_momentum_steps_and_outer_nesterov():
+    # H = 2, η = 1, μ = 0.5, η_o = 0.5, μ_o = 0.5. Window 1: g = 1, 2: m = −1, −2.5; x − s = −3.5, Δ = 3.5;
+    # v = 3.5, θ = 10 − 0.5·(3.5 + 0.5·3.5) = 7.375. Window 2, g = 0, 0 (m carried over the pull): m = −1.25, −0.625,
+    # Δ = 1.875; v = 0.5·3.5 + 1.875 = 3.625, θ = 7.375 − 0.5·(1.875 + 0.5·3.625) = 5.53125
+    hp = async_localsgd.Params(lr=1.0, momentum=0.5, window=2, outer_lr=0.5, outer_momentum=0.5)
+    theta = T([10.0])
+    server = async_localsgd.ALGORITHM.server_state(theta, hp, 1)
+    x = theta.clone()
+    state = async_localsgd.ALGORITHM.init_state(x, hp)
+    i = 0
+    for grads, delta, v, expected in [((1.0, 2.0), 3.5, 3.5, 7.375), ((0.0, 0.0), 1.875, 3.625, 5.53125)]:
+        for g in grads:
+            i += 1
+            c = step(async_localsgd, state, x, T([g]), theta, hp, i, server)
+        assert close(c.delta, [delta])
+        async_localsgd.ALGORITHM.server_rule(at(theta, server), c, hp)
+        assert close(server["v"], [v]) and close(theta, [expected])
+        x.copy_(theta)  # the pull
+    assert close(state["m"], [-0.625])
+
+
 # ------------------------------------------------------------------------------------ sgd and the set
 
 
@@ -341,6 +412,9 @@ def test_every_algorithm_has_its_record_and_yaml(name):
     (downpour, "window", 0, "algorithm.window=0 is not allowed; window must be an integer >= 1"),
     (agn, "local_momentum", 1.0, "algorithm.local_momentum=1.0 is not allowed; local_momentum must be a number in"),
     (easgd, "alpha", 1.5, "algorithm.alpha=1.5 is not allowed; alpha must be a number in (0, 1]"),
+    (dcasgd, "dc_lambda", -1.0, "algorithm.dc_lambda=-1.0 is not allowed; dc_lambda must be a number >= 0"),
+    (async_localsgd, "outer_momentum", 1.0, "algorithm.outer_momentum=1.0 is not allowed"),
+    (async_localsgd, "outer_lr", 0.0, "algorithm.outer_lr=0.0 is not allowed; outer_lr must be a number > 0"),
 ])
 def test_bad_hyperparameters_get_one_line(module, key, value, message):
     with pytest.raises(ValueError) as e:

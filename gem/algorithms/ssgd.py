@@ -1,0 +1,62 @@
+"""Synchronous SGD with n workers: the synchronous data-parallel baseline (DESIGN §2, `ssgd`).
+
+Training goes in rounds. In each round every worker takes one gradient at the same θ, on its own mini-batch, and
+commits Δθᵢ = −η∇L. The server sums the round's commits; the n-th applies their mean through the proxy's momentum,
+
+    m ← μm + (1/n) Σᵢ Δθᵢ        θ ← θ + m
+
+and no worker takes its next gradient before that (each commit's `pull_at` is the clock at the end of its round:
+a barrier). With per-worker batch b this is sequential momentum SGD (`sgd`) with batch n·b: the mean of the n
+batch-mean gradients is the gradient of the n·b examples' mean loss. It is the baseline against which
+asynchronous speed-ups should be measured on the same hardware: a round lasts as long as its slowest worker.
+
+The clock still counts commits, so a round is n steps of `step`, and τ counts the commits of the round before
+this one's, which have not moved θ (θ moves once per round). A lost worker stalls every round: the others wait at
+the barrier until they are lost as silent, and the run fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gem.algorithms import Algorithm, Commit, View, scratch
+
+
+@dataclass(frozen=True)
+class Params:
+    lr: float = 0.05
+    momentum: float = 0.9  # μ of the server's momentum, the proxy's
+    workers: int = 1  # n, filled from the top-level `workers`: commits per round
+
+
+def init_state(theta: torch.Tensor, hp: Params) -> dict:
+    return {}
+
+
+def init_server(theta: torch.Tensor, hp: Params, workers: int) -> dict:
+    return {"round": torch.zeros_like(theta),  # Σ Δθᵢ of the round so far
+            "m": torch.zeros_like(theta)}  # the momentum, updated once per round
+
+
+def round_end(t: int, n: int) -> int:
+    """The clock once the round of the commit at t is applied."""
+    return (t // n + 1) * n
+
+
+def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
+    delta = torch.mul(grad, -hp.lr, out=scratch(grad, "step"))
+    return Commit(delta=delta, pull_at=round_end(view.t, max(hp.workers, 1)))
+
+
+def server_rule(view: View, commit: Commit, hp: Params) -> None:
+    n = max(hp.workers, 1)
+    total = view.server["round"].add_(commit.delta)
+    if view.t + 1 == round_end(view.t, n):  # the round's last commit: apply the mean
+        view.server["m"].mul_(hp.momentum).add_(total, alpha=1.0 / n)
+        view.theta.add_(view.server["m"])
+        total.zero_()
+
+
+ALGORITHM = Algorithm("ssgd", Params, init_state, worker_rule, server_rule, init_server=init_server)

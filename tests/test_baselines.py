@@ -1,0 +1,202 @@
+"""The baselines beyond the paper against the algorithms they must reduce to, on the engines (ssgd, dcasgd,
+async_localsgd). Their rules, by hand, are in test_algorithms.py."""
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from gem import algorithms
+from gem.algorithms import downpour, sgd
+from gem.data import make_synthetic
+from gem.engines import Job, checkpoint, get, sim
+from gem.engines import worker as worker_module
+from gem.engines.core import build_flat_model
+from gem.metrics import Recorder, read_table
+from gem.models import ModelSpec
+
+N, B = 3, 16  # workers, per-worker batch
+
+
+class Softmax(nn.Module):
+    """No dropout: every worker's gradient is a function of θ and its batch alone."""
+
+    input_shape = (1, 28, 28)
+    log_probs = True
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.fc = nn.Linear(28 * 28, num_classes)
+
+    def forward(self, x):
+        return torch.log_softmax(self.fc(x.flatten(1)), dim=1)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_synthetic((1, 28, 28), train_size=N * B * 4, val_size=32, seed=3)
+
+
+def arranged(block: int):
+    """A data stream in which worker w's r-th batch is slice w of the r-th block of `block` examples, in order:
+    the sequential run (one worker, batch = block) sees exactly the union of the n workers' r-th batches."""
+
+    class Arranged:
+        def __init__(self, num_examples, batch_size, seed, worker):
+            self.n, self.batch_size, self.worker = num_examples, batch_size, worker
+            self.generator = torch.Generator().manual_seed(0)
+            self.epoch, self.pos, self.perm, self.r = 0, 0, torch.arange(num_examples), 0
+
+        def next_indices(self):
+            start = self.r * block + self.worker * self.batch_size
+            self.r += 1
+            return (start + torch.arange(self.batch_size)) % self.n
+
+    return Arranged
+
+
+def job(data, algorithm, hp, workers, batch_size, epochs, **engine):
+    return Job(algorithm=algorithm, hp=hp, model=ModelSpec("softmax", f"{__name__}.Softmax", {"num_classes": 10}),
+               data=data, workers=workers, batch_size=batch_size, epochs=epochs, seed=0,
+               engine={"name": engine.pop("name", "sim"), "timeout_s": 60, **engine}, eval_every=10**9,
+               eval_train_size=32)
+
+
+def run(job_, d, monkeypatch):
+    """A sim run; the result carries the final central variable as `theta`."""
+
+    class Capture(sim.Coordinator):
+        def conclude(self, extra=None):
+            result = super().conclude(extra)
+            result.theta = self.server.theta.clone()
+            return result
+
+    monkeypatch.setattr(sim, "Coordinator", Capture)
+    rec = Recorder(d)
+    try:
+        result = sim.run(job_, rec)
+    finally:
+        rec.close()
+    return result, pd.read_parquet(d / "metrics.parquet")
+
+
+@pytest.mark.parametrize("staleness", ["round_robin", "exponential"])
+def test_ssgd_is_sequential_momentum_sgd_with_n_times_the_batch(data, tmp_path, monkeypatch, staleness):
+    """n workers of batch b, one gradient each per round at the same θ = sgd with batch n·b, to 1e-5."""
+    monkeypatch.setattr(worker_module, "WorkerStream", arranged(N * B))
+    rounds = len(data.train_y) // B  # one epoch per worker: this many rounds
+    final = {}
+    for name, n, b, epochs in [("ssgd", N, B, 1), ("sgd", 1, N * B, N)]:
+        hp = algorithms.get(name).Params(lr=0.1, momentum=0.9, **({"workers": n} if name == "ssgd" else {}))
+        result, m = run(job(data, name, hp, n, b, epochs, staleness=staleness), tmp_path / name, monkeypatch)
+        assert result.status == "completed"
+        final[name] = (result.theta, m)
+    (theta_s, m_s), (theta_q, m_q) = final["ssgd"], final["sgd"]
+    assert len(m_q) == rounds and len(m_s) == N * rounds
+    moved = (theta_q - build_flat_model(job(data, "sgd", sgd.Params(), 1, B, 1)).param).abs().max()
+    assert moved > 0.05  # it trained: the comparison below is not between two untouched θ₀
+    assert (theta_s - theta_q).abs().max() < 1e-5
+    # the round's mean loss is the big batch's loss, round after round: the same trajectory, not just its end
+    per_round = m_s.sort_values("step").groupby((m_s.sort_values("step")["step"] - 1) // N)["loss"].mean()
+    assert per_round.tolist() == pytest.approx(m_q.sort_values("step")["loss"].tolist(), abs=1e-5)
+    # every gradient of a round was taken at the round's θ: τ counts only the round's earlier commits
+    assert set(m_s["staleness"]) <= set(range(N))
+    assert m_s.groupby("worker")["worker_step"].max().tolist() == [rounds] * N
+
+
+def _losses(m: pd.DataFrame) -> pd.Series:
+    """Each gradient's loss by (worker, worker_step): ssgd takes every gradient of a round at the round's θ, so
+    these do not depend on the order in which the round's commits reach the server."""
+    return m.set_index(["worker", "worker_step"])["loss"].sort_index()
+
+
+@pytest.fixture(scope="module")
+def cnn_data():
+    return make_synthetic((1, 28, 28), train_size=128, val_size=32, seed=1)
+
+
+def cnn_job(data, engine, **kw):
+    return Job(algorithm="ssgd", hp=algorithms.get("ssgd").Params(workers=3), model="mnist_cnn", data=data,
+               workers=3, batch_size=32, epochs=6, seed=0,
+               engine={"name": engine, "timeout_s": 60}, eval_every=10**9, eval_train_size=32, **kw)
+
+
+@pytest.mark.slow
+def test_ssgd_takes_the_same_gradients_on_every_engine_and_through_a_resume(cnn_data, tmp_path, monkeypatch):
+    """The barrier on every engine: the process and distributed runs take exactly the sim run's gradients (mnist_cnn,
+    dropout included, is seeded per worker), and a process run killed at its checkpoint (workers waiting at the
+    barrier save their state there) resumes to the same gradients, each once."""
+    ref, m_ref = run_engine(cnn_job(cnn_data, "sim"), tmp_path / "sim")
+    assert ref.status == "completed" and len(m_ref) == 3 * 24
+    for engine in ("process", "distributed"):
+        result, m = run_engine(cnn_job(cnn_data, engine), tmp_path / engine)
+        assert result.status == "completed"
+        pd.testing.assert_series_equal(_losses(m), _losses(m_ref), atol=1e-5, rtol=0)
+
+    from test_engines import _Killed
+
+    real_finish = checkpoint.finish
+
+    def finish_then_die(*args, **kw):
+        real_finish(*args, **kw)
+        raise _Killed()
+
+    d = tmp_path / "resumed"
+    make = lambda resume=None: cnn_job(cnn_data, "process", run_dir=str(d), checkpoint_every=4, resume=resume)  # noqa: E731
+    monkeypatch.setattr(checkpoint, "finish", finish_then_die)
+    with pytest.raises(_Killed):
+        get("process").run(make(), Recorder(d, flush_every=5))
+    monkeypatch.setattr(checkpoint, "finish", real_finish)
+    manifest = checkpoint.read_manifest(d)
+    rec = Recorder(d, resume_step=manifest["step"])
+    result = get("process").run(make(manifest), rec)
+    rec.close()
+    m = read_table(d)
+    assert result.status == "completed" and m["step"].tolist() == list(range(1, 3 * 24 + 1))
+    pd.testing.assert_series_equal(_losses(m), _losses(m_ref), atol=1e-5, rtol=0)
+
+
+def run_engine(job_, d):
+    rec = Recorder(d)
+    try:
+        result = get(job_.engine["name"]).run(job_, rec)
+    finally:
+        rec.close()
+    return result, read_table(d)
+
+
+def sim_job(data, algorithm, hp, staleness="exponential"):
+    return Job(algorithm=algorithm, hp=hp, model="mnist_cnn", data=data, workers=3, batch_size=32, epochs=3, seed=4,
+               engine={"name": "sim", "staleness": staleness}, eval_every=16, eval_train_size=32)
+
+
+def test_dcasgd_with_lambda_zero_is_downpour_commit_for_commit(cnn_data, tmp_path, monkeypatch):
+    """λ = 0 (constant and adaptive): DOWNPOUR exactly, every commit's loss and every evaluation, bit for bit; λ > 0
+    compensates, so it differs."""
+    _, ref = run(sim_job(cnn_data, "downpour", downpour.Params(lr=0.1)), tmp_path / "downpour", monkeypatch)
+    params = algorithms.get("dcasgd").Params
+    for adaptive in (False, True):
+        d = tmp_path / f"dc0-{adaptive}"
+        _, m = run(sim_job(cnn_data, "dcasgd", params(lr=0.1, workers=3, dc_lambda=0.0, adaptive_lambda=adaptive)),
+                   d, monkeypatch)
+        assert m["loss"].tolist() == ref["loss"].tolist() and m["staleness"].tolist() == ref["staleness"].tolist()
+        evals = [read_table(p, "eval")["val_loss"].tolist() for p in (d, tmp_path / "downpour")]
+        assert evals[0] == evals[1] and len(evals[0]) > 1
+    _, m = run(sim_job(cnn_data, "dcasgd", params(lr=0.1, workers=3, dc_lambda=2.0, adaptive_lambda=True)),
+               tmp_path / "dc2", monkeypatch)
+    assert m["loss"].iloc[:3].tolist() == ref["loss"].iloc[:3].tolist()  # the first round: nothing to compensate
+    assert m["loss"].tolist() != ref["loss"].tolist()
+
+
+def test_async_localsgd_without_outer_momentum_is_windowed_downpour_with_worker_momentum(cnn_data, tmp_path,
+                                                                                        monkeypatch):
+    """η_o = 1, μ_o = 0: θ ← θ + (x − s), DOWNPOUR with λ = H and local momentum μ; DiLoCo's defaults differ."""
+    hp = dict(lr=0.05, momentum=0.9, window=2)
+    ref_hp = downpour.Params(lr=0.05, window=2, local_momentum=0.9)
+    _, ref = run(sim_job(cnn_data, "downpour", ref_hp), tmp_path / "downpour", monkeypatch)
+    params = algorithms.get("async_localsgd").Params
+    _, m = run(sim_job(cnn_data, "async_localsgd", params(**hp, outer_lr=1.0, outer_momentum=0.0)), tmp_path / "a",
+               monkeypatch)
+    assert m["loss"].tolist() == pytest.approx(ref["loss"].tolist(), abs=1e-6)
+    _, d = run(sim_job(cnn_data, "async_localsgd", params(**hp)), tmp_path / "diloco", monkeypatch)
+    assert d["loss"].iloc[3:].tolist() != pytest.approx(ref["loss"].iloc[3:].tolist(), abs=1e-3)
