@@ -337,7 +337,7 @@ def _check_memory(cfg: DictConfig, engine: str, dat, module) -> None:
         # the server's own tensors (DC-ASGD: a backup of θ per worker), held once; on distributed every worker's
         # replica of the server holds them too
         server = sum(v.numel() for v in algo.server_state(torch.empty(params), hp, n).values()) * memory.FLOAT
-    server_each = server // n if engine == "distributed" else 0
+    server_each = server if engine == "distributed" else 0
     train = gdata.train_size(dat.name, data_root(dat.root), dat.synthetic.train_size) or 0
     each = memory.per_worker(engine, params, state, train) + server_each
     have = memory.available()

@@ -90,7 +90,7 @@ ROWS_PER_MESSAGE, ROWS_SECONDS = 16, 0.25  # a worker sends its commit rows in b
 TAG_ASK, TAG_X, TAG_JOB = 1, 2, 3  # worker→server headers (any source); one exchange's messages; the job
 # header kinds, worker → server on TAG_ASK
 ASK, READY, FINISHED, DIVERGED, ERROR, SAVED, PULL = range(7)  # PULL: θ once the clock reaches t (a barrier)
-# server → worker, first word of the reply to an ASK or FINISHED: [kind, t, τ]
+# server → worker, first word of the reply to an ASK, PULL or FINISHED: [kind, t, τ]
 GO, STOP, BYE, SAVE, WAIT = range(5)
 WAIT_S = 0.02  # a worker told to WAIT (a checkpoint is being taken, or its barrier not reached) asks again after
 # this long at most (a barrier's first looks come sooner)
@@ -595,6 +595,7 @@ class _Server(threading.Thread):
         self.lost: set[int] = set()
         self.stopping = ""  # once set, every ASK is answered STOP
         self.early: deque = deque()  # ASKs that came before every worker was ready: all start from one θ
+        self.barriers: dict[int, int] = {}  # the barrier each rank last waited at (PULL), until it pulls
         self.saving: dict | None = None  # a checkpoint being taken: {"folder", "saved": ranks that sent their state}
         self.written = threading.Event()
         self.delta = torch.empty_like(server.theta)
@@ -684,7 +685,7 @@ class _Server(threading.Thread):
                 for _ in range(rows_count):
                     self.pending[src].popleft()
         if lost:  # given up for lost (silent too long) and back: its commits are marked already; it stops
-            if kind == ASK:
+            if kind in (ASK, PULL):
                 self.reply(src, STOP)
             return
         if rows:
@@ -711,8 +712,15 @@ class _Server(threading.Thread):
                     self.done.add(src)
                 self.reply(src, STOP)
             elif self.server.t < barrier:
-                self.reply(src, WAIT)
+                self.barriers[src] = barrier
+                if self.unreachable():  # the others are told STOP when they next ask
+                    with self.lock:
+                        self.done.add(src)
+                    self.reply(src, STOP)
+                else:
+                    self.reply(src, WAIT)
             else:
+                self.barriers.pop(src, None)
                 self.pull(src)
         elif kind == SAVED:
             ckpt.save_atomic(state, ckpt.worker_file(self.saving["folder"], src - 1))
@@ -750,6 +758,18 @@ class _Server(threading.Thread):
             self.done.add(src)
         why = "its connection closed" if isinstance(e, RuntimeError) else f"it sent what cannot be read ({e})"
         self.events.put(("lost", src, why))
+
+    def unreachable(self) -> bool:
+        """Every worker still expected waits at a barrier that only their own commits could reach (a lost worker
+        stalls synchronous rounds): end the run now, with the reason, rather than let them ask forever."""
+        live = set(self.ranks) - self.done
+        if not live or any(self.barriers.get(r, -1) <= self.server.t for r in live):
+            return False
+        why = (f"workers {sorted(r - 1 for r in live)} wait at a barrier (t={min(self.barriers[r] for r in live)}) "
+               f"that no commit can reach (t={self.server.t}, the other workers are lost or finished)")
+        self.stop(why)
+        self.events.put(("fatal", why))
+        return True
 
     def pull(self, src: int) -> None:
         """A worker at a barrier that the clock has reached: θ and the server's tensors; no commit follows."""

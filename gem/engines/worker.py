@@ -12,8 +12,8 @@ does not end the algorithm's window (no server involved); else the commit, under
     diagnostics, the commit row                  # after the turn: GEM's π statistics cost the others nothing
 
 A commit with a barrier (`Commit.pull_at`, synchronous SGD's round) defers the pull: before its next gradient the
-worker waits until the server's clock has reached pull_at (`link.await_clock`, which takes the turn then), and
-pulls. The sim engine never runs such a worker's cycle before that (it parks it), so the same code serves all.
+worker waits until the server's clock has reached pull_at (`link.await_clock`; on `process` it holds the turn while
+it copies θ), and pulls. The sim engine parks such a worker and pulls it at the commit that reaches its barrier.
 
 An engine supplies only the `Link`: how the turn is taken, where the server's state lives, how rows travel.
 So the data stream, the random streams, the device, the row and the checkpointed state are the same everywhere,
@@ -23,6 +23,7 @@ and with one worker every engine gives the same losses.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 import os
 import time
@@ -52,8 +53,8 @@ class Link(Protocol):
     def release(self) -> None: ...  # hand the turn on
     def now(self) -> float: ...  # seconds since the run started, for time_s
     def rows(self, row: dict, tensors: dict | None) -> None: ...  # a commit row, on its way to the recorder
-    def await_clock(self, worker: int, t: int) -> View: ...  # the turn, once the server's clock has reached t;
-    # the worker pulls then (the server marks the pull: server.pull)
+    def await_clock(self, worker: int, t: int) -> View: ...  # a view of θ once the server's clock has reached t,
+    # held until release (process: the turn); the worker pulls then (the server marks the pull: server.pull)
 
 
 # ------------------------------------------------------------------------------------ one worker process
@@ -105,8 +106,8 @@ def to_device(commit: Commit, device: torch.device) -> Commit:
     `aux` stays: diagnostics run on the worker."""
     if commit.delta.device == device:
         return commit
-    return Commit(commit.delta.to(device), commit.pull, {k: v.to(device) for k, v in commit.payload.items()},
-                  commit.metrics, commit.aux)
+    return dataclasses.replace(commit, delta=commit.delta.to(device),
+                               payload={k: v.to(device) for k, v in commit.payload.items()})
 
 
 
