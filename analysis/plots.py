@@ -120,9 +120,12 @@ def _fmt(hue: str, value) -> str:
 
 
 def colours(values) -> dict:
-    cmap = plt.get_cmap("viridis" if len(values) > 6 else "tab10")
+    """Distinct colours for names (algorithms: tab10, up to 10), a sequential scale for many ordered numbers."""
+    values = list(values)
+    ordered = len(values) > (10 if all(isinstance(v, str) for v in values) else 6)
+    cmap = plt.get_cmap("viridis" if ordered else "tab10")
     n = max(len(values) - 1, 1)
-    return {v: cmap(i / n if len(values) > 6 else i) for i, v in enumerate(values)}
+    return {v: cmap(i / n if ordered else i) for i, v in enumerate(values)}
 
 
 def curves(frame: pd.DataFrame, ax, x: str = "worker_step", y: str = "loss", hue: str = "workers",

@@ -35,8 +35,9 @@ Each algorithm module ends with one `Algorithm` record, in the spirit of optax's
 After a commit has been applied the worker pulls, copying θ into ``x``, unless the commit says ``pull=False``
 (EASGD's workers keep their own variable). A commit may instead set ``pull_at``, a clock value: a barrier. The
 worker then takes no further gradient until the server's clock has reached it, and pulls θ then (synchronous SGD:
-the end of the round). Every engine honours it the same way (gem.engines.worker); a barrier that no commit can
-reach ends the run with an error rather than a hang. Engines know nothing else about algorithms, so adding one takes a
+the end of the round), whatever ``pull`` says. Every engine honours it the same way (gem.engines.worker). A
+barrier that no commit can reach ends the run as failed rather than hanging: at once on sim and distributed, on
+process once the waiting workers are lost as silent. Engines know nothing else about algorithms, so adding one takes a
 module here, its name in ``ALGORITHMS``, a YAML file in conf/algorithm/ and a test. An algorithm outside this
 package can be run by its import path: ``get("my_package.my_module")`` finds the module's ``ALGORITHM``.
 """

@@ -31,7 +31,7 @@ LAMBDA, LAMBDA_0 = 0.04, 2.0  # the paper's λ (DC-ASGD-c) and λ₀ (DC-ASGD-a)
 class Params:
     lr: float = 0.05
     momentum: float = 0.9  # unused: the paper's rule is plain SGD
-    workers: int = 1  # n, filled from the top-level `workers`: one backup each
+    workers: int = 1  # n, filled from the top-level `workers` (the server's backups are sized by the engine's n)
     dc_lambda: float | None = None  # λ (or λ₀ when adaptive); None: the paper's value for the variant
     adaptive_lambda: bool = False  # DC-ASGD-a: λ scaled element-wise by 1/√MeanSquare
     ms_momentum: float = 0.95  # m of MeanSquare (DC-ASGD-a)

@@ -10,9 +10,10 @@ a barrier). With per-worker batch b this is sequential momentum SGD (`sgd`) with
 batch-mean gradients is the gradient of the n·b examples' mean loss. It is the baseline against which
 asynchronous speed-ups should be measured on the same hardware: a round lasts as long as its slowest worker.
 
-The clock still counts commits, so a round is n steps of `step`, and τ counts the commits of the round before
-this one's, which have not moved θ (θ moves once per round). A lost worker stalls every round: the others wait at
-the barrier until they are lost as silent, and the run fails.
+The clock still counts commits, so a round is n steps of `step`, and τ counts the commits of the current round
+that reached the server before this one (on sim exactly its place in the round), which have not moved θ (θ moves
+once per round). A lost worker stalls every round: the run fails (sim and distributed at once, naming the
+barrier; process once the waiting workers are lost as silent).
 """
 
 from __future__ import annotations
