@@ -1,6 +1,8 @@
 """The baselines beyond the paper against the algorithms they must reduce to, on the engines (ssgd, dcasgd,
 async_localsgd). Their rules, by hand, are in test_algorithms.py."""
 
+import dataclasses
+
 import pandas as pd
 import pytest
 import torch
@@ -200,3 +202,48 @@ def test_async_localsgd_without_outer_momentum_is_windowed_downpour_with_worker_
     assert m["loss"].tolist() == pytest.approx(ref["loss"].tolist(), abs=1e-6)
     _, d = run(sim_job(cnn_data, "async_localsgd", params(**hp)), tmp_path / "diloco", monkeypatch)
     assert d["loss"].iloc[3:].tolist() != pytest.approx(ref["loss"].iloc[3:].tolist(), abs=1e-3)
+
+
+class _KillingRecorder(Recorder):
+    """SIGKILLs worker `victim`'s process once `after` of its commits are recorded."""
+
+    def __init__(self, d, victim, after):
+        super().__init__(d)
+        self.victim, self.after, self.seen, self.killed = victim, after, 0, False
+
+    def commit(self, row, tensors=None):
+        super().commit(row, tensors)
+        if row["worker"] == self.victim and not self.killed:
+            self.seen += 1
+            if self.seen >= self.after:
+                import multiprocessing
+                import os
+                import signal
+
+                pid = next(p.pid for p in multiprocessing.active_children() if p.name == f"gem-worker-{self.victim}")
+                os.kill(pid, signal.SIGKILL)
+                self.killed = True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["process", "distributed"])
+def test_a_lost_worker_fails_a_synchronous_run_instead_of_hanging(cnn_data, tmp_path, engine):
+    """ssgd's rounds need every worker: with one killed, the others wait at a barrier nothing can reach. The run
+    ends failed, distributed at once naming the barrier, process once the waiting workers are silent too long."""
+    import time
+
+    j = dataclasses.replace(cnn_job(cnn_data, engine), epochs=40,
+                            engine={"name": engine, "timeout_s": 5, "silent_cycles": 3})
+    rec = _KillingRecorder(tmp_path, victim=2, after=5)
+    began = time.monotonic()
+    try:
+        result = get(engine).run(j, rec)
+    finally:
+        rec.close()
+    assert rec.killed and result.status == "failed", result
+    assert 2 in result.extra["lost_workers"]
+    if engine == "distributed":
+        assert "wait at a barrier" in result.reason and "no commit can reach" in result.reason, result.reason
+    else:
+        assert "silent for" in result.reason, result.reason
+    assert time.monotonic() - began < 120
