@@ -6,6 +6,7 @@ import dataclasses
 import pandas as pd
 import pytest
 import torch
+from test_engines import run as run_on_engine
 from torch import nn
 
 from gem import algorithms
@@ -128,10 +129,10 @@ def test_ssgd_takes_the_same_gradients_on_every_engine_and_through_a_resume(cnn_
     """The barrier on every engine: the process and distributed runs take exactly the sim run's gradients (mnist_cnn,
     dropout included, is seeded per worker), and a process run killed at its checkpoint (workers waiting at the
     barrier save their state there) resumes to the same gradients, each once."""
-    ref, m_ref = run_engine(cnn_job(cnn_data, "sim"), tmp_path / "sim")
+    ref, m_ref = run_on_engine(cnn_job(cnn_data, "sim"), tmp_path / "sim")
     assert ref.status == "completed" and len(m_ref) == 3 * 24
     for engine in ("process", "distributed"):
-        result, m = run_engine(cnn_job(cnn_data, engine), tmp_path / engine)
+        result, m = run_on_engine(cnn_job(cnn_data, engine), tmp_path / engine)
         assert result.status == "completed"
         pd.testing.assert_series_equal(_losses(m), _losses(m_ref), atol=1e-5, rtol=0)
 
@@ -157,14 +158,6 @@ def test_ssgd_takes_the_same_gradients_on_every_engine_and_through_a_resume(cnn_
     assert result.status == "completed" and m["step"].tolist() == list(range(1, 3 * 24 + 1))
     pd.testing.assert_series_equal(_losses(m), _losses(m_ref), atol=1e-5, rtol=0)
 
-
-def run_engine(job_, d):
-    rec = Recorder(d)
-    try:
-        result = get(job_.engine["name"]).run(job_, rec)
-    finally:
-        rec.close()
-    return result, read_table(d)
 
 
 def sim_job(data, algorithm, hp, staleness="exponential"):
@@ -204,43 +197,25 @@ def test_async_localsgd_without_outer_momentum_is_windowed_downpour_with_worker_
     assert d["loss"].iloc[3:].tolist() != pytest.approx(ref["loss"].iloc[3:].tolist(), abs=1e-3)
 
 
-class _KillingRecorder(Recorder):
-    """SIGKILLs worker `victim`'s process once `after` of its commits are recorded."""
-
-    def __init__(self, d, victim, after):
-        super().__init__(d)
-        self.victim, self.after, self.seen, self.killed = victim, after, 0, False
-
-    def commit(self, row, tensors=None):
-        super().commit(row, tensors)
-        if row["worker"] == self.victim and not self.killed:
-            self.seen += 1
-            if self.seen >= self.after:
-                import multiprocessing
-                import os
-                import signal
-
-                pid = next(p.pid for p in multiprocessing.active_children() if p.name == f"gem-worker-{self.victim}")
-                os.kill(pid, signal.SIGKILL)
-                self.killed = True
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["process", "distributed"])
 def test_a_lost_worker_fails_a_synchronous_run_instead_of_hanging(cnn_data, tmp_path, engine):
     """ssgd's rounds need every worker: with one killed, the others wait at a barrier nothing can reach. The run
     ends failed, distributed at once naming the barrier, process once the waiting workers are silent too long."""
+    import signal
     import time
+
+    from test_engines import _StoppingRecorder
 
     j = dataclasses.replace(cnn_job(cnn_data, engine), epochs=40,
                             engine={"name": engine, "timeout_s": 5, "silent_cycles": 3})
-    rec = _KillingRecorder(tmp_path, victim=2, after=5)
+    rec = _StoppingRecorder(tmp_path, victim=2, after=5, sig=signal.SIGKILL)
     began = time.monotonic()
     try:
         result = get(engine).run(j, rec)
     finally:
         rec.close()
-    assert rec.killed and result.status == "failed", result
+    assert rec.stopped_at is not None and result.status == "failed", result
     assert 2 in result.extra["lost_workers"]
     if engine == "distributed":
         assert "wait at a barrier" in result.reason and "no commit can reach" in result.reason, result.reason

@@ -521,11 +521,12 @@ def test_a_killed_worker_is_recorded_and_the_run_goes_on(tmp_path, engine):
 
 
 class _StoppingRecorder(Recorder):
-    """SIGSTOPs worker `victim`'s process once `after` of its commits are recorded: alive, frozen, silent."""
+    """SIGSTOPs worker `victim`'s process once `after` of its commits are recorded: alive, frozen, silent (or
+    sends it another signal: `sig`)."""
 
-    def __init__(self, d, victim, after):
+    def __init__(self, d, victim, after, sig=signal.SIGSTOP):
         super().__init__(d)
-        self.victim, self.after, self.seen, self.stopped_at = victim, after, 0, None
+        self.victim, self.after, self.seen, self.stopped_at, self.sig = victim, after, 0, None, sig
 
     def commit(self, row, tensors=None):
         super().commit(row, tensors)
@@ -533,7 +534,7 @@ class _StoppingRecorder(Recorder):
             self.seen += 1
             if self.seen >= self.after:
                 pid = next(p.pid for p in multiprocessing.active_children() if p.name == f"gem-worker-{self.victim}")
-                os.kill(pid, signal.SIGSTOP)
+                os.kill(pid, self.sig)
                 self.stopped_at = time.monotonic()
 
 

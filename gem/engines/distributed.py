@@ -57,6 +57,7 @@ import dataclasses
 import datetime
 import errno
 import ipaddress
+import itertools
 import json
 import os
 import queue
@@ -79,7 +80,7 @@ from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, TIMEOUT_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.server import Server
-from gem.engines.worker import Diverged, Worker, setup_process, threads_per_process
+from gem.engines.worker import Diverged, Worker, barrier_pauses, setup_process, threads_per_process
 from gem.files import WriteError
 from gem.models import ModelSpec
 
@@ -92,8 +93,8 @@ TAG_ASK, TAG_X, TAG_JOB = 1, 2, 3  # worker→server headers (any source); one e
 ASK, READY, FINISHED, DIVERGED, ERROR, SAVED, PULL = range(7)  # PULL: θ once the clock reaches t (a barrier)
 # server → worker, first word of the reply to an ASK, PULL or FINISHED: [kind, t, τ]
 GO, STOP, BYE, SAVE, WAIT = range(5)
-WAIT_S = 0.02  # a worker told to WAIT (a checkpoint is being taken, or its barrier not reached) asks again after
-# this long at most (a barrier's first looks come sooner)
+WAIT_S = 0.02  # a worker told to WAIT while a checkpoint is being taken asks again after this long (at a barrier:
+# worker.barrier_pauses)
 HEADER = 4  # int64 words: [kind, rows_nbytes, rows_count, extra_nbytes]
 DONE = {"done": True}  # instead of a worker's state: the run resumes from a checkpoint in which it had no work left
 # the dtypes a state or payload may have on the wire
@@ -459,62 +460,47 @@ class _RemoteLink:
 
     # --- the Link of the worker cycle
     def acquire(self, w: int):
-        if self.waiting is not None:
-            self.waiting.waiting = True
-        try:
-            return self._acquire(w)
-        finally:
-            if self.waiting is not None:
-                self.waiting.waiting = False
-
-    def _acquire(self, w: int):
-        while True:
-            self.header(ASK)
-            self._recv([self.reply], self.wait_s)
-            kind, t, staleness, patience_ms = (int(v) for v in self.reply)
-            self.wait_s = 2.0 * max(patience_ms / 1000, _patience(self.timeout))
-            if kind == STOP:
-                raise _Stopped()
-            if kind == GO:
-                break
-            if kind == SAVE:  # a checkpoint: our state as of before the gradient in hand, then ask again
-                self._save()
-            else:  # WAIT: the others are still sending theirs. Asking again keeps the server awake, so that it
-                time.sleep(WAIT_S)  # notices when a worker it waits for has died (gloo's wait would not wake)
-        server = self.server
-        self._recv([server.theta, *server.state.values()], self.wait_s)
-        server.clock.fill_(t)
-        server.pulled_at[w] = t - staleness
-        return server.view(w)
+        t, staleness = self._request(ASK, b"", itertools.repeat(WAIT_S))
+        return self._receive_view(w, t, t - staleness)
 
     def await_clock(self, w: int, t: int):
         """A barrier: PULL until the server's clock has reached t; the server then sends θ and its tensors (no
-        turn is held: nothing is committed) and marks the pull. A checkpoint meanwhile is answered as for an ASK."""
+        turn is held: nothing is committed) and marks the pull."""
+        clock, _ = self._request(PULL, str(t).encode(), barrier_pauses())
+        return self._receive_view(w, clock, clock)
+
+    def _request(self, kind: int, extra: bytes, pauses) -> tuple[int, int]:
+        """Ask (ASK or PULL) until the server answers GO; returns its (t, τ). Meanwhile a SAVE is answered with our
+        state, and a WAIT (a checkpoint is being taken, or the barrier not reached) with the next of `pauses` before
+        asking again: asking keeps the server awake, so that it notices when a worker it waits for has died
+        (gloo's wait would not wake). The worker says it is waiting, so it is not blamed for the others' silence."""
         if self.waiting is not None:
             self.waiting.waiting = True
         try:
-            pause = 0.0005
             while True:
-                self.header(PULL, str(t).encode())
+                self.header(kind, extra)
                 self._recv([self.reply], self.wait_s)
-                kind, clock, _, patience_ms = (int(v) for v in self.reply)
+                answer, t, staleness, patience_ms = (int(v) for v in self.reply)
                 self.wait_s = 2.0 * max(patience_ms / 1000, _patience(self.timeout))
-                if kind == STOP:
+                if answer == STOP:
                     raise _Stopped()
-                if kind == GO:
-                    break
-                if kind == SAVE:
+                if answer == GO:
+                    return t, staleness
+                if answer == SAVE:  # a checkpoint: our state as of before the gradient in hand, then ask again
                     self._save()
-                else:  # WAIT: not there yet (or a checkpoint is being taken)
-                    time.sleep(pause)
-                    pause = min(2 * pause, WAIT_S)
+                else:
+                    time.sleep(next(pauses))
         finally:
             if self.waiting is not None:
                 self.waiting.waiting = False
+
+    def _receive_view(self, w: int, t: int, pulled_at: int):
+        """θ and the server's tensors as the GO that follows sends them, into this worker's replica."""
         server = self.server
         self._recv([server.theta, *server.state.values()], self.wait_s)
-        server.clock.fill_(clock)
-        return server.pull(w)
+        server.clock.fill_(t)
+        server.pulled_at[w] = pulled_at
+        return server.view(w)
 
     def _save(self) -> None:
         """A checkpoint: our state as of before the gradient in hand (or at the barrier)."""

@@ -44,7 +44,7 @@ from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.server import Server
-from gem.engines.worker import Diverged, Worker, setup_process, threads_per_process
+from gem.engines.worker import Diverged, Worker, barrier_pauses, setup_process, threads_per_process
 from gem.files import WriteError
 
 START_TIMEOUT_S = 300.0  # a spawned worker imports torch and builds its model: slow on a loaded machine; one not
@@ -248,16 +248,14 @@ class _Link:
 
     def await_clock(self, w: int, t: int):
         """A barrier: take the turn until the clock has reached t (in line, so checkpoint and flush requests are
-        answered), backing off from 0.5 ms to 20 ms between looks."""
-        pause = 0.0005
-        while True:
+        answered), with worker.barrier_pauses between looks."""
+        for pause in barrier_pauses():
             self.turn.acquire(w, self.waiting, self.on_request)
             if int(self.server.clock) >= t:
                 return self.server.pull(w)
             self.turn.release(self.waiting)
             self.waiting()
             time.sleep(pause)
-            pause = min(2 * pause, 0.02)
 
     def release(self) -> None:
         self.turn.release(self.waiting)
