@@ -43,7 +43,9 @@ def find_runs(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Pa
             continue
         for marker in list(p.rglob("summary.json")) + list(p.rglob(".hydra/config.yaml")):
             run = marker.parent if marker.name == "summary.json" else marker.parent.parent
-            if _is_run(run) and "wandb" not in run.parts:
+            # a sweep's `.superseded/` holds the attempts a resumed sweep replaced: kept, never analysed
+            hidden = any(part.startswith(".") for part in run.relative_to(p).parts)
+            if _is_run(run) and "wandb" not in run.parts and not hidden:
                 found.add(run.resolve())
     return sorted(found)
 
@@ -130,7 +132,8 @@ def experiment_of(run_dir: Path) -> str | None:
 
 
 # Columns that may differ between the seeds of one curve: the seed itself, results, and where things live.
-NOT_SETTINGS = {"seed", "run_dir", "experiment", "data.root", "data.download", "resume", "device", "train_examples",
+NOT_SETTINGS = {"seed", "run_dir", "experiment", "data.root", "data.download", "resume", "plan", "device",
+                "train_examples",
                 *SUMMARY_COLUMNS}
 
 

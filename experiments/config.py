@@ -50,6 +50,7 @@ class Config:
     loss: Any = MISSING  # nll | cross_entropy | null (the model's own: nll if it outputs log-probabilities)
     precision: str = MISSING  # fp32 | bf16 (the workers' forward and backward passes)
     resume: bool = MISSING
+    plan: bool = MISSING  # list the jobs of the command and their estimated cost, run nothing (experiments.plan)
 
 
 # Group schemas, checked by `validate` (the algorithm's own keys come from its module's Params dataclass).
@@ -500,20 +501,35 @@ def preflight(argv: list[str]) -> list[str]:
                   "(python run.py -m engine=distributed workers=N ... launches each run's workers itself)",
                   file=sys.stderr)
         sys.exit(2)
+    if args.cfg and args.multirun:
+        print(f"error: --cfg with -m: Hydra prints the config of one job, not a sweep's; drop -m to print one "
+              f"job's config (python run.py <overrides> --cfg {args.cfg}), or add plan=true to list every job "
+              "of the sweep and its cost", file=sys.stderr)
+        sys.exit(2)
+    missing = _missing_launcher(args.overrides)
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        sys.exit(2)
     if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_name \
             or args.config_path or args.config_dir or args.experimental_rerun:
         return argv
     try:
-        available, jobs = set(), []
+        available, jobs, overrides = set(), [], []
         for job in expand(args.overrides, args.multirun):
             cfg, checked = check_job(job)
             jobs.append((cfg, checked))
+            overrides.append(job)
             d = checked["data"]
             key = (d.name, data_root(d.root), d.download)
             if key not in available:  # download or fail once per dataset, before any job starts
                 gdata.ensure_available(*key)
                 available.add(key)
             check_batch_size(cfg.batch_size, d.name, gdata.train_size(d.name, key[1], d.synthetic.train_size))
+        if any(cfg.plan for cfg, _ in jobs):
+            from experiments import plan
+
+            plan.show([(o, cfg, checked) for o, (cfg, checked) in zip(overrides, jobs, strict=True)])
+            sys.exit(0)
         argv = argv + [_check_directories(args, jobs)]
         note = None if args.multirun else single_run_note(args.overrides)
         if note:
@@ -531,6 +547,27 @@ def preflight(argv: list[str]) -> list[str]:
         sys.exit(2)
 
 
+# hydra/launcher options and the extra that installs their plugin
+LAUNCHER_EXTRAS = {"joblib": ("hydra_plugins.hydra_joblib_launcher", "joblib"),
+                   **{name: ("hydra_plugins.hydra_submitit_launcher", "slurm")
+                      for name in ("submitit_local", "submitit_slurm", "distributed_local", "distributed_slurm")}}
+
+
+def _missing_launcher(overrides: list[str]) -> str | None:
+    """`hydra/launcher=joblib` without its plugin installed: the line that says how to install it."""
+    import importlib.util
+
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.lstrip("+~") != "hydra/launcher" or value not in LAUNCHER_EXTRAS:
+            continue
+        module, extra = LAUNCHER_EXTRAS[value]
+        if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+            return (f"hydra/launcher={value} needs a Hydra launcher plugin that is not installed; install it with "
+                    f"pip install -e \".[{extra}]\" (in this project's folder)")
+    return None
+
+
 def _check_directories(args, jobs: list) -> str:
     """One run: take its directory (the lock is held until this process exits) and check the command can run
     there. A sweep: check that no job's directory is in use or holds results (unless resume=true). Returns the
@@ -546,17 +583,42 @@ def _check_directories(args, jobs: list) -> str:
         rundir.check_run_dir(*jobs[0], Path(run_dir))
         return f"hydra.run.dir={_quoted(run_dir)}"
     sweep_dir = os.path.abspath(str(hydra.sweep.dir))
-    if OmegaConf.to_container(hydra.sweep, resolve=False).get("subdir") == "${hydra.job.num}":
-        for num, (cfg, _) in enumerate(jobs):
+    numbered = OmegaConf.to_container(hydra.sweep, resolve=False).get("subdir") == "${hydra.job.num}"
+    if any(cfg.resume for cfg, _ in jobs):
+        if not numbered:
+            raise rundir.Refused("resume=true with -m needs the sweep's jobs in numbered folders "
+                                 "(hydra.sweep.subdir=${hydra.job.num}, the default)")
+        _plan_resume(Path(sweep_dir), jobs)
+    elif numbered:
+        for num in range(len(jobs)):
             job_dir = Path(sweep_dir) / str(num)
             if rundir.in_use(job_dir):
                 raise rundir.Refused(f"hydra.sweep.dir={sweep_dir}: job {num}'s directory {job_dir} is in use by "
                                      "another run that is still going; pick another sweep directory")
-            st = None if cfg.resume else rundir.status(job_dir)
+            st = rundir.status(job_dir)
             if st is not None:  # results are never overwritten
                 raise rundir.Refused(f"hydra.sweep.dir={sweep_dir} already holds a sweep: job {num}'s directory "
-                                     f"holds a run (status {st}); pick a new sweep directory")
+                                     f"holds a run (status {st}); add resume=true to finish that sweep (the "
+                                     "identical -m command), or pick a new sweep directory")
     return f"hydra.sweep.dir={_quoted(sweep_dir)}"
+
+
+def _plan_resume(sweep_dir: Path, jobs: list) -> None:
+    """`-m ... resume=true`: say what happens to each job (experiments.rundir.sweep_action), or refuse the
+    whole command before anything runs."""
+    from experiments import rundir
+
+    if not sweep_dir.is_dir():
+        raise rundir.Refused(f"resume=true: hydra.sweep.dir={sweep_dir} does not exist; resuming a sweep needs "
+                             "hydra.sweep.dir=<the folder of the sweep to finish> and the identical -m command")
+    by: dict[str, list[str]] = {}
+    for num, (cfg, checked) in enumerate(jobs):
+        action, why = rundir.sweep_action(cfg, checked, sweep_dir / str(num), num)
+        by.setdefault(action, []).append(f"{num}" + (f" ({why})" if action in ("resume", "rerun") else ""))
+    words = {"skip": "finished (skipped, left as they are)", "resume": "resume from their checkpoints",
+             "rerun": "rerun (stopped before a checkpoint; their files move to .superseded/)", "new": "start"}
+    parts = [f"job{'s' if len(by[a]) > 1 else ''} {', '.join(by[a])}: {words[a]}" for a in words if a in by]
+    print(f"gem: resuming the sweep in {sweep_dir}: " + "; ".join(parts), file=sys.stderr)
 
 
 def _quoted(path: str) -> str:

@@ -89,15 +89,15 @@ def unclaim(run_dir: Path) -> None:
 
 
 def status(run_dir: Path) -> str | None:
-    """The status in `run_dir`'s summary.json; 'unfinished' for results without a summary (a killed run);
-    None if it holds no run."""
+    """The status in `run_dir`'s summary.json; 'incomplete' for results without a summary (a killed run; the
+    word analysis.load uses too); None if it holds no run."""
     run_dir = Path(run_dir)
     if not any((run_dir / name).exists() for name in RESULTS):
         return None
     try:
-        return str(json.loads((run_dir / "summary.json").read_text()).get("status", "unfinished"))
+        return str(json.loads((run_dir / "summary.json").read_text()).get("status", "incomplete"))
     except (OSError, ValueError):
-        return "unfinished"
+        return "incomplete"
 
 
 def check_fresh(run_dir: Path, key: str = "hydra.run.dir") -> None:
@@ -182,3 +182,92 @@ def remove_temporary(run_dir: Path) -> None:
         except OSError:
             pass
     shutil.rmtree(run_dir / "checkpoint" / "pending", ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------ a sweep's resume
+
+# A run whose summary says one of these is a result: `resume=true` on its sweep leaves it as it is. A diverged
+# run is a result too (rerunning it would diverge again: the sim engine is deterministic for a seed).
+FINAL = ("completed", "diverged")
+NOT_IDENTITY = ("resume", "plan")  # keys a resumed sweep may change
+
+
+def config_difference(cfg: DictConfig, run_dir: Path) -> str | None:
+    """None when the run in `run_dir` was launched with the same config as `cfg` (both unresolved, as Hydra
+    composes and the runner saves them; `resume` and `plan` aside); else the first key that differs, as
+    `key: <theirs> here, <ours> in this command`. A run without its `.hydra/config.yaml` cannot be compared."""
+    from omegaconf import OmegaConf
+
+    saved = Path(run_dir) / ".hydra" / "config.yaml"
+    if not saved.exists():
+        return f"{saved} is missing"
+    try:
+        theirs = _flat(OmegaConf.to_container(OmegaConf.load(saved), resolve=False))
+    except Exception as e:  # a damaged file: not this command's run
+        return f"{saved} is unreadable ({type(e).__name__})"
+    ours = _flat(OmegaConf.to_container(cfg, resolve=False))
+    for key in sorted(set(theirs) | set(ours)):
+        if key.split(".")[0] in NOT_IDENTITY:
+            continue
+        if theirs.get(key, "<absent>") != ours.get(key, "<absent>"):
+            return f"{key}: {theirs.get(key, '<absent>')} there, {ours.get(key, '<absent>')} in this command"
+    return None
+
+
+def sweep_action(cfg: DictConfig, checked: dict, job_dir: Path, num: int) -> tuple[str, str]:
+    """What `resume=true` does with one job of a sweep, checked without taking the directory:
+
+    - `new`: nothing there yet; the job starts;
+    - `skip`: its summary says completed (or diverged); nothing of it is touched;
+    - `resume`: it holds a whole checkpoint of this very config; it continues from there;
+    - `rerun`: it holds a run that stopped before its first checkpoint (or whose checkpoint cannot be read);
+      its files move to `<sweep>/.superseded/` (kept, and out of every analysis) and the job starts afresh.
+
+    Returns (action, a few words on why). Refused when the directory is in use, or holds a run of another
+    config (not the identical command)."""
+    job_dir = Path(job_dir)
+    where = f"job {num} ({job_dir})"
+    if in_use(job_dir):
+        raise Refused(f"resume=true: {where} is in use by a run that is still going; wait for it to end")
+    st = status(job_dir)
+    if st is None:
+        return "new", "not started"
+    diff = config_difference(cfg, job_dir)
+    if diff is not None:
+        raise Refused(f"resume=true: {where} holds a run of another configuration ({diff}); resume a sweep with "
+                      "the identical -m command, or pick a new hydra.sweep.dir")
+    if st in FINAL:
+        return "skip", st
+    try:
+        manifest = read_manifest(job_dir)
+        identity = _identity(cfg, checked)
+        check_resumable(manifest, identity)
+        verify(manifest, identity.workers)
+    except CheckpointError as e:
+        why = "no checkpoint" if "no checkpoint" in str(e) else str(e).removeprefix("resume=true: ")
+        return "rerun", f"{st}, {why}"
+    return "resume", f"{st}, checkpoint at commit {manifest['step']}"
+
+
+def supersede(job_dir: Path) -> Path:
+    """Move a job's files out of the way of its rerun, into `<sweep>/.superseded/<job>-<UTC time>/` (the job's
+    directory itself stays, empty, for the rerun). Returns where they went."""
+    import shutil
+    from datetime import datetime, timezone
+
+    job_dir = Path(job_dir)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    dest = job_dir.parent / ".superseded" / f"{job_dir.name}-{stamp}"
+    dest.mkdir(parents=True)
+    for item in list(job_dir.iterdir()):
+        shutil.move(str(item), dest / item.name)
+    return dest
+
+
+def _flat(node, prefix: str = "") -> dict:
+    if not isinstance(node, dict):
+        return {prefix.rstrip("."): node}
+    out = {}
+    for k, v in node.items():
+        out.update(_flat(v, f"{prefix}{k}."))
+    return out or {prefix.rstrip("."): {}}

@@ -1,0 +1,218 @@
+"""`python run.py -m <sweep> plan=true`: what a sweep would run and roughly how long it would take, before any of it
+runs. Nothing is launched and no run or sweep directory is made.
+
+Each job's size is exact: its commits and gradient steps follow from the config and the training-set size
+(gem.engines.core). Its time is an estimate from a short calibration on this machine: a few gradient steps of
+the job's own model on its own data and batch size (once per distinct model, data, batch and precision), and one
+forward pass for the cost of an evaluation. A job's estimate is
+
+    gradient steps × the time of one step / the workers that compute at once   (+ its evaluations)
+
+where the workers that compute at once are min(n, cores) on `process` and `distributed` (each worker one
+process, with cores / n torch threads) and 1 on `sim` (one process simulates every worker), plus each commit's
+arithmetic (the algorithm's worker and server rules, timed on a θ of the model's size: commits go through the
+server one at a time). It leaves out what the calibration cannot see: starting n processes (about a second each
+here), communication and a loaded machine. Treat it as a lower bound good to a factor of about two; it is there to
+catch the sweep that would take a day, not to schedule one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+WARN_S = 3600.0  # a sweep estimated above this gets a warning line
+CALIBRATION_S = 1.5  # time spent timing gradient steps, per distinct (model, data, batch, precision, device)
+
+
+@dataclass
+class Cost:
+    step_s: float  # one gradient step, one thread (a process worker's share of the cores when n <= cores)
+    step_all_s: float  # one gradient step with every core (the sim engine's single process)
+    example_fwd_s: float  # one example's forward pass, for evaluations
+    commit_s: float  # one commit's arithmetic: the algorithm's worker and server rules and diagnostics
+    train: int  # training examples
+    val: int
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _timed(fn, budget: float, at_least: int = 3) -> float:
+    """Seconds per call of fn, after one warm-up call: the median of at least `at_least` calls (more until
+    `budget` is spent, at most 50). The median, not the mean: on a shared machine a call now and then waits for
+    a core, and one such call should not set the estimate of a whole sweep."""
+    import statistics
+
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < at_least or (time.perf_counter() - start < budget and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate(cfg, checked) -> tuple[Cost, object, object]:
+    """Time the job's model on its data: gradient steps on one thread and on all cores, and a forward pass.
+    Returns the cost (commit_s still 0), and the job and model for `_commit_cost`."""
+    import torch
+
+    from experiments.runner import build_job
+    from gem.engines.core import build_flat_model
+
+    job = build_job(cfg, checked, log=lambda *a: None)
+    model = build_flat_model(job)
+    b = job.batch_size
+    x, y = job.data.train_x[:b].to(model.device), job.data.train_y[:b].to(model.device)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        step_1 = _timed(lambda: model.loss_and_grad(x, y), CALIBRATION_S / 2)
+        torch.set_num_threads(cores())
+        step_all = _timed(lambda: model.loss_and_grad(x, y), CALIBRATION_S / 2)
+        k = min(len(job.data.train_y), 1024)
+        xe, ye = job.data.train_x[:k], job.data.train_y[:k]
+        fwd = _timed(lambda: model.evaluate(xe, ye), CALIBRATION_S / 4, at_least=1) / k
+    finally:
+        torch.set_num_threads(threads)
+    return Cost(step_1, step_all, fwd, 0.0, len(job.data.train_y), len(job.data.val_y)), job, model
+
+
+def _commit_cost(job, model) -> float:
+    """Seconds of one commit's arithmetic on θ of the model's size: the algorithm's own worker rule, server step
+    and diagnostics (GEM's per-element π and its medians are not free at n = 30), with a random gradient."""
+    import torch
+
+    from gem import algorithms
+    from gem.engines.server import Server
+
+    algo = algorithms.get(job.algorithm)
+    theta = model.param.detach().clone()
+    server = Server.create(algo, job.hp, theta, job.workers)
+    x = theta.clone()
+    state = algo.init_state(x, job.hp)
+    grad = torch.randn_like(theta) * 1e-3
+    layout = list(zip(model.tensor_names, model.slices, strict=True))
+
+    def one():
+        if algo.prepare is not None:
+            algo.prepare(state, x, grad, job.hp)
+        view = server.view(0)
+        commit = algo.worker_rule(state, x, grad, view, job.hp)
+        server.apply(view, commit)
+        if algo.diagnostics is not None:
+            algo.diagnostics(commit, layout, job.hp)
+
+    return _timed(one, CALIBRATION_S / 4)
+
+
+def _key(cfg) -> str:
+    from omegaconf import OmegaConf
+
+    node = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "data")}
+    return repr((node, cfg.batch_size, cfg.precision, cfg.device, cfg.loss))
+
+
+def duration(s: float) -> str:
+    if s < 60:
+        return f"{s:.0f} s"
+    if s < 3600:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def job_size(cfg, cost: Cost) -> dict:
+    """Commits, gradient steps, evaluations and the estimated seconds of one job."""
+    from experiments.config import algorithm_params
+    from gem import algorithms
+
+    algo = algorithms.get(cfg.algorithm.name)
+    n = 1 if algo.sequential else int(cfg.workers)
+    steps_per_worker = cfg.epochs * (cost.train // cfg.batch_size)
+    window = algo.commit_every(algorithm_params(cfg))
+    commits = n * (steps_per_worker // window)
+    steps = n * steps_per_worker
+    evals = commits // cfg.logger.eval_every + 2  # every eval_every commits, at the start and at the end
+    eval_examples = cost.val + min(cfg.logger.eval_train_size, cost.train)
+    if cfg.engine.name == "sim":  # one process, torch's own threads: the faster of the two timings
+        compute = steps * min(cost.step_all_s, cost.step_s)
+    else:  # n processes, cores / n threads each: about min(n, cores) steps at once
+        compute = steps * cost.step_s / min(n, cores())
+    # commits go through the server one at a time on every engine
+    seconds = compute + commits * cost.commit_s + evals * eval_examples * cost.example_fwd_s
+    return {"n": n, "commits": commits, "steps": steps, "evals": evals, "seconds": seconds}
+
+
+def _swept(jobs) -> set[str]:
+    """The keys whose value differs between the jobs: what tells one job from another."""
+    values: dict[str, set[str]] = {}
+    for overrides, _, _ in jobs:
+        for o in overrides:
+            key, _, value = o.partition("=")
+            values.setdefault(key.lstrip("+~"), set()).add(value)
+    return {k for k, v in values.items() if len(v) > 1 and not k.startswith("hydra")}
+
+
+def show(jobs: list[tuple[list[str], object, dict]], out=print) -> float:
+    """Print the plan of `jobs` ((overrides, cfg, checked) each); returns the estimated total seconds."""
+    import dataclasses
+
+    from experiments.config import algorithm_params
+    from gem import algorithms
+
+    costs: dict[str, Cost] = {}
+    built: dict[str, tuple] = {}
+    commit_s: dict[tuple[str, str], float] = {}
+    rows = []
+    swept = _swept(jobs)
+    for overrides, cfg, checked in jobs:
+        key = _key(cfg)
+        if key not in costs:
+            costs[key], *built[key] = calibrate(cfg, checked)
+        name = cfg.algorithm.name
+        if (key, name) not in commit_s:  # each algorithm's own rules, on the model of this key
+            job, model = built[key]
+            n = 1 if algorithms.get(name).sequential else int(cfg.workers)
+            job = dataclasses.replace(job, algorithm=name, hp=algorithm_params(cfg), workers=n)
+            commit_s[(key, name)] = _commit_cost(job, model)
+        size = job_size(cfg, dataclasses.replace(costs[key], commit_s=commit_s[(key, name)]))
+        name = " ".join(o for o in overrides if o.partition("=")[0].lstrip("+~") in swept)
+        rows.append((name or "(one job)", cfg.engine.name, size))
+    total = sum(r[2]["seconds"] for r in rows)
+    width = max(len(r[0]) for r in rows)
+    out(f"gem: plan for {len(rows)} job{'s' if len(rows) != 1 else ''} (plan=true: nothing runs, no directory is "
+        f"made)")
+    out(f"  {'#':>3}  {'job':<{width}}  {'engine':<11} {'n':>4} {'commits':>10} {'grad steps':>11} {'estimate':>9}")
+    for i, (name, engine, s) in enumerate(rows):
+        out(f"  {i:>3}  {name:<{width}}  {engine:<11} {s['n']:>4} {s['commits']:>10,} {s['steps']:>11,} "
+            f"{duration(s['seconds']):>9}")
+    commits = sum(r[2]["commits"] for r in rows)
+    out(f"total: {commits:,} commits, about {duration(total)} one job after another on this machine "
+        f"({cores()} cores)")
+    for key, c in costs.items():
+        cfg = next(cfg for _, cfg, _ in jobs if _key(cfg) == key)
+        from experiments.instantiate import display_name
+
+        out(f"  calibration: model={display_name('model', cfg.model)} data={display_name('data', cfg.data)} "
+            f"batch_size={cfg.batch_size}: {c.step_s * 1e3:.1f} ms per gradient step on 1 thread, "
+            f"{c.step_all_s * 1e3:.1f} ms on {cores()}; an evaluation of {c.val:,} + "
+            f"{min(cfg.logger.eval_train_size, c.train):,} examples "
+            f"{(c.val + min(cfg.logger.eval_train_size, c.train)) * c.example_fwd_s:.2f} s")
+    slowest: dict[str, float] = {}
+    for (_, a), v in commit_s.items():
+        slowest[a] = max(v, slowest.get(a, 0.0))
+    rules = ", ".join(f"{a} {v * 1e3:.1f} ms" for a, v in slowest.items())
+    out(f"  a commit's arithmetic (the algorithm's rules on θ): {rules}")
+    out("  (a lower bound good to about 2x: process start-up, communication and a loaded machine are not counted; "
+        "experiments/plan.py)")
+    if total > WARN_S:
+        longest = max(range(len(rows)), key=lambda i: rows[i][2]["seconds"])
+        out(f"gem: warning: this sweep is estimated at {duration(total)}, above {duration(WARN_S)}; its longest job "
+            f"is #{longest} ({rows[longest][0]}, {rows[longest][2]['commits']:,} commits, "
+            f"{duration(rows[longest][2]['seconds'])}). Consider fewer workers, epochs or seeds, or a _quick "
+            "experiment.")
+    return total

@@ -1,0 +1,90 @@
+"""Sweeps as a user runs them (issue 18): a plan before anything runs, the resume of a sweep that died, and one
+line for the commands Hydra would answer with a traceback (`--cfg` with -m, a launcher whose extra is missing)."""
+
+import json
+import shutil
+
+import pytest
+from conftest import ROOT
+from test_faults import refused_line, run_py, snapshot
+
+QUICK = ["engine=sim", "epochs=1", "logger.wandb.mode=disabled", "logger.progress=false"]
+
+
+def test_plan_lists_the_jobs_and_runs_nothing(tmp_path):
+    sweep = tmp_path / "sweep"
+    p = run_py("-m", "algorithm=gem,downpour", "workers=2,3", *QUICK, "plan=true", f"hydra.sweep.dir={sweep}")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("gem: plan for 4 jobs")
+    jobs = [line.split() for line in lines[2:6]]
+    # the swept keys name each job; commits = n x (epochs x (1500 // 64)) on digits
+    assert [j[1:3] for j in jobs] == [["algorithm=gem", "workers=2"], ["algorithm=gem", "workers=3"],
+                                      ["algorithm=downpour", "workers=2"], ["algorithm=downpour", "workers=3"]]
+    assert [int(j[5].replace(",", "")) for j in jobs] == [46, 69, 46, 69]
+    assert lines[6].startswith("total: 230 commits, about ")
+    assert "ms per gradient step" in p.stdout and "warning" not in p.stdout
+    assert not sweep.exists() and not (ROOT / "multirun").exists() or not any((ROOT / "multirun").iterdir())
+
+
+def test_plan_warns_above_the_threshold(monkeypatch, capsys):
+    from experiments import config, plan
+
+    monkeypatch.setattr(plan, "WARN_S", 0.001)
+    with pytest.raises(SystemExit) as e:
+        config.preflight(["-m", "seed=0,1", *QUICK, "plan=true"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert "gem: warning: this sweep is estimated at" in out and "its longest job is #" in out
+
+
+def test_cfg_with_multirun_is_one_line(capsys):
+    line = refused_line(capsys, "-m", "experiment=fig1_quick", "epochs=1", "--cfg", "job")
+    assert line.startswith("error: --cfg with -m:") and "plan=true" in line
+
+
+def test_missing_launcher_extra_names_the_install_command(capsys):
+    pytest.importorskip("hydra")
+    import importlib.util
+
+    if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None:
+        pytest.skip("the submitit launcher is installed here")
+    line = refused_line(capsys, "-m", "hydra/launcher=submitit_local", *QUICK)
+    assert line == ('error: hydra/launcher=submitit_local needs a Hydra launcher plugin that is not installed; '
+                    'install it with pip install -e ".[slurm]" (in this project\'s folder)')
+
+
+def _status(d):
+    return json.loads((d / "summary.json").read_text())["status"]
+
+
+@pytest.mark.slow
+def test_an_interrupted_sweep_resumes_only_its_missing_jobs(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    cmd = ["-m", "seed=0,1,2", *QUICK, "workers=2", f"hydra.sweep.dir={sweep}"]
+    p = run_py(*cmd)
+    assert p.returncode == 0, p.stderr
+    # what a sweep killed in job 1 leaves: job 0 done, job 1 without its summary (no checkpoint), job 2 not begun
+    (sweep / "1" / "summary.json").unlink()
+    shutil.rmtree(sweep / "2")
+    done = snapshot(sweep / "0")
+
+    # without resume=true a sweep directory with results is refused, as before (run.py's preflight, in-process)
+    assert "add resume=true to finish that sweep" in refused_line(capsys, *cmd)
+    changed = refused_line(capsys, *cmd[:-1], "epochs=2", f"hydra.sweep.dir={sweep}", "resume=true")
+    assert "holds a run of another configuration (epochs: 1 there, 2 in this command)" in changed
+    assert snapshot(sweep / "0") == done
+
+    p = run_py(*cmd, "resume=true")
+    assert p.returncode == 0, p.stderr
+    assert ("gem: resuming the sweep in" in p.stderr and "job 0: finished (skipped, left as they are); job 1 "
+            "(incomplete, no checkpoint): rerun" in p.stderr and "job 2: start" in p.stderr), p.stderr
+    assert snapshot(sweep / "0") == done  # untouched, to the byte and the modification time
+    assert [_status(sweep / str(j)) for j in range(3)] == ["completed"] * 3
+    kept = list((sweep / ".superseded").iterdir())  # the interrupted attempt is kept, out of the analyses
+    assert len(kept) == 1 and kept[0].name.startswith("1-") and (kept[0] / "metrics.parquet").exists()
+
+    from analysis import load
+
+    r = load.runs(sweep)
+    assert len(r) == 3 and set(r["status"]) == {"completed"}
