@@ -17,7 +17,7 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from experiments import instantiate, rundir, wandb_logger
 from experiments.config import ConfigError, algorithm_params, check_batch_size, data_root, validate
@@ -80,16 +80,17 @@ def _raise_on_sigterm(signum, frame):
     raise _Terminated()
 
 
-def prepare(cfg: DictConfig, run_dir: Path) -> tuple[Job, dict | None]:
+def prepare(cfg: DictConfig, run_dir: Path) -> tuple[Job, dict | None, dict]:
     """Every check a command must pass, and its data loaded, before anything in the run directory is written.
-    Refused (one line) otherwise."""
+    Refused (one line) otherwise. Returns the job, the checkpoint's manifest it resumes (or None) and the groups
+    as checked (experiments.config.validate)."""
     try:
         checked = validate(cfg)
     except ConfigError as e:
         raise Refused(str(e)) from None
     manifest = rundir.check_run_dir(cfg, checked, run_dir)
     try:
-        return build_job(cfg, checked, run_dir=run_dir, resume=manifest), manifest
+        return build_job(cfg, checked, run_dir=run_dir, resume=manifest), manifest, checked
     except (ConfigError, gdata.DatasetMissing) as e:
         rundir.unclaim(run_dir)
         raise Refused(str(e)) from None
@@ -101,7 +102,7 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
     anything when the command cannot run; never raises for a failed or diverged run; Ctrl-C and SIGTERM close
     the run directory (status failed) and are raised again."""
     run_dir = Path(run_dir)
-    job, manifest = prepare(cfg, run_dir)
+    job, manifest, checked = prepare(cfg, run_dir)
     t0 = time.perf_counter()
     summary = {"status": "failed", "algorithm": cfg.algorithm.name, "engine": cfg.engine.name,
                "workers": job.workers, "workers_requested": cfg.workers, "model": job.model.name,
@@ -120,7 +121,8 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
         print(f"gem: algorithm={job.algorithm} engine={cfg.engine.name} workers={job.workers} model={job.model.name} "
               f"data={job.data.name} ({len(job.data.train_y)} train / {len(job.data.val_y)} val) -> {run_dir}")
         log_cfg = cfg.logger
-        wandb = wandb_logger.start(log_cfg.wandb.mode, run_dir, OmegaConf.to_container(cfg, resolve=True),
+        logged = wandb_logger.config(cfg, job, checked, run_dir, experiment)  # every key, its defaults filled in
+        wandb = wandb_logger.start(log_cfg.wandb.mode, run_dir, logged,
                                    project=log_cfg.wandb.project, entity=log_cfg.wandb.entity,
                                    group=log_cfg.wandb.group or wandb_group, name=wandb_name)
         total = job.workers * commits_per_worker(job, algorithms.get(job.algorithm).commit_every(job.hp))
@@ -229,6 +231,30 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
+def _resume_job(cfg: DictConfig, job_dir: Path, num: int) -> dict | None:
+    """One job of a sweep run with resume=true (experiments.rundir.sweep_action): a finished job is left as it
+    is and its summary returned; a job that never started, or stopped before its first checkpoint, starts afresh
+    (the latter's files moved to .superseded/ first); a checkpointed one resumes (None: run it)."""
+    from omegaconf import open_dict
+
+    try:
+        action, why = rundir.sweep_action(cfg, validate(cfg), job_dir, num)
+    except (Refused, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return {"status": "refused", "reason": str(e)}
+    if action == "skip":
+        print(f"gem: job {num} ({job_dir}) is already {why}: skipped, left as it is", flush=True)
+        return json.loads((job_dir / "summary.json").read_text())
+    if action == "rerun":
+        moved = rundir.supersede(job_dir)
+        print(f"gem: job {num} ({job_dir}) stopped before a checkpoint ({why}): rerun; its files are in {moved}",
+              flush=True)
+    if action in ("new", "rerun"):
+        with open_dict(cfg):
+            cfg.resume = False  # a fresh run: resume=true means "finish the sweep", not "this run has a checkpoint"
+    return None
+
+
 def launched_worker() -> bool:
     """A rank > 0 of engine=distributed started by torchrun, or by SLURM through the submitit launcher."""
     from gem.engines import distributed
@@ -266,10 +292,14 @@ def main(cfg: DictConfig) -> dict | None:
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
-    group = name = None
-    if multirun:  # W&B groups runs by sweep; the job's overrides name it
-        group = "/".join(Path(hc.sweep.dir).parts[-2:])
-        name = hc.job.override_dirname or f"job{hc.job.num}"
+    # W&B: a sweep's runs are grouped by experiment and launch time, each named by what its overrides set
+    group = wandb_logger.group(hc.runtime.choices.get("experiment"), multirun,
+                               hc.sweep.dir if multirun else hc.run.dir)
+    name = wandb_logger.run_name(cfg, list(hc.overrides.task))
+    if multirun and cfg.resume:  # a sweep resumed with the identical command: only its unfinished jobs run
+        done = _resume_job(cfg, Path(hc.runtime.output_dir), hc.job.num)
+        if done is not None:
+            return done
     try:
         summary = run(cfg, Path(hc.runtime.output_dir), wandb_group=group, wandb_name=name,
                       experiment=hc.runtime.choices.get("experiment"))

@@ -5,14 +5,26 @@
   says so. An online `wandb.init` that fails (no network: it gives up after 20 s) falls back to offline too,
   and later runs of the same sweep go offline at once. If even offline fails, the run goes on without W&B.
 - `disabled`: nothing is imported or written.
+
+The runner decides what a run is called and what it logs (experiments.runner: `wandb_group`, `wandb_name`,
+`wandb_config`; README, "Weights & Biases"): the group is the experiment and the sweep's launch time
+(`fig1 2026-11-21 13:52:44`), the name what the job's overrides set (`gem κ=2 n=10 s0`), the config every key with
+its default filled in, plus the group choices and the experiment. Rows go out as `train/<column>` (every
+`logger.wandb.log_every`-th commit row) and `eval/<column>` (every evaluation row, `eval/worker_step` included).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import netrc
 import os
+import re
 import sys
+from datetime import datetime
 from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
 
 
 def _has_api_key() -> bool:
@@ -115,3 +127,101 @@ def start(mode: str, run_dir: Path, config: dict, project: str = "gem", entity=N
         print(f"gem: W&B could not start ({_unavailable}); continuing without it", file=sys.stderr)
         return None
     return WandbLogger(run)
+
+
+# ------------------------------------------- a run's group, its name and the config it logs (the runner asks)
+
+# Hydra's default sweep and run directories end in <%Y-%m-%d>/<%H-%M-%S-%f>: the time the command was launched
+_STAMPED = re.compile(r"(\d{4}-\d{2}-\d{2})/(\d{2})-(\d{2})-(\d{2})(?:-\d+)?")
+_TIME = "%Y-%m-%d %H:%M:%S"
+_launched: dict[str, str] = {}  # a custom sweep directory without multirun.yaml: its first job's time, per process
+# Keys a run's W&B name leaves out: where things are written and how they are logged, not what is run
+_UNNAMED = ("hydra", "logger", "data.root", "data.download", "experiment", "resume", "plan")
+# Override keys shown under their names in the paper; other keys as written (algorithm.* without `algorithm.`)
+_PAPER_TERMS = {"lr": "η", "momentum": "μ", "batch_size": "b", "algorithm.kappa": "κ", "algorithm.window": "λ",
+                "algorithm.rho": "ρ", "algorithm.alpha": "α", "algorithm.beta": "β", "algorithm.pi_max": "π_max",
+                "engine.cycle_cv": "cv"}
+
+
+def launch_time(folder: str | Path, multirun: bool) -> str:
+    """When a sweep (or a single run) was launched, as '2026-11-21 13:52:44' (local time): read from the name of a
+    directory that follows Hydra's default pattern (`multirun/2026-11-21/13-52-44-123456`), so that a sweep
+    resumed in its directory keeps its time. A custom sweep directory: the time Hydra wrote its multirun.yaml
+    (at launch, before any job; a resumed sweep gets the time it was relaunched), else the time of this process's
+    first job in it. A custom single-run directory: now."""
+    match = _STAMPED.fullmatch("/".join(Path(folder).parts[-2:]))
+    if match:
+        return f"{match[1]} {match[2]}:{match[3]}:{match[4]}"
+    if not multirun:
+        return datetime.now().strftime(_TIME)
+    try:
+        return datetime.fromtimestamp((Path(folder) / "multirun.yaml").stat().st_mtime).strftime(_TIME)
+    except OSError:
+        return _launched.setdefault(str(folder), datetime.now().strftime(_TIME))
+
+
+def group(experiment: str | None, multirun: bool, folder: str | Path) -> str | None:
+    """A sweep's W&B group: its experiment (`sweep` without one) and its launch time, `fig1 2026-11-21 13:52:44`.
+    A single run is grouped only when it has an experiment (`fig1` and its time). `logger.wandb.group` wins."""
+    if not multirun and not experiment:
+        return None
+    return f"{experiment or 'sweep'} {launch_time(folder, multirun)}"
+
+
+def run_name(cfg: DictConfig, overrides: list[str]) -> str:
+    """A run's W&B name: the algorithm, n (as asked), every other key its command or sweep sets, in the paper's
+    terms where it has them, and the seed: `gem κ=2 n=10 s0`, `downpour n=5 η=0.01 s1`. Unique within a sweep,
+    unless the sweep varies only the keys left out (`hydra.*`, `logger.*`, `data.root`...)."""
+    algo, other = [], []
+    for override in overrides:
+        key, eq, value = override.partition("=")
+        key = key.lstrip("+")
+        if not eq or key.startswith("~") or key in ("algorithm", "workers", "seed") or any(
+                key == k or key.startswith(k + ".") for k in _UNNAMED):
+            continue
+        term = _PAPER_TERMS.get(key) or key.removeprefix("algorithm.")
+        (algo if key.startswith("algorithm.") else other).append(f"{term}={value}")
+    return " ".join([str(cfg.algorithm.name), *algo, f"n={cfg.workers}", *other, f"s{cfg.seed}"])
+
+
+def config(cfg: DictConfig, job, checked: dict, run_dir: Path, experiment: str | None) -> dict:
+    """The config a W&B run logs: every key with its schema default filled in (the checked groups, the algorithm's
+    full parameters under `algorithm`, less lr, momentum and workers, which are top-level keys), the group choices
+    Hydra made (`choices`, without hydra/*), the experiment and the run directory. `workers` is what runs (1 for
+    a sequential algorithm), `workers_requested` what was asked; `loss` the one resolved for the model. Plain JSON
+    values only. It never fails a run: on any error, the composed config as it is, with a line that says so."""
+    try:
+        return _config(cfg, job, checked, run_dir, experiment)
+    except Exception as e:  # noqa: BLE001 - W&B must never take a run down
+        print(f"gem: W&B logs the composed config only ({type(e).__name__}: {e})", file=sys.stderr)
+        return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _config(cfg: DictConfig, job, checked: dict, run_dir: Path, experiment: str | None) -> dict:
+    from experiments import instantiate
+    from experiments.config import TOP_LEVEL_PARAMS, Config
+
+    choices = {}
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            choices = {k: v for k, v in HydraConfig.get().runtime.choices.items() if not k.startswith("hydra/")}
+    except Exception:  # noqa: BLE001 - no Hydra context (a test calling run() directly)
+        pass
+    groups = ("algorithm", "engine", "model", "data", "logger")
+    config = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+              for k in (f.name for f in dataclasses.fields(Config)) if k not in groups and k in cfg}
+    data = {k: v for k, v in dataclasses.asdict(checked["data"]).items() if k != "_target_"}
+    if instantiate.is_instantiated(cfg.data):  # a user's dataset class: its own keyword arguments as given
+        data = {**OmegaConf.to_container(cfg.data, resolve=True), **data}
+        data.pop("synthetic", None)
+    model = {"name": job.model.name, **OmegaConf.to_container(cfg.model, resolve=True),
+             "parameters": sum(p.numel() for p in checked["model"].parameters())}
+    config.update(workers=job.workers, workers_requested=cfg.workers, loss=job.loss,
+                  algorithm={"name": job.algorithm, **{k: v for k, v in dataclasses.asdict(job.hp).items()
+                                                        if k not in TOP_LEVEL_PARAMS}},
+                  engine=dataclasses.asdict(checked["engine"]), model=model, data=data,
+                  logger=dataclasses.asdict(checked["logger"]), experiment=experiment, choices=choices,
+                  run_dir=str(run_dir))
+    return json.loads(json.dumps(config, default=str))

@@ -11,6 +11,13 @@ An engine with real workers subclasses it and supplies the transport: `poll` (re
 the server's turn), `checkpoint` (every live worker's state at one clock, then `write_checkpoint`), `sync` (after
 a loss: make sure the rows of the lost worker's commits are known) and `wrap_up`. `serve` is the loop they share.
 The sim engine calls the bookkeeping directly, one commit at a time.
+
+Every evaluation row (eval.parquet) carries `worker_step` beside `step` (t): the mean number of local steps per
+worker at that clock, t·λ/n, with λ the algorithm's commit boundary (`commit_every`) and n the job's workers; a
+float (t·λ/n need not be whole), equal to t for one worker committing every step. It puts the evaluations on the
+x axis of the commit rows' `worker_step` (the committing worker's own local step count), so that evaluation
+curves can be drawn against worker steps like the loss curves. It counts the commits applied, spread evenly over
+the n workers: a run that lost workers did more steps per surviving worker than it says.
 """
 
 from __future__ import annotations
@@ -177,6 +184,7 @@ class Coordinator:
         elapsed = float(job.resume.get("time_s", 0.0)) if job.resume else 0.0
         self.t0_wall, self.t0 = time.time() - elapsed, time.perf_counter() - elapsed
         self.ledger = Ledger(recorder, evaluate.model.tensor_names, server.t, last_time=elapsed)
+        self.window = server.algo.commit_every(job.hp)  # λ: an evaluation's worker_step is t·λ/n
         every, ck = job.eval_every, (job.checkpoint_every if job.run_dir else 0)
         self.next_eval = (self.steps // every + 1) * every
         self.next_checkpoint = (self.steps // ck + 1) * ck if ck else None
@@ -196,7 +204,7 @@ class Coordinator:
 
     def start(self) -> None:
         if not self.resumed:
-            self.recorder.eval(self.evaluate(self.server.theta, 0, self.t0))
+            self.record_eval(0, self.server.theta)
 
     def lose(self, w: int, why: str) -> bool:
         """Record worker w as lost; False if it had finished or was lost already."""
@@ -221,7 +229,11 @@ class Coordinator:
         if not finite(theta):
             self.diverge(f"non-finite central variable at commit {step}")
             return
-        self.recorder.eval(self.evaluate(theta, step, self.t0))
+        self.record_eval(step, theta)
+
+    def record_eval(self, step: int, theta: torch.Tensor) -> None:
+        """Evaluate θ as of commit `step` and record the row, with its worker_step (the module's docstring)."""
+        self.recorder.eval(self.evaluate(theta, step, self.t0, worker_step=step * self.window / self.job.workers))
 
     # Both follow the server's clock, not the recorded rows: rows arrive in batches, and an evaluation should be
     # taken when its commit is applied, not when its row is recorded.
@@ -263,7 +275,7 @@ class Coordinator:
         if not self.finished:
             return Result("failed", steps, reason="; ".join(self.lost) or "no worker finished", extra=extra)
         if self.recorder.last_eval is None or self.recorder.last_eval["step"] != steps:
-            self.recorder.eval(self.evaluate(theta, steps, self.t0))
+            self.record_eval(steps, theta)
         if self.job.run_dir:
             shutil.rmtree(Path(self.job.run_dir) / ckpt.CHECKPOINT, ignore_errors=True)
         return Result("completed", steps, reason="; ".join(self.lost), extra=extra)
