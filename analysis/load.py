@@ -83,10 +83,28 @@ def run_record(run_dir: Path) -> dict:
     for k in SUMMARY_COLUMNS:
         rec[k] = summary.get(k)
     rec["status"] = summary.get("status", "incomplete")
+    if not summary:  # killed before its summary: what the summary would say, from the config
+        _as_the_summary_would(rec)
     if isinstance(rec.get("lost_workers"), list):
         rec["lost_workers"] = len(rec["lost_workers"])
     rec["run_dir"] = str(run_dir)
     return rec
+
+
+def _as_the_summary_would(rec: dict) -> None:
+    """A run killed before its summary has only its config, which names a model or dataset by `_target_` and
+    records the workers asked for: fill in what the summary would have said (the names the runner gives, 1 worker
+    for a sequential algorithm), so that it lines up with its completed seeds instead of looking like another
+    setting."""
+    from experiments.instantiate import display_name
+    from gem import algorithms
+
+    for group in ("model", "data"):
+        if rec.get(group) is None and isinstance(rec.get(f"{group}._target_"), str):
+            rec[group] = display_name(group, {"_target_": rec[f"{group}._target_"]})
+    name = rec.get("algorithm")
+    if name in algorithms.ALGORITHMS and algorithms.get(name).sequential:
+        rec["workers"] = 1
 
 
 def _config(path: Path) -> dict:

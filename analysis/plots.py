@@ -3,14 +3,24 @@
     from analysis import load, plots
     m = load.commits(sweep)                                # one row per commit, with its run's config
     fig, ax = plt.subplots()
-    plots.curves(m[m.algorithm == "gem"], ax, x="worker_step", y="loss", hue="workers")
+    plots.curves(m[m.algorithm == "gem"], ax, x="worker_step", y="loss", hue="workers", band="ci")
 
-Every curve is one line per `hue` value: the mean over the runs that share it (the seeds), with a band from the
-lowest to the highest run. A run's rows are first averaged into bins along x (so the commits of n workers at
-the same worker step become one point), and empty bins inside the run are interpolated, so that seeds line up
-on one grid; that is the only smoothing. A run that diverged is left out of the mean and drawn on its own,
-dashed, up to a cross at its last finite point. Losses go on a log scale, as in the paper, cut at 10x where the
-curves start.
+Every curve is one line per `hue` value: the mean over the completed runs that share it (the seeds; how many is
+in its legend entry), with a band over those runs: from the lowest to the highest (`band="minmax"`), or the 95%
+Student's t interval of the mean (`band="ci"`, `analysis.stats.ci_frame`), or none. A run's rows are first
+averaged into bins along x (so the commits of n workers at the same worker step become one point), and empty
+bins inside the run are interpolated, so that seeds line up on one grid; that is the only smoothing.
+
+Only completed runs are averaged (a frame without a `status` column counts as all completed). Every other run is
+drawn on its own, thin, and never averaged in: a diverged run dashed up to a cross at its last finite point; a
+failed or incomplete one (killed before its summary) dotted, up to a square (failed) or an open circle
+(incomplete) at its last point. A value of `hue` with no completed run gets a legend entry for those runs, and a
+panel with no completed run says so. Losses go on a log scale, as in the paper, cut at 10x where the curves
+start and, for a t interval, at the lowest value a seed reached in the panel (with 2–3 seeds the interval of a
+noisy loss often reaches 0), with plain tick labels (0.2, 0.5, 1) rather than 2×10⁻¹ (`log_y`).
+
+A helper given a frame without a column it needs raises one line, `ValueError("plots.curves: the frame has no
+column 'worker_step'; it has: ...")`.
 """
 
 from __future__ import annotations
@@ -23,6 +33,13 @@ matplotlib.use("Agg")  # files only: no display on a cluster node or in CI
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib import ticker  # noqa: E402
+
+from analysis.stats import ci_frame, mean_ci  # noqa: E402
+
+# Text sizes for figures about 10 in wide, two panels to a row, shown at the width of a page
+plt.rcParams.update({"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "xtick.labelsize": 10,
+                     "ytick.labelsize": 10, "legend.fontsize": 9, "figure.titlesize": 12})
 
 OFF_SCALE = 10.0  # loss axes stop at 10x the starting loss; a run beyond it is diverging, marked, not scaled to
 BINS = 200  # points per curve: enough to show a spike, few enough to average the commits of 30 workers
@@ -38,6 +55,83 @@ LABELS = {
     "workers": "n",
     "algorithm.kappa": "κ",
 }
+BANDS = {"minmax": "min–max over seeds", "ci": "95% t interval of the mean over seeds", None: "no band"}
+# How a run that is not averaged in is drawn: line style and the marker at its last point
+APART = {"diverged": ("--", "x"), "failed": (":", "s"), "incomplete": (":", "o")}
+LOG_Y = ("loss", "val_loss", "train_loss", "final_train_loss")
+
+
+def require(frame: pd.DataFrame, columns, who: str) -> None:
+    """Refuse, in one line, a frame that lacks one of `columns` (None entries are skipped)."""
+    for c in columns:
+        if c is not None and c not in frame.columns:
+            have = ", ".join(map(str, frame.columns)) or "no columns"
+            raise ValueError(f"plots.{who}: the frame has no column {c!r}; it has: {have}")
+
+
+def statuses(frame: pd.DataFrame) -> pd.Series:
+    """Each row's run status; a frame without a `status` column is all `completed`, a missing status (a run
+    still going on W&B) `incomplete`."""
+    if "status" not in frame.columns:
+        return pd.Series("completed", index=frame.index, dtype=object)
+    return frame["status"].fillna("incomplete").astype(str)
+
+
+def completed(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of completed runs: the only ones a mean, a band or a final loss is taken over."""
+    return frame[statuses(frame) == "completed"]
+
+
+def band_kind(band) -> str | None:
+    """`band` as one of BANDS: True is "minmax" (the old default), False and None no band."""
+    if band is True:
+        return "minmax"
+    if band is False or band is None or band == "none":
+        return None
+    if band in BANDS:
+        return band
+    raise ValueError(f"plots: band must be 'minmax', 'ci' or None, not {band!r}")
+
+
+def band_text(band) -> str:
+    """What a figure's curves are, for its title: the mean over completed seeds and the band."""
+    kind = band_kind(band)
+    return ("lines: mean over the completed seeds (how many: legend); "
+            + ("no band" if kind is None else f"band: {BANDS[kind]}"))
+
+
+def seeds_text(k: int) -> str:
+    return f"{k} seed{'s' if k != 1 else ''}"
+
+
+class PlainLogFormatter(ticker.LogFormatterSciNotation):
+    """Log-axis tick labels as plain numbers (0.2, 0.5, 1, 20) from 0.001 to 10⁴, powers of ten beyond. The
+    default writes the minor ticks it labels on an axis spanning less than a decade as 2×10⁻¹."""
+
+    def __call__(self, x, pos=None):
+        text = super().__call__(x, pos)
+        if not text or not 1e-3 <= abs(x) < 1e4:
+            return text
+        return f"{x:g}"
+
+
+def log_y(ax) -> None:
+    """A log y-axis with plain tick labels, major and minor: every loss axis goes through here."""
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(PlainLogFormatter())
+    ax.yaxis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False))
+
+
+def note(ax, text: str) -> None:
+    """Say in the middle of a panel why it has no curve (never an empty panel without a word)."""
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=11, color="dimgrey",
+            wrap=True)
+
+
+def legend(ax, **kwargs) -> None:
+    """A legend when the panel has labelled artists (an empty panel gets none, and no warning)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
 
 
 def algorithm_order(name: str) -> int:
@@ -95,22 +189,28 @@ def smooth(curve: pd.Series, window: int) -> pd.Series:
     return curve if window <= 1 else curve.rolling(window, center=True, min_periods=1).mean()
 
 
+AGGREGATE = ["mean", "lo", "hi", "ci_lo", "ci_hi", "runs", "seeds"]
+
+
 def aggregate(frame: pd.DataFrame, x: str, y: str, hue: str, bins: int = BINS) -> pd.DataFrame:
-    """Tidy curves: one row per (hue, x bin) with the mean, min and max over runs and how many runs had a
-    value there. Diverged runs are left out (`curves` draws them on their own): averaged in, a loss of 1e30
-    would be the mean."""
+    """Tidy curves: one row per (hue, x bin) over the completed runs (`curves` draws the others on their own;
+    averaged in, a diverged loss of 1e30 would be the mean, a killed run would end the mean in a step): the
+    mean; lo and hi, the lowest and highest run; ci_lo and ci_hi, the 95% t interval of the mean
+    (`analysis.stats.ci_frame`; equal to the mean where one run has a value); runs, how many runs have a value
+    in that bin; seeds, how many runs the curve is over."""
+    require(frame, [x, y, hue, "run_dir"], "aggregate")
     out = []
-    if "status" in frame.columns:
-        frame = frame[frame["status"] != "diverged"]
-    for key, group in frame.groupby(hue, sort=True, dropna=False):
+    for key, group in completed(frame).groupby(hue, sort=True, dropna=False):
         edges = edges_for(group[x], bins)
         per_run = pd.DataFrame({r: on_grid(g, x, y, edges) for r, g in group.groupby("run_dir")})
+        per_run = per_run.loc[:, per_run.notna().any()] if len(per_run.columns) else per_run
         if per_run.empty:
             continue
-        out.append(pd.DataFrame({hue: key, x: per_run.index, "mean": per_run.mean(axis=1),
-                                 "lo": per_run.min(axis=1), "hi": per_run.max(axis=1),
-                                 "runs": per_run.notna().sum(axis=1)}))
-    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=[hue, x, "mean", "lo", "hi", "runs"])
+        ci = ci_frame(per_run)
+        out.append(pd.DataFrame({hue: key, x: per_run.index, "mean": ci["mean"], "lo": per_run.min(axis=1),
+                                 "hi": per_run.max(axis=1), "ci_lo": ci["lo"], "ci_hi": ci["hi"],
+                                 "runs": ci["runs"], "seeds": per_run.shape[1]}))
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=[hue, x, *AGGREGATE])
 
 
 def _fmt(hue: str, value) -> str:
@@ -128,46 +228,83 @@ def colours(values) -> dict:
     return {v: cmap(i / n if ordered else i) for i, v in enumerate(values)}
 
 
+def floor(lo: pd.Series) -> float:
+    """Where a log axis cuts a t interval: the lowest value any seed reached in the panel (`lo`). With 2–3 seeds
+    the interval of a noisy loss often reaches 0 or below; drawn in full it would stretch the axis over decades
+    where no run went."""
+    v = lo.astype(float)
+    v = v[np.isfinite(v) & (v > 0)]
+    return float(v.min()) if len(v) else math.nan
+
+
+def _band(c: pd.DataFrame, kind: str, bottom: float | None) -> tuple[pd.Series, pd.Series]:
+    """The band's edges; on a log axis (`bottom` given) a t interval is cut at `bottom`."""
+    if kind == "minmax":
+        return c["lo"], c["hi"]
+    lo = c["ci_lo"].clip(lower=bottom) if bottom is not None and np.isfinite(bottom) else c["ci_lo"]
+    return lo, c["ci_hi"]
+
+
 def curves(frame: pd.DataFrame, ax, x: str = "worker_step", y: str = "loss", hue: str = "workers",
-           log: bool | None = None, bins: int = BINS, palette: dict | None = None, band: bool = True) -> pd.DataFrame:
-    """Mean over seeds with a min–max band, one line per value of `hue`; each diverged run on its own, dashed,
-    up to a cross at its last finite point. Returns the aggregated frame (completed and failed runs)."""
+           log: bool | None = None, bins: int = BINS, palette: dict | None = None, band="minmax",
+           seeds: bool = True) -> pd.DataFrame:
+    """Mean over the completed seeds, one line per value of `hue`, labelled with how many seeds (`seeds`), and
+    a band (`band`: "minmax", "ci" or None; True/False as "minmax"/None); every other run on its own (the
+    module's docstring says how). Returns the aggregated frame (`aggregate`: completed runs only)."""
+    require(frame, [x, y, hue, "run_dir"], "curves")
+    kind = band_kind(band)
     agg = aggregate(frame, x, y, hue, bins)
-    values = sorted(set(agg[hue]) | set(frame.loc[frame.get("status", pd.Series(dtype=str)) == "diverged", hue]),
-                    key=lambda v: (isinstance(v, str), v))
+    own = apart(frame, x, y, hue, bins)
+    values = sorted(set(agg[hue]) | set(own[hue]), key=lambda v: (isinstance(v, str), v))
     if palette:  # the caller's order (the paper's order of algorithms, say), for the legend too
         order = {v: i for i, v in enumerate(palette)}
         values = sorted(values, key=lambda v: order.get(v, len(order)))
     palette = palette or colours(values)
+    log = log if log is not None else y in LOG_Y
+    if log and (len(agg) or len(own)):
+        log_y(ax)
+    tops = []
+    bottom = floor(agg["lo"]) if log else None
     for v in values:
         c = agg[agg[hue] == v]
-        if c.empty:  # every run of this value diverged: drawn below, on its own
+        if c.empty:  # no run of this value completed: drawn below, on its own
             continue
-        ax.plot(c[x], c["mean"], color=palette[v], lw=1.4, label=_fmt(hue, v))
-        if band and c["runs"].max() > 1:
-            ax.fill_between(c[x], c["lo"], c["hi"], color=palette[v], alpha=0.2, lw=0)
-    diverged = _diverged(frame, x, y, hue, bins)
-    log = log if log is not None else y in ("loss", "val_loss", "train_loss")
+        name = _fmt(hue, v) + (f" ({seeds_text(int(c['seeds'].iloc[0]))})" if seeds else "")
+        ax.plot(c[x], c["mean"], color=palette[v], lw=1.4, label=name)
+        hi = c["mean"]
+        if kind and c["runs"].max() > 1:
+            lo, hi = _band(c, kind, bottom)
+            ax.fill_between(c[x], lo, hi, color=palette[v], alpha=0.2, lw=0)
+        tops.append(pd.DataFrame({hue: v, x: c[x], "top": hi}))
     top = None
-    if log and (len(agg) or len(diverged)):
-        ax.set_yscale("log")
+    if log and (tops or len(own)):
         # a diverging run reaches 1e30: keep the scale on the others, at most 10x where the curves start
-        both = pd.concat([agg[[hue, x, "hi"]], diverged.rename(columns={y: "hi"})[[hue, x, "hi"]]])
-        start = both.sort_values(x).groupby(hue)["hi"].first().median()
-        if np.isfinite(start) and start > 0 and both["hi"].max() > OFF_SCALE * start:
+        both = pd.concat([*tops, own.rename(columns={y: "top"})[[hue, x, "top"]]])
+        start = both.sort_values(x).groupby(hue)["top"].first().median()
+        if np.isfinite(start) and start > 0 and both["top"].max() > OFF_SCALE * start:
             top = OFF_SCALE * start
     labelled = set(agg[hue])
-    for (v, _), d in diverged.groupby([hue, "run_dir"]):
+    counts = own.drop_duplicates("run_dir").groupby(hue)["status"].value_counts()
+    for (v, _), d in own.groupby([hue, "run_dir"], sort=False):
         if v not in palette:
             continue
+        status = d["status"].iloc[0]
+        ls, marker = APART.get(status, APART["incomplete"])
         shown = d[y].clip(upper=top) if top is not None else d[y]
-        name = None if v in labelled else _fmt(hue, v) + " (diverged)"  # a legend entry when nothing else has one
-        labelled.add(v)
-        ax.plot(d[x], shown, color=palette[v], lw=0.9, ls="--", alpha=0.8, label=name)
-        ax.plot(d[x].iloc[-1:], shown.iloc[-1:], marker="x", ms=8, mew=2, color=palette[v], ls="none",
-                clip_on=False)
+        name = None
+        if v not in labelled:  # a legend entry when nothing else has one
+            c = counts.loc[v]
+            what = status if c.sum() == 1 else ", ".join(f"{k} {s}" for s, k in c.items())
+            name = f"{_fmt(hue, v)} ({what})"
+            labelled.add(v)
+        ax.plot(d[x], shown, color=palette[v], lw=0.9, ls=ls, alpha=0.8, label=name)
+        ax.plot(d[x].iloc[-1:], shown.iloc[-1:], marker=marker, ms=7 if marker == "x" else 5,
+                mew=2 if marker == "x" else 1.2, mfc="white" if marker == "o" else palette[v], color=palette[v],
+                ls="none", clip_on=False)
     if top is not None:
         ax.set_ylim(top=top)
+    if agg.empty:
+        note(ax, "no completed run" if len(frame) else "no runs")
     ax.set_xlabel(label(x))
     ax.set_ylabel(label(y))
     ax.grid(True, which="major", alpha=0.3)
@@ -175,37 +312,58 @@ def curves(frame: pd.DataFrame, ax, x: str = "worker_step", y: str = "loss", hue
 
 
 def same_y(axes) -> None:
-    """One y-range for panels that are compared side by side: the union of their (already capped) ranges."""
+    """One y-range for panels that are compared side by side: the union of their (already capped) ranges.
+    Panels with nothing drawn (a note only) are left alone."""
+    axes = [ax for ax in axes if ax.has_data()]
     lims = [ax.get_ylim() for ax in axes]
     for ax in axes:
         ax.set_ylim(min(lo for lo, _ in lims), max(hi for _, hi in lims))
 
 
-def _diverged(frame, x, y, hue, bins) -> pd.DataFrame:
-    """Each diverged run's own binned curve, up to its last finite point."""
-    cols = [hue, "run_dir", x, y]
-    if "status" not in frame.columns:
-        return pd.DataFrame(columns=cols)
+def apart(frame: pd.DataFrame, x: str, y: str, hue: str, bins: int = BINS) -> pd.DataFrame:
+    """Each run that is not averaged in (diverged, failed, incomplete), binned on its hue's grid, up to its last
+    finite point: columns hue, run_dir, status, x, y."""
+    cols = [hue, "run_dir", "status", x, y]
+    s = statuses(frame)
     out = []
-    for (v, r), g in frame[frame["status"] == "diverged"].groupby([hue, "run_dir"]):
+    for (v, r), g in frame[s != "completed"].groupby([hue, "run_dir"], sort=True):
         b = binned(g, x, y, edges_for(frame.loc[frame[hue] == v, x], bins))
         if len(b):
-            out.append(pd.DataFrame({hue: v, "run_dir": r, x: b.index, y: b.to_numpy()}))
+            out.append(pd.DataFrame({hue: v, "run_dir": r, "status": s[g.index[0]], x: b.index, y: b.to_numpy()}))
     return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=cols)
 
 
 def final_loss(runs: pd.DataFrame, ax, x: str = "workers", hue: str = "algorithm",
-               y: str = "final_train_loss", palette: dict | None = None) -> pd.DataFrame:
-    """Fig. 1(d): a run's final loss against n, mean over seeds with min–max error bars, one line per hue.
-    Only runs that completed count: a diverged run has no final loss worth averaging (curves marks it)."""
-    r = runs[runs["status"] == "completed"].dropna(subset=[y]) if "status" in runs else runs.dropna(subset=[y])
-    agg = r.groupby([hue, x])[y].agg(["mean", "min", "max", "count"]).reset_index()
+               y: str = "final_train_loss", palette: dict | None = None, band="minmax") -> pd.DataFrame:
+    """Fig. 1(d): a run's final loss against n, the mean over the completed seeds with error bars (`band`:
+    min–max, the 95% t interval, or none), one line per hue labelled with how many seeds. Only completed runs
+    count: a diverged run has no final loss worth averaging (curves marks it), a killed one has none."""
+    require(runs, [x, hue, y], "final_loss")
+    kind = band_kind(band)
+    r = completed(runs)
+    r = r[np.isfinite(pd.to_numeric(r[y], errors="coerce"))]
+    rows = []
+    for (h, v), g in r.groupby([hue, x]):
+        a = mean_ci(g[y])
+        rows.append({hue: h, x: v, "mean": a.mean, "min": g[y].min(), "max": g[y].max(), "ci_lo": a.lo,
+                     "ci_hi": a.hi, "count": a.k})
+    agg = pd.DataFrame(rows, columns=[hue, x, "mean", "min", "max", "ci_lo", "ci_hi", "count"])
     palette = palette or colours(sorted(agg[hue].unique()))
+    log_y(ax)
+    bottom = floor(agg["min"])  # a t interval reaching 0 or below is cut at the lowest seed in the panel
     for v in [v for v in palette if v in set(agg[hue])]:  # the palette's order, as in the curves' legends
         g = agg[agg[hue] == v]
-        ax.errorbar(g[x], g["mean"], yerr=[g["mean"] - g["min"], g["max"] - g["mean"]], marker="o", capsize=3,
-                    color=palette[v], label=str(v))
-    ax.set_yscale("log")
+        lo, hi = (g["min"], g["max"]) if kind == "minmax" else (g["ci_lo"].clip(lower=bottom), g["ci_hi"])
+        yerr = None if kind is None else [(g["mean"] - lo).fillna(0), (hi - g["mean"]).fillna(0)]
+        k = sorted(set(g["count"]))
+        ks = seeds_text(k[0]) if len(k) == 1 else f"{k[0]}–{k[-1]} seeds"
+        ax.errorbar(g[x], g["mean"], yerr=yerr, marker="o", capsize=3, color=palette[v], label=f"{v} ({ks})")
+        for at, mean, count in zip(g[x], g["mean"], g["count"], strict=True):
+            if count < k[-1]:  # fewer seeds here than elsewhere on this line: say how many
+                ax.annotate(f"k={count}", (at, mean), textcoords="offset points", xytext=(5, 4), fontsize=8,
+                            color=palette[v])
+    if agg.empty:
+        note(ax, "no completed run")
     ax.set_xlabel(label(x))
     ax.set_ylabel("final " + label("loss"))
     ax.set_xticks(sorted(agg[x].unique()))
@@ -213,19 +371,29 @@ def final_loss(runs: pd.DataFrame, ax, x: str = "workers", hue: str = "algorithm
     return agg
 
 
-def pi_heatmap(tensors: pd.DataFrame, ax, value: str = "pi_median", bins: int = BINS, vmax: float | None = None):
+def pi_heatmap(tensors: pd.DataFrame, ax, value: str = "pi_median", bins: int = BINS, vmax: float | None = None,
+               quantile: float | None = None, gamma: float = 1.0):
     """Figs. 9/10: the per-tensor median π (rows, in the model's order) against parameter-server updates
-    (columns, binned: the mean over the commits in a bin, as a downsampled image would). Returns the image for
-    a colour bar."""
+    (columns, binned: the mean over the commits in a bin, as a downsampled image would). Colours run from 0 to
+    `vmax`, or to the `quantile` of the cells drawn (so that a few spikes do not wash the rest out), or to the
+    largest; `gamma` < 1 spreads the low values (a power-law scale, matplotlib's PowerNorm). Returns the image
+    for a colour bar."""
+    require(tensors, ["step", "tensor_index", "tensor", value], "pi_heatmap")
     t = tensors.sort_values("tensor_index")
     names = t.drop_duplicates("tensor_index").set_index("tensor_index")["tensor"]
     edges = edges_for(t["step"], bins)
     grid = (t.assign(bin=bin_of(t["step"], edges)).groupby(["tensor_index", "bin"])[value].mean().unstack("bin")
-            .reindex(index=names.index, columns=range(len(edges) - 1)))
-    image = ax.imshow(grid.to_numpy(dtype=float), aspect="auto", interpolation="nearest", cmap="magma",
-                      origin="upper", extent=(edges[0], edges[-1], len(names) - 0.5, -0.5), vmin=0, vmax=vmax)
+            .reindex(index=names.index, columns=range(len(edges) - 1))).to_numpy(dtype=float)
+    finite = grid[np.isfinite(grid)]
+    if vmax is None and quantile is not None and finite.size:
+        vmax = float(np.quantile(finite, quantile))
+    if vmax is None or not np.isfinite(vmax) or vmax <= 0:
+        vmax = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+    norm = matplotlib.colors.PowerNorm(gamma, vmin=0.0, vmax=vmax)
+    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="magma", norm=norm, origin="upper",
+                      extent=(edges[0], edges[-1], len(names) - 0.5, -0.5))
     ax.set_yticks(range(len(names)))
-    ax.set_yticklabels(names.tolist(), fontsize=7)
+    ax.set_yticklabels(names.tolist(), fontsize=8)
     ax.set_xlabel(label("step"))
     return image
 
@@ -234,7 +402,9 @@ def time_to_target(frame: pd.DataFrame, target: float, x: str = "worker_step", y
                    bins: int = BINS, window: int = 5, group: str | None = None) -> pd.DataFrame:
     """For each run, the first x (and the seconds) at which its curve is at or below `target`; NaN when it never
     gets there. The curve is the one `curves` draws (bins shared by the runs of a `group`, e.g. one n), smoothed
-    over `window` bins so that one lucky batch does not count as arriving."""
+    over `window` bins so that one lucky batch does not count as arriving. Every run is measured, whatever its
+    status (the caller decides which count)."""
+    require(frame, ["run_dir", x, y, group], "time_to_target")
     out = []
     groups = frame.groupby(group) if group else [(None, frame)]
     for _, members in groups:
@@ -254,17 +424,21 @@ def time_to_target(frame: pd.DataFrame, target: float, x: str = "worker_step", y
 
 
 def common_target(frame: pd.DataFrame, x: str, hue: str, y: str = "loss", window: int = 10) -> float:
-    """A loss that every `hue` curve reaches by its end: the highest of their smoothed final values, plus 5%."""
+    """A loss that every `hue` curve (completed runs) reaches by its end: the highest of their smoothed final
+    values, plus 5%; NaN when no run completed."""
     agg = aggregate(frame, x, y, hue)
     ends = [smooth(c.set_index(x)["mean"], window).iloc[-1] for _, c in agg.groupby(hue)]
-    return float(max(ends)) * 1.05
+    return float(max(ends)) * 1.05 if ends else math.nan
 
 
 def speedup(frame: pd.DataFrame, target: float, x: str = "time_s", by: str = "workers",
             base=1, window: int = 5) -> pd.DataFrame:
-    """Per value of `by`: the median time to `target` over the runs, how many runs reached it, and the
-    speedup over `by == base`. A value where not every run got there has no speedup (NaN): the median of the
-    survivors would flatter it."""
+    """Per value of `by`: the median time to `target` over the runs that ended (completed or diverged: a
+    failed or killed run is left out, it might have got there), how many of them reached it, and the speedup
+    over `by == base`. A value where not every run got there has no speedup (NaN): the median of the survivors
+    would flatter it."""
+    require(frame, ["run_dir", x, by, "loss"], "speedup")
+    frame = frame[statuses(frame).isin(["completed", "diverged"])]
     hit = time_to_target(frame, target, x=x, group=by, window=window)
     hit = hit.merge(frame.drop_duplicates("run_dir")[["run_dir", by]])
     t = hit.groupby(by).agg(time=(x, "median"), reached=(x, "count"), runs=(x, "size"))
@@ -277,6 +451,7 @@ def speedup(frame: pd.DataFrame, target: float, x: str = "time_s", by: str = "wo
 def since_first_commit(m: pd.DataFrame) -> pd.DataFrame:
     """time_s counted from each run's first commit: starting n processes is not training (on 2 cores, 16 spawns
     take several seconds), and the paper's clocks start with training."""
+    require(m, ["run_dir", "time_s"], "since_first_commit")
     return m.assign(time_s=m["time_s"] - m.groupby("run_dir")["time_s"].transform("min"))
 
 

@@ -1,10 +1,13 @@
-"""python -m paper_figures <id> <sweep_dir>... [--out DIR]   |   python -m paper_figures all <root> [--out DIR]
+"""python -m paper_figures <id> <sweep_dir>... [--out DIR] [--band B]  |  python -m paper_figures all <root> [--out DIR]
 
 <id> is fig1 ... fig8, fig3_cv (Fig. 3 by the spread of cycle times), fig9, fig10, fig9_10 or baselines (the
 report). Each figure is written as <id>.png and <id>.pdf in --out (default: ./figures). `all` looks under <root>
 for the sweeps of each experiment (Hydra records which `experiment=` launched a run), takes the first experiment a
 figure can use and its newest full sweep (or, when there is none, its newest _quick sweep), draws every figure it
-can, and says which it could not and why.
+can, and says which it could not and why. --band sets the band around each mean over seeds: minmax (the
+default: from the lowest to the highest seed), ci (the 95% Student's t interval of the mean), none; every
+figure's title says which, and the legends how many seeds. Means are over completed runs only; the others are
+drawn on their own, and the title counts them.
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ from paper_figures.figures import FIGURES, SOURCES, NoRuns
 IDS = (*FIGURES, "baselines")
 
 
-def draw(fig_id: str, paths, out: Path, target: float = report.DEFAULT_TARGET) -> list[Path]:
-    if fig_id == "baselines":
+def draw(fig_id: str, paths, out: Path, target: float = report.DEFAULT_TARGET, band="minmax") -> list[Path]:
+    if fig_id == "baselines":  # the report chooses its own band (analysis.report)
         return [report.write(paths, out / "baselines.html", target)]
     from analysis.plots import save
 
-    return save(FIGURES[fig_id](paths), out, fig_id)
+    return save(FIGURES[fig_id](paths, band=band), out, fig_id)
 
 
 def sweeps_by_experiment(root) -> dict[str, list[list[Path]]]:
@@ -46,7 +49,7 @@ def sweeps_by_experiment(root) -> dict[str, list[list[Path]]]:
     return {k: [v[s] for s in sorted(v, key=rank.get, reverse=True)] for k, v in found.items()}
 
 
-def draw_all(root, out: Path, target: float) -> tuple[int, int]:
+def draw_all(root, out: Path, target: float, band="minmax") -> tuple[int, int]:
     """Draw every figure it finds runs for; returns (drawn, not drawn)."""
     sweeps = sweeps_by_experiment(root)
     drawn = missing = 0
@@ -59,7 +62,7 @@ def draw_all(root, out: Path, target: float) -> tuple[int, int]:
         run_dirs = sweeps[source][0]
         where = run_dirs[0].parent
         try:
-            paths = draw(fig_id, run_dirs, out, target)
+            paths = draw(fig_id, run_dirs, out, target, band)
             print(f"{fig_id}: {', '.join(map(str, paths))}  (from {where})")
             drawn += 1
         except Exception as e:  # one figure's problem must not stop the others
@@ -75,12 +78,15 @@ def main(argv=None) -> int:
     p.add_argument("paths", nargs="+", help="sweep or run directories (for all: a root to search)")
     p.add_argument("--out", type=Path, default=Path("figures"), help="output folder (default: ./figures)")
     p.add_argument("--target-loss", type=float, default=report.DEFAULT_TARGET, help="baselines report target")
+    p.add_argument("--band", choices=["minmax", "ci", "none"], default="minmax",
+                   help="the band around each mean over seeds: min–max (default), 95%% t interval, or none")
     args = p.parse_args(argv)
+    band = None if args.band == "none" else args.band
     try:
         if args.figure == "all":
-            drawn, _ = draw_all(args.paths, args.out, args.target_loss)
+            drawn, _ = draw_all(args.paths, args.out, args.target_loss, band)
             return 0 if drawn else 1
-        for path in draw(args.figure, args.paths, args.out, args.target_loss):
+        for path in draw(args.figure, args.paths, args.out, args.target_loss, band):
             print(path)
     except (NoRuns, FileNotFoundError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,17 +1,24 @@
-"""One function per paper figure (DESIGN §5). Each takes the run directories of a sweep and returns a
-matplotlib Figure; `python -m paper_figures <id> <sweep_dir>` saves it as <id>.png and <id>.pdf.
+"""One function per paper figure (DESIGN §5). Each takes the run directories of a sweep (and `band`: "minmax",
+"ci" or None, the band around each mean, `analysis.plots.curves`) and returns a matplotlib Figure;
+`python -m paper_figures <id> <sweep_dir> [--band ci]` saves it as <id>.png and <id>.pdf.
 
 The figures are drawn from what the runs recorded (analysis.load): commit rows for the loss and π curves,
-evaluation rows for fig5, per-tensor rows for the heatmaps. Nothing is hard-coded but the paper's layout.
+evaluation rows for fig5, per-tensor rows for the heatmaps. Nothing is hard-coded but the paper's layout. Means
+are over completed runs only; each figure's title block says what its lines and bands are, and how many runs it
+left out of the means and why (a sweep still running, or killed, has incomplete runs: they are drawn dotted).
+Panels are at most two to a row, so that a figure is about 10 in wide (1,600 px at 150 dpi).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pandas as pd
 
 from analysis import load, pi, plots
 from analysis.plots import plt
+from analysis.stats import mean_ci
 
 
 class NoRuns(ValueError):
@@ -29,17 +36,36 @@ COMMIT_COLUMNS = ["algorithm", "workers", "seed", "status", "experiment", "algor
                   "data", "engine", "epochs", "steps", "batch_size", "train_examples"]
 
 
+WALL_CLOCK = ("process", "distributed")  # the engines whose time_s is wall-clock seconds
+
+
 def runs_for(fig_id: str, paths, keys, algorithms=None, table: str = "metrics", need: str = "") -> pd.DataFrame:
     """The rows of `table` a figure draws: those of `algorithms` (all if None), refused with one line when there
     are none (`need` says what the figure needs) or when runs sharing `keys` differ in more than the seed."""
+    return load_for(fig_id, paths, keys, algorithms, table, need)[0]
+
+
+def load_for(fig_id: str, paths, keys, algorithms=None, table: str = "metrics",
+             need: str = "") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """`runs_for`'s rows, and the `load.runs` frame of the same runs (those of `algorithms`): every run, also
+    one killed before it wrote a row, which the title counts."""
     r = load.runs(paths)
+    if algorithms is not None and len(r):
+        r = r[r["algorithm"].isin(algorithms)] if "algorithm" in r else r.iloc[:0]
     frame = load.commits(paths, table, columns=COMMIT_COLUMNS, meta=r)
-    if algorithms is not None and len(frame):
-        frame = frame[frame["algorithm"].isin(algorithms)]
     if frame.empty:
         raise NoRuns(need)
-    check(fig_id, r, keys, algorithms)
-    return frame
+    check(fig_id, r, keys)
+    return frame, r
+
+
+def wall_clock(fig_id: str, r: pd.DataFrame) -> None:
+    """Refuse runs whose time_s is not wall-clock seconds: the sim engine's is its own simulated clock."""
+    engines = sorted(set(r["engine"].dropna().map(str)) - set(WALL_CLOCK)) if "engine" in r else []
+    if engines:
+        clock = "the simulator's clock" if engines == ["sim"] else "not measured by a wall clock"
+        raise NoRuns(f"{fig_id} plots wall-clock seconds, but these runs ran on engine={'/'.join(engines)}, whose "
+                     f"time_s is {clock}, not wall-clock; pass runs of engine={' or engine='.join(WALL_CLOCK)}")
 
 
 def check(fig_id: str, r: pd.DataFrame, keys, algorithms=None) -> None:
@@ -54,9 +80,37 @@ def check(fig_id: str, r: pd.DataFrame, keys, algorithms=None) -> None:
                      f"differ in {values}; pass run or sweep folders that differ only in {', '.join(keys)} and seed")
 
 
-def _finish(fig, number: str, what: str, frame: pd.DataFrame):
+def left_out(r: pd.DataFrame, frame: pd.DataFrame) -> str:
+    """How many of the runs `r` (load.runs) are not in the means, and why: "left out of the means: 2 incomplete,
+    1 failed (drawn dotted; 1 without a row yet, not drawn); 1 diverged (drawn dashed, ×)"; empty when every run
+    completed. A run killed before its first row is counted too."""
+    if r is None or r.empty:
+        return ""
+    s = plots.statuses(r)
+    drawn = set(frame["run_dir"]) if "run_dir" in frame else set()
+    unfinished, diverged = [], []
+    for status in ["incomplete", "failed", *sorted(set(s) - {"incomplete", "failed", "diverged", "completed"}),
+                   "diverged"]:
+        runs = r.loc[s == status, "run_dir"]
+        if len(runs):
+            (diverged if status == "diverged" else unfinished).append(f"{len(runs)} {status}")
+    if not unfinished and not diverged:
+        return ""
+    silent = int((~r.loc[~s.isin(["completed", "diverged"]), "run_dir"].isin(drawn)).sum())
+    parts = []
+    if unfinished:
+        parts.append(", ".join(unfinished) + " (drawn dotted" + (f"; {silent} without a row yet, not drawn" if silent
+                                                               else "") + ")")
+    if diverged:
+        parts.append(diverged[0] + " (drawn dashed, ×)")
+    return "left out of the means: " + "; ".join(parts)
+
+
+def _finish(fig, number: str, what: str, frame: pd.DataFrame, r: pd.DataFrame | None = None,
+            band="minmax", notes=(), curves: bool = True):
     """Title the figure with its number and what it shows, then what the runs were (data, engine, seeds, quick
-    or full), and lay it out."""
+    or full), what its lines and bands are (`band`; a figure without `curves`, a heatmap, says nothing
+    of them), how many runs of `r` it left out of the means and why, and any `notes`; and lay it out."""
     runs = frame.drop_duplicates("run_dir")
     bits = []
     for col in ("data", "engine"):
@@ -67,60 +121,109 @@ def _finish(fig, number: str, what: str, frame: pd.DataFrame):
     exps = sorted(map(str, runs["experiment"].dropna().unique())) if "experiment" in runs else []
     if exps:
         bits.append("sweep " + ", ".join(exps))
-    fig.suptitle(f"{number}: {what}\n({'; '.join(bits)})", fontsize=10)
+    lines = [f"{number}: {what}", f"({'; '.join(bits)})"]
+    if curves:
+        lines.append(plots.band_text(band))
+    lines += [t for t in (left_out(r, frame), *notes) if t]
+    fig.suptitle("\n".join(lines), fontsize=11)
     fig.tight_layout()
     return fig
 
 
-def fig1(paths):
+def grid(panels: int, width: float = 5.2, height: float = 4.0, cols: int = 2):
+    """A figure of `panels` axes, at most `cols` to a row (the unused ones switched off), and its axes flat."""
+    cols = max(1, min(cols, panels))
+    rows = math.ceil(panels / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    flat = list(axes.flat)
+    for ax in flat[panels:]:
+        ax.axis("off")
+    return fig, flat[:panels]
+
+
+def gaps(m: pd.DataFrame, panel: str, hue: str, where) -> str:
+    """A line for the title naming the curves a panel lacks (a sweep still running): each value of `hue` drawn in
+    another panel but with no row in this one, "not drawn, no rows: adaptive at n = 30". `where(p, h)` words it."""
+    values = sorted(set(m[hue].dropna()))
+    missing = [where(p, h) for p, g in m.groupby(panel, sort=True) for h in values if h not in set(g[hue])]
+    return "not drawn, no rows: " + "; ".join(missing) if missing else ""
+
+
+def why_empty(what: str, r: pd.DataFrame) -> str:
+    """What an empty panel says: no such runs in these folders, or the runs there and that none has a row."""
+    if r.empty:
+        return f"no {what} runs in these folders"
+    counts = plots.statuses(r).value_counts()
+    return f"no {what} run has written a row yet\n(" + ", ".join(f"{k} {s}" for s, k in counts.items()) + ")"
+
+
+
+
+def empty_panel(ax, text: str) -> None:
+    """A panel with nothing to draw: it says why, without the axes of a plot."""
+    plots.note(ax, text)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def fig1(paths, band="minmax"):
     """(a–c) training loss against worker steps for GEM, DOWNPOUR and adaptive, one line per n; (d) the final
-    loss against n."""
-    m = runs_for("fig1", paths, ["algorithm", "workers"], ["gem", "downpour", "adaptive"],
-                 need="fig1 needs the runs of a fig1 sweep (gem, downpour, adaptive × n)")
-    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
-    algos = [a for a in ("gem", "downpour", "adaptive") if a in set(m["algorithm"])]
+    loss against n. An algorithm without runs (a sweep still running) keeps its panel, which says so."""
+    algos = ("gem", "downpour", "adaptive")
+    m, r = load_for("fig1", paths, ["algorithm", "workers"], list(algos),
+                    need="fig1 needs the runs of a fig1 sweep (gem, downpour, adaptive × n)")
+    fig, axes = grid(4, width=5.2, height=4.1)
     palette = plots.colours(sorted(m["workers"].unique()))
-    for ax, a in zip(axes[:3], algos, strict=False):
-        plots.curves(m[m["algorithm"] == a], ax, x="worker_step", y="loss", hue="workers", palette=palette)
+    for ax, a in zip(axes[:3], algos, strict=True):
         ax.set_title(a)
-    axes[0].legend(fontsize=8)
-    plots.same_y(axes[:len(algos)])
-    r = load.runs(paths)
-    plots.final_loss(r[r["algorithm"].isin(algos)], axes[3], palette=plots.colours(algos))
+        ma = m[m["algorithm"] == a]
+        if ma.empty:
+            empty_panel(ax, why_empty(a, r[r["algorithm"] == a]))
+            continue
+        plots.curves(ma, ax, x="worker_step", y="loss", hue="workers", palette=palette, band=band)
+        plots.legend(ax, fontsize=8)
+    plots.same_y(axes[:3])
+    plots.final_loss(r, axes[3], palette=plots.colours(algos), band=band)
     axes[3].set_title("final loss (last 10% of commits)")
-    axes[3].legend(fontsize=8)
-    return _finish(fig, "Fig. 1", "training loss against worker steps, and the final loss against n", m)
+    plots.legend(axes[3], fontsize=8)
+    gap = gaps(m, "algorithm", "workers", lambda a, n: f"{a} at n = {n}")
+    return _finish(fig, "Fig. 1", "training loss against worker steps, and the final loss against n", m, r, band,
+                   notes=[gap])
 
 
-def fig2(paths):
-    """GEM's training loss against seconds from the first commit, one line per n (100 workers in the paper)."""
-    m = plots.since_first_commit(runs_for("fig2", paths, ["workers"], ["gem"],
-                                          need="fig2 needs GEM runs (a fig2 sweep)"))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    plots.curves(m, ax, x="time_s", y="loss", hue="workers")
+def fig2(paths, band="minmax"):
+    """GEM's training loss against wall-clock seconds from the first commit, one line per n (100 workers in the
+    paper). Runs of the sim engine are refused: their seconds are the simulator's."""
+    m, r = load_for("fig2", paths, ["workers"], ["gem"], need="fig2 needs GEM runs (a fig2 sweep)")
+    wall_clock("fig2", r)
+    m = plots.since_first_commit(m)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    plots.curves(m, ax, x="time_s", y="loss", hue="workers", band=band)
     ax.set_xlabel("seconds from the first commit")
-    ax.legend(fontsize=8)
-    return _finish(fig, "Fig. 2", "GEM, training loss against wall-clock seconds", m)
+    plots.legend(ax, fontsize=9)
+    return _finish(fig, "Fig. 2", "GEM, training loss against wall-clock seconds", m, r, band)
 
 
 # Fig. 3's median π, read off the paper's plot (DESIGN §5): not measured here, drawn for comparison
 PAPER_FIG3 = {5: 0.8, 10: 0.45, 20: 0.15, 30: 0.08}
 
 
-def fig3(paths):
+def fig3(paths, band="minmax"):
     """(a) GEM's median π against worker steps, one line per n; (b) the fraction of π clamped to 0 (the median
     is 0 whenever more than half of the elements are); (c, d) both against each commit's own staleness, τ/(n − 1),
     over the second half of every run: the mechanism by which the spread of τ sets the median."""
-    m = runs_for("fig3", paths, ["workers"], ["gem"], need="fig3 needs GEM runs (a fig3 or fig1 sweep)")
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    m, r = load_for("fig3", paths, ["workers"], ["gem"], need="fig3 needs GEM runs (a fig3 or fig1 sweep)")
+    fig, axes = grid(4, width=5.4, height=4.2)
     palette = plots.colours(sorted(m["workers"].unique()))
-    plots.curves(m, axes[0, 0], x="worker_step", y="pi_median", hue="workers", log=False, palette=palette)
-    plots.curves(m, axes[0, 1], x="worker_step", y="pi_zero_frac", hue="workers", log=False, palette=palette)
-    axes[0, 1].set_ylabel("fraction of π clamped to 0")
-    axes[0, 0].legend(fontsize=8)
-    by_tau(m, axes[1, 0], axes[1, 1], palette)
+    plots.curves(m, axes[0], x="worker_step", y="pi_median", hue="workers", log=False, palette=palette, band=band)
+    plots.curves(m, axes[1], x="worker_step", y="pi_zero_frac", hue="workers", log=False, palette=palette,
+                 band=band)
+    axes[1].set_ylabel("fraction of π clamped to 0")
+    plots.legend(axes[0], fontsize=8)
+    by_tau(m, axes[2], axes[3], palette)
     return _finish(fig, "Fig. 3", "GEM's median π (each commit's median over all elements), by worker step and by "
-                   "the commit's own staleness", m)
+                   "the commit's own staleness", m, r, band,
+                   notes=["bottom row: pooled over the commits of the completed runs"])
 
 
 def by_tau(m: pd.DataFrame, ax_median, ax_zero, palette: dict) -> None:
@@ -131,187 +234,243 @@ def by_tau(m: pd.DataFrame, ax_median, ax_zero, palette: dict) -> None:
         ax_median.plot(g["tau_rel"], g["pi_median"], **style)
         ax_zero.plot(g["tau_rel"], g["pi_zero_frac"], **style)
     for ax, what in ((ax_median, "median π (mean over commits)"), (ax_zero, "fraction of π clamped to 0")):
+        if s.empty:
+            plots.note(ax, f"no completed run has {pi.MIN_COMMITS} commits in a τ bucket")
         ax.axvline(1.0, color="grey", lw=0.8, ls=":")  # round robin's τ = n − 1
-        ax.set_xlabel(f"the commit's staleness τ / (n − 1), buckets of {pi.BUCKET:g}; second half of each run")
+        ax.set_xlabel(f"the commit's τ / (n − 1), buckets of {pi.BUCKET:g}\n(second half of each run)")
         ax.set_ylabel(what)
         ax.grid(True, alpha=0.3)
-    ax_median.legend(fontsize=8, title=f"commits ≥ {pi.MIN_COMMITS} per point", title_fontsize=7)
+    plots.legend(ax_median, fontsize=8, title=f"commits ≥ {pi.MIN_COMMITS} per point", title_fontsize=8)
 
 
-def fig3_cv(paths):
+def bars(values: pd.Series, band) -> tuple[float, float, float, int]:
+    """A mean over seeds and its error bar for `band` (min–max, 95% t interval, none): (mean, down, up, k)."""
+    v = values[np.isfinite(values.to_numpy(dtype=float))]
+    a = mean_ci(v)
+    kind = plots.band_kind(band)
+    if kind == "minmax" and a.k:
+        return a.mean, a.mean - float(v.min()), float(v.max()) - a.mean, a.k
+    if kind == "ci" and a.k > 1:
+        return a.mean, a.mean - a.lo, a.hi - a.mean, a.k
+    return a.mean, 0.0, 0.0, a.k
+
+
+def fig3_cv(paths, band="minmax"):
     """Fig. 3 as the spread of the workers' cycle times grows (a fig3_cv sweep, engine.staleness=gamma): (a) the
-    mean over the second half of each run of the per-commit median π against n, one line per CV, the paper's
-    values beside them; (b) the fraction of π clamped to 0; (c, d) both against each commit's own τ/(n − 1),
-    pooled over every CV."""
+    mean over the second half of each run of the per-commit median π against n, one line per CV (mean over the
+    completed seeds, bars as `band`), the paper's values beside them; (b) the fraction of π clamped to 0; (c, d)
+    both against each commit's own τ/(n − 1), pooled over every CV."""
     need = "fig3_cv needs completed GEM runs with engine.staleness=gamma (a fig3_cv sweep)"
-    m = runs_for("fig3_cv", paths, ["engine.cycle_cv", "workers"], ["gem"], need=need)
+    m, r = load_for("fig3_cv", paths, ["engine.cycle_cv", "workers"], ["gem"], need=need)
     other = sorted(set(m["engine.staleness"].dropna()) - {"gamma"})
     if other:  # engine.cycle_cv is a setting of the gamma model only: another model's runs have no CV to plot at
         raise NoRuns(f"fig3_cv plots gamma runs by their engine.cycle_cv, but some of these runs have "
                      f"engine.staleness={'/'.join(other)}; pass the runs of a fig3_cv sweep")
-    t = pi.by_run(m, ["engine.cycle_cv", "workers"])
-    if t.empty:
+    per = (pi.settled(m).groupby(["engine.cycle_cv", "workers", "run_dir"])[["pi_median", "pi_zero_frac"]].mean()
+           .reset_index())
+    if per.empty:
         raise NoRuns(need)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    cvs = sorted(t["engine.cycle_cv"].unique())
+    fig, axes = grid(4, width=5.4, height=4.2)
+    cvs = sorted(per["engine.cycle_cv"].unique())
     pal_cv = dict(zip(cvs, plt.get_cmap("plasma")(np.linspace(0.05, 0.8, len(cvs))), strict=True))
-    for cv, g in t.groupby("engine.cycle_cv"):
-        for ax, y in ((axes[0, 0], "pi_median"), (axes[0, 1], "pi_zero_frac")):
-            ax.errorbar(g["workers"], g[y], yerr=g[f"{y}_std"].fillna(0), color=pal_cv[cv], marker="o", ms=4,
-                        capsize=3, lw=1.2, label=f"CV = {cv:g}" + (" (round robin)" if cv == 0 else ""))
-    ns = sorted(t["workers"].unique())
-    axes[0, 0].plot(list(PAPER_FIG3), list(PAPER_FIG3.values()), "kx", ms=9, mew=2, label="paper (read off Fig. 3)")
-    seeds = "/".join(str(s) for s in sorted(t["seeds"].unique()))
-    axes[0, 0].set_ylabel(f"median π, mean over the second half ({seeds} seeds; bars: sd)")
-    axes[0, 1].set_ylabel("fraction of π clamped to 0")
-    for ax in axes[0]:
+    for cv, g in per.groupby("engine.cycle_cv"):
+        for ax, y in ((axes[0], "pi_median"), (axes[1], "pi_zero_frac")):
+            rows = [(n, *bars(h[y], band)) for n, h in g.groupby("workers")]
+            ns, mean, down, up, k = (np.array(c) for c in zip(*rows, strict=True))
+            ks = plots.seeds_text(int(k[0])) if len(set(k)) == 1 else f"{k.min()}–{k.max()} seeds"
+            ax.errorbar(ns, mean, yerr=[down, up], color=pal_cv[cv], marker="o", ms=4, capsize=3, lw=1.2,
+                        label=f"CV = {cv:g}" + (" (round robin)" if cv == 0 else "") + f", {ks}")
+    ns = sorted(per["workers"].unique())
+    axes[0].plot(list(PAPER_FIG3), list(PAPER_FIG3.values()), "kx", ms=9, mew=2, label="paper (read off Fig. 3)")
+    axes[0].set_ylabel("median π\n(mean over the second half of a run)")
+    axes[1].set_ylabel("fraction of π clamped to 0")
+    for ax in axes[:2]:
         ax.set_xlabel("n")
         ax.set_xticks(ns)
         ax.grid(True, alpha=0.3)
-    axes[0, 0].legend(fontsize=8)
-    by_tau(m, axes[1, 0], axes[1, 1], plots.colours(ns))
+    plots.legend(axes[0], fontsize=8)
+    by_tau(m, axes[2], axes[3], plots.colours(ns))
+    kind = plots.band_kind(band)
+    what = "points: mean over the completed seeds (how many: legend)" + (
+        f"; bars: {plots.BANDS[kind]}" if kind else "; no bars")
     return _finish(fig, "Fig. 3 by the spread of cycle times", "GEM's median π as each worker's cycle time varies "
-                   "(Gamma, coefficient of variation CV)", m)
+                   "(Gamma, coefficient of variation CV)", m, r, band, curves=False,
+                   notes=[what, "bottom row: pooled over the commits of the completed runs, every CV"])
 
 
-def fig4(paths):
-    """(a) GEM's training loss against seconds for each n at a fixed effective batch; (b) the speedup to a
-    common loss, relative to n = 1."""
-    m = plots.since_first_commit(runs_for("fig4", paths, ["workers"], ["gem"],
-                                          need="fig4 needs GEM runs on engine=process (a fig4 sweep)"))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    plots.curves(m, axes[0], x="time_s", y="loss", hue="workers")
+def fig4(paths, band="minmax"):
+    """(a) GEM's training loss against wall-clock seconds for each n at a fixed effective batch; (b) the speedup
+    to a common loss, relative to n = 1. Runs of the sim engine are refused: their seconds are the simulator's."""
+    m, r = load_for("fig4", paths, ["workers"], ["gem"], need="fig4 needs GEM runs on engine=process (a fig4 sweep)")
+    wall_clock("fig4", r)
+    m = plots.since_first_commit(m)
+    fig, axes = grid(2, width=5.4, height=4.3)
+    plots.curves(m, axes[0], x="time_s", y="loss", hue="workers", band=band)
     axes[0].set_xlabel("seconds from the first commit")
     target = plots.common_target(m, "time_s", "workers")
-    axes[0].axhline(target, color="grey", ls=":", lw=1)
-    axes[0].legend(fontsize=8)
-    sp = plots.speedup(m, target)
-    ns = sp["workers"].to_numpy()
+    plots.legend(axes[0], fontsize=8)
+    ax = axes[1]
+    sp = plots.speedup(m, target) if np.isfinite(target) else pd.DataFrame(columns=["workers", "speedup"])
+    if np.isfinite(target):
+        axes[0].axhline(target, color="grey", ls=":", lw=1)
     if sp["speedup"].notna().any():
-        axes[1].plot(ns, sp["speedup"], marker="o", label="GEM")
-        axes[1].plot(ns, ns, ls="--", color="grey", label="linear")
-        for n, v, k, total in zip(ns, sp["speedup"], sp["reached"], sp["runs"], strict=True):
-            axes[1].annotate(f"{k}/{total}", (n, v if np.isfinite(v) else 1.0), textcoords="offset points",
-                             xytext=(4, -12), fontsize=7, color="grey")
-        axes[1].set_xscale("log", base=2)
-        axes[1].set_xticks(ns, [str(n) for n in ns])
-        axes[1].legend(fontsize=8)
+        speedup_panel(ax, sp)
+    elif not np.isfinite(target):
+        empty_panel(ax, "no completed run: no common loss to reach")
     else:
-        axes[1].text(0.5, 0.5, "not every n = 1 run reached the common loss", ha="center",
-                     transform=axes[1].transAxes)
-    axes[1].set_ylabel(f"speedup to loss {target:.3g}\n(median time over seeds; k/N seeds got there)")
-    axes[1].set_xlabel("n")
-    axes[1].grid(True, alpha=0.3)
-    return _finish(fig, "Fig. 4", "wall-clock speedup at a fixed effective batch (b = B/n)", m)
+        empty_panel(ax, "not every n = 1 run reached the common loss" if 1 in set(sp["workers"])
+                    else "no completed n = 1 run to measure the speedup against")
+    ax.set_ylabel(f"speedup to loss {target:.3g}" if np.isfinite(target) else "speedup")
+    ax.set_xlabel("n")
+    ax.grid(True, alpha=0.3)
+    return _finish(fig, "Fig. 4", "wall-clock speedup at a fixed effective batch (b = B/n)", m, r, band)
+
+
+def speedup_panel(ax, sp: pd.DataFrame) -> None:
+    """Fig. 4(b): the speedup against n (`plots.speedup`'s frame), linear beside it, and k/N above each point
+    (the seeds that reached the loss), kept inside the panel by its margins."""
+    ns = sp["workers"].to_numpy()
+    ax.plot(ns, sp["speedup"], marker="o", label="GEM (median time over seeds)")
+    ax.plot(ns, ns, ls="--", color="grey", label="linear")
+    for n, v, k, total in zip(ns, sp["speedup"], sp["reached"], sp["runs"], strict=True):
+        ax.annotate(f"{k}/{total}" + ("" if np.isfinite(v) else ": no speedup"), (n, v if np.isfinite(v) else 1.0),
+                    textcoords="offset points", xytext=(0, 7), ha="center", va="bottom", fontsize=9,
+                    color="dimgrey")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.margins(x=0.12, y=0.15)
+    plots.legend(ax, fontsize=8, loc="upper left")
+    ax.set_title("k/N: seeds that reached the loss", fontsize=10)
 
 
 def data_epochs(ev: pd.DataFrame) -> pd.Series:
     """Epochs of data behind each evaluation: commits × batch size × window / training examples (a run
     from before `train_examples` was recorded: commits × workers × epochs per worker / all its commits)."""
     window = ev["algorithm.window"].fillna(1) if "algorithm.window" in ev else 1
-    if "train_examples" in ev and ev["train_examples"].notna().all():
-        return ev["step"] * ev["batch_size"] * window / ev["train_examples"]
-    return ev["step"] * ev["workers"] * ev["epochs"] / ev["steps"]
+    fallback = ev["step"] * ev["workers"] * ev["epochs"] / ev["steps"]
+    if "train_examples" not in ev:
+        return fallback
+    return (ev["step"] * ev["batch_size"] * window / ev["train_examples"]).fillna(fallback)
 
 
-def fig5(paths):
+def fig5(paths, band="minmax"):
     """GEM against its proxy, momentum SGD: training and validation loss of the central variable against
     epochs of data processed."""
-    ev = runs_for("fig5", paths, ["algorithm", "workers"], table="eval",
-                  need="fig5 needs evaluation rows of gem and sgd runs (a fig5 sweep)")
-    ev = ev[ev["steps"] > 0].assign(epoch=lambda d: data_epochs(d))
-    ev["who"] = [f"{a} (n = {n})" if a != "sgd" else "momentum SGD"
+    ev, r = load_for("fig5", paths, ["algorithm", "workers"], table="eval",
+                     need="fig5 needs evaluation rows of gem and sgd runs (a fig5 sweep)")
+    ev = ev[~(ev["steps"] <= 0)]  # NaN steps: a run without its summary
+    if "train_examples" in ev and "data" in ev:  # such a run has the training set of the other runs on its data
+        known = ev.groupby("data")["train_examples"].transform("max")
+        ev = ev.assign(train_examples=ev["train_examples"].fillna(known))
+    ev = ev.assign(epoch=data_epochs(ev))
+    ev["who"] = [f"{a}, n = {n}" if a != "sgd" else "momentum SGD"
                  for a, n in zip(ev["algorithm"], ev["workers"], strict=True)]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = grid(2, width=5.4, height=4.3)
     palette = plots.colours(sorted(ev["who"].unique()))
-    for ax, y in zip(axes, ("train_loss", "val_loss"), strict=False):
-        plots.curves(ev, ax, x="epoch", y=y, hue="who", palette=palette, bins=1000)
+    for ax, y in zip(axes, ("train_loss", "val_loss"), strict=True):
+        plots.curves(ev, ax, x="epoch", y=y, hue="who", palette=palette, bins=1000, band=band)
         ax.set_title(plots.label(y))
     plots.same_y(axes)
-    axes[0].legend(fontsize=8)
-    return _finish(fig, "Fig. 5", "generalisation: training and validation loss of the central variable", ev)
+    plots.legend(axes[0], fontsize=8)
+    return _finish(fig, "Fig. 5", "generalisation: training and validation loss of the central variable", ev, r,
+                   band)
 
 
-def fig6(paths):
-    """η = 0.1: GEM, DOWNPOUR and momentum SGD, one panel per n. Momentum SGD runs one worker, so its runs are
-    the same reference in every panel."""
-    m = runs_for("fig6", paths, ["algorithm", "workers"], need="fig6 needs gem, downpour and sgd runs (a fig6 sweep)")
+def fig6(paths, band="minmax"):
+    """η = 0.1: GEM, DOWNPOUR and momentum SGD, one panel per n (two to a row). Momentum SGD runs one worker, so
+    its runs are the same reference in every panel."""
+    m, r = load_for("fig6", paths, ["algorithm", "workers"],
+                    need="fig6 needs gem, downpour and sgd runs (a fig6 sweep)")
     sgd = m[m["algorithm"] == "sgd"]
     # momentum SGD ignores n, so a fig6 sweep runs it once per n: keep one run per seed (the others are equal;
-    # `check` has made sure nothing but n and the seed varies among them)
-    sgd = sgd[sgd["run_dir"].isin(sgd.drop_duplicates("seed")["run_dir"])]
+    # `check` has made sure nothing but n and the seed varies among them), a completed one where there is one
+    sgd = sgd.sort_values("status", key=lambda s: s != "completed", kind="stable")
+    twins = set(sgd["run_dir"]) - set(sgd.drop_duplicates("seed")["run_dir"])
+    sgd, r = sgd[~sgd["run_dir"].isin(twins)], r[~r["run_dir"].isin(twins)]  # the title counts what is drawn
     asy = m[m["algorithm"] != "sgd"]
     ns = sorted(asy["workers"].unique()) or [1]
-    fig, axes = plt.subplots(1, len(ns), figsize=(5 * len(ns), 4), squeeze=False)
+    fig, axes = grid(len(ns), width=5.2, height=4.0)
     palette = plots.colours(sorted(asy["algorithm"].unique(), key=plots.algorithm_order) + ["momentum SGD"])
-    for ax, n in zip(axes[0], ns, strict=True):
+    for ax, n in zip(axes, ns, strict=True):
         panel = pd.concat([asy[asy["workers"] == n], sgd.assign(algorithm="momentum SGD")])
-        plots.curves(panel, ax, x="worker_step", y="loss", hue="algorithm", palette=palette)
+        plots.curves(panel, ax, x="worker_step", y="loss", hue="algorithm", palette=palette, band=band)
         ax.set_title(f"n = {n}")
-    plots.same_y(axes[0])
-    axes[0][0].legend(fontsize=8)
+        plots.legend(ax, fontsize=8)
+    plots.same_y(axes)
     lr = ", ".join(f"{v:g}" for v in sorted(m["lr"].unique()))
-    return _finish(fig, "Fig. 6", f"a misspecified learning rate (η = {lr})", m)
+    gap = gaps(asy, "workers", "algorithm", lambda n, a: f"{a} at n = {n}")
+    return _finish(fig, "Fig. 6", f"a misspecified learning rate (η = {lr})", m, r, band, notes=[gap])
 
 
-def fig7(paths):
+def fig7(paths, band="minmax"):
     """AlexNet with n = 8 and 16 GEM workers at a fixed effective batch: training loss and median π against
     worker steps."""
-    m = runs_for("fig7", paths, ["workers"], ["gem"], need="fig7 needs GEM runs (a fig7 or fig9_10 sweep)")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    plots.curves(m, axes[0], x="worker_step", y="loss", hue="workers")
-    plots.curves(m, axes[1], x="worker_step", y="pi_median", hue="workers", log=False)
-    axes[0].legend(fontsize=8)
-    return _finish(fig, "Fig. 7", "AlexNet, training loss and median π against worker steps", m)
+    m, r = load_for("fig7", paths, ["workers"], ["gem"], need="fig7 needs GEM runs (a fig7 or fig9_10 sweep)")
+    fig, axes = grid(2, width=5.4, height=4.2)
+    plots.curves(m, axes[0], x="worker_step", y="loss", hue="workers", band=band)
+    plots.curves(m, axes[1], x="worker_step", y="pi_median", hue="workers", log=False, band=band)
+    plots.legend(axes[0], fontsize=8)
+    return _finish(fig, "Fig. 7", "AlexNet, training loss and median π against worker steps", m, r, band)
 
 
-def fig8(paths):
+def fig8(paths, band="minmax"):
     """κ, the energy amplification: training loss and median π against worker steps, one line per κ."""
-    m = runs_for("fig8", paths, ["algorithm.kappa"], ["gem"],
-                 need="fig8 needs GEM runs with several algorithm.kappa (a fig8 sweep)")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    m, r = load_for("fig8", paths, ["algorithm.kappa"], ["gem"],
+                    need="fig8 needs GEM runs with several algorithm.kappa (a fig8 sweep)")
+    fig, axes = grid(2, width=5.4, height=4.2)
     palette = plots.colours(sorted(m["algorithm.kappa"].unique()))
-    plots.curves(m, axes[0], x="worker_step", y="loss", hue="algorithm.kappa", palette=palette)
-    plots.curves(m, axes[1], x="worker_step", y="pi_median", hue="algorithm.kappa", palette=palette, log=False)
-    axes[0].legend(fontsize=8)
+    plots.curves(m, axes[0], x="worker_step", y="loss", hue="algorithm.kappa", palette=palette, band=band)
+    plots.curves(m, axes[1], x="worker_step", y="pi_median", hue="algorithm.kappa", palette=palette, log=False,
+                 band=band)
+    plots.legend(axes[0], fontsize=8)
     ns = ", ".join(str(n) for n in sorted(m["workers"].unique()))
-    return _finish(fig, "Fig. 8", f"GEM with κ ∈ {{{', '.join(f'{k:g}' for k in sorted(palette))}}}, n = {ns}", m)
+    return _finish(fig, "Fig. 8", f"GEM with κ ∈ {{{', '.join(f'{k:g}' for k in sorted(palette))}}}, n = {ns}", m, r,
+                   band)
+
+
+HEAT_QUANTILE = 0.99  # a panel's colours run from 0 to this quantile of its cells: a few spikes must not wash it out
+HEAT_GAMMA = 0.5  # a square-root scale: most cells are near 0 at large n, and their structure is in that range
 
 
 def heatmaps(paths, ns=None, number="Figs. 9 and 10"):
-    t = runs_for("the π heatmaps", paths, ["workers"], ["gem"], table="tensors",
-                 need="the π heatmaps need the per-tensor rows of GEM runs (a fig9_10 or fig7 sweep)")
+    """One heatmap per n (a panel per row; two to a row beyond three), each of one run: the lowest seed's
+    completed run (an unfinished one when none completed). Each panel has its own colour scale, a square root
+    from 0 to its 99th percentile: π falls with n (the cells' median about 0.25 at n = 5, 0 at n = 30, where 97%
+    of the per-commit medians are 0), so one linear scale for all leaves the large-n panels black."""
+    t, r = load_for("the π heatmaps", paths, ["workers"], ["gem"], table="tensors",
+                    need="the π heatmaps need the per-tensor rows of GEM runs (a fig9_10 or fig7 sweep)")
     ns = [n for n in (ns or sorted(t["workers"].unique())) if n in set(t["workers"])]
     if not ns:
         raise NoRuns("the π heatmaps need GEM runs with the requested number of workers")
-    fig, axes = plt.subplots(1, len(ns), figsize=(7 * len(ns), 4.5), squeeze=False)
-    chosen = []
-    for n in ns:  # one run per panel: the lowest seed's
+    cols = 1 if len(ns) <= 3 else 2
+    fig, axes = grid(len(ns), width=10.5 / cols, height=3.4, cols=cols)
+    for ax, n in zip(axes, ns, strict=True):
         tn = t[t["workers"] == n]
-        run = tn[tn["seed"] == tn["seed"].min()]
-        chosen.append(run[run["run_dir"] == run["run_dir"].iloc[0]])
-    # one colour scale for every panel, so that they compare; a few spikes to π_max should not wash it out
-    vmax = max(1.0, float(pd.concat(chosen)["pi_median"].quantile(0.99)))
-    for ax, n, run in zip(axes[0], ns, chosen, strict=True):
-        seed = run["seed"].iloc[0]
-        image = plots.pi_heatmap(run, ax, vmax=vmax)
-        ax.set_title(f"n = {n} (seed {seed})")
-        fig.colorbar(image, ax=ax, label="median π of the tensor")
-    return _finish(fig, number, "per-tensor median π against parameter-server updates", t)
+        tn = tn.assign(_unfinished=plots.statuses(tn) != "completed").sort_values(["_unfinished", "seed", "run_dir"],
+                                                                                  kind="stable")
+        run = tn[tn["run_dir"] == tn["run_dir"].iloc[0]]
+        status = plots.statuses(run).iloc[0]
+        image = plots.pi_heatmap(run, ax, quantile=HEAT_QUANTILE, gamma=HEAT_GAMMA)
+        ax.set_title(f"n = {n} (seed {run['seed'].iloc[0]}" + ("" if status == "completed" else f", {status}") + ")")
+        fig.colorbar(image, ax=ax, label="median π", pad=0.01, extend="max")
+    note = (f"one run per panel; colour: square root, 0 to the panel's {HEAT_QUANTILE:.0%} quantile "
+            "(each panel its own colour bar)")
+    return _finish(fig, number, "per-tensor median π against parameter-server updates", t, r, curves=False,
+                   notes=[note])
 
 
-def fig9(paths):
-    """The per-tensor median π heatmap with 8 workers."""
+def fig9(paths, band=None):
+    """The per-tensor median π heatmap with 8 workers (`band`: unused, heatmaps have none)."""
     return heatmaps(paths, [8], "Fig. 9")
 
 
-def fig10(paths):
-    """The per-tensor median π heatmap with 16 workers."""
+def fig10(paths, band=None):
+    """The per-tensor median π heatmap with 16 workers (`band`: unused)."""
     return heatmaps(paths, [16], "Fig. 10")
 
 
-def fig9_10(paths):
-    """Both heatmaps side by side (every n in the sweep)."""
+def fig9_10(paths, band=None):
+    """Both heatmaps, one above the other (every n in the sweep; `band`: unused)."""
     return heatmaps(paths)
 
 

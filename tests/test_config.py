@@ -122,8 +122,8 @@ def test_cuda_requested_without_cuda(capsys):
     assert "device=cuda: no CUDA device is visible" in capsys.readouterr().err
 
 
-def test_good_input_passes_and_sweeps_expand():
-    preflight(["workers=1", "lr=0.01"])  # returns without exiting
+def test_good_input_passes_and_sweeps_expand(tmp_path):
+    preflight(["workers=1", "lr=0.01", f"hydra.run.dir={tmp_path / 'run'}"])  # returns without exiting
     jobs = expand(["algorithm=sgd", "lr=0.1,0.01", "seed=0,1,2"], multirun=True)
     assert len(jobs) == 6
     with pytest.raises(ConfigError):

@@ -168,6 +168,117 @@ def test_heatmap_is_tensors_by_binned_updates():
     image = plots.pi_heatmap(f, ax, bins=3)
     assert np.asarray(image.get_array()).tolist() == [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["w", "b"]
+    assert image.norm.vmax == 5.0  # no scale given: 0 to the largest cell
+    image = plots.pi_heatmap(f, ax, bins=3, quantile=0.5)
+    assert image.norm.vmax == pytest.approx(2.5)  # the median of the six cells drawn
+
+
+def _statuses_frame():
+    """n = 2: runs a and b completed, c failed, d killed (incomplete); n = 4: one incomplete run only."""
+    rows = []
+    for run_dir, status, n, losses in (("a", "completed", 2, [2.0, 1.0, 0.5, 0.4]), ("b", "completed", 2,
+                                                                                     [2.0, 1.4, 0.7, 0.6]),
+                                       ("c", "failed", 2, [2.0, 9.0]), ("d", "incomplete", 2, [2.0, 1.8, 1.7]),
+                                       ("e", "incomplete", 4, [2.0, 1.9])):
+        rows += [{"run_dir": run_dir, "status": status, "workers": n, "worker_step": i + 1, "loss": v}
+                 for i, v in enumerate(losses)]
+    return pd.DataFrame(rows)
+
+
+def test_failed_and_incomplete_runs_are_drawn_dotted_on_their_own_not_averaged():
+    f = _statuses_frame()
+    agg = plots.aggregate(f, "worker_step", "loss", "workers").set_index("worker_step")
+    assert set(agg["workers"]) == {2} and agg["seeds"].tolist() == [2] * 4  # n = 4 has no completed run
+    assert agg["mean"].tolist() == pytest.approx([2.0, 1.2, 0.6, 0.5])  # a and b only: not c's 9, not d
+    fig, ax = plots.plt.subplots()
+    plots.curves(f, ax, x="worker_step", y="loss", hue="workers", log=False)
+    solid = [ln for ln in ax.get_lines() if ln.get_linestyle() == "-"]
+    assert [ln.get_label() for ln in solid] == ["n = 2 (2 seeds)"] and solid[0].get_ydata().tolist() == pytest.approx(
+        [2.0, 1.2, 0.6, 0.5])
+    dotted = [ln for ln in ax.get_lines() if ln.get_linestyle() == ":"]
+    assert sorted(len(ln.get_xdata()) for ln in dotted) == [2, 2, 3]  # c, e and d, each up to its last point
+    ends = {ln.get_marker(): (ln.get_xdata()[0], ln.get_ydata()[0]) for ln in ax.get_lines()
+            if ln.get_linestyle() == "None"}
+    assert ends["s"] == (2, 9.0) and ends["o"] in ((3, 1.7), (2, 1.9))  # failed: a square; killed: an open circle
+    # n = 4 has no completed run: its incomplete run gets the legend entry; n = 2's others do not
+    assert [ln.get_label() for ln in dotted if not ln.get_label().startswith("_")] == ["n = 4 (incomplete)"]
+    fig, ax = plots.plt.subplots()
+    plots.curves(f[f["workers"] == 4], ax, x="worker_step", y="loss", hue="workers")
+    assert [t.get_text() for t in ax.texts] == ["no completed run"]  # a panel of unfinished runs says so
+    plots.plt.close("all")
+
+
+def test_band_ci_is_the_t_interval_over_the_runs_and_minmax_their_range():
+    # three runs at steps 1 and 2: at step 2 the values 1, 2, 3 (mean 2, sd 1); t(0.975, 2) = 4.302653
+    f = _frame(run_dir=["a", "b", "c"] * 2, workers=2, worker_step=[1] * 3 + [2] * 3,
+               loss=[4.0, 4.0, 4.0, 1.0, 2.0, 3.0])
+    agg = plots.aggregate(f, "worker_step", "loss", "workers").set_index("worker_step")
+    half = 4.302653 / np.sqrt(3)
+    assert (agg.loc[2.0, "ci_lo"], agg.loc[2.0, "ci_hi"]) == (pytest.approx(2 - half), pytest.approx(2 + half))
+    assert (agg.loc[2.0, "lo"], agg.loc[2.0, "hi"]) == (1.0, 3.0)
+    assert (agg.loc[1.0, "ci_lo"], agg.loc[1.0, "ci_hi"]) == (4.0, 4.0)  # no spread: no width
+    for band, top in (("ci", 2 + half), ("minmax", 3.0), (True, 3.0)):
+        fig, ax = plots.plt.subplots()
+        plots.curves(f, ax, x="worker_step", y="loss", hue="workers", log=False, band=band)
+        (poly,) = ax.collections
+        assert poly.get_paths()[0].vertices[:, 1].max() == pytest.approx(max(top, 4.0))
+        assert poly.get_paths()[0].vertices[:, 1].min() == pytest.approx(2 - half if band == "ci" else 1.0)
+    for band in (None, False):
+        fig, ax = plots.plt.subplots()
+        plots.curves(f, ax, x="worker_step", y="loss", hue="workers", band=band)
+        assert not ax.collections
+    with pytest.raises(ValueError, match="band must be 'minmax', 'ci' or None, not 'sd'"):
+        plots.curves(f, ax, band="sd")
+    # the final losses: three seeds, error bars over the same interval, the label says how many
+    runs = _frame(algorithm="gem", workers=2, status=["completed"] * 3 + ["failed"], final_train_loss=[1.0, 2.0, 3.0,
+                                                                                                        50.0])
+    fig, ax = plots.plt.subplots()
+    agg = plots.final_loss(runs, ax, band="ci")
+    assert agg[["mean", "count"]].values.tolist() == [[2.0, 3]] and agg["ci_hi"].iloc[0] == pytest.approx(2 + half)
+    assert ax.get_legend_handles_labels()[1] == ["gem (3 seeds)"]
+    plots.plt.close("all")
+
+
+def test_helpers_work_without_a_status_column_and_name_a_missing_column_in_one_line():
+    f = _statuses_frame().drop(columns="status")  # every run counts as completed
+    fig, ax = plots.plt.subplots()
+    agg = plots.curves(f, ax, x="worker_step", y="loss", hue="workers")
+    assert set(agg["workers"]) == {2, 4} and agg.loc[agg["workers"] == 2, "seeds"].iloc[0] == 4
+    done = plots.final_loss(_frame(algorithm="gem", workers=2, final_train_loss=[1.0, 2.0]), ax)
+    assert done["count"].tolist() == [2]
+    assert len(plots.speedup(f.assign(time_s=f["worker_step"] * 1.0), 1.5, by="workers", base=2, window=1)) == 2
+    ev = _frame(run_dir=["a", "a"], workers=2, step=[0, 25], val_loss=[2.3, 1.0])  # an old sweep's evaluations
+    have = "it has: run_dir, workers, step, val_loss"
+    calls = {"curves": lambda: plots.curves(ev, ax, x="worker_step", y="val_loss"),
+             "aggregate": lambda: plots.aggregate(ev, "worker_step", "val_loss", "workers"),
+             "time_to_target": lambda: plots.time_to_target(ev, 1.5, x="worker_step", y="val_loss"),
+             "speedup": lambda: plots.speedup(ev, 1.5, x="worker_step"),
+             "final_loss": lambda: plots.final_loss(ev, ax, x="worker_step"),
+             "pi_heatmap": lambda: plots.pi_heatmap(ev, ax)}
+    for who, call in calls.items():
+        with pytest.raises(ValueError) as e:
+            call()
+        text = str(e.value)
+        assert "\n" not in text and text.startswith(f"plots.{who}: the frame has no column '") and text.endswith(have)
+    with pytest.raises(ValueError, match=r"^plots.curves: the frame has no column 'worker_step'; " + have):
+        plots.curves(ev, ax, x="worker_step", y="val_loss")
+    with pytest.raises(ValueError, match=r"^plots.curves: the frame has no column 'seed'"):
+        plots.curves(ev, ax, x="step", y="val_loss", hue="seed")
+    plots.plt.close("all")
+
+
+def test_a_narrow_log_range_has_plain_tick_labels():
+    # the loss from 0.6 down to 0.25: less than a decade, where matplotlib labels minor ticks as 3×10⁻¹
+    f = _frame(run_dir="a", workers=2, worker_step=range(1, 11), loss=np.linspace(0.6, 0.25, 10))
+    fig, (ax, ax_final) = plots.plt.subplots(1, 2)
+    plots.curves(f, ax, x="worker_step", y="loss", hue="workers")
+    plots.final_loss(_frame(algorithm="gem", workers=[2, 4], final_train_loss=[0.31, 0.52]), ax_final)
+    fig.canvas.draw()
+    for a in (ax, ax_final):
+        labels = [t.get_text() for minor in (False, True) for t in a.get_yticklabels(minor=minor) if t.get_text()]
+        assert labels and not [t for t in labels if "times" in t or "×" in t or "^" in t], labels
+        assert {"0.3", "0.4"} <= set(labels)
+    plots.plt.close("all")
 
 
 # ------------------------------------------------------------------------------------------ a small sweep
@@ -212,6 +323,30 @@ def gamma_runs(tmp_path_factory):
     return root
 
 
+def _as_engine(run_dir, engine):
+    """Rewrite a copied run as if it had run on `engine` (its summary and its config say so)."""
+    import json
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "engine": engine}))
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    cfg.engine.name = engine
+    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+
+
+@pytest.fixture(scope="module")
+def process_runs(sweep, tmp_path_factory):
+    """The sweep's GEM runs (n = 1, 2, two seeds) relabelled engine=process: what the wall-clock figures draw.
+    Their seconds are the simulator's, but the figures only read them."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("process")
+    for i in range(4):
+        shutil.copytree(sweep / str(i), root / str(i))
+        _as_engine(root / str(i), "process")
+    return root
+
+
 def test_the_sweep_has_what_the_figures_need(sweep):
     r = load.runs(sweep)
     assert len(r) == len(JOBS) and set(r["experiment"]) == {"test"}
@@ -219,13 +354,17 @@ def test_the_sweep_has_what_the_figures_need(sweep):
 
 
 @pytest.mark.parametrize("fig_id", sorted(FIGURES))
-def test_every_figure_draws_from_a_small_sweep(sweep, kappa_run, gamma_runs, tmp_path, fig_id):
+def test_every_figure_draws_from_a_small_sweep(sweep, kappa_run, gamma_runs, process_runs, tmp_path, fig_id):
     if fig_id in ("fig9", "fig10"):  # n = 8 and n = 16: not in this sweep
         with pytest.raises(NoRuns, match="requested number of workers"):
             FIGURES[fig_id](sweep)
         return
     # fig8 compares κ at one n: GEM at n = 2, seeds 0 and 1 (κ = 1), and the κ = 2 run
     paths = [sweep / "2", sweep / "3", kappa_run] if fig_id == "fig8" else sweep
+    if fig_id in ("fig2", "fig4"):  # wall-clock seconds: the sim engine's are refused
+        with pytest.raises(NoRuns, match="engine=sim, whose time_s is the simulator's clock"):
+            FIGURES[fig_id](sweep)
+        paths = process_runs
     if fig_id == "fig3_cv":  # a CV is a setting of gamma runs only: round robin's are refused
         with pytest.raises(NoRuns, match="some of these runs have engine.staleness=round_robin"):
             FIGURES[fig_id](sweep)
@@ -234,6 +373,8 @@ def test_every_figure_draws_from_a_small_sweep(sweep, kappa_run, gamma_runs, tmp
     # data only: not the reference lines and the paper's markers, which are drawn whatever the runs hold
     data = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_linestyle() != ":" and ln.get_label() != PAPER]
     assert len(data) + sum(len(ax.get_images()) for ax in fig.axes) >= 2, f"{fig_id} drew almost nothing"
+    assert fig.get_size_inches()[0] <= 11  # two panels to a row at most: 1,650 px at 150 dpi
+    assert "lines: mean over the completed seeds" in fig._suptitle.get_text() or fig_id.startswith(("fig9", "fig3_"))
     paths = plots.save(fig, tmp_path, fig_id)
     assert [p.name for p in paths] == [f"{fig_id}.png", f"{fig_id}.pdf"]
     assert all(p.stat().st_size > 5000 for p in paths)
@@ -250,7 +391,7 @@ def test_a_figure_refuses_to_average_runs_that_differ_in_more_than_the_seed(swee
 def test_fig1_draws_one_line_per_n_and_marks_the_diverged_run(sweep):
     fig = FIGURES["fig1"](sweep)
     gem_ax, downpour_ax = fig.axes[0], fig.axes[1]
-    assert [t.get_text() for t in gem_ax.get_legend().get_texts()] == ["n = 1", "n = 2"]
+    assert [t.get_text() for t in gem_ax.get_legend().get_texts()] == ["n = 1 (2 seeds)", "n = 2 (2 seeds)"]
     crosses = [ln for ln in downpour_ax.get_lines() if ln.get_marker() == "x"]
     assert len(crosses) == 1  # the lr = 1e6 run, drawn on its own (dashed), not averaged in
     dashed = [ln for ln in downpour_ax.get_lines() if ln.get_linestyle() == "--"]
@@ -261,6 +402,89 @@ def test_fig1_draws_one_line_per_n_and_marks_the_diverged_run(sweep):
     assert 2.3 < top <= 10 * 2.5 and crosses[0].get_ydata()[0] == pytest.approx(top)
     assert gem_ax.get_ylim() == downpour_ax.get_ylim()
     assert gem_ax.get_yscale() == "log"
+
+
+@pytest.fixture
+def interrupted(sweep, tmp_path):
+    """The sweep as a killed one leaves it: no adaptive run yet; GEM n = 1 seed 0 killed (no summary, half its
+    rows), seed 1 failed, so n = 1 has no completed run; the completed DOWNPOUR run failed, leaving that panel
+    only unfinished runs; and a GEM run killed before its first row (its config only)."""
+    import json
+    import shutil
+
+    root = tmp_path / "interrupted"
+    for i in (0, 1, 2, 3, 4, 7):  # not 5 (adaptive) nor 6 (sgd, not in fig1)
+        shutil.copytree(sweep / str(i), root / str(i))
+    (root / "0" / "summary.json").unlink()
+    rows = pd.read_parquet(root / "0" / "metrics.parquet")
+    rows[rows["worker_step"] <= rows["worker_step"].max() / 2].to_parquet(root / "0" / "metrics.parquet")
+    for i in ("1", "4"):
+        summary = json.loads((root / i / "summary.json").read_text())
+        (root / i / "summary.json").write_text(json.dumps({**summary, "status": "failed", "reason": "test"}))
+    shutil.copytree(sweep / "2" / ".hydra", root / "8" / ".hydra")
+    return root
+
+
+def test_fig1_on_an_interrupted_sweep_draws_unfinished_runs_apart_and_names_the_empty_panels(interrupted):
+    fig = FIGURES["fig1"](interrupted)
+    gem_ax, downpour_ax, adaptive_ax, final_ax = fig.axes
+    title = fig._suptitle.get_text()
+    assert ("left out of the means: 2 incomplete, 2 failed (drawn dotted; 1 without a row yet, not drawn); "
+            "1 diverged (drawn dashed, ×)") in title
+    assert "band: min–max over seeds" in title
+    assert "not drawn, no rows: downpour at n = 1" in title  # DOWNPOUR was run at n = 2 and 3 only
+    assert [t.get_text() for t in adaptive_ax.texts] == ["no adaptive runs in these folders"]
+    assert not adaptive_ax.has_data()
+    assert [t.get_text() for t in downpour_ax.texts] == ["no completed run"]
+    # GEM: n = 2's mean over its two seeds; n = 1's two runs drawn dotted, one legend entry for both
+    assert [t.get_text() for t in gem_ax.get_legend().get_texts()] == ["n = 2 (2 seeds)", "n = 1 (1 incomplete, "
+                                                                                          "1 failed)"]
+    assert len([ln for ln in gem_ax.get_lines() if ln.get_linestyle() == ":"]) == 2
+    assert sorted(ln.get_marker() for ln in gem_ax.get_lines() if ln.get_linestyle() == "None") == ["o", "s"]
+    assert final_ax.get_legend_handles_labels()[1] == ["gem (2 seeds)"]  # n = 2 only: n = 1 has no completed run
+    fig = FIGURES["fig1"](interrupted, band="ci")
+    assert "band: 95% t interval of the mean over seeds" in fig._suptitle.get_text()
+    plots.plt.close("all")
+
+
+def test_fig2_and_fig4_refuse_sim_runs_in_one_line(sweep, process_runs, tmp_path, capsys):
+    for fig_id in ("fig2", "fig4"):
+        assert cli.main([fig_id, str(sweep), "--out", str(tmp_path)]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: {fig_id} plots wall-clock seconds, but these runs ran on engine=sim, whose time_s is the "
+            "simulator's clock, not wall-clock; pass runs of engine=process or engine=distributed")
+    assert cli.main(["fig4", str(process_runs), "--out", str(tmp_path), "--band", "ci"]) == 0
+    assert (tmp_path / "fig4.png").stat().st_size > 5000
+
+
+def test_fig4_keeps_its_k_of_n_labels_inside_the_panel():
+    from paper_figures.figures import speedup_panel
+
+    sp = pd.DataFrame({"workers": [1, 2, 4, 8], "speedup": [1.0, 1.9, np.nan, 7.9], "reached": [2, 2, 1, 2],
+                       "runs": [2, 2, 2, 2]})  # the last point sits in the top right corner of the data
+    fig, ax = plots.plt.subplots(figsize=(5.4, 4.3))
+    speedup_panel(ax, sp)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = ax.get_window_extent(renderer)
+    labels = [t for t in ax.texts if "/" in t.get_text()]
+    assert [t.get_text() for t in labels] == ["2/2", "2/2", "1/2: no speedup", "2/2"]
+    for t in labels:
+        b = t.get_window_extent(renderer)
+        assert box.x0 <= b.x0 and b.x1 <= box.x1 and box.y0 <= b.y0 and b.y1 <= box.y1, t.get_text()
+    plots.plt.close("all")
+
+
+def test_heatmaps_give_each_panel_its_own_colour_scale(sweep):
+    fig = FIGURES["fig9_10"](sweep)
+    images = [im for ax in fig.axes for im in ax.get_images()]
+    assert len(images) == 2  # n = 1 and 2, one above the other
+    for im in images:
+        cells = np.asarray(im.get_array(), dtype=float)
+        cells = cells[np.isfinite(cells)]
+        assert im.norm.vmax == pytest.approx(np.quantile(cells, 0.99)) and im.norm.vmin == 0
+    assert "each panel its own colour bar" in fig._suptitle.get_text()
+    plots.plt.close("all")
 
 
 def test_report_has_a_row_per_algorithm_n_and_setting_and_embeds_its_figure(sweep, kappa_run, tmp_path):
@@ -282,6 +506,7 @@ def test_report_has_a_row_per_algorithm_n_and_setting_and_embeds_its_figure(swee
     assert down.loc[3, "worker steps to 2"] == "not reached (0/1)"
     for algo in ("gem", "downpour", "adaptive", "sgd"):
         assert f"<td>{algo}</td>" in text
+    assert "<h2>Runs left out of the means</h2>" in text and "<td>diverged</td>" in text  # the lr = 1e6 run
 
 
 def test_markdown_report_links_its_png(sweep, tmp_path):
@@ -298,6 +523,7 @@ def test_a_killed_run_reads_with_its_interpolations_resolved(tmp_path):
     r = load.runs(tmp_path).iloc[0]
     assert (r["status"], r["batch_size"], r["epochs"], r["workers"]) == ("incomplete", 128, 8, 2)
     assert report.main([str(tmp_path), "--out", str(tmp_path / "r.md")]) == 0  # no rows, but a report
+    assert "1 of 1 runs is not completed (1 incomplete)" in (tmp_path / "r.md").read_text()
 
 
 def test_cli_errors_are_one_line(sweep, tmp_path, capsys):
