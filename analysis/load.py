@@ -166,6 +166,50 @@ def varying(runs: pd.DataFrame, keys) -> list[str]:
     return sorted(found)
 
 
+def planned_jobs(sweep: str | os.PathLike) -> int | None:
+    """How many jobs the sweep in `sweep` was launched with: the product of the sweeps in its `multirun.yaml`
+    (the experiment's sweeper params, the command line winning, as Hydra's basic sweeper does). None when there is
+    no such file or it cannot be read that way (another sweeper)."""
+    import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    path = Path(sweep) / "multirun.yaml"
+    try:
+        hydra = yaml.safe_load(path.read_text())["hydra"]
+        if "basic_sweeper" not in str(hydra["sweeper"].get("_target_", "")):
+            return None
+        params = hydra["sweeper"].get("params") or {}
+        by_key = {}
+        for o in OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()]
+                                                          + list(hydra["overrides"]["task"])):
+            by_key[o.key_or_group] = o
+        total = 1
+        for o in by_key.values():
+            if o.is_sweep_override():
+                total *= len(list(o.sweep_string_iterator()))
+        return total
+    except Exception:  # no multirun.yaml, or not one this can count
+        return None
+
+
+def unstarted(r: pd.DataFrame, short: bool = False) -> str:
+    """One sentence on the jobs of the sweeps behind `r` (a `runs` frame) that have no run directory at all (a
+    sweep stopped before it reached them): "25 of the 36 jobs of sweep multirun/x have not run (resume: the
+    identical -m command with hydra.sweep.dir=multirun/x resume=true)"; empty when none is missing. `short`: the
+    count only, for a figure's title."""
+    if r.empty or "run_dir" not in r:
+        return ""
+    out = []
+    for sweep, found in r.groupby(r["run_dir"].map(lambda d: str(Path(d).parent)))["run_dir"]:
+        planned = planned_jobs(sweep)
+        if planned is not None and planned > len(found) and short:
+            out.append(f"{planned - len(found)} of the {planned} jobs of sweep {Path(sweep).name} have not run")
+        elif planned is not None and planned > len(found):
+            out.append(f"{planned - len(found)} of the {planned} jobs of sweep {sweep} have not run (to run them: the "
+                       f"identical -m command with hydra.sweep.dir={sweep} resume=true)")
+    return "; ".join(out)
+
+
 def runs(paths) -> pd.DataFrame:
     """One row per run: config columns, then summary columns; `run_dir` identifies the run."""
     records = [run_record(d) for d in find_runs(paths)]

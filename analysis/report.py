@@ -212,12 +212,14 @@ def headline(runs: pd.DataFrame) -> str:
     """The report's first sentence: how many runs are not in the means, and why."""
     counts = runs["status"].value_counts()
     bad = int(len(runs) - counts.get("completed", 0))
+    missing = load.unstarted(runs)
+    missing = f" {missing[0].upper()}{missing[1:]}." if missing else ""
     if bad == 0:
-        return f"Every run completed ({len(runs)} of {len(runs)}): none is left out of the means."
+        return f"Every run completed ({len(runs)} of {len(runs)}): none is left out of the means.{missing}"
     kinds = ", ".join(f"{counts[s]} {s}" for s in [*STATUSES[1:], *sorted(set(counts.index) - set(STATUSES))]
                       if counts.get(s, 0))
     return (f"{bad} of {len(runs)} runs {'is' if bad == 1 else 'are'} not completed ({kinds}) and "
-            f"{'is' if bad == 1 else 'are'} left out of the means: see “{LEFT_OUT}” below.")
+            f"{'is' if bad == 1 else 'are'} left out of the means: see “{LEFT_OUT}” below.{missing}")
 
 
 # ------------------------------------------------------------------------------------------ the figure

@@ -611,14 +611,30 @@ def _plan_resume(sweep_dir: Path, jobs: list) -> None:
     if not sweep_dir.is_dir():
         raise rundir.Refused(f"resume=true: hydra.sweep.dir={sweep_dir} does not exist; resuming a sweep needs "
                              "hydra.sweep.dir=<the folder of the sweep to finish> and the identical -m command")
-    by: dict[str, list[str]] = {}
+    by: dict[str, list[tuple[int, str]]] = {}
     for num, (cfg, checked) in enumerate(jobs):
         action, why = rundir.sweep_action(cfg, checked, sweep_dir / str(num), num)
-        by.setdefault(action, []).append(f"{num}" + (f" ({why})" if action in ("resume", "rerun") else ""))
+        by.setdefault(action, []).append((num, why))
     words = {"skip": "finished (skipped, left as they are)", "resume": "resume from their checkpoints",
              "rerun": "rerun (stopped before a checkpoint; their files move to .superseded/)", "new": "start"}
-    parts = [f"job{'s' if len(by[a]) > 1 else ''} {', '.join(by[a])}: {words[a]}" for a in words if a in by]
+    parts = []
+    for a in (a for a in words if a in by):
+        # the reasons of a resume or rerun say something per job; finished and new jobs are listed as ranges
+        listed = (", ".join(f"{num} ({why})" for num, why in by[a]) if a in ("resume", "rerun")
+                  else _ranges([num for num, _ in by[a]]))
+        parts.append(f"job{'s' if len(by[a]) > 1 else ''} {listed}: {words[a]}")
     print(f"gem: resuming the sweep in {sweep_dir}: " + "; ".join(parts), file=sys.stderr)
+
+
+def _ranges(nums: list[int]) -> str:
+    """[0, 1, 2, 3, 7, 9, 10] -> '0-3, 7, 9-10'."""
+    out, start = [], None
+    for i, n in enumerate(nums):
+        start = n if start is None else start
+        if i + 1 == len(nums) or nums[i + 1] != n + 1:
+            out.append(f"{start}" if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out)
 
 
 def _quoted(path: str) -> str:

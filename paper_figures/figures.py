@@ -12,6 +12,7 @@ Panels are at most two to a row, so that a figure is about 10 in wide (1,600 px 
 from __future__ import annotations
 
 import math
+import textwrap
 
 import numpy as np
 import pandas as pd
@@ -124,8 +125,9 @@ def _finish(fig, number: str, what: str, frame: pd.DataFrame, r: pd.DataFrame | 
     lines = [f"{number}: {what}", f"({'; '.join(bits)})"]
     if curves:
         lines.append(plots.band_text(band))
-    lines += [t for t in (left_out(r, frame), *notes) if t]
-    fig.suptitle("\n".join(lines), fontsize=11)
+    lines += [t for t in (left_out(r, frame), load.unstarted(r, short=True) if r is not None else "", *notes) if t]
+    width = max(60, int(fig.get_figwidth() * 11))  # characters that fit across the figure at this font size
+    fig.suptitle("\n".join(textwrap.fill(line, width) for line in lines), fontsize=11)
     fig.tight_layout()
     return fig
 

@@ -88,3 +88,22 @@ def test_an_interrupted_sweep_resumes_only_its_missing_jobs(tmp_path, capsys):
 
     r = load.runs(sweep)
     assert len(r) == 3 and set(r["status"]) == {"completed"}
+
+
+def test_the_jobs_a_sweep_has_not_reached_are_counted(tmp_path):
+    import pandas as pd
+    import yaml
+
+    from analysis import load
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    hydra = {"sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+                         "params": {"seed": "0,1,2", "workers": "5,10"}},
+             "overrides": {"task": ["experiment=x", "workers=2,3,4", "lr=0.1"]}}  # the command line wins
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": hydra}))
+    assert load.planned_jobs(sweep) == 9
+    r = pd.DataFrame({"run_dir": [str(sweep / "0"), str(sweep / "1")], "status": ["completed", "failed"]})
+    assert load.unstarted(r, short=True) == "7 of the 9 jobs of sweep sweep have not run"
+    assert f"hydra.sweep.dir={sweep} resume=true" in load.unstarted(r)
+    assert load.unstarted(r.assign(run_dir=[str(tmp_path / "elsewhere" / "0")] * 2)) == ""  # no multirun.yaml
