@@ -200,12 +200,16 @@ def unstarted(r: pd.DataFrame, short: bool = False) -> str:
     if r.empty or "run_dir" not in r:
         return ""
     out = []
-    for sweep, found in r.groupby(r["run_dir"].map(lambda d: str(Path(d).parent)))["run_dir"]:
+    for sweep in sorted({str(Path(d).parent) for d in r["run_dir"]}):
         planned = planned_jobs(sweep)
-        if planned is not None and planned > len(found) and short:
-            out.append(f"{planned - len(found)} of the {planned} jobs of sweep {Path(sweep).name} have not run")
-        elif planned is not None and planned > len(found):
-            out.append(f"{planned - len(found)} of the {planned} jobs of sweep {sweep} have not run (to run them: the "
+        if planned is None:
+            continue
+        # every job folder of the sweep, not only the runs in `r` (a figure may draw the GEM runs of a sweep alone)
+        found = sum(1 for d in Path(sweep).iterdir() if d.is_dir() and _is_run(d))
+        if planned > found and short:
+            out.append(f"{planned - found} of the {planned} jobs of sweep {Path(sweep).name} have not run")
+        elif planned > found:
+            out.append(f"{planned - found} of the {planned} jobs of sweep {sweep} have not run (to run them: the "
                        f"identical -m command with hydra.sweep.dir={sweep} resume=true)")
     return "; ".join(out)
 

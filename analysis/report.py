@@ -33,8 +33,10 @@ The CSV's columns (one row per table row, numbers unformatted, NaN written as an
 
 The figure (html and md): every algorithm's training loss against worker steps, one panel per n, and the final
 training loss against n, on a grid of at most 3 columns with one legend. Curves are `analysis.plots.curves`
-with `band="ci"`: the mean over the completed seeds and its 95% t interval, each other run drawn on its own (a
-diverged one dashed, ending in a cross); the final losses are `plots.final_loss`, mean and 95% t interval. The
+with `--band` (default `minmax`, as the figures; `ci`: the 95% t interval, which with 3 seeds is t(0.975, 2) = 4.3
+standard errors wide each way and, with nine algorithms, covers most of a panel; `none`): the mean over the
+completed seeds, each other run drawn on its own (a diverged one dashed, ending in a cross); the final losses are
+`plots.final_loss`, mean and the same interval as error bars. The
 target loss is a dotted line, or a note in the panel when it lies outside the panel's range.
 """
 
@@ -71,7 +73,7 @@ LEFT_OUT = "Runs left out of the means"
 STYLE = {"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "xtick.labelsize": 10,
          "ytick.labelsize": 10, "legend.fontsize": 10}
 PANEL = (5.0, 3.6)  # inches
-BAND = "ci"  # the curves' band and the final losses' error bars: the 95% t interval of the mean
+BAND = "minmax"  # the curves' band and the final losses' error bars, unless --band says otherwise
 DPI = 110
 
 
@@ -253,7 +255,7 @@ def _tight_bottom(axes, room: float = 2.0) -> None:
             ax.set_ylim(v.min() / room, hi)
 
 
-def curves_figure(runs: pd.DataFrame, m: pd.DataFrame, target: float):
+def curves_figure(runs: pd.DataFrame, m: pd.DataFrame, target: float, band=BAND):
     """Every algorithm's training loss against worker steps, one panel per n, and the final loss against n, on a
     grid of at most 3 columns with one legend for all of them."""
     from matplotlib.lines import Line2D
@@ -275,14 +277,15 @@ def curves_figure(runs: pd.DataFrame, m: pd.DataFrame, target: float):
         loss_axes = axes[:len(ns)]
         for ax, n in zip(loss_axes, ns, strict=True):
             plots.curves(m[m["workers"] == n], ax, x="worker_step", y="loss", hue="variant", palette=palette,
-                         band=BAND)
+                         band=band)
             ax.set_title(f"n = {n}")
         _tight_bottom(loss_axes)
         plots.same_y(loss_axes)
         for ax in loss_axes:
             _target_line(ax, target)
-        plots.final_loss(runs, axes[len(ns)], hue="variant", palette=palette, band=BAND)
-        axes[len(ns)].set_title(f"final training loss (mean, {LEVEL:.0%} CI)")
+        plots.final_loss(runs, axes[len(ns)], hue="variant", palette=palette, band=band)
+        bars = {"minmax": "min–max", "ci": f"{LEVEL:.0%} CI", None: "no bars"}[plots.band_kind(band)]
+        axes[len(ns)].set_title(f"final training loss (mean, {bars})")
         for ax in axes[cells:]:
             ax.axis("off")
         handles = [Line2D([], [], color=palette[v], lw=2, label=v) for v in names]
@@ -297,15 +300,17 @@ def curves_figure(runs: pd.DataFrame, m: pd.DataFrame, target: float):
             axes[cells].legend(handles=handles, loc="center", frameon=False, ncol=1 if len(handles) <= 12 else 2)
         else:
             fig.legend(handles=handles, loc="outside lower center", frameon=False, ncol=min(len(handles), 6))
-        fig.suptitle(f"Training loss against worker steps: the mean over the completed seeds, band: its {LEVEL:.0%} "
-                     f"t interval;\neach run left out of the means drawn on its own. Last panel: the final loss, "
-                     f"mean and {LEVEL:.0%} t interval.", fontsize=11)
+        kind = plots.band_kind(band)
+        what = "no band" if kind is None else f"band: {plots.BANDS[kind]}"
+        fig.suptitle(f"Training loss against worker steps: the mean over the completed seeds, {what};\neach run "
+                     f"left out of the means drawn on its own. Last panel: the final loss, mean and {bars}.",
+                     fontsize=11)
     return fig
 
 
-def figure_png(runs: pd.DataFrame, m: pd.DataFrame, target: float) -> bytes:
+def figure_png(runs: pd.DataFrame, m: pd.DataFrame, target: float, band=BAND) -> bytes:
     with plt.rc_context(STYLE):  # ticks are made at draw time: the same sizes then
-        fig = curves_figure(runs, m, target)
+        fig = curves_figure(runs, m, target, band)
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=DPI)
         plt.close(fig)
@@ -367,12 +372,12 @@ def _markdown(frame: pd.DataFrame) -> str:
     return cells.to_markdown(index=False)
 
 
-def write(paths, out: str | Path, target: float = DEFAULT_TARGET) -> Path:
+def write(paths, out: str | Path, target: float = DEFAULT_TARGET, band=BAND) -> Path:
     """Write the report for every run under `paths` to `out` (.html, .md, .csv or .tex). Returns its path."""
-    return _write(paths, out, target)[0]
+    return _write(paths, out, target, band)[0]
 
 
-def _write(paths, out: str | Path, target: float) -> tuple[Path, pd.DataFrame]:
+def _write(paths, out: str | Path, target: float, band=BAND) -> tuple[Path, pd.DataFrame]:
     out = Path(out)
     if out.suffix.lower() not in SUFFIXES:
         raise ValueError(f"--out {out}: the report is written as {', '.join(SUFFIXES[:-1])} or {SUFFIXES[-1]}")
@@ -399,7 +404,7 @@ def _write(paths, out: str | Path, target: float) -> tuple[Path, pd.DataFrame]:
                    f"reached it (reached/runs that completed or diverged).")
         write_atomic(out, to_tex(tab, caption, command(paths, out, target)))
         return out, runs
-    fig = figure_png(runs, m, target) if len(m) else None
+    fig = figure_png(runs, m, target, band) if len(m) else None
     missing = left_out(runs, m, paths)
     sources = ", ".join(sorted({str(Path(d).parent) for d in runs["run_dir"]}))
     about = (f"{len(runs)} runs from {sources}. {_describe(runs)}. {intro} Seconds count from a run's first "
@@ -439,11 +444,14 @@ def main(argv=None) -> int:
                    help="the report: .html (self-contained), .md (PNG beside it), .csv (tidy numbers) or .tex "
                         "(booktabs table)")
     p.add_argument("--target-loss", type=float, default=DEFAULT_TARGET, help="the loss for 'steps to target'")
+    p.add_argument("--band", choices=("minmax", "ci", "none"), default=BAND,
+                   help="the curves' band and the final losses' bars: min–max over seeds (default), the 95%% t "
+                        "interval of the mean, or none (the table always gives the t interval)")
     args = p.parse_args(argv)
     if not np.isfinite(args.target_loss) or args.target_loss <= 0:
         p.error(f"--target-loss={args.target_loss} is not allowed; it must be a number > 0")
     try:
-        path, runs = _write(args.sweeps, args.out, args.target_loss)
+        path, runs = _write(args.sweeps, args.out, args.target_loss, args.band)
     except (FileNotFoundError, ValueError, WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -103,7 +103,10 @@ def test_the_jobs_a_sweep_has_not_reached_are_counted(tmp_path):
              "overrides": {"task": ["experiment=x", "workers=2,3,4", "lr=0.1"]}}  # the command line wins
     (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": hydra}))
     assert load.planned_jobs(sweep) == 9
-    r = pd.DataFrame({"run_dir": [str(sweep / "0"), str(sweep / "1")], "status": ["completed", "failed"]})
+    for job in ("0", "1"):  # two job folders that hold a run; r below names one of them only
+        (sweep / job).mkdir()
+        (sweep / job / "summary.json").write_text("{}")
+    r = pd.DataFrame({"run_dir": [str(sweep / "0")], "status": ["completed"]})
     assert load.unstarted(r, short=True) == "7 of the 9 jobs of sweep sweep have not run"
     assert f"hydra.sweep.dir={sweep} resume=true" in load.unstarted(r)
-    assert load.unstarted(r.assign(run_dir=[str(tmp_path / "elsewhere" / "0")] * 2)) == ""  # no multirun.yaml
+    assert load.unstarted(r.assign(run_dir=[str(tmp_path / "elsewhere" / "0")])) == ""  # no multirun.yaml
