@@ -1,7 +1,7 @@
 """The frames of `analysis.load`, pulled from the W&B API instead of run directories (for runs logged online).
 
     from analysis.from_wandb import runs, commits
-    r = runs("my-entity/gem", filters={"group": "2026-11-21/10-00-00-000000"})
+    r = runs("my-entity/gem", filters={"group": "fig1 2026-11-21 10:00:00"})
     m = commits("my-entity/gem", filters={"group": "..."})              # table="eval" for the evaluations
 
 The columns match the local loader, so `analysis.plots`, `analysis.report` and `paper_figures` take these frames
