@@ -166,6 +166,21 @@ def varying(runs: pd.DataFrame, keys) -> list[str]:
     return sorted(found)
 
 
+def repeated_seeds(runs: pd.DataFrame, keys) -> str:
+    """One line when two runs share `keys` and the seed (the same sweep passed twice, say): averaged as two
+    seeds they would narrow every interval without a second draw of anything. Empty when every seed is once."""
+    keys = [k for k in keys if k in runs.columns]
+    if runs.empty or "seed" not in runs.columns:
+        return ""
+    for values, g in runs.groupby([*keys, "seed"], dropna=False):
+        if len(g) > 1:
+            what = ", ".join(f"{k}={v}" for k, v in zip([*keys, "seed"], values, strict=True))
+            dirs = " and ".join(sorted(g["run_dir"])[:3]) + (" ..." if len(g) > 3 else "")
+            return (f"{len(g)} runs share {what} ({dirs}): the same seed twice is not two seeds; pass each run "
+                    "once")
+    return ""
+
+
 def planned_jobs(sweep: str | os.PathLike) -> int | None:
     """How many jobs the sweep in `sweep` was launched with: the product of the sweeps in its `multirun.yaml`
     (the experiment's sweeper params, the command line winning, as Hydra's basic sweeper does). None when there is

@@ -4,8 +4,8 @@ Every GEM commit row holds `pi_median` (the median of π over all elements at th
 (the share of elements clamped to 0). Two views:
 
 - `by_run`: each run's mean of the per-commit medians and zero fractions over the second half of its commits
-  (training has settled by then; the paper's Fig. 3 is flat after its first ~5% of steps), then the mean and
-  standard deviation over seeds.
+  (training has settled by then; the paper's Fig. 3 is flat after its first ~5% of steps), then the mean over
+  seeds, its standard deviation and the half-width of its 95% Student's t interval (`_ci`, analysis.stats).
 - `by_staleness`: the same per-commit numbers grouped by τ/(n − 1) (a commit's staleness relative to round robin's),
   in buckets 0.25 wide centred on 0, 0.25, ..., 1 (round robin's τ = n − 1), ..., pooled over seeds: how π depends
   on the commit's own τ.
@@ -24,6 +24,8 @@ import numpy as np
 import pandas as pd
 
 from analysis import load
+from analysis.plots import require
+from analysis.stats import mean_ci
 
 BUCKET = 0.25  # width of a τ/(n − 1) bucket
 MIN_COMMITS = 20  # a bucket with fewer commits is not shown: its mean is noise
@@ -31,6 +33,7 @@ MIN_COMMITS = 20  # a bucket with fewer commits is not shown: its mean is noise
 
 def settled(m: pd.DataFrame) -> pd.DataFrame:
     """The commits both views read: those of completed runs (when `m` says), after the middle of each run's clock."""
+    require(m, ["run_dir", "step", "pi_median", "pi_zero_frac", "staleness", "workers"], "analysis.pi")
     if "status" in m:
         m = m[m["status"] == "completed"]
     last = m.groupby("run_dir")["step"].transform("max")
@@ -41,13 +44,17 @@ def by_run(m: pd.DataFrame, by) -> pd.DataFrame:
     """One row per setting `by`: the mean (over seeds) of each run's mean median π and zero fraction over the
     second half of its commits, their standard deviations, and the number of seeds."""
     by = list(by)
+    require(m, by, "analysis.pi.by_run")
     h = settled(m)
     per = h.groupby([*by, "run_dir"], dropna=False).agg(pi_median=("pi_median", "mean"),
                                                          pi_zero_frac=("pi_zero_frac", "mean"),
                                                          tau_mean=("staleness", "mean"), tau_sd=("staleness", "std"))
-    out = per.groupby(level=by, dropna=False).agg(["mean", "std"])
+    grouped = per.groupby(level=by, dropna=False)
+    out = grouped.agg(["mean", "std"])
     out.columns = [f"{a}_{b}" if b == "std" else a for a, b in out.columns]
-    out["seeds"] = per.groupby(level=by, dropna=False).size()
+    for c in per.columns:  # the 95% t interval's half-width, as every table gives it (analysis.stats)
+        out[f"{c}_ci"] = grouped[c].agg(lambda v: mean_ci(v).half_width)
+    out["seeds"] = grouped.size()
     return out.reset_index()
 
 
@@ -56,6 +63,7 @@ def by_staleness(m: pd.DataFrame, by=("workers",)) -> pd.DataFrame:
     zero fraction over the second half of every run, and how many commits; buckets with fewer than
     MIN_COMMITS commits are dropped."""
     by = list(by)
+    require(m, by, "analysis.pi.by_staleness")
     h = settled(m)
     h = h[h["workers"] > 1]
     rel = h["staleness"] / (h["workers"] - 1)

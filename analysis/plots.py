@@ -55,7 +55,9 @@ LABELS = {
     "workers": "n",
     "algorithm.kappa": "κ",
 }
-BANDS = {"minmax": "min–max over seeds", "ci": "95% t interval of the mean over seeds", None: "no band"}
+BANDS = {"minmax": "min–max over seeds",
+         "ci": "95% t interval of the mean over seeds (on a log axis its lower edge stops at the lowest seed)",
+         None: "no band"}
 # How a run that is not averaged in is drawn: line style and the marker at its last point
 APART = {"diverged": ("--", "x"), "failed": (":", "s"), "incomplete": (":", "o")}
 LOG_Y = ("loss", "val_loss", "train_loss", "final_train_loss")
@@ -66,7 +68,8 @@ def require(frame: pd.DataFrame, columns, who: str) -> None:
     for c in columns:
         if c is not None and c not in frame.columns:
             have = ", ".join(map(str, frame.columns)) or "no columns"
-            raise ValueError(f"plots.{who}: the frame has no column {c!r}; it has: {have}")
+            where = who if "." in who else f"plots.{who}"  # a caller outside plots names its own module
+            raise ValueError(f"{where}: the frame has no column {c!r}; it has: {have}")
 
 
 def statuses(frame: pd.DataFrame) -> pd.Series:

@@ -81,6 +81,9 @@ def variants(runs: pd.DataFrame) -> tuple[pd.Series, list[str]]:
     """What tells apart the rows of the report: the algorithm, plus any setting that differs between runs of the
     same algorithm and n besides the seed (κ in a fig8 sweep, say). Returns a label per run and those settings."""
     extra = load.varying(runs, ["algorithm", "workers"])
+    repeated = load.repeated_seeds(runs, ["algorithm", "workers", *extra])
+    if repeated:
+        raise ValueError(repeated)
     label = runs["algorithm"].astype(str)
     for c in extra:
         short = c.removeprefix("algorithm.")
@@ -407,9 +410,9 @@ def _write(paths, out: str | Path, target: float, band=BAND) -> tuple[Path, pd.D
     fig = figure_png(runs, m, target, band) if len(m) else None
     missing = left_out(runs, m, paths)
     sources = ", ".join(sorted({str(Path(d).parent) for d in runs["run_dir"]}))
-    about = (f"{len(runs)} runs from {sources}. {_describe(runs)}. {intro} Seconds count from a run's first "
-             "commit, on its own clock: wall time on the process engine, the simulation's compute time on the sim "
-             "engine.")
+    about = (f"{len(runs)} run{'s' if len(runs) != 1 else ''} from {sources}. {_describe(runs)}. {intro} Seconds "
+             "count from a run's first commit, on its own clock: wall time on the process engine, the simulation's "
+             "compute time on the sim engine.")
     gone = (f"{LEFT_OUT}: every run that did not complete, with its directory relative to its sweep, the commits "
             "it applied (for an incomplete run, the last step it logged) and why it stopped.")
     if suffix == ".html":

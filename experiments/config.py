@@ -528,9 +528,13 @@ def preflight(argv: list[str]) -> list[str]:
         if any(cfg.plan for cfg, _ in jobs):
             from experiments import plan
 
-            plan.show([(o, cfg, checked) for o, (cfg, checked) in zip(overrides, jobs, strict=True)])
+            # a sweep's folder is checked as the real command would check it (a single run's is not: checking it
+            # takes it); with resume=true the plan says what happens to each job
+            actions = _check_directories(args, jobs)[1] if args.multirun else None
+            plan.show([(o, cfg, checked) for o, (cfg, checked) in zip(overrides, jobs, strict=True)],
+                      actions=actions)
             sys.exit(0)
-        argv = argv + [_check_directories(args, jobs)]
+        argv = argv + [_check_directories(args, jobs)[0]]
         note = None if args.multirun else single_run_note(args.overrides)
         if note:
             print(note, file=sys.stderr)
@@ -568,10 +572,11 @@ def _missing_launcher(overrides: list[str]) -> str | None:
     return None
 
 
-def _check_directories(args, jobs: list) -> str:
+def _check_directories(args, jobs: list) -> tuple[str, list[str] | None]:
     """One run: take its directory (the lock is held until this process exits) and check the command can run
     there. A sweep: check that no job's directory is in use or holds results (unless resume=true). Returns the
-    override that fixes the directory for Hydra (its `${now:...}` would otherwise be resolved again)."""
+    override that fixes the directory for Hydra (its `${now:...}` would otherwise be resolved again), and, for a
+    sweep resumed with resume=true, what happens to each job (experiments.rundir.sweep_action)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from experiments import rundir
@@ -581,15 +586,15 @@ def _check_directories(args, jobs: list) -> str:
     if not args.multirun:
         run_dir = os.path.abspath(str(hydra.run.dir))
         rundir.check_run_dir(*jobs[0], Path(run_dir))
-        return f"hydra.run.dir={_quoted(run_dir)}"
+        return f"hydra.run.dir={_quoted(run_dir)}", None
     sweep_dir = os.path.abspath(str(hydra.sweep.dir))
     numbered = OmegaConf.to_container(hydra.sweep, resolve=False).get("subdir") == "${hydra.job.num}"
     if any(cfg.resume for cfg, _ in jobs):
         if not numbered:
             raise rundir.Refused("resume=true with -m needs the sweep's jobs in numbered folders "
                                  "(hydra.sweep.subdir=${hydra.job.num}, the default)")
-        _plan_resume(Path(sweep_dir), jobs)
-    elif numbered:
+        return f"hydra.sweep.dir={_quoted(sweep_dir)}", _plan_resume(Path(sweep_dir), jobs)
+    if numbered:
         for num in range(len(jobs)):
             job_dir = Path(sweep_dir) / str(num)
             if rundir.in_use(job_dir):
@@ -600,10 +605,10 @@ def _check_directories(args, jobs: list) -> str:
                 raise rundir.Refused(f"hydra.sweep.dir={sweep_dir} already holds a sweep: job {num}'s directory "
                                      f"holds a run (status {st}); add resume=true to finish that sweep (the "
                                      "identical -m command), or pick a new sweep directory")
-    return f"hydra.sweep.dir={_quoted(sweep_dir)}"
+    return f"hydra.sweep.dir={_quoted(sweep_dir)}", None
 
 
-def _plan_resume(sweep_dir: Path, jobs: list) -> None:
+def _plan_resume(sweep_dir: Path, jobs: list) -> list[str]:
     """`-m ... resume=true`: say what happens to each job (experiments.rundir.sweep_action), or refuse the
     whole command before anything runs."""
     from experiments import rundir
@@ -615,7 +620,7 @@ def _plan_resume(sweep_dir: Path, jobs: list) -> None:
     for num, (cfg, checked) in enumerate(jobs):
         action, why = rundir.sweep_action(cfg, checked, sweep_dir / str(num), num)
         by.setdefault(action, []).append((num, why))
-    words = {"skip": "finished (skipped, left as they are)", "resume": "resume from their checkpoints",
+    words = {"skip": "finished (skipped, left as they are)", "resume": "resume from the last checkpoint",
              "rerun": "rerun (stopped before a checkpoint; their files move to .superseded/)", "new": "start"}
     parts = []
     for a in (a for a in words if a in by):
@@ -624,6 +629,7 @@ def _plan_resume(sweep_dir: Path, jobs: list) -> None:
                   else _ranges([num for num, _ in by[a]]))
         parts.append(f"job{'s' if len(by[a]) > 1 else ''} {listed}: {words[a]}")
     print(f"gem: resuming the sweep in {sweep_dir}: " + "; ".join(parts), file=sys.stderr)
+    return [next(a for a in by if any(num == i for i, _ in by[a])) for num in range(len(jobs))]
 
 
 def _ranges(nums: list[int]) -> str:

@@ -107,7 +107,14 @@ def _commit_cost(job, model) -> float:
         if algo.diagnostics is not None:
             algo.diagnostics(commit, layout, job.hp)
 
-    return _timed(one, CALIBRATION_S / 4)
+    threads = torch.get_num_threads()
+    try:  # the faster of one thread and all of them: elementwise work on θ may or may not gain from threads
+        torch.set_num_threads(1)
+        single = _timed(one, CALIBRATION_S / 8)
+        torch.set_num_threads(cores())
+        return min(single, _timed(one, CALIBRATION_S / 8))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _key(cfg) -> str:
@@ -127,15 +134,19 @@ def duration(s: float) -> str:
 
 def job_size(cfg, cost: Cost) -> dict:
     """Commits, gradient steps, evaluations and the estimated seconds of one job."""
+    from types import SimpleNamespace
+
     from experiments.config import algorithm_params
     from gem import algorithms
+    from gem.engines.core import commits_per_worker, worker_steps
 
     algo = algorithms.get(cfg.algorithm.name)
     n = 1 if algo.sequential else int(cfg.workers)
-    steps_per_worker = cfg.epochs * (cost.train // cfg.batch_size)
-    window = algo.commit_every(algorithm_params(cfg))
-    commits = n * (steps_per_worker // window)
-    steps = n * steps_per_worker
+    # the engines' own count of a worker's steps and commits, on a job of this size
+    sized = SimpleNamespace(epochs=cfg.epochs, batch_size=cfg.batch_size,
+                            data=SimpleNamespace(train_y=range(cost.train)))
+    commits = n * commits_per_worker(sized, algo.commit_every(algorithm_params(cfg)))
+    steps = n * worker_steps(sized)
     evals = commits // cfg.logger.eval_every + 2  # every eval_every commits, at the start and at the end
     eval_examples = cost.val + min(cfg.logger.eval_train_size, cost.train)
     if cfg.engine.name == "sim":  # one process, torch's own threads: the faster of the two timings
@@ -157,8 +168,10 @@ def _swept(jobs) -> set[str]:
     return {k for k, v in values.items() if len(v) > 1 and not k.startswith("hydra")}
 
 
-def show(jobs: list[tuple[list[str], object, dict]], out=print) -> float:
-    """Print the plan of `jobs` ((overrides, cfg, checked) each); returns the estimated total seconds."""
+def show(jobs: list[tuple[list[str], object, dict]], out=print, actions: list[str] | None = None) -> float:
+    """Print the plan of `jobs` ((overrides, cfg, checked) each); returns the estimated total seconds. `actions`:
+    what a resumed sweep does with each job (experiments.rundir.sweep_action); a skipped job costs nothing, a
+    resumed one is counted whole (an upper bound)."""
     import dataclasses
 
     from experiments.config import algorithm_params
@@ -181,6 +194,10 @@ def show(jobs: list[tuple[list[str], object, dict]], out=print) -> float:
             commit_s[(key, name)] = _commit_cost(job, model)
         size = job_size(cfg, dataclasses.replace(costs[key], commit_s=commit_s[(key, name)]))
         name = " ".join(o for o in overrides if o.partition("=")[0].lstrip("+~") in swept)
+        if actions is not None:
+            name += f"  [{ {'skip': 'finished: skipped', 'new': 'start'}.get(actions[len(rows)], actions[len(rows)]) }]"
+            if actions[len(rows)] == "skip":
+                size = {**size, "seconds": 0.0}
         rows.append((name or "(one job)", cfg.engine.name, size))
     total = sum(r[2]["seconds"] for r in rows)
     width = max(len(r[0]) for r in rows)
@@ -190,8 +207,9 @@ def show(jobs: list[tuple[list[str], object, dict]], out=print) -> float:
     for i, (name, engine, s) in enumerate(rows):
         out(f"  {i:>3}  {name:<{width}}  {engine:<11} {s['n']:>4} {s['commits']:>10,} {s['steps']:>11,} "
             f"{duration(s['seconds']):>9}")
-    commits = sum(r[2]["commits"] for r in rows)
-    out(f"total: {commits:,} commits, about {duration(total)} one job after another on this machine "
+    commits = sum(r[2]["commits"] for i, r in enumerate(rows) if actions is None or actions[i] != "skip")
+    left = "" if actions is None else f" for the {sum(a != 'skip' for a in actions)} jobs left to run"
+    out(f"total{left}: {commits:,} commits, about {duration(total)} one job after another on this machine "
         f"({cores()} cores)")
     for key, c in costs.items():
         cfg = next(cfg for _, cfg, _ in jobs if _key(cfg) == key)

@@ -189,12 +189,14 @@ def remove_temporary(run_dir: Path) -> None:
 # A run whose summary says one of these is a result: `resume=true` on its sweep leaves it as it is. A diverged
 # run is a result too (rerunning it would diverge again: the sim engine is deterministic for a seed).
 FINAL = ("completed", "diverged")
-NOT_IDENTITY = ("resume", "plan")  # keys a resumed sweep may change
+# keys a resumed sweep may change: what it is asked to do, and how it logs (W&B, parquet batching, progress bars,
+# evaluation cadence do not change a run's commits; analysis.load leaves `logger.*` out of a run's settings too)
+NOT_IDENTITY = ("resume", "plan", "logger")
 
 
 def config_difference(cfg: DictConfig, run_dir: Path) -> str | None:
     """None when the run in `run_dir` was launched with the same config as `cfg` (both unresolved, as Hydra
-    composes and the runner saves them; `resume` and `plan` aside); else the first key that differs, as
+    composes and the runner saves them; NOT_IDENTITY aside); else the first key that differs, as
     `key: <theirs> here, <ours> in this command`. A run without its `.hydra/config.yaml` cannot be compared."""
     from omegaconf import OmegaConf
 

@@ -238,11 +238,14 @@ def _resume_job(cfg: DictConfig, job_dir: Path, num: int) -> dict | None:
     from omegaconf import open_dict
 
     try:
+        rundir.claim(job_dir, f"job {num} of hydra.sweep.dir")  # before anything is decided or moved: one owner
         action, why = rundir.sweep_action(cfg, validate(cfg), job_dir, num)
     except (Refused, ConfigError) as e:
+        rundir.unclaim(job_dir)
         print(f"error: {e}", file=sys.stderr, flush=True)
         return {"status": "refused", "reason": str(e)}
     if action == "skip":
+        rundir.unclaim(job_dir)
         print(f"gem: job {num} ({job_dir}) is already {why}: skipped, left as it is", flush=True)
         return json.loads((job_dir / "summary.json").read_text())
     if action == "rerun":
@@ -292,6 +295,11 @@ def main(cfg: DictConfig) -> dict | None:
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
+    if cfg.plan:  # run.py's preflight shows a command's plan before Hydra starts; here when it was skipped
+        from experiments import plan  # (--config-dir, --config-name, --experimental-rerun): this job's plan only
+
+        plan.show([(list(hc.overrides.task), cfg, validate(cfg))])
+        return None
     # W&B: a sweep's runs are grouped by experiment and launch time, each named by what its overrides set
     group = wandb_logger.group(hc.runtime.choices.get("experiment"), multirun,
                                hc.sweep.dir if multirun else hc.run.dir)

@@ -6,8 +6,8 @@
   and later runs of the same sweep go offline at once. If even offline fails, the run goes on without W&B.
 - `disabled`: nothing is imported or written.
 
-The runner decides what a run is called and what it logs (experiments.runner: `wandb_group`, `wandb_name`,
-`wandb_config`; README, "Weights & Biases"): the group is the experiment and the sweep's launch time
+The runner asks this module what a run is called and what it logs (`group`, `run_name`, `config` below; README,
+"Weights & Biases"): the group is the experiment and the sweep's launch time
 (`fig1 2026-11-21 13:52:44`), the name what the job's overrides set (`gem κ=2 n=10 s0`), the config every key with
 its default filled in, plus the group choices and the experiment. Rows go out as `train/<column>` (every
 `logger.wandb.log_every`-th commit row) and `eval/<column>` (every evaluation row, `eval/worker_step` included).
@@ -146,18 +146,24 @@ _PAPER_TERMS = {"lr": "η", "momentum": "μ", "batch_size": "b", "algorithm.kapp
 def launch_time(folder: str | Path, multirun: bool) -> str:
     """When a sweep (or a single run) was launched, as '2026-11-21 13:52:44' (local time): read from the name of a
     directory that follows Hydra's default pattern (`multirun/2026-11-21/13-52-44-123456`), so that a sweep
-    resumed in its directory keeps its time. A custom sweep directory: the time Hydra wrote its multirun.yaml
-    (at launch, before any job; a resumed sweep gets the time it was relaunched), else the time of this process's
-    first job in it. A custom single-run directory: now."""
+    resumed in its directory keeps its time. A custom sweep directory: the earliest of the time Hydra wrote its
+    multirun.yaml (at launch, before any job) and the times its jobs' `.hydra/` were written (Hydra rewrites
+    multirun.yaml when a sweep is resumed; a finished job's `.hydra/` is left as it was, so a resumed sweep keeps
+    its first launch's time), else the time of this process's first job in it. A custom single-run directory: now."""
     match = _STAMPED.fullmatch("/".join(Path(folder).parts[-2:]))
     if match:
         return f"{match[1]} {match[2]}:{match[3]}:{match[4]}"
     if not multirun:
         return datetime.now().strftime(_TIME)
-    try:
-        return datetime.fromtimestamp((Path(folder) / "multirun.yaml").stat().st_mtime).strftime(_TIME)
-    except OSError:
-        return _launched.setdefault(str(folder), datetime.now().strftime(_TIME))
+    stamps = []
+    for path in [Path(folder) / "multirun.yaml", *Path(folder).glob("*/.hydra/hydra.yaml")]:
+        try:
+            stamps.append(path.stat().st_mtime)
+        except OSError:
+            pass
+    if stamps:
+        return datetime.fromtimestamp(min(stamps)).strftime(_TIME)
+    return _launched.setdefault(str(folder), datetime.now().strftime(_TIME))
 
 
 def group(experiment: str | None, multirun: bool, folder: str | Path) -> str | None:

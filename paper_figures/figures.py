@@ -40,16 +40,12 @@ COMMIT_COLUMNS = ["algorithm", "workers", "seed", "status", "experiment", "algor
 WALL_CLOCK = ("process", "distributed")  # the engines whose time_s is wall-clock seconds
 
 
-def runs_for(fig_id: str, paths, keys, algorithms=None, table: str = "metrics", need: str = "") -> pd.DataFrame:
-    """The rows of `table` a figure draws: those of `algorithms` (all if None), refused with one line when there
-    are none (`need` says what the figure needs) or when runs sharing `keys` differ in more than the seed."""
-    return load_for(fig_id, paths, keys, algorithms, table, need)[0]
-
-
 def load_for(fig_id: str, paths, keys, algorithms=None, table: str = "metrics",
              need: str = "") -> tuple[pd.DataFrame, pd.DataFrame]:
-    """`runs_for`'s rows, and the `load.runs` frame of the same runs (those of `algorithms`): every run, also
-    one killed before it wrote a row, which the title counts."""
+    """The rows of `table` a figure draws, those of `algorithms` (all if None), and the `load.runs` frame of the
+    same runs: every run, also one killed before it wrote a row, which the title counts. Refused with one line
+    when there are none (`need` says what the figure needs), or when runs sharing `keys` differ in more than the
+    seed or repeat a seed."""
     r = load.runs(paths)
     if algorithms is not None and len(r):
         r = r[r["algorithm"].isin(algorithms)] if "algorithm" in r else r.iloc[:0]
@@ -69,16 +65,17 @@ def wall_clock(fig_id: str, r: pd.DataFrame) -> None:
                      f"time_s is {clock}, not wall-clock; pass runs of engine={' or engine='.join(WALL_CLOCK)}")
 
 
-def check(fig_id: str, r: pd.DataFrame, keys, algorithms=None) -> None:
+def check(fig_id: str, r: pd.DataFrame, keys) -> None:
     """One figure's curves average runs that share `keys` as seeds: refuse runs (the `load.runs` frame `r`)
-    that differ in anything else."""
-    if algorithms is not None and len(r):
-        r = r[r["algorithm"].isin(algorithms)]
+    that differ in anything else, or that repeat a seed."""
     bad = load.varying(r, keys)
     if bad:
         values = ", ".join(f"{c} = {'/'.join(sorted(map(str, r[c].dropna().unique())))}" for c in bad[:3])
         raise NoRuns(f"{fig_id} averages the runs with the same {', '.join(keys)} over seeds, but these runs also "
                      f"differ in {values}; pass run or sweep folders that differ only in {', '.join(keys)} and seed")
+    repeated = load.repeated_seeds(r, keys)
+    if repeated:
+        raise NoRuns(f"{fig_id}: {repeated}")
 
 
 def left_out(r: pd.DataFrame, frame: pd.DataFrame) -> str:

@@ -443,7 +443,7 @@ def test_fig1_on_an_interrupted_sweep_draws_unfinished_runs_apart_and_names_the_
     assert sorted(ln.get_marker() for ln in gem_ax.get_lines() if ln.get_linestyle() == "None") == ["o", "s"]
     assert final_ax.get_legend_handles_labels()[1] == ["gem (2 seeds)"]  # n = 2 only: n = 1 has no completed run
     fig = FIGURES["fig1"](interrupted, band="ci")
-    assert "band: 95% t interval of the mean over seeds" in fig._suptitle.get_text().replace("\n", " ")  # lines are wrapped to the width
+    assert "band: 95% t interval of the mean over seeds" in fig._suptitle.get_text().replace("\n", " ")
     plots.plt.close("all")
 
 
@@ -483,7 +483,7 @@ def test_heatmaps_give_each_panel_its_own_colour_scale(sweep):
         cells = np.asarray(im.get_array(), dtype=float)
         cells = cells[np.isfinite(cells)]
         assert im.norm.vmax == pytest.approx(np.quantile(cells, 0.99)) and im.norm.vmin == 0
-    assert "each panel its own colour bar" in fig._suptitle.get_text().replace("\n", " ")  # lines are wrapped to the width
+    assert "each panel its own colour bar" in fig._suptitle.get_text().replace("\n", " ")
     plots.plt.close("all")
 
 
