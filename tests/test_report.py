@@ -129,3 +129,14 @@ def test_the_target_line_leaves_the_range_alone_and_the_grid_is_narrow(sweep):
     report.plt.close(fig)
     assert report.headline(r[r["status"] == "completed"]) == ("Every run completed (4 of 4): none is left out of the "
                                                                "means.")
+
+
+def test_the_same_seed_twice_is_refused_not_counted_as_two(tmp_path, capsys):
+    for copy in ("a", "b"):  # one sweep and its copy: the same two seeds, twice
+        for seed in (0, 1):
+            _run(tmp_path / copy / str(seed), "gem", 2, seed, loss=0.1 + seed, accuracy=0.9)
+    assert report.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "t.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: 2 runs share algorithm=gem, workers=2, seed=0 (") and "not two seeds" in err
+    assert not (tmp_path / "t.csv").exists()
+    assert report.main([str(tmp_path / "a"), "--out", str(tmp_path / "t.csv")]) == 0  # each seed once: fine

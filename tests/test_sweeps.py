@@ -78,6 +78,18 @@ def test_an_interrupted_sweep_resumes_only_its_missing_jobs(tmp_path, capsys):
     assert "holds a run of another configuration (epochs: 1 there, 2 in this command)" in changed
     assert snapshot(sweep / "0") == done
 
+    # its plan says what the resume will do, job by job, and changes nothing
+    with pytest.raises(SystemExit) as e:
+        from experiments.config import preflight
+
+        preflight([*cmd, "resume=true", "plan=true"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert [line.split("[")[1].split("]")[0] for line in out.splitlines()[2:5]] == ["finished: skipped", "rerun",
+                                                                                    "start"]
+    assert "total for the 2 jobs left to run: 92 commits" in out
+    assert snapshot(sweep / "0") == done and (sweep / "1" / "metrics.parquet").exists()
+
     p = run_py(*cmd, "resume=true")
     assert p.returncode == 0, p.stderr
     assert ("gem: resuming the sweep in" in p.stderr and "job 0: finished (skipped, left as they are); job 1 "
