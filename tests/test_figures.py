@@ -422,6 +422,8 @@ def interrupted(sweep, tmp_path):
         summary = json.loads((root / i / "summary.json").read_text())
         (root / i / "summary.json").write_text(json.dumps({**summary, "status": "failed", "reason": "test"}))
     shutil.copytree(sweep / "2" / ".hydra", root / "8" / ".hydra")
+    config = root / "8" / ".hydra" / "config.yaml"  # a seed of its own: the same seed twice is refused
+    config.write_text(re.sub(r"(?m)^seed: \d+$", "seed: 7", config.read_text()))
     return root
 
 

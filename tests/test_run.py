@@ -146,7 +146,8 @@ def test_batch_larger_than_the_loaded_cifar_shard_is_refused_with_one_line(tmp_p
 def test_algorithm_sweep_writes_one_directory_per_job(tmp_path):
     """The issue's sweep shape on digits: every job gets its own directory and summary, GEM reports π, and a
     diverged DOWNPOUR (lr far too large) does not make the sweep fail."""
-    p = run_py("-m", "algorithm=gem,downpour,adaptive", "workers=2,3", "lr=0.05", "epochs=1",
+    # engine=sim: the sweep's mechanics are the point here (the process engine in a sweep: the test above)
+    p = run_py("-m", "algorithm=gem,downpour,adaptive", "workers=2,3", "lr=0.05", "epochs=1", "engine=sim",
                "logger.wandb.mode=disabled", f"hydra.sweep.dir={tmp_path}", timeout=600)
     assert p.returncode == 0, p.stderr
     runs = [json.loads((tmp_path / str(i) / "summary.json").read_text()) for i in range(6)]
