@@ -646,12 +646,13 @@ def test_a_quick_experiment_runs_end_to_end_and_its_figure_is_drawn(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["fig8.pdf", "fig8.png"]
 
 
-def test_an_experiment_without_m_runs_one_job_and_says_so(capsys):
+def test_an_experiment_without_m_runs_one_job_and_says_so(capsys, tmp_path):
     assert expand(["experiment=fig8_quick"], multirun=False) == [["experiment=fig8_quick"]]
-    preflight(["experiment=fig8_quick"])  # valid: returns, with one line of note
+    # a run directory of the test's own: the preflight takes the one it checks (outputs/<now> by default)
+    preflight(["experiment=fig8_quick", f"hydra.run.dir={tmp_path / 'a'}"])  # valid: returns, with one line of note
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "algorithm.kappa=1,2,3,4" in err and "Add -m" in err
-    preflight(["algorithm=gem"])  # no experiment: nothing to say
+    preflight(["algorithm=gem", f"hydra.run.dir={tmp_path / 'b'}"])  # no experiment: nothing to say
     assert capsys.readouterr().err == ""
     with pytest.raises(SystemExit):  # bad input: the error line only, no note before it
         preflight(["experiment=fig4", "workers=0"])
