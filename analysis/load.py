@@ -102,9 +102,8 @@ def _as_the_summary_would(rec: dict) -> None:
     for group in ("model", "data"):
         if rec.get(group) is None and isinstance(rec.get(f"{group}._target_"), str):
             rec[group] = display_name(group, {"_target_": rec[f"{group}._target_"]})
-    name = rec.get("algorithm")
-    if name in algorithms.ALGORITHMS and algorithms.get(name).sequential:
-        rec["workers"] = 1
+    if isinstance(rec.get("algorithm"), str) and rec.get("workers") is not None:
+        rec["workers"] = algorithms.workers_that_run(rec["algorithm"], rec["workers"])
 
 
 def _config(path: Path) -> dict:

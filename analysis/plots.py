@@ -336,28 +336,40 @@ def apart(frame: pd.DataFrame, x: str, y: str, hue: str, bins: int = BINS) -> pd
     return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=cols)
 
 
+def bar(values, band) -> tuple[float, float, float, int]:
+    """A mean over seeds and the edges of its error bar for `band` (min–max, the 95% t interval, none: the
+    mean itself): (mean, lo, hi, k). Non-finite values are not seeds (`analysis.stats.mean_ci`)."""
+    v = pd.to_numeric(pd.Series(values), errors="coerce")
+    v = v[np.isfinite(v)]
+    a, kind = mean_ci(v), band_kind(band)
+    if kind == "minmax" and a.k:
+        return a.mean, float(v.min()), float(v.max()), a.k
+    if kind == "ci" and a.k > 1:
+        return a.mean, a.lo, a.hi, a.k
+    return a.mean, a.mean, a.mean, a.k
+
+
 def final_loss(runs: pd.DataFrame, ax, x: str = "workers", hue: str = "algorithm",
                y: str = "final_train_loss", palette: dict | None = None, band="minmax") -> pd.DataFrame:
     """Fig. 1(d): a run's final loss against n, the mean over the completed seeds with error bars (`band`:
     min–max, the 95% t interval, or none), one line per hue labelled with how many seeds. Only completed runs
-    count: a diverged run has no final loss worth averaging (curves marks it), a killed one has none."""
+    count: a diverged run has no final loss worth averaging (curves marks it), a killed one has none. Returns one
+    row per (hue, x): the lowest seed, the mean, the bar's edges lo and hi (`bar`) and the count of seeds."""
     require(runs, [x, hue, y], "final_loss")
     kind = band_kind(band)
     r = completed(runs)
     r = r[np.isfinite(pd.to_numeric(r[y], errors="coerce"))]
-    rows = []
-    for (h, v), g in r.groupby([hue, x]):
-        a = mean_ci(g[y])
-        rows.append({hue: h, x: v, "mean": a.mean, "min": g[y].min(), "max": g[y].max(), "ci_lo": a.lo,
-                     "ci_hi": a.hi, "count": a.k})
-    agg = pd.DataFrame(rows, columns=[hue, x, "mean", "min", "max", "ci_lo", "ci_hi", "count"])
+    rows = [{hue: h, x: v, "min": g[y].min(), **dict(zip(("mean", "lo", "hi", "count"), bar(g[y], band),
+                                                          strict=True))}
+            for (h, v), g in r.groupby([hue, x])]
+    agg = pd.DataFrame(rows, columns=[hue, x, "min", "mean", "lo", "hi", "count"])
     palette = palette or colours(sorted(agg[hue].unique()))
     log_y(ax)
     bottom = floor(agg["min"])  # a t interval reaching 0 or below is cut at the lowest seed in the panel
     for v in [v for v in palette if v in set(agg[hue])]:  # the palette's order, as in the curves' legends
         g = agg[agg[hue] == v]
-        lo, hi = (g["min"], g["max"]) if kind == "minmax" else (g["ci_lo"].clip(lower=bottom), g["ci_hi"])
-        yerr = None if kind is None else [(g["mean"] - lo).fillna(0), (hi - g["mean"]).fillna(0)]
+        lo = g["lo"].clip(lower=bottom) if np.isfinite(bottom) else g["lo"]
+        yerr = None if kind is None else [(g["mean"] - lo).fillna(0), (g["hi"] - g["mean"]).fillna(0)]
         k = sorted(set(g["count"]))
         ks = seeds_text(k[0]) if len(k) == 1 else f"{k[0]}–{k[-1]} seeds"
         ax.errorbar(g[x], g["mean"], yerr=yerr, marker="o", capsize=3, color=palette[v], label=f"{v} ({ks})")

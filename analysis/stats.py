@@ -20,7 +20,6 @@ import numpy as np
 import pandas as pd
 
 LEVEL = 0.95
-METHOD = "Student's t interval of the mean over seeds"
 
 
 @dataclass(frozen=True)
@@ -43,11 +42,11 @@ class Aggregate:
         return f"{self.mean:{fmt}} ± {self.half_width:{fmt}} (k={self.k})"
 
 
-def t_quantile(k: int, level: float = LEVEL) -> float:
-    """The two-sided Student's t quantile for k values (k − 1 degrees of freedom)."""
+def t_quantile(k, level: float = LEVEL):
+    """The two-sided Student's t quantile for k values (k − 1 degrees of freedom); k may be an array."""
     from scipy.stats import t
 
-    return float(t.ppf(0.5 + level / 2, k - 1))
+    return t.ppf(0.5 + level / 2, np.asarray(k) - 1)
 
 
 def mean_ci(values: Iterable[float], level: float = LEVEL) -> Aggregate:
@@ -61,7 +60,7 @@ def mean_ci(values: Iterable[float], level: float = LEVEL) -> Aggregate:
     mean = float(v.mean())
     if k == 1:
         return Aggregate(mean, math.nan, math.nan, 1)
-    half = t_quantile(k, level) * float(v.std(ddof=1)) / math.sqrt(k)
+    half = float(t_quantile(k, level)) * float(v.std(ddof=1)) / math.sqrt(k)
     return Aggregate(mean, mean - half, mean + half, k)
 
 
@@ -71,8 +70,6 @@ def ci_frame(per_run: pd.DataFrame, level: float = LEVEL) -> pd.DataFrame:
     k = per_run.notna().sum(axis=1)
     mean = per_run.mean(axis=1)
     sd = per_run.std(axis=1, ddof=1)
-    from scipy.stats import t
-
-    q = pd.Series(t.ppf(0.5 + level / 2, (k - 1).clip(lower=1)), index=per_run.index)
+    q = pd.Series(t_quantile(k.clip(lower=2), level), index=per_run.index)
     half = (q * sd / np.sqrt(k)).where(k > 1, 0.0)
     return pd.DataFrame({"mean": mean, "lo": mean - half, "hi": mean + half, "runs": k})

@@ -120,9 +120,7 @@ def per_worker(total: int, *, _root_: DictConfig) -> int:
 
     Experiments use it for a fixed effective batch (fig4: b = B/n with B = 256) and for the same data budget
     at every n (fig4, fig5: epochs per worker = total epochs / n)."""
-    name = _root_.algorithm.get("name")
-    sequential = name in algorithms.ALGORITHMS and algorithms.get(name).sequential
-    n = 1 if sequential else int(_root_.workers)
+    n = algorithms.workers_that_run(str(_root_.algorithm.get("name")), _root_.workers)
     if n < 1:
         raise ConfigError(f"workers={n} is not allowed; workers must be an integer >= 1")
     if int(total) % n:
@@ -330,7 +328,7 @@ def _check_memory(cfg: DictConfig, engine: str, dat, module) -> None:
     if distributed.launched():
         return  # the launcher placed the ranks, possibly on other machines
     algo = algorithms.get(cfg.algorithm.name)
-    n = 1 if algo.sequential else int(cfg.workers)
+    n = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
     params = sum(p.numel() for p in module.parameters())  # `module` is on the meta device: shapes only
     hp = algorithm_params(cfg)
     with torch.device("meta"):
@@ -362,7 +360,7 @@ def _check_launch(cfg: DictConfig, engine: str) -> None:
     if engine != "distributed":
         raise ConfigError(f"engine={engine}: this process is one of {world} started by a launcher (torchrun); "
                           f"only engine=distributed runs that way; pass engine=distributed, or use python run.py")
-    workers = 1 if algorithms.get(cfg.algorithm.name).sequential else cfg.workers
+    workers = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
     if workers + 1 != world:
         raise ConfigError(f"workers={workers} does not match the {world} processes the launcher started: "
                           f"engine=distributed needs workers + 1 (rank 0 is the parameter server); pass "
@@ -616,9 +614,10 @@ def _plan_resume(sweep_dir: Path, jobs: list) -> list[str]:
     if not sweep_dir.is_dir():
         raise rundir.Refused(f"resume=true: hydra.sweep.dir={sweep_dir} does not exist; resuming a sweep needs "
                              "hydra.sweep.dir=<the folder of the sweep to finish> and the identical -m command")
-    by: dict[str, list[tuple[int, str]]] = {}
+    actions, by = [], {}
     for num, (cfg, checked) in enumerate(jobs):
         action, why = rundir.sweep_action(cfg, checked, sweep_dir / str(num), num)
+        actions.append(action)
         by.setdefault(action, []).append((num, why))
     words = {"skip": "finished (skipped, left as they are)", "resume": "resume from the last checkpoint",
              "rerun": "rerun (stopped before a checkpoint; their files move to .superseded/)", "new": "start"}
@@ -629,7 +628,7 @@ def _plan_resume(sweep_dir: Path, jobs: list) -> list[str]:
                   else _ranges([num for num, _ in by[a]]))
         parts.append(f"job{'s' if len(by[a]) > 1 else ''} {listed}: {words[a]}")
     print(f"gem: resuming the sweep in {sweep_dir}: " + "; ".join(parts), file=sys.stderr)
-    return [next(a for a in by if any(num == i for i, _ in by[a])) for num in range(len(jobs))]
+    return actions
 
 
 def _ranges(nums: list[int]) -> str:

@@ -31,7 +31,6 @@ class Cost:
     step_s: float  # one gradient step, one thread (a process worker's share of the cores when n <= cores)
     step_all_s: float  # one gradient step with every core (the sim engine's single process)
     example_fwd_s: float  # one example's forward pass, for evaluations
-    commit_s: float  # one commit's arithmetic: the algorithm's worker and server rules and diagnostics
     train: int  # training examples
     val: int
 
@@ -58,7 +57,7 @@ def _timed(fn, budget: float, at_least: int = 3) -> float:
 
 def calibrate(cfg, checked) -> tuple[Cost, object, object]:
     """Time the job's model on its data: gradient steps on one thread and on all cores, and a forward pass.
-    Returns the cost (commit_s still 0), and the job and model for `_commit_cost`."""
+    Returns the cost, and the job and model for `_commit_cost`."""
     import torch
 
     from experiments.runner import build_job
@@ -79,7 +78,7 @@ def calibrate(cfg, checked) -> tuple[Cost, object, object]:
         fwd = _timed(lambda: model.evaluate(xe, ye), CALIBRATION_S / 4, at_least=1) / k
     finally:
         torch.set_num_threads(threads)
-    return Cost(step_1, step_all, fwd, 0.0, len(job.data.train_y), len(job.data.val_y)), job, model
+    return Cost(step_1, step_all, fwd, len(job.data.train_y), len(job.data.val_y)), job, model
 
 
 def _commit_cost(job, model) -> float:
@@ -132,8 +131,9 @@ def duration(s: float) -> str:
     return f"{s / 3600:.1f} h"
 
 
-def job_size(cfg, cost: Cost) -> dict:
-    """Commits, gradient steps, evaluations and the estimated seconds of one job."""
+def job_size(cfg, cost: Cost, commit_s: float) -> dict:
+    """Commits, gradient steps, evaluations and the estimated seconds of one job (`commit_s`: one commit's
+    arithmetic, `_commit_cost`)."""
     from types import SimpleNamespace
 
     from experiments.config import algorithm_params
@@ -141,7 +141,7 @@ def job_size(cfg, cost: Cost) -> dict:
     from gem.engines.core import commits_per_worker, worker_steps
 
     algo = algorithms.get(cfg.algorithm.name)
-    n = 1 if algo.sequential else int(cfg.workers)
+    n = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
     # the engines' own count of a worker's steps and commits, on a job of this size
     sized = SimpleNamespace(epochs=cfg.epochs, batch_size=cfg.batch_size,
                             data=SimpleNamespace(train_y=range(cost.train)))
@@ -154,8 +154,11 @@ def job_size(cfg, cost: Cost) -> dict:
     else:  # n processes, cores / n threads each: about min(n, cores) steps at once
         compute = steps * cost.step_s / min(n, cores())
     # commits go through the server one at a time on every engine
-    seconds = compute + commits * cost.commit_s + evals * eval_examples * cost.example_fwd_s
+    seconds = compute + commits * commit_s + evals * eval_examples * cost.example_fwd_s
     return {"n": n, "commits": commits, "steps": steps, "evals": evals, "seconds": seconds}
+
+
+ACTIONS = {"skip": "finished: skipped", "new": "start"}  # how a resumed sweep's plan words rerun, resume and these
 
 
 def _swept(jobs) -> set[str]:
@@ -182,23 +185,22 @@ def show(jobs: list[tuple[list[str], object, dict]], out=print, actions: list[st
     commit_s: dict[tuple[str, str], float] = {}
     rows = []
     swept = _swept(jobs)
-    for overrides, cfg, checked in jobs:
-        key = _key(cfg)
+    for i, (overrides, cfg, checked) in enumerate(jobs):
+        key, algo = _key(cfg), cfg.algorithm.name
         if key not in costs:
             costs[key], *built[key] = calibrate(cfg, checked)
-        name = cfg.algorithm.name
-        if (key, name) not in commit_s:  # each algorithm's own rules, on the model of this key
+        if (key, algo) not in commit_s:  # each algorithm's own rules, on the model of this key
             job, model = built[key]
-            n = 1 if algorithms.get(name).sequential else int(cfg.workers)
-            job = dataclasses.replace(job, algorithm=name, hp=algorithm_params(cfg), workers=n)
-            commit_s[(key, name)] = _commit_cost(job, model)
-        size = job_size(cfg, dataclasses.replace(costs[key], commit_s=commit_s[(key, name)]))
-        name = " ".join(o for o in overrides if o.partition("=")[0].lstrip("+~") in swept)
+            job = dataclasses.replace(job, algorithm=algo, hp=algorithm_params(cfg),
+                                      workers=algorithms.workers_that_run(algo, cfg.workers))
+            commit_s[(key, algo)] = _commit_cost(job, model)
+        size = job_size(cfg, costs[key], commit_s[(key, algo)])
+        label = " ".join(o for o in overrides if o.partition("=")[0].lstrip("+~") in swept) or "(one job)"
         if actions is not None:
-            name += f"  [{ {'skip': 'finished: skipped', 'new': 'start'}.get(actions[len(rows)], actions[len(rows)]) }]"
-            if actions[len(rows)] == "skip":
-                size = {**size, "seconds": 0.0}
-        rows.append((name or "(one job)", cfg.engine.name, size))
+            label += f"  [{ACTIONS.get(actions[i], actions[i])}]"
+            if actions[i] == "skip":
+                size["seconds"] = 0.0
+        rows.append((label, cfg.engine.name, size))
     total = sum(r[2]["seconds"] for r in rows)
     width = max(len(r[0]) for r in rows)
     out(f"gem: plan for {len(rows)} job{'s' if len(rows) != 1 else ''} (plan=true: nothing runs, no directory is "

@@ -144,9 +144,9 @@ def _identity(cfg: DictConfig, checked: dict):
 
     from experiments.instantiate import display_name
 
-    sequential = algorithms.get(cfg.algorithm.name).sequential
     return SimpleNamespace(algorithm=cfg.algorithm.name, model=display_name("model", cfg.model),
-                           loss=checked["loss"], precision=cfg.precision, workers=1 if sequential else cfg.workers,
+                           loss=checked["loss"], precision=cfg.precision,
+                           workers=algorithms.workers_that_run(cfg.algorithm.name, cfg.workers),
                            batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed, device=cfg.device,
                            data=SimpleNamespace(name=checked["data"].name), hp=algorithm_params(cfg),
                            engine=dataclasses.asdict(checked["engine"]))

@@ -34,11 +34,10 @@ from gem.metrics import Recorder
 def build_job(cfg: DictConfig, checked: dict, log=print, run_dir: Path | None = None,
               resume: dict | None = None) -> Job:
     """Everything the engine needs, resolved here in the parent: no Hydra object crosses into an engine."""
-    workers = cfg.workers
+    workers = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
     d, eng = checked["data"], checked["engine"]
-    if algorithms.get(cfg.algorithm.name).sequential and workers != 1:
-        log(f"gem: algorithm={cfg.algorithm.name} is sequential: running 1 worker (workers={workers} ignored)")
-        workers = 1
+    if workers != cfg.workers:
+        log(f"gem: algorithm={cfg.algorithm.name} is sequential: running 1 worker (workers={cfg.workers} ignored)")
     shape = models.input_shape(checked["model"])  # digits and synthetic take the model's input shape
     if instantiate.is_instantiated(cfg.data):  # a torchvision-style class: its tensors travel with the job
         source = None

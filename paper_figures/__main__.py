@@ -25,8 +25,8 @@ IDS = (*FIGURES, "baselines")
 
 
 def draw(fig_id: str, paths, out: Path, target: float = report.DEFAULT_TARGET, band="minmax") -> list[Path]:
-    if fig_id == "baselines":  # the report chooses its own band (analysis.report)
-        return [report.write(paths, out / "baselines.html", target)]
+    if fig_id == "baselines":
+        return [report.write(paths, out / "baselines.html", target, band)]
     from analysis.plots import save
 
     return save(FIGURES[fig_id](paths, band=band), out, fig_id)

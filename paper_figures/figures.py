@@ -19,7 +19,6 @@ import pandas as pd
 
 from analysis import load, pi, plots
 from analysis.plots import plt
-from analysis.stats import mean_ci
 
 
 class NoRuns(ValueError):
@@ -115,7 +114,7 @@ def _finish(fig, number: str, what: str, frame: pd.DataFrame, r: pd.DataFrame | 
         if col in runs and runs[col].notna().any():
             bits.append("/".join(sorted(map(str, runs[col].dropna().unique()))))
     if "seed" in runs:
-        bits.append(f"{runs['seed'].nunique()} seed{'s' if runs['seed'].nunique() > 1 else ''}")
+        bits.append(plots.seeds_text(runs["seed"].nunique()))
     exps = sorted(map(str, runs["experiment"].dropna().unique())) if "experiment" in runs else []
     if exps:
         bits.append("sweep " + ", ".join(exps))
@@ -154,8 +153,6 @@ def why_empty(what: str, r: pd.DataFrame) -> str:
         return f"no {what} runs in these folders"
     counts = plots.statuses(r).value_counts()
     return f"no {what} run has written a row yet\n(" + ", ".join(f"{k} {s}" for s, k in counts.items()) + ")"
-
-
 
 
 def empty_panel(ax, text: str) -> None:
@@ -242,18 +239,6 @@ def by_tau(m: pd.DataFrame, ax_median, ax_zero, palette: dict) -> None:
     plots.legend(ax_median, fontsize=8, title=f"commits ≥ {pi.MIN_COMMITS} per point", title_fontsize=8)
 
 
-def bars(values: pd.Series, band) -> tuple[float, float, float, int]:
-    """A mean over seeds and its error bar for `band` (min–max, 95% t interval, none): (mean, down, up, k)."""
-    v = values[np.isfinite(values.to_numpy(dtype=float))]
-    a = mean_ci(v)
-    kind = plots.band_kind(band)
-    if kind == "minmax" and a.k:
-        return a.mean, a.mean - float(v.min()), float(v.max()) - a.mean, a.k
-    if kind == "ci" and a.k > 1:
-        return a.mean, a.mean - a.lo, a.hi - a.mean, a.k
-    return a.mean, 0.0, 0.0, a.k
-
-
 def fig3_cv(paths, band="minmax"):
     """Fig. 3 as the spread of the workers' cycle times grows (a fig3_cv sweep, engine.staleness=gamma): (a) the
     mean over the second half of each run of the per-commit median π against n, one line per CV (mean over the
@@ -274,10 +259,10 @@ def fig3_cv(paths, band="minmax"):
     pal_cv = dict(zip(cvs, plt.get_cmap("plasma")(np.linspace(0.05, 0.8, len(cvs))), strict=True))
     for cv, g in per.groupby("engine.cycle_cv"):
         for ax, y in ((axes[0], "pi_median"), (axes[1], "pi_zero_frac")):
-            rows = [(n, *bars(h[y], band)) for n, h in g.groupby("workers")]
-            ns, mean, down, up, k = (np.array(c) for c in zip(*rows, strict=True))
+            rows = [(n, *plots.bar(h[y], band)) for n, h in g.groupby("workers")]
+            ns, mean, lo, hi, k = (np.array(c) for c in zip(*rows, strict=True))
             ks = plots.seeds_text(int(k[0])) if len(set(k)) == 1 else f"{k.min()}–{k.max()} seeds"
-            ax.errorbar(ns, mean, yerr=[down, up], color=pal_cv[cv], marker="o", ms=4, capsize=3, lw=1.2,
+            ax.errorbar(ns, mean, yerr=[mean - lo, hi - mean], color=pal_cv[cv], marker="o", ms=4, capsize=3, lw=1.2,
                         label=f"CV = {cv:g}" + (" (round robin)" if cv == 0 else "") + f", {ks}")
     ns = sorted(per["workers"].unique())
     axes[0].plot(list(PAPER_FIG3), list(PAPER_FIG3.values()), "kx", ms=9, mew=2, label="paper (read off Fig. 3)")

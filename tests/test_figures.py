@@ -234,7 +234,7 @@ def test_band_ci_is_the_t_interval_over_the_runs_and_minmax_their_range():
                                                                                                         50.0])
     fig, ax = plots.plt.subplots()
     agg = plots.final_loss(runs, ax, band="ci")
-    assert agg[["mean", "count"]].values.tolist() == [[2.0, 3]] and agg["ci_hi"].iloc[0] == pytest.approx(2 + half)
+    assert agg[["mean", "count"]].values.tolist() == [[2.0, 3]] and agg["hi"].iloc[0] == pytest.approx(2 + half)
     assert ax.get_legend_handles_labels()[1] == ["gem (3 seeds)"]
     plots.plt.close("all")
 

@@ -114,6 +114,15 @@ def get(name: str) -> Algorithm:
     raise ValueError(f"algorithm={name} is not an algorithm; choose one of: {', '.join(ALGORITHMS)}")
 
 
+def workers_that_run(name: str, requested: int) -> int:
+    """The workers a run of algorithm `name` has: 1 for a sequential one (the proxy), else those requested. An
+    algorithm that cannot be found is left to the validation that names it: `requested` here."""
+    try:
+        return 1 if get(name).sequential else int(requested)
+    except ValueError:
+        return int(requested)
+
+
 def require(ok: bool, key: str, value, allowed: str) -> None:
     """For Params.__post_init__: one line naming the key and what is allowed."""
     if not ok:
