@@ -75,9 +75,17 @@ def build_meta(cfg: DictConfig) -> torch.nn.Module:
     cannot be built is one line naming model._target_."""
     spec = model_spec(cfg)
     try:
-        return models.build_model_meta(spec)
+        module = models.build_model_meta(spec)
     except Exception as e:  # noqa: BLE001 - whatever the user's constructor raises
         raise ConfigError(_build_failed(cfg.model, e)) from None
+    # θ is one flat vector whose size every process must know before training; a lazy layer (nn.LazyLinear, ...)
+    # has no size until its first forward pass, so each process would find it on its own
+    lazy = [name for name, p in module.named_parameters() if isinstance(p, torch.nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ConfigError(f"model._target_={cfg.model.get('_target_')} has lazy parameters ({', '.join(lazy[:3])}"
+                          f"{', ...' if len(lazy) > 3 else ''}): gem needs θ's size when the model is built; give "
+                          "those layers their input sizes (nn.Linear(in_features, ...) instead of nn.LazyLinear)")
+    return module
 
 
 def _build_failed(node: DictConfig, e: Exception) -> str:

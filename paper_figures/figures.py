@@ -147,8 +147,11 @@ def gaps(m: pd.DataFrame, panel: str, hue: str, where) -> str:
     return "not drawn, no rows: " + "; ".join(missing) if missing else ""
 
 
-def why_empty(what: str, r: pd.DataFrame) -> str:
-    """What an empty panel says: no such runs in these folders, or the runs there and that none has a row."""
+def why_empty(what: str, r: pd.DataFrame, pending: bool = False) -> str:
+    """What an empty panel says: no such runs in these folders (yet, when the sweep has jobs that have not run), or
+    the runs there and that none has a row."""
+    if r.empty and pending:
+        return f"no {what} runs yet:\nthe sweep has jobs that have not run"
     if r.empty:
         return f"no {what} runs in these folders"
     counts = plots.statuses(r).value_counts()
@@ -174,7 +177,7 @@ def fig1(paths, band="minmax"):
         ax.set_title(a)
         ma = m[m["algorithm"] == a]
         if ma.empty:
-            empty_panel(ax, why_empty(a, r[r["algorithm"] == a]))
+            empty_panel(ax, why_empty(a, r[r["algorithm"] == a], pending=bool(load.unstarted(r, short=True))))
             continue
         plots.curves(ma, ax, x="worker_step", y="loss", hue="workers", palette=palette, band=band)
         plots.legend(ax, fontsize=8)

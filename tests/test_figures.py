@@ -680,3 +680,15 @@ def test_pi_by_run_takes_the_second_half_and_by_staleness_buckets_tau_relative_t
     assert s.index.tolist() == [0.0, 1.0, 2.0] and (s["commits"] >= pi.MIN_COMMITS).all()
     assert s["pi_zero_frac"].tolist() == pytest.approx([0.0, 0.4, 0.8])
     assert s.loc[1.0, "pi_median"] == pytest.approx(0.5 + 1.5)  # 0.5 plus the mean of the seeds' late shift
+
+
+def test_an_empty_panel_of_a_sweep_that_has_not_finished_says_its_runs_may_come(interrupted):
+    import yaml
+
+    hydra = {"sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+                         "params": {"seed": ",".join(map(str, range(12)))}}, "overrides": {"task": []}}
+    (interrupted / "multirun.yaml").write_text(yaml.safe_dump({"hydra": hydra}))  # 12 jobs planned, 7 found
+    fig = FIGURES["fig1"](interrupted)
+    adaptive_ax = fig.axes[2]
+    assert [t.get_text() for t in adaptive_ax.texts] == ["no adaptive runs yet:\nthe sweep has jobs that have not run"]
+    assert "5 of the 12 jobs of sweep interrupted have not run" in fig._suptitle.get_text().replace("\n", " ")

@@ -37,6 +37,15 @@ class TinyNet(nn.Module):
         return self.body(x)
 
 
+class Lazy(nn.Module):
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.LazyLinear(num_classes))
+
+    def forward(self, x):
+        return self.body(x)
+
+
 class Broken(nn.Module):
     def __init__(self, num_classes: int = 10):
         super().__init__()
@@ -90,6 +99,8 @@ def test_resnet18_cifar_has_a_cifar_stem():
     (["model._target_=my_models.Nope"], "model._target_=my_models.Nope could not be built: "),
     (["model._target_=my_models.Broken"], "model._target_=my_models.Broken could not be built: RuntimeError: "
                                           "this model refuses to be built"),
+    (["model._target_=my_models.Lazy"], "model._target_=my_models.Lazy has lazy parameters (body.1.weight, "
+                                        "body.1.bias): gem needs θ's size when the model is built; give those"),
     (["model._target_=torch.nn.Linear"], "model._target_=torch.nn.Linear could not be built: TypeError: "),
     (["model=resnet18_cifar", "data=mnist"], "model=resnet18_cifar expects 3x32x32 inputs but data=mnist gives "
                                              "1x28x28"),
