@@ -77,6 +77,7 @@ def run_record(run_dir: Path) -> dict:
     rec["experiment"] = experiment_of(run_dir)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    rec["workers_requested"] = summary.get("workers_requested", rec.get("workers"))  # before `workers` says what ran
     for k in RAN:
         if k in summary:
             rec[k] = summary[k]
@@ -150,7 +151,7 @@ def experiment_of(run_dir: Path) -> str | None:
 
 # Columns that may differ between the seeds of one curve: the seed itself, results, and where things live.
 NOT_SETTINGS = {"seed", "run_dir", "experiment", "data.root", "data.download", "resume", "plan", "device",
-                "train_examples",
+                "train_examples", "workers_requested",
                 *SUMMARY_COLUMNS}
 
 
@@ -163,6 +164,21 @@ def varying(runs: pd.DataFrame, keys) -> list[str]:
     for _, g in runs.groupby(keys, dropna=False) if keys else [(None, runs)]:
         found.update(c for c in cols if g[c].map(str).nunique() > 1)  # map(str): NaN against a value counts
     return sorted(found)
+
+
+def without_twins(runs: pd.DataFrame) -> pd.DataFrame:
+    """A sweep over n runs a sequential algorithm (momentum SGD) once per n although it ignores n: the same
+    computation, once per n. Keep one of each such set of twins (a completed one where there is one), so that no
+    figure or table counts them as several seeds; every other run is kept as it is."""
+    if runs.empty or "workers_requested" not in runs or "workers" not in runs:
+        return runs
+    twin = runs["workers_requested"].notna() & (runs["workers_requested"].map(str) != runs["workers"].map(str))
+    if not twin.any():
+        return runs
+    settings = [c for c in runs.columns if (c not in NOT_SETTINGS or c == "seed") and not c.startswith("logger.")]
+    seq = runs[twin].sort_values("status", key=lambda s: s != "completed", kind="stable")
+    keep = seq.loc[~seq[settings].map(str).duplicated(), "run_dir"]
+    return runs[~twin | runs["run_dir"].isin(keep)]
 
 
 def repeated_seeds(runs: pd.DataFrame, keys) -> str:

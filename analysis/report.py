@@ -384,7 +384,7 @@ def _write(paths, out: str | Path, target: float, band=BAND) -> tuple[Path, pd.D
     out = Path(out)
     if out.suffix.lower() not in SUFFIXES:
         raise ValueError(f"--out {out}: the report is written as {', '.join(SUFFIXES[:-1])} or {SUFFIXES[-1]}")
-    runs = load.runs(paths)
+    runs = load.without_twins(load.runs(paths))
     if runs.empty:
         raise ValueError(f"no runs found under {paths}")
     m = load.commits(paths, columns=["algorithm", "workers", "seed", "status"], meta=runs)

@@ -45,7 +45,7 @@ def load_for(fig_id: str, paths, keys, algorithms=None, table: str = "metrics",
     same runs: every run, also one killed before it wrote a row, which the title counts. Refused with one line
     when there are none (`need` says what the figure needs), or when runs sharing `keys` differ in more than the
     seed or repeat a seed."""
-    r = load.runs(paths)
+    r = load.without_twins(load.runs(paths))
     if algorithms is not None and len(r):
         r = r[r["algorithm"].isin(algorithms)] if "algorithm" in r else r.iloc[:0]
     frame = load.commits(paths, table, columns=COMMIT_COLUMNS, meta=r)
@@ -368,12 +368,7 @@ def fig6(paths, band="minmax"):
     its runs are the same reference in every panel."""
     m, r = load_for("fig6", paths, ["algorithm", "workers"],
                     need="fig6 needs gem, downpour and sgd runs (a fig6 sweep)")
-    sgd = m[m["algorithm"] == "sgd"]
-    # momentum SGD ignores n, so a fig6 sweep runs it once per n: keep one run per seed (the others are equal;
-    # `check` has made sure nothing but n and the seed varies among them), a completed one where there is one
-    sgd = sgd.sort_values("status", key=lambda s: s != "completed", kind="stable")
-    twins = set(sgd["run_dir"]) - set(sgd.drop_duplicates("seed")["run_dir"])
-    sgd, r = sgd[~sgd["run_dir"].isin(twins)], r[~r["run_dir"].isin(twins)]  # the title counts what is drawn
+    sgd = m[m["algorithm"] == "sgd"]  # one run per seed: load_for keeps one of the twins a sweep over n makes
     asy = m[m["algorithm"] != "sgd"]
     ns = sorted(asy["workers"].unique()) or [1]
     fig, axes = grid(len(ns), width=5.2, height=4.0)

@@ -692,3 +692,30 @@ def test_an_empty_panel_of_a_sweep_that_has_not_finished_says_its_runs_may_come(
     adaptive_ax = fig.axes[2]
     assert [t.get_text() for t in adaptive_ax.texts] == ["no adaptive runs yet:\nthe sweep has jobs that have not run"]
     assert "5 of the 12 jobs of sweep interrupted have not run" in fig._suptitle.get_text().replace("\n", " ")
+
+
+def test_momentum_sgd_run_once_per_n_by_a_fig6_sweep_counts_once(sweep, tmp_path):
+    """A fig6 sweep runs sgd at every n although it runs one worker: twins, the same computation. Figures and the
+    report keep one per seed instead of refusing them as the same seed twice (they did); a real repeat still is."""
+    import json
+    import shutil
+
+    root = tmp_path / "fig6"
+    for i in (2, 3, 4, 6):  # gem n = 2, seeds 0 and 1; downpour n = 2; sgd asked for n = 2
+        shutil.copytree(sweep / str(i), root / str(i))
+    shutil.copytree(sweep / "6", root / "7")  # the same sgd job, asked for n = 3
+    summary = json.loads((root / "7" / "summary.json").read_text())
+    (root / "7" / "summary.json").write_text(json.dumps({**summary, "workers_requested": 3}))
+    config = root / "7" / ".hydra" / "config.yaml"
+    config.write_text(re.sub(r"(?m)^workers: \d+$", "workers: 3", config.read_text()))
+
+    assert len(load.without_twins(load.runs(root))) == 4
+    fig = FIGURES["fig6"](root)
+    assert "momentum SGD (1 seed)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    out = report.write(root, tmp_path / "r.csv")
+    rows = pd.read_csv(out)
+    assert rows.loc[rows["algorithm"] == "sgd", "runs"].tolist() == [1]
+
+    shutil.copytree(sweep / "2", root / "8")  # gem n = 2 seed 0 again: the same seed twice
+    with pytest.raises(NoRuns, match="the same seed twice"):
+        FIGURES["fig6"](root)
