@@ -60,6 +60,12 @@ BANDS = {"minmax": "min–max over seeds",
          None: "no band"}
 # How a run that is not averaged in is drawn: line style and the marker at its last point
 APART = {"diverged": ("--", "x"), "failed": (":", "s"), "incomplete": (":", "o")}
+
+
+def end_marker(marker: str, colour) -> dict:
+    """How the last point of a run drawn apart is marked (by `curves`, and in a legend entry for such runs)."""
+    return {"marker": marker, "ms": 7 if marker == "x" else 5, "mew": 2 if marker == "x" else 1.2,
+            "mfc": "white" if marker == "o" else colour}
 LOG_Y = ("loss", "val_loss", "train_loss", "final_train_loss")
 
 
@@ -301,9 +307,8 @@ def curves(frame: pd.DataFrame, ax, x: str = "worker_step", y: str = "loss", hue
             name = f"{_fmt(hue, v)} ({what})"
             labelled.add(v)
         ax.plot(d[x], shown, color=palette[v], lw=0.9, ls=ls, alpha=0.8, label=name)
-        ax.plot(d[x].iloc[-1:], shown.iloc[-1:], marker=marker, ms=7 if marker == "x" else 5,
-                mew=2 if marker == "x" else 1.2, mfc="white" if marker == "o" else palette[v], color=palette[v],
-                ls="none", clip_on=False)
+        ax.plot(d[x].iloc[-1:], shown.iloc[-1:], color=palette[v], ls="none", clip_on=False,
+                **end_marker(marker, palette[v]))
     if top is not None:
         ax.set_ylim(top=top)
     if agg.empty:

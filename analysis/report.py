@@ -295,8 +295,7 @@ def curves_figure(runs: pd.DataFrame, m: pd.DataFrame, target: float, band=BAND)
         shown = plots.statuses(m.drop_duplicates("run_dir"))
         for status, (ls, marker) in plots.APART.items():  # how `plots.curves` draws a run it does not average
             if (shown == status).any():
-                handles.append(Line2D([], [], color="grey", lw=1, ls=ls, marker=marker, ms=7 if marker == "x" else 5,
-                                      mew=2 if marker == "x" else 1.2, mfc="white" if marker == "o" else "grey",
+                handles.append(Line2D([], [], color="grey", lw=1, ls=ls, **plots.end_marker(marker, "grey"),
                                       label=f"a {status} run" if status != "incomplete" else "an incomplete run"))
         handles.append(Line2D([], [], color="grey", lw=1.2, ls=":", label=f"target loss {target:g}"))
         if rows * cols > cells:  # a free cell: the legend goes there
