@@ -339,14 +339,15 @@ def _check_memory(cfg: DictConfig, engine: str, dat, module) -> None:
     server_each = server if engine == "distributed" else 0
     train = gdata.train_size(dat.name, data_root(dat.root), dat.synthetic.train_size) or 0
     each = memory.per_worker(engine, params, state, train) + server_each
+    once = server + memory.once(engine)
     have = memory.available()
-    if have is None or n * each + server <= have:
+    if have is None or n * each + once <= have:
         return
     what = "virtual workers" if engine == "sim" else "worker processes"
     server_part = f" and the server's {memory.gib(server)}" if server > params * memory.FLOAT else ""
     raise ConfigError(f"workers={n} is too many for this machine: engine={engine} needs at least "
-                      f"{memory.gib(n * each + server)} ({n} {what} of {memory.gib(each)} each{server_part}) but "
-                      f"{memory.gib(have)} is available; use at most workers={max(1, have // (each + server // n))}")
+                      f"{memory.gib(n * each + once)} ({n} {what} of {memory.gib(each)} each{server_part}) but "
+                      f"{memory.gib(have)} is available; use at most workers={max(1, (have - once) // each)}")
 
 
 def _check_launch(cfg: DictConfig, engine: str) -> None:

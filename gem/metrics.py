@@ -98,14 +98,6 @@ def read_table(run_dir: str | os.PathLike, name: str = "metrics") -> pd.DataFram
     return pd.concat(frames, ignore_index=True)
 
 
-def tensor_rows(row: dict, names: list[str], tensors: dict[str, list[float]] | None) -> list[dict] | None:
-    """A commit's per-tensor diagnostics (`Commit.tensors`) as long rows for tensors.parquet."""
-    if not tensors:
-        return None
-    return [{"step": row["step"], "worker": row["worker"], "tensor": name, "tensor_index": i,
-             **{k: v[i] for k, v in tensors.items()}} for i, name in enumerate(names)]
-
-
 class Recorder:
     """Receives rows from an engine (in the coordinating process only) and writes the run directory tables.
 

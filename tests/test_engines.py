@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 import torch
 from conftest import ROOT
+from procs import descendants, is_alive, workers_of
 from test_run import check_run_dir
 
 from gem import algorithms
@@ -80,7 +81,7 @@ def test_every_commit_once_and_every_worker_step_once(data, tmp_path, engine):
         assert ev.tolist() == [0, 16, 32, 48]
     else:  # taken at the server's clock once eval_every more commits are applied: within a worker's cycle of it
         assert ev.iloc[0] == 0 and ev.iloc[-1] == n * steps and ev.is_unique and ev.is_monotonic_increasing
-    assert not _children(os.getpid())
+    assert not workers_of(os.getpid())
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -278,7 +279,7 @@ def test_divergence_stops_every_worker(data, tmp_path, engine):
     result, m = run(job(data, engine, 3, "downpour", downpour.Params(lr=1e8), epochs=4), tmp_path)
     assert result.status == "diverged" and "non-finite" in result.reason
     assert m["step"].tolist() == list(range(1, len(m) + 1))  # the commits before it, each once
-    assert not _children(os.getpid())
+    assert not workers_of(os.getpid())
 
 
 # ------------------------------------------------------------------------------------ checkpoints, resume
@@ -357,7 +358,7 @@ def test_resume_continues_every_worker_where_the_checkpoint_left_it(data, tmp_pa
     with pytest.raises(_Killed):
         get(engine).run(make(), Recorder(tmp_path, flush_every=5))
     monkeypatch.setattr(checkpoint, "finish", real_finish)
-    assert not _children(os.getpid())
+    assert not workers_of(os.getpid())
     manifest = checkpoint.read_manifest(tmp_path)
     step = manifest["step"]
     central = checkpoint.load_central(manifest)  # worker 2 was lost before the checkpoint
@@ -397,12 +398,12 @@ def test_resume_after_the_main_process_is_killed(tmp_path, engine):
     run with every commit exactly once and every worker's steps 1..N exactly once."""
     args = ["epochs=8", "engine.checkpoint_every=25"]
     p, d = _start(tmp_path, *args, engine=engine)
-    kids = _children(p.pid)
+    kids = descendants(p.pid)
     step = _wait_for_checkpoint(d, p, 50)
     os.kill(p.pid, signal.SIGKILL)
     p.wait(timeout=30)
     deadline = time.monotonic() + 60
-    while any(_alive(k) for k in kids):  # orphans notice and exit (reaped by init)
+    while any(is_alive(k) for k in kids):  # orphans notice and exit (reaped by init)
         assert time.monotonic() < deadline, "workers outlived their coordinator"
         time.sleep(0.2)
     step = json.loads((d / "checkpoint" / "manifest.json").read_text())["step"]
@@ -446,7 +447,7 @@ def test_resume_refuses_a_missing_or_foreign_checkpoint_with_one_line(tmp_path, 
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr  # a refusal: one line, exit code 2
     assert lines[0].startswith("error: resume=true: checkpoint file") and "central.pt cannot be read" in lines[0]
-    assert not _children(os.getpid())
+    assert not workers_of(os.getpid())
 
 
 # ---------------------------------------------------------------------------- lost workers and signals
@@ -494,7 +495,7 @@ def test_a_killed_worker_is_recorded_and_the_run_goes_on(tmp_path, engine):
     while set(read_table(d).get("worker", [])) < {0, 1, 2}:  # every worker's rows have reached the disk
         assert time.monotonic() < deadline and p.poll() is None, "not every worker reported a commit"
         time.sleep(0.1)
-    victim = _children(p.pid)[1]
+    victim = workers_of(p.pid)[1]
     os.kill(victim, signal.SIGKILL)
     try:
         out, err = p.communicate(timeout=300)
@@ -553,7 +554,7 @@ def _lost_one(job_, rec, lost):
     done = m[m["worker"] >= 0].groupby("worker")["worker_step"].max()
     assert all(done[w] == 8 * 256 // 32 for w in done.index if w != lost)  # the others did all their work
     assert ev["step"].iloc[-1] == result.steps  # the final evaluation
-    assert not _children(os.getpid())
+    assert not workers_of(os.getpid())
     return result, m
 
 
@@ -591,7 +592,7 @@ def test_a_worker_hung_holding_the_server_is_lost_and_the_others_go_on(data, tmp
 @pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_ctrl_c_and_sigterm_leave_no_child_behind(tmp_path, sig, code, engine):
     p, d = _start(tmp_path, "epochs=1000", engine=engine)
-    kids = _children(p.pid)
+    kids = descendants(p.pid)
     if sig == "SIGINT":
         os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
     else:
@@ -602,7 +603,7 @@ def test_ctrl_c_and_sigterm_leave_no_child_behind(tmp_path, sig, code, engine):
         p.kill()
     assert p.returncode == code, err
     time.sleep(0.5)
-    alive = [k for k in kids if _alive(k)]
+    alive = [k for k in kids if is_alive(k)]
     assert alive == [], f"children left behind: {alive}"
     summary = json.loads((d / "summary.json").read_text())
     assert summary["status"] == "failed" and "interrupted" in summary["reason"]
@@ -611,31 +612,6 @@ def test_ctrl_c_and_sigterm_leave_no_child_behind(tmp_path, sig, code, engine):
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def _children(pid) -> list[int]:
-    """Worker processes (spawn_main) whose parent is pid; the resource tracker is left out."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        state = stat.rsplit(")", 1)[1].split()[0]
-        if ppid == pid and "spawn_main" in cmd and state != "Z":
-            out.append(int(d.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _start(tmp_path, *args, engine="process", workers=3):
@@ -647,7 +623,7 @@ def _start(tmp_path, *args, engine="process", workers=3):
                          start_new_session=True)
     processes = workers if engine in REAL else 0
     deadline = time.monotonic() + 180
-    while not (d / "metrics.parts").exists() or len(_children(p.pid)) < processes:  # the workers are committing
+    while not (d / "metrics.parts").exists() or len(workers_of(p.pid)) < processes:  # the workers are committing
         if p.poll() is not None or time.monotonic() > deadline:
             p.kill()
             raise AssertionError(f"run did not start: {p.communicate()[1][-2000:]}")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from conftest import ROOT
+from procs import workers_of
 
 QUICK = ["engine=sim", "epochs=1", "logger.wandb.mode=disabled", "logger.progress=false"]
 KILLED = [*QUICK, "epochs=10", "engine.checkpoint_every=40"]  # the run that `killed_run` kills
@@ -270,10 +271,8 @@ def test_every_worker_killed_fails_with_every_worker_lost(tmp_path):
         while not (d / "metrics.parts").exists():  # the race is on: rows are on disk
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()
             time.sleep(0.2)
-        pids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
-        workers = [int(x) for x in pids if "gem-worker" in Path(f"/proc/{x}/cmdline").read_text(errors="ignore")
-                   or _named(int(x))]
-        assert len(workers) == 2, pids
+        workers = workers_of(p.pid)
+        assert len(workers) == 2, workers
         for pid in workers:
             os.kill(pid, signal.SIGKILL)
         p.communicate(timeout=300)
@@ -283,9 +282,3 @@ def test_every_worker_killed_fails_with_every_worker_lost(tmp_path):
     assert summary["status"] == "failed" and summary["lost_workers"] == [0, 1]
 
 
-def _named(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip().startswith("gem-worker") or \
-            "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text(errors="ignore")
-    except OSError:
-        return False

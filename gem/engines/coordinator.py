@@ -35,7 +35,6 @@ from gem.engines import Result
 from gem.engines import checkpoint as ckpt
 from gem.engines.core import finite
 from gem.engines.server import Server
-from gem.metrics import tensor_rows
 
 POLL_S = 0.5  # how often the loop looks at the workers when nothing arrives
 TIMEOUT_S, SILENT_CYCLES = 60.0, 10.0  # engine.timeout_s and engine.silent_cycles when a job does not set them
@@ -128,6 +127,14 @@ class Silence:
         cycle = f"median cycle {m:.3g} s" if m is not None else "median cycle not known yet"
         return (f"{what} for {silent_for:.1f} s, limit {self.limit():.1f} s = max(engine.timeout_s, "
                 f"{self.cycles:g} x {cycle})")
+
+
+def tensor_rows(row: dict, names: list[str], tensors: dict[str, list[float]] | None) -> list[dict] | None:
+    """A commit's per-tensor diagnostics (`Algorithm.diagnostics`) as long rows for tensors.parquet."""
+    if not tensors:
+        return None
+    return [{"step": row["step"], "worker": row["worker"], "tensor": name, "tensor_index": i,
+             **{k: v[i] for k, v in tensors.items()}} for i, name in enumerate(names)]
 
 
 class Ledger:

@@ -3,7 +3,8 @@ other ranks, on one machine or many, over TCP (DESIGN §3).
 
 Launch it with torchrun (`torchrun --nproc_per_node=N+1 run.py engine=distributed workers=N`, multi-node
 forms in the README), under SLURM with Hydra's submitit launcher, or from one command on one machine:
-`python run.py engine=distributed workers=N` spawns the N workers itself, bound to loopback.
+`python run.py engine=distributed workers=N` starts the N workers itself (from the forkserver of
+gem.engines.worker's `worker_context`, as the process engine does), bound to loopback.
 
 Transport: gloo point-to-point (BENCHMARKS.md, "Transport for the distributed engine": against
 torch.distributed.rpc it moves an AlexNet commit 2.5x faster, and it serves first come, first served where
@@ -70,7 +71,6 @@ from collections import deque
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 
 from gem import algorithms
 from gem.algorithms import Commit
@@ -80,7 +80,7 @@ from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, TIMEOUT_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.server import Server
-from gem.engines.worker import Diverged, Worker, barrier_pauses, setup_process, threads_per_process
+from gem.engines.worker import Diverged, Worker, barrier_pauses, setup_process, threads_per_process, worker_context
 from gem.files import WriteError
 from gem.models import ModelSpec
 
@@ -371,7 +371,7 @@ def worker_main(timeout_s: float = START_TIMEOUT_S) -> int:
     return _work(pg, rank, threads, ignore_sigint=False, store=store)
 
 
-def _spawned(rank: int, world: int, host: str, port: int, timeout_s: float, threads: int) -> None:
+def _local_worker(rank: int, world: int, host: str, port: int, timeout_s: float, threads: int) -> None:
     """A worker of a local launch (`python run.py engine=distributed`)."""
     store = dist.TCPStore(host, port, world, False, timeout=_td(timeout_s))
     pg = _group(store, rank, world, host, timeout_s)
@@ -938,9 +938,9 @@ def run(job: Job, recorder) -> Result:
             # mostly waits on the wire. The same threads as the other engines: the same arithmetic at n = 1.
             threads = threads_per_process(n)
             torch.set_num_threads(threads)
-            ctx = tmp.get_context("spawn")
+            ctx = worker_context()
             for r in range(1, n + 1):
-                p = ctx.Process(target=_spawned, name=f"gem-worker-{r - 1}", daemon=True,
+                p = ctx.Process(target=_local_worker, name=f"gem-worker-{r - 1}", daemon=True,
                                 args=(r, n + 1, local, port, START_TIMEOUT_S, threads))
                 p.start()
                 children.append(p)

@@ -1,6 +1,8 @@
 """The `process` engine: n real worker processes on one machine, θ in shared memory (DESIGN §3).
 
-Workers are OS processes started with `spawn`, each running the shared worker cycle (gem.engines.worker). The
+Workers are OS processes forked from a forkserver that has imported torch and gem once (gem.engines.worker's
+`worker_context`), so each holds only what it computes with, and 100 of them fit on a laptop. Each runs the shared
+worker cycle (gem.engines.worker). The
 parameter server's state (gem.engines.server: θ, the algorithm's server tensors, the clock, every worker's pull
 time) and the training set live in shared memory, so no worker holds a copy of the data.
 
@@ -36,7 +38,6 @@ from multiprocessing import connection
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as tmp
 
 from gem import algorithms
 from gem.engines import Job, Result
@@ -44,11 +45,11 @@ from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.server import Server
-from gem.engines.worker import Diverged, Worker, barrier_pauses, setup_process, threads_per_process
+from gem.engines.worker import Diverged, Worker, barrier_pauses, setup_process, threads_per_process, worker_context
 from gem.files import WriteError
 
-START_TIMEOUT_S = 300.0  # a spawned worker imports torch and builds its model: slow on a loaded machine; one not
-# ready after this long is lost, and the others start without it
+START_TIMEOUT_S = 300.0  # a worker unpickles its job and builds its model: slow on a loaded machine with many
+# workers; one not ready after this long is lost, and the others start without it
 TURN_TIMEOUT_S = 120.0  # the coordinator waits for the turn at most this long beyond the silence limit (a frozen
 # holder is lost at the limit, and its turn handed on: this bound is a backstop)
 # a worker sends its commit rows in batches of this many, or this often: each message wakes the coordinator,
@@ -221,18 +222,16 @@ class Turn:
 class _Link:
     """A worker process's way to the server: the shared turn, the server's state in shared memory, a pipe."""
 
-    def __init__(self, w: int, server: Server, turn: Turn, conn, t0_wall: float, run_dir: str | None):
-        import multiprocessing
-
+    def __init__(self, w: int, server: Server, turn: Turn, conn, alive, t0_wall: float, run_dir: str | None):
         self.w, self.server, self.turn, self.conn, self.t0_wall, self.run_dir = w, server, turn, conn, t0_wall, run_dir
-        self.parent = multiprocessing.parent_process()
+        self.alive = alive  # the read end of a pipe only the coordinator writes to: end of file once it is gone
         self.extra: dict = {}
         self.buffer: list = []  # rows not yet sent: sent in batches, so the coordinator wakes up less often
         self.sent_at = time.monotonic()
         self.worker: Worker | None = None
 
     def waiting(self) -> None:  # called about once a second while this worker waits for a lock
-        if self.parent is not None and not self.parent.is_alive():
+        if self.alive.poll():
             raise _Gone()
 
     def acquire(self, w: int):
@@ -284,7 +283,7 @@ class _Link:
         self.conn.send(("saved", self.w))
 
 
-def _worker(w: int, job: Job, tensors: dict, turn: Turn, conn, threads: int, t0_wall: float):
+def _worker(w: int, job: Job, tensors: dict, turn: Turn, conn, alive, threads: int, t0_wall: float):
     """One worker process: the shared worker cycle, with the turn and θ in shared memory."""
     import traceback
 
@@ -296,7 +295,7 @@ def _worker(w: int, job: Job, tensors: dict, turn: Turn, conn, threads: int, t0_
         worker = Worker(w, job, algo)  # its model: θ₀ from the seed, as in the coordinator and on every engine
         if job.resume is not None:
             worker.load_state_dict(ckpt.load_worker(job.resume, w))
-        link = _Link(w, server, turn, conn, t0_wall, job.run_dir)
+        link = _Link(w, server, turn, conn, alive, t0_wall, job.run_dir)
         link.worker = worker
         conn.send(("ready",))
         while worker.cycle(link):
@@ -330,7 +329,7 @@ class _Child:
 
 
 def _share(job: Job) -> Job:
-    """The job with its dataset in shared memory: spawned workers map it instead of copying it."""
+    """The job with its dataset in shared memory: workers map it instead of copying it."""
     data = dataclasses.replace(job.data)
     for k in ("train_x", "train_y"):
         setattr(data, k, getattr(data, k).share_memory_())
@@ -353,21 +352,25 @@ def run(job: Job, recorder) -> Result:
         for w in coord.pending_workers():
             ckpt.load_worker(job.resume, w)
     shared = _share(job)
-    ctx = tmp.get_context("spawn")
+    ctx = worker_context()
     turn = coord.turn = Turn(ctx, n + 1)
     turn.state[0] = n  # the coordinator holds the turn until every worker is ready: all start from one θ
     tensors = server.tensors()
+    alive, here = ctx.Pipe(duplex=False)  # `here` stays open in this process alone until the end of the run
     try:
         for w in coord.pending_workers():
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, name=f"gem-worker-{w}", daemon=True,
-                            args=(w, shared, tensors, turn, child_conn, threads, coord.t0_wall))
+                            args=(w, shared, tensors, turn, child_conn, alive, threads, coord.t0_wall))
             p.start()
             child_conn.close()
             coord.add(_Child(w, p, parent_conn))
+        alive.close()
         return coord.serve()
     finally:
         _stop(coord.children, turn)
+        alive.close()
+        here.close()
 
 
 def _stop(children: list[_Child], turn: Turn, grace_s: float = 5.0) -> None:

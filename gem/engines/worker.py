@@ -87,6 +87,28 @@ def keep_heap() -> None:
         pass
 
 
+def worker_context():
+    """The multiprocessing context that starts worker processes (process, and distributed's local launch): forked
+    from a forkserver that has imported torch and gem once (gem.engines.preload), so that a worker holds only what
+    it computes with (BENCHMARKS.md, "Lean worker processes"). The forkserver is a fresh process, started once per
+    coordinating process and kept for its later runs: no worker is forked from a parent that runs threads (the
+    coordinator may run W&B's, or tqdm's). Where there is no forkserver (Windows): spawn.
+
+    A forked worker's parent is the forkserver, which outlives the coordinator while workers are left, so
+    `multiprocessing.parent_process()` cannot tell a worker that the coordinator is gone: the engine gives each
+    worker the read end of a pipe whose write end only the coordinator holds, and which reads end of file once the
+    coordinator has exited."""
+    import multiprocessing
+
+    import torch.multiprocessing as tmp
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return tmp.get_context("spawn")
+    ctx = tmp.get_context("forkserver")
+    ctx.set_forkserver_preload(["gem.engines.preload"])
+    return ctx
+
+
 def setup_process(threads: int, ignore_sigint: bool = True) -> None:
     """The start of every worker process: its torch threads, its heap, and Ctrl-C left to the coordinator (a
     terminal's Ctrl-C reaches the whole process group; the coordinator stops its workers itself)."""

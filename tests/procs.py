@@ -1,0 +1,46 @@
+"""The processes a run starts, as /proc shows them: for tests that kill workers or check none is left behind."""
+
+from pathlib import Path
+
+
+def processes() -> dict[int, tuple[int, str, str]]:
+    """pid → (parent pid, state, command line) of every process."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        out[int(d.name)] = (int(fields[1]), fields[0], cmd)
+    return out
+
+
+def workers_of(pid) -> list[int]:
+    """The worker processes of the run whose coordinator is pid: the children of its forkserver (or children of
+    its own that run spawn_main, where workers are spawned); the forkserver and resource tracker are left out."""
+    table = processes()
+    servers = {p for p, (ppid, _, cmd) in table.items() if ppid == pid and "forkserver" in cmd}
+    return sorted(p for p, (ppid, state, cmd) in table.items() if state != "Z" and (
+        ppid in servers or (ppid == pid and "spawn_main" in cmd)))
+
+
+def descendants(pid) -> list[int]:
+    """Every live process below pid: workers, their forkserver, the resource tracker."""
+    table, out, todo = processes(), [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [p for p, (ppid, state, _) in table.items() if ppid == parent and state != "Z"]
+        out += kids
+        todo += kids
+    return sorted(out)
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
