@@ -470,3 +470,51 @@ def test_the_overall_median_built_from_the_parts_is_torchs(sizes, zero_frac, top
         partial, partial_tensors = gem.pi_stats(pi, layout[:-1], 5.0)  # a layout that leaves some of π out
         assert partial["pi_median"] == pi.median().item()
         assert partial_tensors["pi_mean"] == pytest.approx([pi[sl].double().mean().item() for _, sl in layout[:-1]])
+
+
+def _gem_inputs(seed, sizes, scale_drift):
+    """A commit's inputs on the scales of a real run: |θ − s| against κ|m| puts π at 0, between the clamps and at
+    π_max in proportions that change with `scale_drift`."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(sizes)
+    grad = torch.randn(n, generator=g) * 0.01
+    m = torch.randn(n, generator=g) * 0.003
+    stale = torch.randn(n, generator=g) * 0.1
+    theta = stale + torch.randn(n, generator=g) * 0.003 * scale_drift
+    grad[:: 97] = 0.0  # |Δθ| + ε = ε: π at π_max or 0
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    layout = [(str(i), slice(a, b)) for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))]
+    return grad, m, stale, theta, layout
+
+
+@pytest.mark.parametrize("hp", [gem.Params(), gem.Params(kappa=2.0), gem.Params(kappa=1.5, pi_max=2.3),
+                                gem.Params(proxy="global", workers=4)], ids=["default", "kappa", "pi_max", "global"])
+@pytest.mark.parametrize("scale_drift", [0.3, 1.0, 4.0])
+def test_gem_fused_loops_compute_what_the_torch_operations_compute(monkeypatch, hp, scale_drift):
+    """On CPU, GEM's commit and statistics run as fused loops (numba): m, s, θ, the commit πΔθ, π itself, every
+    metric and every per-tensor statistic must be bit for bit those of the torch operations (gem.FUSED = False)."""
+    out = {}
+    for fused in (True, False):
+        monkeypatch.setattr(gem, "FUSED", fused)
+        grad, m, stale, theta, layout = _gem_inputs(0, MNIST_CNN_SIZES, scale_drift)
+        state = {"m": m, "stale": stale}
+        server = {"proxy": m * 0.7, "proxy_commits": torch.zeros((), dtype=torch.long)} if hp.proxy == "global" \
+            else None
+        c = commit(gem, state, theta.clone(), grad, theta, hp, server, layout)
+        gem.server_rule(at(theta, server), c, hp)
+        out[fused] = ([state["m"], state["stale"], theta, c.delta.clone(), c.aux["pi"].clone()], c.metrics, c.tensors)
+    (a, am, at_), (b, bm, bt) = out[True], out[False]
+    for x, y, name in zip(a, b, ["m", "s", "theta", "delta", "pi"], strict=True):
+        assert torch.equal(x, y), name
+    assert am == bm and at_ == bt
+    assert 0 < am["pi_zero_frac"] < 1 and 0 < am["pi_max_frac"] < 1  # every branch of the clamp was taken
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.0])
+def test_gem_fused_statistics_leave_a_nan_or_a_sign_to_numpy(bad):
+    pi = torch.rand(1000) * 5
+    pi[10] = bad
+    layout = [("a", slice(0, 400)), ("b", slice(400, 1000))]
+    assert gem._pi_stats_fused(pi.numpy(), layout, 5.0) is None  # the numpy code decides, as before
+    metrics, _ = gem.pi_stats(pi, layout, 5.0)
+    assert metrics["pi_zero_frac"] == (0.001 if bad == 0 else 0.0)

@@ -280,3 +280,21 @@ def test_memory_grows_by_the_workers_own_state_only(name, copies):
 
     per_worker = (peak(101) - peak(1)) / 100 / model_bytes
     assert per_worker <= copies + 0.5, f"{per_worker:.2f} model copies per worker"
+
+
+def test_a_gem_run_with_the_fused_loops_is_the_run_with_torchs_operations(data, tmp_path, monkeypatch):
+    """A whole run's commits (n = 4, GEM): every row and every per-tensor statistic the same, bit for bit, with
+    GEM's fused CPU loops and with the torch operations they replace."""
+    from gem.algorithms import gem
+
+    frames = {}
+    for fused in (True, False):
+        monkeypatch.setattr(gem, "FUSED", fused)
+        d = tmp_path / str(fused)
+        result, m = run(job(data, 4, "gem", gem.Params(), epochs=3), d)
+        assert result.status == "completed"
+        frames[fused] = (m.drop(columns=["time_s", "wait_s", "apply_s"], errors="ignore"),
+                         pd.read_parquet(d / "tensors.parquet"))
+    pd.testing.assert_frame_equal(frames[True][0], frames[False][0], check_exact=True)
+    pd.testing.assert_frame_equal(frames[True][1], frames[False][1], check_exact=True)
+    assert frames[True][0]["pi_median"].nunique() > 1

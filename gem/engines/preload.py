@@ -13,7 +13,8 @@ no thread to release them. So nothing imported here may start a thread:
   linear algebra in torch, with the threads `setup_process` gives them, and use numpy only to select π's medians;
 - nothing here imports pyarrow, whose allocator starts a background thread (run-directory files are the
   coordinator's business, gem.metrics);
-- nothing here computes with torch, whose thread pools start at the first parallel operation.
+- nothing here computes with torch beyond a few numbers (GEM's `warm`), below the size at which its thread pools
+  start.
 
 The forkserver checks its own threads once its imports are done, and says so on stderr if any were started (a
 worker forked from it could then hang), rather than failing every run.
@@ -36,6 +37,9 @@ from gem import algorithms  # noqa: E402
 
 for _name in algorithms.ALGORITHMS:
     algorithms.get(_name)
+from gem.algorithms import gem as _gem  # noqa: E402
+
+_gem.warm()  # GEM's fused loops, compiled (or loaded from numba's cache) once, here, rather than in every worker
 try:  # torchvision's models (resnet18_cifar) and datasets, where a worker builds them
     import torchvision  # noqa: F401
 except ImportError:
