@@ -491,8 +491,10 @@ def _gem_inputs(seed, sizes, scale_drift):
                                 gem.Params(proxy="global", workers=4)], ids=["default", "kappa", "pi_max", "global"])
 @pytest.mark.parametrize("scale_drift", [0.3, 1.0, 4.0])
 def test_gem_fused_loops_compute_what_the_torch_operations_compute(monkeypatch, hp, scale_drift):
-    """On CPU, GEM's commit and statistics run as fused loops (numba): m, s, θ, the commit πΔθ, π itself, every
-    metric and every per-tensor statistic must be bit for bit those of the torch operations (gem.FUSED = False)."""
+    """On CPU, GEM's commit and statistics run as fused loops (numba): m, s, θ, the commit πΔθ, π itself, π's
+    statistics over all elements and per tensor must be bit for bit those of the torch operations (gem.FUSED =
+    False). The two energies are exact sums there (float64), where torch's float32 dot products are off by float32
+    rounding."""
     out = {}
     for fused in (True, False):
         monkeypatch.setattr(gem, "FUSED", fused)
@@ -501,12 +503,21 @@ def test_gem_fused_loops_compute_what_the_torch_operations_compute(monkeypatch, 
         server = {"proxy": m * 0.7, "proxy_commits": torch.zeros((), dtype=torch.long)} if hp.proxy == "global" \
             else None
         c = commit(gem, state, theta.clone(), grad, theta, hp, server, layout)
+        proxy = (server["proxy"] if server else state["m"]).double().clone()
         gem.server_rule(at(theta, server), c, hp)
         out[fused] = ([state["m"], state["stale"], theta, c.delta.clone(), c.aux["pi"].clone()], c.metrics, c.tensors)
     (a, am, at_), (b, bm, bt) = out[True], out[False]
     for x, y, name in zip(a, b, ["m", "s", "theta", "delta", "pi"], strict=True):
         assert torch.equal(x, y), name
-    assert am == bm and at_ == bt
+    energies = ("proxy_energy", "central_energy")
+    assert {k: v for k, v in am.items() if k not in energies} == {k: v for k, v in bm.items() if k not in energies}
+    assert at_ == bt
+    # the energies: the loop sums in float64, torch's dot products in float32, off by up to a few 1e-6 relative
+    moved = c.aux["central"].double()  # θ − s + πΔθ, from the torch path's diagnostics
+    exact = {"proxy_energy": 0.5 * hp.kappa**2 * float(proxy.dot(proxy)),
+             "central_energy": 0.5 * float(moved.dot(moved))}
+    for k in energies:
+        assert am[k] == pytest.approx(exact[k], rel=1e-12) and bm[k] == pytest.approx(exact[k], rel=1e-5), k
     assert 0 < am["pi_zero_frac"] < 1 and 0 < am["pi_max_frac"] < 1  # every branch of the clamp was taken
 
 

@@ -284,7 +284,8 @@ def test_memory_grows_by_the_workers_own_state_only(name, copies):
 
 def test_a_gem_run_with_the_fused_loops_is_the_run_with_torchs_operations(data, tmp_path, monkeypatch):
     """A whole run's commits (n = 4, GEM): every row and every per-tensor statistic the same, bit for bit, with
-    GEM's fused CPU loops and with the torch operations they replace."""
+    GEM's fused CPU loops and with the torch operations they replace (losses, π, staleness: the same run); the
+    proxy and central energies within float32 rounding."""
     from gem.algorithms import gem
 
     frames = {}
@@ -295,6 +296,9 @@ def test_a_gem_run_with_the_fused_loops_is_the_run_with_torchs_operations(data, 
         assert result.status == "completed"
         frames[fused] = (m.drop(columns=["time_s", "wait_s", "apply_s"], errors="ignore"),
                          pd.read_parquet(d / "tensors.parquet"))
-    pd.testing.assert_frame_equal(frames[True][0], frames[False][0], check_exact=True)
+    energies = ["proxy_energy", "central_energy"]  # metrics summed in float64 by the loops: float32 rounding apart
+    fused, reference = frames[True][0], frames[False][0]
+    pd.testing.assert_frame_equal(fused.drop(columns=energies), reference.drop(columns=energies), check_exact=True)
+    pd.testing.assert_frame_equal(fused[energies], reference[energies], check_exact=False, rtol=1e-5, atol=0)
     pd.testing.assert_frame_equal(frames[True][1], frames[False][1], check_exact=True)
     assert frames[True][0]["pi_median"].nunique() > 1

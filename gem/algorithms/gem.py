@@ -19,12 +19,14 @@ Per-commit diagnostics (DESIGN §2): the median, mean and fraction-zero of π ov
 parameter tensor, the fraction clamped at π_max, the proxy energy ½‖κm‖² (κM with the global proxy), and
 the central energy ½‖θ − s + πΔθ‖². The median is the lower median (torch.median's convention).
 
-On CPU the commit and the statistics run as fused loops (numba, below): one pass over the parameters where the
-torch operations took about fifteen, and the medians by a histogram of π's bits instead of a selection. They
-compute what the torch operations compute, bit for bit: the same float32 operations on each element in the same
-order, no fused multiply-add (numba contracts none without fastmath), and the medians are elements of π, chosen
-by rank (tests/test_algorithms.py checks both on real commits). Elsewhere (a GPU, float64) the torch operations
-run, as they do in the reference the tests compare with (`FUSED = False`).
+On CPU the commit and the statistics run as fused loops (numba, below): the whole worker rule in one pass over the
+parameters where the torch operations took about fifteen, and the medians by a histogram of π's bits instead of a
+selection. They compute what the torch operations compute, bit for bit: the same float32 operations on each
+element in the same order, no fused multiply-add (numba contracts none without fastmath), and the medians are
+elements of π, chosen by rank. Only the two energies differ, by float32 rounding: the loop sums them exactly
+(float64) where torch's float32 dot products err by up to a few 1e-6 relative. tests/test_algorithms.py and
+tests/test_sim.py check all of it, on single commits and on a whole run. Elsewhere (a GPU, float64) the torch
+operations run, as they do in the reference the tests compare with (`FUSED = False`).
 """
 
 from __future__ import annotations
@@ -72,13 +74,14 @@ def init_server(theta: torch.Tensor, hp: Params, workers: int) -> dict:
 def prepare(state, x, grad, hp: Params) -> None:
     """The part of the commit that does not read θ, run before the worker takes the turn: Δθ, the proxy's next
     value μm + Δθ, and π's numerator κ|μm + Δθ| (local proxy) and denominator |Δθ| + ε. In scratch buffers only:
-    the worker's state must stay as it was until its turn (a checkpoint taken while it waits saves it). The fused
-    loop leaves numerator and denominator to the worker rule, which computes them as it goes."""
-    update, m_next = scratch(grad, "update"), scratch(grad, "m_next")
+    the worker's state must stay as it was until its turn (a checkpoint taken while it waits saves it).
+
+    Nothing, where the worker rule runs as one fused loop: computing these as it goes costs less than writing them
+    out here and reading them back there (eight passes over the parameters instead of twelve), and the loop holds
+    the turn for less time than the torch operations that read θ alone."""
     if _fused(grad, state["m"], state["stale"]):
-        _prepare_loop(grad.numpy(), state["m"].numpy(), np.float32(-hp.lr), np.float32(hp.momentum),
-                      update.numpy(), m_next.numpy())
         return
+    update, m_next = scratch(grad, "update"), scratch(grad, "m_next")
     torch.mul(grad, -hp.lr, out=update)  # Δθ
     torch.mul(state["m"], hp.momentum, out=m_next).add_(update)
     torch.abs(update, out=scratch(grad, "denominator")).add_(hp.eps)
@@ -97,27 +100,30 @@ def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     """Under the server's turn, after `prepare`: only what reads θ. The statistics wait for `diagnostics`,
     which the worker runs once it has handed the turn on."""
     m, stale, theta = state["m"], state["stale"], view.theta
-    m_next, update = scratch(grad, "m_next"), scratch(grad, "update")
-    central, pi = scratch(theta, "central"), scratch(m, "pi")
+    update, pi = scratch(grad, "update"), scratch(m, "pi")
     proxy = view.server["proxy"] if hp.proxy == "global" else m  # the server's proxy as it is now, or m
     if _fused(grad, m, stale):  # as in prepare
-        # m ← μm + Δθ, θ − s, s ← θ, π and πΔθ (into update) in one pass
-        _rule_loop(m.numpy(), m_next.numpy(), theta.numpy(), stale.numpy(), update.numpy(),
-                   m_next.numpy() if proxy is m else proxy.numpy(), np.float32(hp.kappa), hp.kappa != 1,
-                   np.float32(hp.eps), np.float32(hp.pi_max), central.numpy(), pi.numpy())
+        # Δθ, m ← μm + Δθ, θ − s, s ← θ, π, πΔθ (into update) and both energies in one pass
+        proxy_sq, moved_sq = _rule_loop(
+            grad.numpy(), m.numpy(), theta.numpy(), stale.numpy(), None if proxy is m else proxy.numpy(),
+            np.float32(-hp.lr), np.float32(hp.momentum), np.float32(hp.kappa), hp.kappa != 1, np.float32(hp.eps),
+            np.float32(hp.pi_max), update.numpy(), pi.numpy())
+        aux = {"pi": pi, "central_energy": torch.tensor(0.5 * moved_sq, dtype=torch.float64)}
     else:
-        m.copy_(m_next)  # m ← μm + Δθ
-        torch.sub(theta, stale, out=central)  # θ − s
+        m.copy_(scratch(grad, "m_next"))  # m ← μm + Δθ
+        central = torch.sub(theta, stale, out=scratch(theta, "central"))  # θ − s
         stale.copy_(theta)  # the next commit's s: θ as it is now, before this commit lands
         if hp.proxy == "global":
             _numerator(proxy, hp)
         pi.sub_(torch.abs(central, out=scratch(m, "tmp")))
         pi.div_(scratch(m, "denominator")).clamp_(0.0, hp.pi_max)
         update.mul_(pi)  # πΔθ, the commit
-    # the global proxy moves with every commit: its energy is read now, while it is the one π used
-    metrics = {"proxy_energy": 0.5 * hp.kappa**2 * float(proxy.dot(proxy))}
+        # the global proxy moves with every commit: its energy is read now, while it is the one π used
+        proxy_sq = float(proxy.dot(proxy))
+        aux = {"pi": pi, "central": central}
+    metrics = {"proxy_energy": 0.5 * hp.kappa**2 * proxy_sq}
     payload = {"m": m} if hp.proxy == "global" else {}
-    return Commit(delta=update, payload=payload, metrics=metrics, aux={"pi": pi, "central": central})
+    return Commit(delta=update, payload=payload, metrics=metrics, aux=aux)
 
 
 def server_rule(view: View, commit: Commit, hp: Params) -> None:
@@ -131,9 +137,12 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
 
 def diagnostics(commit: Commit, layout, hp: Params) -> tuple[dict[str, float], dict[str, list[float]]]:
     """π's median, mean and clamped fractions, over all elements and per tensor, and the central energy."""
-    central = commit.aux["central"].add_(commit.delta)  # θ − s + πΔθ: the central variable's move over the cycle
     metrics, tensors = pi_stats(commit.aux["pi"], layout, hp.pi_max)
-    metrics["central_energy"] = 0.5 * float(central.dot(central))
+    if "central_energy" in commit.aux:  # summed by the fused loop as it went
+        metrics["central_energy"] = float(commit.aux["central_energy"])
+    else:
+        central = commit.aux["central"].add_(commit.delta)  # θ − s + πΔθ: the central variable's move over the cycle
+        metrics["central_energy"] = 0.5 * float(central.dot(central))
     return metrics, tensors
 
 
@@ -219,24 +228,24 @@ def _fused(*tensors: torch.Tensor) -> bool:
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")  # numpy's: no check for a zero divisor (ε > 0)
 
 
-@_jit
-def _prepare_loop(grad, m, neg_lr, momentum, update, m_next):
-    for i in range(grad.size):
-        u = grad[i] * neg_lr  # Δθ
-        update[i] = u
-        m_next[i] = m[i] * momentum + u  # two roundings, as mul then add_
-
-
-@_jit
-def _rule_loop(m, m_next, theta, stale, update, proxy, kappa, scaled, eps, pi_max, central, pi):
+# reassoc: the two sums may be taken in vectorised partial sums. It reorders additions of a sum only: nothing
+# else in the loop is a chain of additions or products, and no multiply-add is contracted (that is `contract`)
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
+def _rule_loop(grad, m, theta, stale, proxy, neg_lr, momentum, kappa, scaled, eps, pi_max, update, pi):
+    """Returns ‖proxy‖² and ‖θ − s + πΔθ‖², summed in float64 (torch's float32 dot products differ from these
+    sums by float32 rounding, a few 1e-6 relative at most: they are metrics, not part of the commit). `proxy`
+    None: the local proxy, m itself."""
+    proxy_sq, moved_sq = 0.0, 0.0
     for i in range(theta.size):
-        m[i] = m_next[i]
+        u = grad[i] * neg_lr  # Δθ
+        mn = m[i] * momentum + u  # two roundings, as mul then add_
+        m[i] = mn
+        q = mn if proxy is None else proxy[i]
         th = theta[i]
-        c = th - stale[i]
-        central[i] = c
+        c = th - stale[i]  # θ − s
         stale[i] = th
-        u = update[i]
-        num = abs(proxy[i])
+        proxy_sq += np.float64(q) * np.float64(q)
+        num = abs(q)
         if scaled:
             num = num * kappa
         p = (num - abs(c)) / (abs(u) + eps)
@@ -245,7 +254,11 @@ def _rule_loop(m, m_next, theta, stale, update, proxy, kappa, scaled, eps, pi_ma
         elif p > pi_max:
             p = pi_max
         pi[i] = p
-        update[i] = u * p  # πΔθ
+        d = u * p  # πΔθ
+        update[i] = d
+        moved = c + d
+        moved_sq += np.float64(moved) * np.float64(moved)
+    return proxy_sq, moved_sq
 
 
 _SHIFT, _BINS = 20, 2048  # a float32 ≥ 0 has its exponent and top 3 mantissa bits above bit 20: 8 bins per octave
@@ -255,45 +268,44 @@ _SHIFT, _BINS = 20, 2048  # a float32 ≥ 0 has its exponent and top 3 mantissa 
 def _median_loop(pi, bounds, pi_max, top_bin, out):
     """The lower median of π in each segment [bounds[t], bounds[t+1]) (out[t]) and over all of it (out[T]),
     by rank, as `_clamped_median` selects it: values at 0 and at π_max are counted (the counts are returned),
-    the others go into a histogram of their top bits, whose bin of the median's rank is then gathered in a second
+    the others go into a histogram of their top bits; the bin that holds the median's rank is gathered in a second
     pass and the median selected among those few. `kind[t]`: 0 a value in out[t], 1 zero, 2 π_max. Returns
     ok = False, and nothing valid, if π holds a NaN, an infinity or a negative value (the numpy code decides)."""
     bits = pi.view(np.uint32)
     T = bounds.size - 1
-    hist = np.zeros((T, _BINS), np.int32)
     zeros, tops = np.zeros(T, np.int64), np.zeros(T, np.int64)
     kind = np.zeros(T + 1, np.int64)
     top_bits = np.array([pi_max]).view(np.uint32)[0]
-    for t in range(T):
-        z, c, bad = 0, 0, np.uint32(0)
-        for i in range(bounds[t], bounds[t + 1]):  # a loop the compiler vectorises
-            b = bits[i]
-            z += np.int64(b == 0)
-            c += np.int64(b == top_bits)
-            bad = max(bad, b)
-        if bad >= np.uint32(0x7F800000):  # NaN, ±inf or a sign bit
-            return zeros, tops, kind, False
-        zeros[t], tops[t] = z, c
-        h = hist[t]
-        for i in range(bounds[t], bounds[t + 1]):
-            h[bits[i] >> _SHIFT] += 1
-        h[0] -= z  # the histogram of the values strictly between the clamps
-        h[top_bin] -= c
-    total = np.zeros(_BINS, np.int32)
+    hist = np.empty(4 * _BINS, np.int32)  # four interleaved copies: neighbours, often in one bin, do not wait
+    total = np.zeros(_BINS, np.int64)  # on each other's increment
     target, rank, size = np.full(T + 1, -1, np.int64), np.zeros(T + 1, np.int64), np.zeros(T + 1, np.int64)
-    for t in range(T + 1):
-        if t < T:
-            n, z, c = bounds[t + 1] - bounds[t], zeros[t], tops[t]
-            h = hist[t]
+    for s in range(T + 1):
+        if s < T:
+            z, c, bad = 0, 0, np.uint32(0)
+            for i in range(bounds[s], bounds[s + 1]):  # a loop the compiler vectorises
+                b = bits[i]
+                z += np.int64(b == 0)
+                c += np.int64(b == top_bits)
+                bad = max(bad, b)
+            if bad >= np.uint32(0x7F800000):  # NaN, ±inf or a sign bit
+                return zeros, tops, kind, False
+            zeros[s], tops[s] = z, c
+            hist[:] = 0
+            for i in range(bounds[s], bounds[s + 1]):
+                hist[((bits[i] >> _SHIFT) << 2) | (i & 3)] += 1
+            h = (hist[0::4] + hist[1::4] + hist[2::4] + hist[3::4]).astype(np.int64)
+            h[0] -= z  # the histogram of the values strictly between the clamps
+            h[top_bin] -= c
             total += h
+            n = bounds[s + 1] - bounds[s]
         else:
             n, z, c, h = bounds[T] - bounds[0], zeros.sum(), tops.sum(), total
         k = (n - 1) // 2
         if k < z:
-            kind[t] = 1
+            kind[s] = 1
             continue
         if k >= n - c:
-            kind[t] = 2
+            kind[s] = 2
             continue
         r, j = k - z, 0
         while r >= h[j]:
@@ -301,8 +313,8 @@ def _median_loop(pi, bounds, pi_max, top_bin, out):
             j += 1
         # gathered below: every value of bin j, the clamped ones included; zeros sort first in bin 0, values at
         # π_max last in theirs, so the median's rank among them is r past the zeros
-        target[t], rank[t] = j, r + (z if j == 0 else 0)
-        size[t] = h[j] + (z if j == 0 else 0) + (c if j == top_bin else 0)
+        target[s], rank[s] = j, r + (z if j == 0 else 0)
+        size[s] = h[j] + (z if j == 0 else 0) + (c if j == top_bin else 0)
     mine, every = np.empty(size[:T].max() + 1, np.float32), np.empty(size[T] + 1, np.float32)
     k_all, j_all = 0, target[T]
     for t in range(T):
