@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from process_engine import engine_run, sequential_steps_per_s, throughput  # noqa: E402
+from process_engine import ALEXNET_LR, engine_run, sequential_steps_per_s, throughput  # noqa: E402
 from transport import sgd_step_seconds  # noqa: E402
 
 from gem.data import load_dataset, make_synthetic  # noqa: E402
@@ -38,7 +38,10 @@ def main() -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[4])
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="a few steps of every part, to check that the script runs "
+                    "(tests/test_benchmarks.py): its numbers mean nothing")
     args = ap.parse_args()
+    steps = 10 if args.smoke else 150
     try:
         data, name = load_dataset("mnist", args.root, download=False), "mnist"
     except Exception:  # noqa: BLE001
@@ -54,10 +57,10 @@ def main() -> int:
                 got = rows.setdefault((algo, n), {})
                 rates = {}
                 for eng in (process, distributed):
-                    before = sequential_steps_per_s(data)
+                    before = sequential_steps_per_s(data, steps)
                     whole, full = throughput(data, algo, n, args.epochs, engine=eng,
                                              options={"timeout_s": 120} if eng is distributed else None)
-                    ref = (before + sequential_steps_per_s(data)) / 2
+                    ref = (before + sequential_steps_per_s(data, steps)) / 2
                     label = eng.__name__.rsplit(".", 1)[1]
                     rates[label] = (whole, full)
                     got.setdefault(f"{label} / sequential", []).append(whole / ref)
@@ -82,9 +85,9 @@ def main() -> int:
     # 2. parameter-server capacity, alexnet_cifar
     syn = make_synthetic((3, 32, 32), num_classes=10, train_size=64, val_size=16, seed=0)
     for r in range(args.rounds):
-        step = sgd_step_seconds("alexnet_cifar", reps=5)
-        m, result = engine_run(syn, "downpour", 4, epochs=4, model="alexnet_cifar", batch_size=16,
-                               engine=distributed, options={"timeout_s": 300}, with_result=True)
+        step = sgd_step_seconds("alexnet_cifar", reps=1 if args.smoke else 5)
+        m, result = engine_run(syn, "downpour", 4, epochs=1 if args.smoke else 4, model="alexnet_cifar", batch_size=16,
+                               engine=distributed, options={"timeout_s": 300}, with_result=True, lr=ALEXNET_LR)
         commit_s = result.extra["server_commit_s"]
         print(f"alexnet_cifar round {r + 1}: server {commit_s * 1e3:.1f} ms per commit ({1 / commit_s:.1f} commits/s, "
               f"busy {result.extra['server_busy']:.2f}), one SGD step at b=64 on 1 thread {step * 1e3:.0f} ms: "

@@ -40,14 +40,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def plain_steps_per_s(data, device: torch.device, steps: int, bf16: bool = False) -> float:
+def plain_steps_per_s(data, device: torch.device, steps: int, bf16: bool = False, batch: int = BATCH_SIZE) -> float:
     torch.manual_seed(SEED)
     model = build_model("alexnet_cifar", num_classes=data.num_classes).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    stream = WorkerStream(len(data.train_y), BATCH_SIZE, seed=SEED, worker=0)
+    stream = WorkerStream(len(data.train_y), batch, seed=SEED, worker=0)
+    warm = min(10, steps)
     t0 = None
-    for i in range(steps + 10):
-        if i == 10:  # after warm-up (cuDNN autotuning, allocator)
+    for i in range(steps + warm):
+        if i == warm:  # after warm-up (cuDNN autotuning, allocator)
             _sync(device)
             t0 = time.perf_counter()
         x, y = data.batch(stream.next_indices(), stream.generator)
@@ -61,9 +62,9 @@ def plain_steps_per_s(data, device: torch.device, steps: int, bf16: bool = False
     return steps / (time.perf_counter() - t0)
 
 
-def engine_steps_per_s(data, device: str, workers: int, steps: int) -> float:
-    epochs = max(1, -(-steps * BATCH_SIZE // len(data.train_y)))
-    m = engine_run(data, "downpour", workers, epochs, model="alexnet_cifar", device=device, lr=LR)
+def engine_steps_per_s(data, device: str, workers: int, steps: int, batch: int = BATCH_SIZE) -> float:
+    epochs = max(1, -(-steps * batch // len(data.train_y)))
+    m = engine_run(data, "downpour", workers, epochs, model="alexnet_cifar", device=device, lr=LR, batch_size=batch)
     m = m[m["step"] > min(10 * workers, len(m) // 2)]  # warm-up
     return (len(m) - 1) / (m["time_s"].iloc[-1] - m["time_s"].iloc[0])
 
@@ -77,17 +78,18 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device(args.device)
     data = make_synthetic(shape=(3, 32, 32), train_size=64 if args.smoke else 4096, val_size=16 if args.smoke else 64)
+    batch = 8 if args.smoke else BATCH_SIZE
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"alexnet_cifar, b={BATCH_SIZE}")
-    plain = plain_steps_per_s(data, device, args.steps)
-    one = engine_steps_per_s(data, str(device), 1, args.steps)
-    plain_after = plain_steps_per_s(data, device, args.steps)
+    plain = plain_steps_per_s(data, device, args.steps, batch=batch)
+    one = engine_steps_per_s(data, str(device), 1, args.steps, batch)
+    plain_after = plain_steps_per_s(data, device, args.steps, batch=batch)
     reference = (plain + plain_after) / 2
     print(f"1. one process worker / plain loop: {one / reference:.3f}  "
           f"(plain {plain:.1f} and {plain_after:.1f} steps/s before and after)")
-    four = engine_steps_per_s(data, str(device), 4, args.steps)
+    four = engine_steps_per_s(data, str(device), 4, args.steps, batch)
     print(f"2. 4 process workers on one device / 1 worker: {four / one:.3f}")
-    bf16 = plain_steps_per_s(data, device, args.steps, bf16=True)
+    bf16 = plain_steps_per_s(data, device, args.steps, bf16=True, batch=batch)
     print(f"3. plain loop bf16 / fp32: {bf16 / plain_after:.3f}")
 
 

@@ -184,6 +184,11 @@ def process_case(model: str, data: str, workers: int, wait: float) -> dict:
                              stderr=subprocess.DEVNULL)
         try:
             time.sleep(wait)
+            deadline = time.monotonic() + 120
+            while len(worker_pids(p.pid)) < workers:  # a loaded machine: not every worker has started yet
+                if p.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{' '.join(overrides)}: its {workers} workers did not start")
+                time.sleep(0.5)
             pids = worker_pids(p.pid)
             measured = [smaps(pid) for pid in pids]
         finally:
@@ -225,6 +230,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--wait", type=float, default=25.0, help="seconds before the workers are measured")
+    ap.add_argument("--smoke", action="store_true", help="mnist_cnn only, 10 virtual workers: to check that the script "
+                    "runs (tests/test_benchmarks.py)")
     ap.add_argument("--startup", type=int, nargs="+", metavar="N",
                     help="measure the start-up and memory of runs with these numbers of workers instead")
     args = ap.parse_args()
@@ -234,14 +241,16 @@ def main() -> None:
     mb = 2**20
     print("engine=process, GEM: per worker process (median over the workers)")
     print(f"{'model':<15}{'USS MB':>9}{'RSS MB':>9}{'estimate MB':>13}{'estimate/USS':>14}")
-    for model, data in CASES:
+    cases = CASES[:1] if args.smoke else CASES
+    for model, data in cases:
         r = process_case(model, data, args.workers, args.wait)
         print(f"{r['model']:<15}{r['uss'] / mb:>9.0f}{r['rss'] / mb:>9.0f}{r['estimate'] / mb:>13.0f}"
               f"{r['estimate'] / r['uss']:>14.2f}")
-    print("engine=sim, GEM: per virtual worker (RSS growth over 200 workers)")
+    virtual = 10 if args.smoke else 200
+    print(f"engine=sim, GEM: per virtual worker (RSS growth over {virtual} workers)")
     print(f"{'model':<15}{'measured MB':>13}{'estimate MB':>13}{'estimate/measured':>19}")
-    for model, data in CASES:
-        r = sim_case(model, data, 200)
+    for model, data in cases:
+        r = sim_case(model, data, virtual)
         print(f"{r['model']:<15}{r['measured'] / mb:>13.2f}{r['estimate'] / mb:>13.2f}"
               f"{r['estimate'] / r['measured']:>19.2f}")
 

@@ -12,12 +12,12 @@ MNIST = DATA / "MNIST" / "raw" / "train-images-idx3-ubyte"
 
 SCRIPTS = {  # script: arguments that make it brief
     "data_loading.py": ["--root", str(DATA), "--rounds", "1"],
-    "distributed_engine.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1"],
+    "distributed_engine.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1", "--smoke"],
     "gpu.py": ["--device", "cpu", "--steps", "8", "--smoke"],
     "process_engine.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1", "--smoke"],
     "sim_commit.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1"],
     "transport.py": ["--workers", "2", "--seconds", "0.5", "--rounds", "1"],
-    "worker_memory.py": ["--workers", "2", "--wait", "1"],
+    "worker_memory.py": ["--workers", "2", "--wait", "2", "--smoke"],
 }
 
 
