@@ -190,7 +190,7 @@ def test_an_unusable_run_directory_is_one_line(capsys):
     assert line == "error: hydra.run.dir=/proc/gem-run cannot be used as a run directory: No such file or directory"
 
 
-@pytest.mark.parametrize("args, figure", [(["engine=process", "workers=1000"], "worker processes"),
+@pytest.mark.parametrize("args, figure", [(["engine=process", "workers=20000"], "worker processes"),
                                           (["engine=sim", "workers=100000"], "virtual workers")])
 def test_too_many_workers_for_this_machine_is_refused(tmp_path, args, figure, capsys):
     line = refused_line(capsys, "logger.wandb.mode=disabled", *args, f"hydra.run.dir={tmp_path / 'x'}")

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 
-# USS of a worker process before its model: 41 MB measured on mnist_cnn/digits (torch 2.14, Linux x86-64), less its
-# 2.6 MB of model tensors; a worker started by spawn, which imports torch itself, held 340 MB. The forkserver: 92 MB.
-# See BENCHMARKS.md "Memory per worker" and "Lean worker processes"
-WORKER_PROCESS_BYTES = 38 * 2**20
-FORKSERVER_BYTES = 90 * 2**20
+# USS of a worker process before its model: 24 MB measured on mnist_cnn/digits (torch 2.14, Linux x86-64; 26.8 MB
+# less its 2.6 MB of model tensors); a worker started by spawn, which imports torch itself, held 340 MB. The
+# forkserver, which holds torch, gem and GEM's compiled loops once for all workers: 123 MB. See BENCHMARKS.md
+# "Memory per worker" and "100 worker processes on 2 cores"
+WORKER_PROCESS_BYTES = 24 * 2**20
+FORKSERVER_BYTES = 120 * 2**20
 SIM_WORKER_BYTES = 16 * 2**10  # a virtual worker's Python objects and random generator
 FLOAT = 4
 
