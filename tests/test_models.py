@@ -244,3 +244,23 @@ def test_alexnet_hidden_layers_are_he_initialised_and_the_output_layer_is_defaul
     out = layers[-1]  # PyTorch's default: U(±1/√fan_in), std 1/√(3 fan_in)
     assert out.weight.std().item() == pytest.approx((1 / (3 * 1024)) ** 0.5, rel=0.05) and out.bias.any()
 
+
+
+def test_a_flat_model_config_is_built_without_hydra_and_a_nested_one_through_it():
+    """Worker processes build their model from its spec: a `_target_` with plain keyword arguments is called
+    directly (no Hydra import in each of 100 workers); anything Hydra would treat differently still goes
+    through `hydra.utils.instantiate`. Both build the same module."""
+    from experiments.config import compose
+    from experiments.instantiate import model_spec
+    from gem.models import ModelSpec
+
+    flat = model_spec(compose(["model=mnist_cnn"]))
+    assert (flat.factory, flat.kwargs) == ("gem.models.MnistCNN", {"num_classes": 10})
+    nested = model_spec(compose(["model=mnist_cnn", "+model.extra={a: 1}"]))
+    assert nested.factory == "hydra.utils.instantiate"
+    torch.manual_seed(0)
+    a = build_model(flat)
+    torch.manual_seed(0)
+    b = build_model(ModelSpec("mnist_cnn", "hydra.utils.instantiate",
+                              {"config": {"_target_": "gem.models.MnistCNN", "num_classes": 10}}))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
