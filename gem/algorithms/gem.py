@@ -279,35 +279,38 @@ def _median_loop(pi, bounds, pi_max, top_bin, out):
     hist = np.empty(4 * _BINS, np.int32)  # four interleaved copies: neighbours, often in one bin, do not wait
     total = np.zeros(_BINS, np.int64)  # on each other's increment
     target, rank, size = np.full(T + 1, -1, np.int64), np.zeros(T + 1, np.int64), np.zeros(T + 1, np.int64)
+    for s in range(T):  # the clamps first: a median at a clamp needs no histogram
+        z, c, bad = 0, 0, np.uint32(0)
+        for i in range(bounds[s], bounds[s + 1]):  # a loop the compiler vectorises
+            b = bits[i]
+            z += np.int64(b == 0)
+            c += np.int64(b == top_bits)
+            bad = max(bad, b)
+        if bad >= np.uint32(0x7F800000):  # NaN, ±inf or a sign bit
+            return zeros, tops, kind, False
+        zeros[s], tops[s] = z, c
+    for s in range(T + 1):
+        n = bounds[s + 1] - bounds[s] if s < T else bounds[T] - bounds[0]
+        z, c = (zeros[s], tops[s]) if s < T else (zeros.sum(), tops.sum())
+        k = (n - 1) // 2
+        kind[s] = 1 if k < z else 2 if k >= n - c else 0
     for s in range(T + 1):
         if s < T:
-            z, c, bad = 0, 0, np.uint32(0)
-            for i in range(bounds[s], bounds[s + 1]):  # a loop the compiler vectorises
-                b = bits[i]
-                z += np.int64(b == 0)
-                c += np.int64(b == top_bits)
-                bad = max(bad, b)
-            if bad >= np.uint32(0x7F800000):  # NaN, ±inf or a sign bit
-                return zeros, tops, kind, False
-            zeros[s], tops[s] = z, c
+            if kind[s] != 0 and kind[T] != 0:  # neither this tensor's median nor the overall one needs its bins
+                continue
             hist[:] = 0
             for i in range(bounds[s], bounds[s + 1]):
                 hist[((bits[i] >> _SHIFT) << 2) | (i & 3)] += 1
             h = (hist[0::4] + hist[1::4] + hist[2::4] + hist[3::4]).astype(np.int64)
-            h[0] -= z  # the histogram of the values strictly between the clamps
-            h[top_bin] -= c
+            h[0] -= zeros[s]  # the histogram of the values strictly between the clamps
+            h[top_bin] -= tops[s]
             total += h
-            n = bounds[s + 1] - bounds[s]
+            n, z, c = bounds[s + 1] - bounds[s], zeros[s], tops[s]
         else:
             n, z, c, h = bounds[T] - bounds[0], zeros.sum(), tops.sum(), total
-        k = (n - 1) // 2
-        if k < z:
-            kind[s] = 1
+        if kind[s] != 0:
             continue
-        if k >= n - c:
-            kind[s] = 2
-            continue
-        r, j = k - z, 0
+        r, j = (n - 1) // 2 - z, 0
         while r >= h[j]:
             r -= h[j]
             j += 1
@@ -319,6 +322,8 @@ def _median_loop(pi, bounds, pi_max, top_bin, out):
     k_all, j_all = 0, target[T]
     for t in range(T):
         j_t, k_t = target[t], 0
+        if j_t < 0 and j_all < 0:  # both medians at a clamp (most commits at large n, where most of π is 0)
+            continue
         for i in range(bounds[t], bounds[t + 1]):  # a bin holds few values: these branches are rarely taken
             j = np.int64(bits[i] >> _SHIFT)
             if j == j_t:
