@@ -2,9 +2,9 @@
 
 Workers are OS processes forked from a forkserver that has imported torch and gem once (gem.engines.worker's
 `worker_context`), so each holds only what it computes with, and 100 of them fit on a laptop. Each runs the shared
-worker cycle (gem.engines.worker). The
-parameter server's state (gem.engines.server: θ, the algorithm's server tensors, the clock, every worker's pull
-time) and the training set live in shared memory, so no worker holds a copy of the data.
+worker cycle (gem.engines.worker). The parameter server's state (gem.engines.server: θ, the algorithm's server
+tensors, the clock, every worker's pull time) and the training set live in shared memory, so no worker holds a
+copy of the data.
 
 The parameter server is a turn that the workers pass among themselves, first in, first out (`Turn`): a worker at
 its commit boundary takes the turn, runs its worker rule against the live θ and the server step in place in
