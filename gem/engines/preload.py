@@ -2,7 +2,7 @@
 
 Only the forkserver imports this module (gem.engines.worker.worker_context names it as the forkserver's preload).
 A worker forked from a process that has imported torch shares torch's pages with it and with every other worker,
-copy on write: its own memory is what it computes with, about 40 MB for `mnist_cnn` instead of about 340 MB for a
+copy on write: its own memory is what it computes with, about 27 MB for `mnist_cnn` instead of about 340 MB for a
 process that imports torch itself (BENCHMARKS.md, "Lean worker processes"); and it starts in a fraction of a
 second.
 
@@ -10,7 +10,8 @@ A process must not fork while it runs other threads: the child gets a copy of ev
 no thread to release them. So nothing imported here may start a thread:
 
 - numpy's OpenBLAS starts a pool of threads when it is loaded, unless told to use one: the workers do their
-  linear algebra in torch, with the threads `setup_process` gives them, and use numpy only to select π's medians;
+  linear algebra in torch, with the threads `setup_process` gives them, and use numpy and GEM's numba loops
+  (which start no threads: they are not `parallel`) only for GEM's commit and π's statistics;
 - nothing here imports pyarrow, whose allocator starts a background thread (run-directory files are the
   coordinator's business, gem.metrics);
 - nothing here computes with torch beyond a few numbers (GEM's `warm`), below the size at which its thread pools
