@@ -203,14 +203,14 @@ def sim_case(model: str, data: str, workers: int) -> dict:
     import torch
 
     from experiments.config import check_job
-    from experiments.runner import build_job
+    from experiments.job import build_job
     from gem import algorithms
     from gem.engines import memory
     from gem.engines.core import build_flat_model
     from gem.engines.worker import Worker
 
     cfg, checked = check_job(["engine=sim", f"workers={workers}", f"model={model}", f"data={data}"])
-    job = build_job(cfg, checked, log=lambda *a: None)
+    job = build_job(checked, log=lambda *a: None)
     algo = algorithms.get(job.algorithm)
     flat = build_flat_model(job)
 

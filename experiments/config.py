@@ -1,144 +1,52 @@
-"""Config schema, validation, and the preflight check that runs before Hydra launches anything.
+"""A composed config checked into a `Spec`: the one typed, checked description of a job that every later step
+reads (experiments.job builds the Job from it, experiments.rundir checks the run directory against it, the runner
+runs it). Nothing after `validate` checks the config again.
 
-Bad input gets one clear line that names the key and what is allowed (DESIGN §4), before any data is loaded
-or any process starts. The same `validate()` runs in the preflight (for every job of a sweep) and in each job.
+Bad input gets one clear line that names the key and what is allowed (DESIGN §4), before any data is loaded or
+any process starts. This module also composes configs with Hydra's compose API (`compose`, `check_job`) and
+expands a command's sweep into its jobs' overrides (`expand`), so that a command can be checked before Hydra
+launches anything (experiments.command).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from experiments import instantiate
+from experiments import instantiate, schema
 from experiments.instantiate import ConfigError
+from experiments.schema import CONF_DIR, GROUPS, TOP_LEVEL_PARAMS, WANDB_MODES, Config, DataConfig, options
 from gem import algorithms, engines, models
 from gem import data as gdata
 from gem.engines.sim import STALENESS_MODELS, TraceError, read_trace
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("algorithm", "engine", "model", "data", "logger", "experiment")
-WANDB_MODES = ("offline", "online", "disabled")
 
+@dataclass(frozen=True)
+class Spec:
+    """One job's config, checked (`validate`). The groups are their schemas' dataclasses with every default
+    filled in; `cfg` is the config as composed, kept for what is saved with the run (`.hydra/config.yaml`)."""
 
-@dataclass
-class Config:
-    """Top-level keys (DESIGN §4). Types here are enforced by Hydra when the config is composed."""
+    cfg: DictConfig
+    hp: Any  # the algorithm's Params: cfg.lr, cfg.momentum, cfg.workers (where it has that field), cfg.algorithm.*
+    engine: schema.EngineConfig
+    data: DataConfig
+    logger: schema.LoggerConfig
+    model: Any  # the model's structure on the meta device: parameter count, input shape, output kind
+    loss: str  # the loss resolved for the model (cfg.loss, or the model's own when null)
+    workers: int  # the workers that run (1 for a sequential algorithm, whatever cfg.workers asks)
 
-    algorithm: Any = MISSING
-    engine: Any = MISSING
-    model: Any = MISSING
-    data: Any = MISSING
-    logger: Any = MISSING
-    # values live in conf/config.yaml (one source of defaults); the schema only fixes the types
-    workers: int = MISSING
-    lr: float = MISSING
-    momentum: float = MISSING
-    batch_size: int = MISSING
-    epochs: int = MISSING  # full passes over the training set, per worker
-    seed: int = MISSING
-    device: str = MISSING
-    loss: Any = MISSING  # nll | cross_entropy | null (the model's own: nll if it outputs log-probabilities)
-    precision: str = MISSING  # fp32 | bf16 (the workers' forward and backward passes)
-    resume: bool = MISSING
-    plan: bool = MISSING  # list the jobs of the command and their estimated cost, run nothing (experiments.plan)
-
-
-# Group schemas, checked by `validate` (the algorithm's own keys come from its module's Params dataclass).
-@dataclass
-class EngineConfig:
-    name: str = "sim"
-    staleness: str = "round_robin"
-    straggler_fraction: float = 0.25
-    straggler_slowdown: float = 4.0
-    cycle_cv: float = 0.0  # gamma: coefficient of variation of a worker's cycle time (0: round robin, 1: exponential)
-    trace: str = ""  # trace: the run directory of a process or distributed run whose cycle times are replayed
-    checkpoint_every: int = 500  # commits between checkpoints; 0: none
-    host: str = "127.0.0.1"  # engine=distributed, local launch: the address rank 0 listens on
-    allow_remote: bool = False  # ... an address other than loopback needs this opt-in
-    port: int = 0  # ... and its port; 0: a free one
-    # process, distributed: a worker that has not committed for silent_cycles x the median time between commits
-    # of a worker, and for at least timeout_s, is lost (killed, recorded; the run goes on with the others)
-    timeout_s: float = 60.0
-    silent_cycles: float = 10.0
-
-
-@dataclass
-class SyntheticConfig:
-    num_classes: int = 10
-    train_size: int = 5000
-    val_size: int = 1000
-    seed: int = 0
-    task: str = "teacher"  # teacher (a random linear teacher's labels) | prototypes (class templates plus noise)
-    snr: float = 0.5  # prototypes: the templates' scale against unit noise
-
-
-@dataclass
-class DataConfig:
-    _target_: Any = None  # null: the built-in loader `name`; else a torchvision-style dataset (experiments.instantiate)
-    name: str = "digits"
-    root: str = "data"
-    download: bool = False
-    augment: bool = True
-    num_classes: int = 10
-    synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
-
-
-@dataclass
-class WandbConfig:
-    mode: str = "offline"
-    project: str = "gem"
-    entity: Any = None
-    group: Any = None
-    log_every: int = 10  # commits between W&B rows (every evaluation row is logged)
-
-
-@dataclass
-class LoggerConfig:
-    flush_every: int = 1000  # commit rows buffered before a parquet part is written
-    flush_seconds: float = 30.0  # ... or seconds, whichever comes first
-    eval_every: int = 100  # commits between evaluations of the central variable
-    eval_train_size: int = 2048
-    progress: bool = True
-    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
-
-
-GROUP_SCHEMAS = {"engine": EngineConfig, "data": DataConfig, "logger": LoggerConfig}  # model: any _target_
-
-
-def per_worker(total: int, *, _root_: DictConfig) -> int:
-    """`${per_worker:256}`: split a total evenly over the workers that will run (1 for a sequential algorithm).
-
-    Experiments use it for a fixed effective batch (fig4: b = B/n with B = 256) and for the same data budget
-    at every n (fig4, fig5: epochs per worker = total epochs / n)."""
-    n = algorithms.workers_that_run(str(_root_.algorithm.get("name")), _root_.workers)
-    if n < 1:
-        raise ConfigError(f"workers={n} is not allowed; workers must be an integer >= 1")
-    if int(total) % n:
-        raise ConfigError(f"per_worker:{total} does not split evenly over workers={n}; "
-                          f"pick workers that divide {total}")
-    return int(total) // n
-
-
-def register() -> None:
-    ConfigStore.instance().store(name="base_config", node=Config)
-    OmegaConf.register_new_resolver("per_worker", per_worker, replace=True)
-
-
-register()
-
-
-def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    @property
+    def algorithm(self) -> str:
+        return str(self.cfg.algorithm.name)
 
 
 def _merge_checked(schema, node, prefix: str, what: str):
@@ -155,8 +63,6 @@ def _merge_checked(schema, node, prefix: str, what: str):
 
 
 # Params fields filled from top-level keys rather than from algorithm.*
-TOP_LEVEL_PARAMS = ("lr", "momentum", "workers")
-
 
 def algorithm_params(cfg: DictConfig):
     """The algorithm's Params dataclass filled from cfg.lr, cfg.momentum (cfg.workers if it has that field)
@@ -177,11 +83,8 @@ def algorithm_params(cfg: DictConfig):
         raise ConfigError(str(e).splitlines()[0]) from None
 
 
-def validate(cfg: DictConfig) -> dict:
-    """Raise ConfigError with one clear line on the first bad value. Cheap: loads no data.
-
-    Returns the groups checked against their schemas (dataclass instances with every default filled in).
-    """
+def validate(cfg: DictConfig) -> Spec:
+    """The job's Spec; ConfigError with one clear line on the first bad value. Cheap: loads no data."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:  # `???` in a config (data=tensors: data.path, data.num_classes)
         raise ConfigError(f"{missing[0]} must be given: add {missing[0]}=<value> to the command")
@@ -205,8 +108,8 @@ def validate(cfg: DictConfig) -> dict:
     if cfg.precision not in models.PRECISIONS:
         raise ConfigError(f"precision={cfg.precision} is not allowed; choose one of: {', '.join(models.PRECISIONS)} "
                           "(bf16: the workers' forward and backward passes; θ and the algorithms stay float32)")
-    algorithm_params(cfg)
-    checked = {g: _merge_checked(s, cfg[g], g, g) for g, s in GROUP_SCHEMAS.items() if g != "data"}
+    hp = algorithm_params(cfg)
+    checked = {g: _merge_checked(s, cfg[g], g, g) for g, s in schema.GROUP_SCHEMAS.items() if g != "data"}
     checked["data"] = _check_data(cfg.data)
     eng, dat, log = checked["engine"], checked["data"], checked["logger"]
     if eng.name not in engines.ENGINES:
@@ -261,8 +164,11 @@ def validate(cfg: DictConfig) -> dict:
             engines.get(eng.name).check_address(eng.host, eng.port, eng.allow_remote)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    _check_memory(cfg, eng.name, dat, module)
-    return checked
+    workers = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
+    _check_memory(cfg, hp, workers, eng.name, dat, module)
+    return Spec(cfg=cfg, hp=hp, engine=eng, data=dat, logger=log, model=module, loss=checked["loss"],
+                workers=workers)
+
 
 
 def _check_device(device: str) -> None:
@@ -319,7 +225,7 @@ def _check_data(node: DictConfig) -> DataConfig:
                       download=bool(node.get("download", False)), augment=augment, num_classes=num_classes)
 
 
-def _check_memory(cfg: DictConfig, engine: str, dat, module) -> None:
+def _check_memory(cfg: DictConfig, hp, n: int, engine: str, dat, module) -> None:
     """Refuse a run that cannot fit in this machine's memory (gem.engines.memory says how it is estimated)."""
     import torch
 
@@ -328,9 +234,7 @@ def _check_memory(cfg: DictConfig, engine: str, dat, module) -> None:
     if distributed.launched():
         return  # the launcher placed the ranks, possibly on other machines
     algo = algorithms.get(cfg.algorithm.name)
-    n = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
     params = sum(p.numel() for p in module.parameters())  # `module` is on the meta device: shapes only
-    hp = algorithm_params(cfg)
     with torch.device("meta"):
         state = len(algo.init_state(torch.empty(params), hp))
         # the server's own tensors (DC-ASGD: a backup of θ per worker), held once; on distributed every worker's
@@ -376,10 +280,15 @@ def check_batch_size(batch_size: int, data: str, train: int | None) -> None:
                           f"{train} training examples, and every worker draws from all of them")
 
 
-# ------------------------------------------------------------------------------------------ preflight
+
+def data_root(root: str) -> str:
+    return os.path.abspath(os.path.expanduser(root))
 
 
-def _one_line(exc: Exception) -> str:
+# ------------------------------------------------------------------------------- composing a command
+
+
+def one_line(exc: Exception) -> str:
     """Reduce a Hydra/OmegaConf composition error to its first meaningful line, naming the key."""
     cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
     missing = re.search(r"Missing mandatory value: ([\w.]+)", str(cause))
@@ -403,41 +312,43 @@ def _one_line(exc: Exception) -> str:
     return f"{key}: {first}" if key and key not in first else first
 
 
+
 def expand(overrides: list[str], multirun: bool) -> list[list[str]]:
     """The override lists of every job a command would launch, including an experiment's sweeper params."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parser = OverridesParser.create()
-    parsed = parser.parse_overrides(overrides)
     if not multirun:
-        for o in parsed:
+        for o in OverridesParser.create().parse_overrides(overrides):
             if o.is_sweep_override():
                 raise ConfigError(f"{o.input_line} is a sweep; add -m (--multirun) to run one job per value")
         return [overrides]
-    base = [o.input_line for o in parsed if not o.is_sweep_override()]
-    hcfg = compose(base, return_hydra_config=True)
-    params = OmegaConf.select(hcfg, "hydra.sweeper.params") or {}
-    extra = [f"{k}={v}" for k, v in params.items()]
-    every = parser.parse_overrides(extra + overrides)
-    # later overrides (the command line) win over the experiment's, as in Hydra's own sweeper
+    base = [o.input_line for o in OverridesParser.create().parse_overrides(overrides) if not o.is_sweep_override()]
+    params = OmegaConf.select(compose(base, return_hydra_config=True), "hydra.sweeper.params") or {}
+    return jobs_of(dict(params), overrides)
+
+
+def jobs_of(params: dict, overrides: list[str]) -> list[list[str]]:
+    """A sweep's jobs: every combination of the values of `params` (an experiment's `hydra.sweeper.params`) and
+    of the command's `overrides`, in the order Hydra's basic sweeper launches them (the last key varies
+    fastest). Written with Hydra's public override parser: the command is checked before Hydra starts, and the
+    gem sweeper (hydra_plugins/gem_sweeper) launches exactly the jobs that were checked."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    # a key given twice keeps its first place and takes its last value, as in Hydra's basic sweeper
     by_key = {}
-    for o in every:
+    for o in OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()] + list(overrides)):
         by_key[o.key_or_group] = o
-    jobs = BasicSweeper.split_arguments(list(by_key.values()), None)
-    return [job for batch in jobs for job in batch]
-
-
-def single_run_note(overrides: list[str]) -> str | None:
-    """`python run.py experiment=fig1` without -m runs one job, not the figure's sweep. That is legitimate (one
-    run with an experiment's settings), but worth a line."""
-    if not any(o.split("=", 1)[0].lstrip("+~") == "experiment" for o in overrides):
-        return None
-    params = OmegaConf.select(compose(overrides, return_hydra_config=True), "hydra.sweeper.params") or {}
-    if not params:
-        return None
-    swept = " ".join(f"{k}={v}" for k, v in params.items())
-    return f"gem: note: this experiment sweeps {swept}; without -m only one job runs. Add -m to run the whole sweep."
+    values = []
+    for o in by_key.values():
+        key = o.get_key_element()
+        if not o.is_sweep_override():
+            values.append([f"{key}={o.get_value_element_as_str()}"])
+        elif o.is_discrete_sweep():
+            values.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:  # interval(...): a continuous range needs a sweeper that samples it
+            raise ConfigError(f"{o.input_line}: an interval cannot be swept by the basic sweeper; sweep a list "
+                              "(a,b,c), choice(a,b,c) or range(start,stop,step)")
+    return [list(job) for job in itertools.product(*values)]
 
 
 def compose(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
@@ -448,8 +359,9 @@ def compose(overrides: list[str], return_hydra_config: bool = False) -> DictConf
         return hydra_compose("config", overrides=overrides, return_hydra_config=return_hydra_config)
 
 
-def check_job(overrides: list[str]) -> tuple[DictConfig, dict]:
-    """Compose and validate one job's config; raise ConfigError with one line on bad input."""
+def composed(overrides: list[str], compose_fn=None) -> DictConfig:
+    """One job's config composed (by `compose_fn`, default `compose`); ConfigError with one line on bad input: an
+    option a group does not have, a key no schema has, a value of the wrong type."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     for o in OverridesParser.create().parse_overrides(overrides):
@@ -461,9 +373,9 @@ def check_job(overrides: list[str]) -> tuple[DictConfig, dict]:
                     f"choose one of: {', '.join(have)}" if have else f"no {o.key_or_group} configs exist yet"))
     overrides = [o for o in overrides if not o.startswith("hydra")]
     try:
-        cfg = compose(overrides)
+        return (compose_fn or compose)(overrides)
     except Exception as e:  # composition errors: wrong types, unknown keys
-        line = _one_line(e)
+        line = one_line(e)
         group = line.split(".", 1)[0] if " is not a config key" in line else None
         if group in GROUPS:  # an unknown key inside a group: list the keys that group has
             choice = [o for o in overrides if o.split("=", 1)[0] == group]
@@ -472,181 +384,17 @@ def check_job(overrides: list[str]) -> tuple[DictConfig, dict]:
             line = (f"{line.split(' ', 1)[0]} is not a key of {what}; its keys are: {', '.join(node)}"
                     + (" (lr, momentum and workers are top-level keys)" if group == "algorithm" else ""))
         raise ConfigError(line) from None
+
+
+def checked(cfg: DictConfig) -> Spec:
+    """`validate`, with OmegaConf's own errors (an interpolation that fails) as one line too."""
     try:
-        return cfg, validate(cfg)
+        return validate(cfg)
     except OmegaConfBaseException as e:
-        raise ConfigError(_one_line(e)) from None
+        raise ConfigError(one_line(e)) from None
 
 
-def preflight(argv: list[str]) -> list[str]:
-    """Validate every job of the command and its run directories before Hydra starts; on bad input print one
-    line and exit 2, with nothing written. Returns the command line for Hydra: the run (or sweep) directory
-    resolved here is passed on, so that Hydra uses the very directory that was checked (and, for one run,
-    locked: see experiments.rundir)."""
-    from hydra._internal.utils import get_args_parser
-
-    from experiments.rundir import Refused
-
-    try:
-        args, _ = get_args_parser().parse_known_args(argv)
-    except SystemExit:
-        return argv  # let Hydra report its own usage errors
-    from gem.engines import distributed
-
-    if args.multirun and distributed.launched() and int(os.environ["WORLD_SIZE"]) > 1:
-        if distributed.launched_rank() == 0:
-            print("error: -m under torchrun: one torchrun runs one job of engine=distributed; sweep with "
-                  "hydra/launcher=submitit_slurm (one SLURM job per run), or run the sweep without torchrun "
-                  "(python run.py -m engine=distributed workers=N ... launches each run's workers itself)",
-                  file=sys.stderr)
-        sys.exit(2)
-    if args.cfg and args.multirun:
-        print(f"error: --cfg with -m: Hydra prints the config of one job, not a sweep's; drop -m to print one "
-              f"job's config (python run.py <overrides> --cfg {args.cfg}), or add plan=true to list every job "
-              "of the sweep and its cost", file=sys.stderr)
-        sys.exit(2)
-    missing = _missing_launcher(args.overrides)
-    if missing:
-        print(f"error: {missing}", file=sys.stderr)
-        sys.exit(2)
-    if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_name \
-            or args.config_path or args.config_dir or args.experimental_rerun:
-        return argv
-    try:
-        available, jobs, overrides = set(), [], []
-        for job in expand(args.overrides, args.multirun):
-            cfg, checked = check_job(job)
-            jobs.append((cfg, checked))
-            overrides.append(job)
-            d = checked["data"]
-            key = (d.name, data_root(d.root), d.download)
-            if key not in available:  # download or fail once per dataset, before any job starts
-                gdata.ensure_available(*key)
-                available.add(key)
-            check_batch_size(cfg.batch_size, d.name, gdata.train_size(d.name, key[1], d.synthetic.train_size))
-        if any(cfg.plan for cfg, _ in jobs):
-            from experiments import plan
-
-            # a sweep's folder is checked as the real command would check it (a single run's is not: checking it
-            # takes it); with resume=true the plan says what happens to each job
-            actions = _check_directories(args, jobs)[1] if args.multirun else None
-            plan.show([(o, cfg, checked) for o, (cfg, checked) in zip(overrides, jobs, strict=True)],
-                      actions=actions)
-            sys.exit(0)
-        argv = argv + [_check_directories(args, jobs)[0]]
-        note = None if args.multirun else single_run_note(args.overrides)
-        if note:
-            print(note, file=sys.stderr)
-        return argv
-    except (ConfigError, gdata.DatasetMissing, Refused) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OmegaConfBaseException as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr)
-        sys.exit(2)
-    except Exception as e:  # a malformed override, say: Hydra's first line is clear enough
-        msg = str(e).strip().splitlines()
-        print(f"error: {msg[0] if msg else type(e).__name__}", file=sys.stderr)
-        sys.exit(2)
-
-
-# hydra/launcher options and the extra that installs their plugin
-LAUNCHER_EXTRAS = {"joblib": ("hydra_plugins.hydra_joblib_launcher", "joblib"),
-                   **{name: ("hydra_plugins.hydra_submitit_launcher", "slurm")
-                      for name in ("submitit_local", "submitit_slurm", "distributed_local", "distributed_slurm")}}
-
-
-def _missing_launcher(overrides: list[str]) -> str | None:
-    """`hydra/launcher=joblib` without its plugin installed: the line that says how to install it."""
-    import importlib.util
-
-    for o in overrides:
-        key, _, value = o.partition("=")
-        if key.lstrip("+~") != "hydra/launcher" or value not in LAUNCHER_EXTRAS:
-            continue
-        module, extra = LAUNCHER_EXTRAS[value]
-        if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
-            return (f"hydra/launcher={value} needs a Hydra launcher plugin that is not installed; install it with "
-                    f"pip install -e \".[{extra}]\" (in this project's folder)")
-    return None
-
-
-def _check_directories(args, jobs: list) -> tuple[str, list[str] | None]:
-    """One run: take its directory (the lock is held until this process exits) and check the command can run
-    there. A sweep: check that no job's directory is in use or holds results (unless resume=true). Returns the
-    override that fixes the directory for Hydra (its `${now:...}` would otherwise be resolved again), and, for a
-    sweep resumed with resume=true, what happens to each job (experiments.rundir.sweep_action)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from experiments import rundir
-
-    parsed = OverridesParser.create().parse_overrides(args.overrides)
-    hydra = compose([o.input_line for o in parsed if not o.is_sweep_override()], return_hydra_config=True).hydra
-    if not args.multirun:
-        run_dir = os.path.abspath(str(hydra.run.dir))
-        rundir.check_run_dir(*jobs[0], Path(run_dir))
-        return f"hydra.run.dir={_quoted(run_dir)}", None
-    sweep_dir = os.path.abspath(str(hydra.sweep.dir))
-    numbered = OmegaConf.to_container(hydra.sweep, resolve=False).get("subdir") == "${hydra.job.num}"
-    if any(cfg.resume for cfg, _ in jobs):
-        if not numbered:
-            raise rundir.Refused("resume=true with -m needs the sweep's jobs in numbered folders "
-                                 "(hydra.sweep.subdir=${hydra.job.num}, the default)")
-        return f"hydra.sweep.dir={_quoted(sweep_dir)}", _plan_resume(Path(sweep_dir), jobs)
-    if numbered:
-        for num in range(len(jobs)):
-            job_dir = Path(sweep_dir) / str(num)
-            if rundir.in_use(job_dir):
-                raise rundir.Refused(f"hydra.sweep.dir={sweep_dir}: job {num}'s directory {job_dir} is in use by "
-                                     "another run that is still going; pick another sweep directory")
-            st = rundir.status(job_dir)
-            if st is not None:  # results are never overwritten
-                raise rundir.Refused(f"hydra.sweep.dir={sweep_dir} already holds a sweep: job {num}'s directory "
-                                     f"holds a run (status {st}); add resume=true to finish that sweep (the "
-                                     "identical -m command), or pick a new sweep directory")
-    return f"hydra.sweep.dir={_quoted(sweep_dir)}", None
-
-
-def _plan_resume(sweep_dir: Path, jobs: list) -> list[str]:
-    """`-m ... resume=true`: say what happens to each job (experiments.rundir.sweep_action), or refuse the
-    whole command before anything runs."""
-    from experiments import rundir
-
-    if not sweep_dir.is_dir():
-        raise rundir.Refused(f"resume=true: hydra.sweep.dir={sweep_dir} does not exist; resuming a sweep needs "
-                             "hydra.sweep.dir=<the folder of the sweep to finish> and the identical -m command")
-    actions, by = [], {}
-    for num, (cfg, checked) in enumerate(jobs):
-        action, why = rundir.sweep_action(cfg, checked, sweep_dir / str(num), num)
-        actions.append(action)
-        by.setdefault(action, []).append((num, why))
-    words = {"skip": "finished (skipped, left as they are)", "resume": "resume from the last checkpoint",
-             "rerun": "rerun (stopped before a checkpoint; their files move to .superseded/)", "new": "start"}
-    parts = []
-    for a in (a for a in words if a in by):
-        # the reasons of a resume or rerun say something per job; finished and new jobs are listed as ranges
-        listed = (", ".join(f"{num} ({why})" for num, why in by[a]) if a in ("resume", "rerun")
-                  else _ranges([num for num, _ in by[a]]))
-        parts.append(f"job{'s' if len(by[a]) > 1 else ''} {listed}: {words[a]}")
-    print(f"gem: resuming the sweep in {sweep_dir}: " + "; ".join(parts), file=sys.stderr)
-    return actions
-
-
-def _ranges(nums: list[int]) -> str:
-    """[0, 1, 2, 3, 7, 9, 10] -> '0-3, 7, 9-10'."""
-    out, start = [], None
-    for i, n in enumerate(nums):
-        start = n if start is None else start
-        if i + 1 == len(nums) or nums[i + 1] != n + 1:
-            out.append(f"{start}" if start == n else f"{start}-{n}")
-            start = None
-    return ", ".join(out)
-
-
-def _quoted(path: str) -> str:
-    """A path as one Hydra override value, whatever characters it holds."""
-    return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def data_root(root: str) -> str:
-    return os.path.abspath(os.path.expanduser(root))
+def check_job(overrides: list[str]) -> tuple[DictConfig, Spec]:
+    """Compose and validate one job's config; raise ConfigError with one line on bad input."""
+    cfg = composed(overrides)
+    return cfg, checked(cfg)

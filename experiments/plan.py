@@ -55,15 +55,15 @@ def _timed(fn, budget: float, at_least: int = 3) -> float:
     return statistics.median(times)
 
 
-def calibrate(cfg, checked) -> tuple[Cost, object, object]:
+def calibrate(spec) -> tuple[Cost, object, object]:
     """Time the job's model on its data: gradient steps on one thread and on all cores, and a forward pass.
     Returns the cost, and the job and model for `_commit_cost`."""
     import torch
 
-    from experiments.runner import build_job
+    from experiments.job import build_job
     from gem.engines.core import build_flat_model
 
-    job = build_job(cfg, checked, log=lambda *a: None)
+    job = build_job(spec, log=lambda *a: None)
     model = build_flat_model(job)
     b = job.batch_size
     x, y = job.data.train_x[:b].to(model.device), job.data.train_y[:b].to(model.device)
@@ -131,21 +131,20 @@ def duration(s: float) -> str:
     return f"{s / 3600:.1f} h"
 
 
-def job_size(cfg, cost: Cost, commit_s: float) -> dict:
+def job_size(spec, cost: Cost, commit_s: float) -> dict:
     """Commits, gradient steps, evaluations and the estimated seconds of one job (`commit_s`: one commit's
     arithmetic, `_commit_cost`)."""
     from types import SimpleNamespace
 
-    from experiments.config import algorithm_params
     from gem import algorithms
     from gem.engines.core import commits_per_worker, worker_steps
 
-    algo = algorithms.get(cfg.algorithm.name)
-    n = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
+    cfg, n = spec.cfg, spec.workers
+    algo = algorithms.get(spec.algorithm)
     # the engines' own count of a worker's steps and commits, on a job of this size
     sized = SimpleNamespace(epochs=cfg.epochs, batch_size=cfg.batch_size,
                             data=SimpleNamespace(train_y=range(cost.train)))
-    commits = n * commits_per_worker(sized, algo.commit_every(algorithm_params(cfg)))
+    commits = n * commits_per_worker(sized, algo.commit_every(spec.hp))
     steps = n * worker_steps(sized)
     evals = commits // cfg.logger.eval_every + 2  # every eval_every commits, at the start and at the end
     eval_examples = cost.val + min(cfg.logger.eval_train_size, cost.train)
@@ -164,37 +163,36 @@ ACTIONS = {"skip": "finished: skipped", "new": "start"}  # how a resumed sweep's
 def _swept(jobs) -> set[str]:
     """The keys whose value differs between the jobs: what tells one job from another."""
     values: dict[str, set[str]] = {}
-    for overrides, _, _ in jobs:
+    for overrides, _ in jobs:
         for o in overrides:
             key, _, value = o.partition("=")
             values.setdefault(key.lstrip("+~"), set()).add(value)
     return {k for k, v in values.items() if len(v) > 1 and not k.startswith("hydra")}
 
 
-def show(jobs: list[tuple[list[str], object, dict]], out=print, actions: list[str] | None = None) -> float:
-    """Print the plan of `jobs` ((overrides, cfg, checked) each); returns the estimated total seconds. `actions`:
-    what a resumed sweep does with each job (experiments.rundir.sweep_action); a skipped job costs nothing, a
-    resumed one is counted whole (an upper bound)."""
+def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | None = None) -> float:
+    """Print the plan of `jobs` ((overrides, experiments.config.Spec) each); returns the estimated total seconds.
+    `actions`: what a resumed sweep does with each job (experiments.rundir.sweep_action); a skipped job costs
+    nothing, a resumed one is counted whole (an upper bound)."""
     import dataclasses
 
-    from experiments.config import algorithm_params
-    from gem import algorithms
+    from experiments.instantiate import display_name
 
     costs: dict[str, Cost] = {}
     built: dict[str, tuple] = {}
     commit_s: dict[tuple[str, str], float] = {}
     rows = []
     swept = _swept(jobs)
-    for i, (overrides, cfg, checked) in enumerate(jobs):
-        key, algo = _key(cfg), cfg.algorithm.name
+    for i, (overrides, spec) in enumerate(jobs):
+        cfg = spec.cfg
+        key, algo = _key(cfg), spec.algorithm
         if key not in costs:
-            costs[key], *built[key] = calibrate(cfg, checked)
+            costs[key], *built[key] = calibrate(spec)
         if (key, algo) not in commit_s:  # each algorithm's own rules, on the model of this key
             job, model = built[key]
-            job = dataclasses.replace(job, algorithm=algo, hp=algorithm_params(cfg),
-                                      workers=algorithms.workers_that_run(algo, cfg.workers))
+            job = dataclasses.replace(job, algorithm=algo, hp=spec.hp, workers=spec.workers)
             commit_s[(key, algo)] = _commit_cost(job, model)
-        size = job_size(cfg, costs[key], commit_s[(key, algo)])
+        size = job_size(spec, costs[key], commit_s[(key, algo)])
         label = " ".join(o for o in overrides if o.partition("=")[0].lstrip("+~") in swept) or "(one job)"
         if actions is not None:
             label += f"  [{ACTIONS.get(actions[i], actions[i])}]"
@@ -214,9 +212,7 @@ def show(jobs: list[tuple[list[str], object, dict]], out=print, actions: list[st
     out(f"total{left}: {commits:,} commits, about {duration(total)} one job after another on this machine "
         f"({cores()} cores)")
     for key, c in costs.items():
-        cfg = next(cfg for _, cfg, _ in jobs if _key(cfg) == key)
-        from experiments.instantiate import display_name
-
+        cfg = next(spec.cfg for _, spec in jobs if _key(spec.cfg) == key)
         out(f"  calibration: model={display_name('model', cfg.model)} data={display_name('data', cfg.data)} "
             f"batch_size={cfg.batch_size}: {c.step_s * 1e3:.1f} ms per gradient step on 1 thread, "
             f"{c.step_all_s * 1e3:.1f} ms on {cores()}; an evaluation of {c.val:,} + "

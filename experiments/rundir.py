@@ -17,10 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig
-
-from experiments.config import algorithm_params
-from gem import algorithms
+from experiments.config import Spec
 from gem.engines.checkpoint import CheckpointError, check_resumable, read_manifest, verify
 from gem.files import write_atomic
 
@@ -112,12 +109,12 @@ def check_fresh(run_dir: Path, key: str = "hydra.run.dir") -> None:
                   "checkpoint, or pick a new directory (results are never overwritten)")
 
 
-def check_run_dir(cfg: DictConfig, checked: dict, run_dir: Path, key: str = "hydra.run.dir") -> dict | None:
+def check_run_dir(spec: Spec, run_dir: Path, key: str = "hydra.run.dir") -> dict | None:
     """Take `run_dir` for this command (its lock, held until this process exits) and check that the command
     can run there: a new run only where no results are, a resume only from a whole checkpoint of the same
     configuration, every file of it read. Returns the checkpoint's manifest (resume) or None. Refused, with the
     directory as it was, otherwise."""
-    run_dir = Path(run_dir)
+    run_dir, cfg = Path(run_dir), spec.cfg
     if cfg.resume and not run_dir.is_dir():  # before claim(), which would create it
         raise Refused(f"resume=true: {key}={run_dir} does not exist; resume needs {key}=<the directory of the "
                       "run to continue>")
@@ -129,7 +126,7 @@ def check_run_dir(cfg: DictConfig, checked: dict, run_dir: Path, key: str = "hyd
         if status(run_dir) == "completed":
             raise Refused(f"resume=true: the run in {run_dir} has already completed; nothing to resume")
         manifest = read_manifest(run_dir)
-        identity = _identity(cfg, checked)
+        identity = _identity(spec)
         check_resumable(manifest, identity)
         verify(manifest, identity.workers)
         return manifest
@@ -138,30 +135,30 @@ def check_run_dir(cfg: DictConfig, checked: dict, run_dir: Path, key: str = "hyd
         raise Refused(str(e)) from None
 
 
-def _identity(cfg: DictConfig, checked: dict):
-    """What a checkpoint's fingerprint is compared with, from the config alone (no data loaded)."""
+def _identity(spec: Spec):
+    """What a checkpoint's fingerprint is compared with, from the spec alone (no data loaded)."""
     from types import SimpleNamespace
 
     from experiments.instantiate import display_name
 
-    return SimpleNamespace(algorithm=cfg.algorithm.name, model=display_name("model", cfg.model),
-                           loss=checked["loss"], precision=cfg.precision,
-                           workers=algorithms.workers_that_run(cfg.algorithm.name, cfg.workers),
-                           batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed, device=cfg.device,
-                           data=SimpleNamespace(name=checked["data"].name), hp=algorithm_params(cfg),
-                           engine=dataclasses.asdict(checked["engine"]))
+    cfg = spec.cfg
+    return SimpleNamespace(algorithm=spec.algorithm, model=display_name("model", cfg.model), loss=spec.loss,
+                           precision=cfg.precision, workers=spec.workers, batch_size=cfg.batch_size,
+                           epochs=cfg.epochs, seed=cfg.seed, device=cfg.device,
+                           data=SimpleNamespace(name=spec.data.name), hp=spec.hp,
+                           engine=dataclasses.asdict(spec.engine))
 
 
-def write_hydra(run_dir: Path, cfg) -> None:
+def write_hydra(run_dir: Path, cfg, hydra=None) -> None:
     """Hydra's `.hydra/` (config.yaml, hydra.yaml, overrides.yaml), written by the runner once every check has
     passed: conf/config.yaml sets `hydra.output_subdir: null`, so that a refused command never replaces the
-    `.hydra/` of the run it was refused for. Nothing when not run by Hydra (tests call the runner directly)."""
-    from hydra.core.hydra_config import HydraConfig
+    `.hydra/` of the run it was refused for. `hydra`: Hydra's own config of this job (`{"hydra": ...}`); without
+    it (a run started from Python, not by Hydra) nothing is written."""
     from omegaconf import OmegaConf, open_dict
 
-    if not HydraConfig.initialized():
+    if hydra is None:
         return
-    hydra = OmegaConf.create(OmegaConf.to_container(HydraConfig.instance().cfg, resolve=False))  # {"hydra": ...}
+    hydra = OmegaConf.create(OmegaConf.to_container(hydra, resolve=False))
     with open_dict(hydra):
         hydra.hydra.output_subdir = ".hydra"  # where it is, as Hydra itself would have recorded it
     folder = Path(run_dir) / ".hydra"
@@ -194,7 +191,7 @@ FINAL = ("completed", "diverged")
 NOT_IDENTITY = ("resume", "plan", "logger")
 
 
-def config_difference(cfg: DictConfig, run_dir: Path) -> str | None:
+def config_difference(cfg, run_dir: Path) -> str | None:
     """None when the run in `run_dir` was launched with the same config as `cfg` (both unresolved, as Hydra
     composes and the runner saves them; NOT_IDENTITY aside); else the first key that differs, as
     `key: <theirs> here, <ours> in this command`. A run without its `.hydra/config.yaml` cannot be compared."""
@@ -216,7 +213,7 @@ def config_difference(cfg: DictConfig, run_dir: Path) -> str | None:
     return None
 
 
-def sweep_action(cfg: DictConfig, checked: dict, job_dir: Path, num: int) -> tuple[str, str]:
+def sweep_action(spec: Spec, job_dir: Path, num: int) -> tuple[str, str]:
     """What `resume=true` does with one job of a sweep, checked without taking the directory:
 
     - `new`: nothing there yet; the job starts;
@@ -234,7 +231,7 @@ def sweep_action(cfg: DictConfig, checked: dict, job_dir: Path, num: int) -> tup
     st = status(job_dir)
     if st is None:
         return "new", "not started"
-    diff = config_difference(cfg, job_dir)
+    diff = config_difference(spec.cfg, job_dir)
     if diff is not None:
         raise Refused(f"resume=true: {where} holds a run of another configuration ({diff}); resume a sweep with "
                       "the identical -m command, or pick a new hydra.sweep.dir")
@@ -242,7 +239,7 @@ def sweep_action(cfg: DictConfig, checked: dict, job_dir: Path, num: int) -> tup
         return "skip", st
     try:
         manifest = read_manifest(job_dir)
-        identity = _identity(cfg, checked)
+        identity = _identity(spec)
         check_resumable(manifest, identity)
         verify(manifest, identity.workers)
     except CheckpointError as e:

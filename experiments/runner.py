@@ -1,13 +1,14 @@
-"""Turns a resolved config into objects, runs an engine, and writes the run directory.
+"""One job run: its Spec (experiments.config) into a Job, the engine run, the run directory written.
 
-Run directory (DESIGN §4): `summary.json`, `metrics.parquet` (one row per commit), `eval.parquet` (the
-central variable every `logger.eval_every` commits and at the end), `tensors.parquet` (per-tensor diagnostics,
-for algorithms that log them), `wandb/` (unless disabled) and Hydra's `.hydra/`.
+Nothing here needs Hydra: `run(cfg or spec, run_dir)` runs a job from Python as well as from the command line
+(experiments.command hands it the spec its checks made). Run directory (DESIGN §4): `summary.json`,
+`metrics.parquet` (one row per commit), `eval.parquet` (the central variable every `logger.eval_every` commits and
+at the end), `tensors.parquet` (per-tensor diagnostics, for algorithms that log them), `wandb/` (unless
+disabled) and `.hydra/` (when Hydra launched it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import signal
@@ -19,44 +20,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments import instantiate, rundir, wandb_logger
-from experiments.config import ConfigError, algorithm_params, check_batch_size, data_root, validate
+from experiments import rundir, wandb_logger
+from experiments.config import ConfigError, Spec, checked
+from experiments.job import build_job
 from experiments.rundir import Refused
-from gem import algorithms, engines, models
+from gem import algorithms, engines
 from gem import data as gdata
 from gem.engines import Job, Result
 from gem.engines.checkpoint import CheckpointError
 from gem.engines.core import commits_per_worker
 from gem.files import write_atomic
 from gem.metrics import Recorder
-
-
-def build_job(cfg: DictConfig, checked: dict, log=print, run_dir: Path | None = None,
-              resume: dict | None = None) -> Job:
-    """Everything the engine needs, resolved here in the parent: no Hydra object crosses into an engine."""
-    workers = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
-    d, eng = checked["data"], checked["engine"]
-    if workers != cfg.workers:
-        log(f"gem: algorithm={cfg.algorithm.name} is sequential: running 1 worker (workers={cfg.workers} ignored)")
-    shape = models.input_shape(checked["model"])  # digits and synthetic take the model's input shape
-    if instantiate.is_instantiated(cfg.data):  # a torchvision-style class: its tensors travel with the job
-        source = None
-        dataset = instantiate.load_data(cfg)
-    else:  # a built-in loader: a distributed worker on another machine loads it itself
-        source = {"name": d.name, "root": data_root(d.root), "download": d.download,
-                  "synthetic": dataclasses.asdict(d.synthetic), "shape": shape, "augment": d.augment}
-        dataset = gdata.load_dataset(**source)
-    spec, loss = instantiate.model_spec(cfg), checked["loss"]
-    # the loaded data meets the model: inputs, number of classes, loss; and the loaded size (cifar10, _target_)
-    instantiate.check_pairing(spec, loss, dataset, cfg.seed)
-    check_batch_size(cfg.batch_size, d.name, len(dataset.train_y))
-    engine = {k: v for k, v in dataclasses.asdict(eng).items() if k != "checkpoint_every"}
-    return Job(algorithm=cfg.algorithm.name, hp=algorithm_params(cfg), model=spec, data=dataset,
-               workers=workers, batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed, device=cfg.device,
-               loss=loss, precision=cfg.precision,
-               engine=engine, eval_every=cfg.logger.eval_every, eval_train_size=cfg.logger.eval_train_size,
-               run_dir=str(run_dir) if run_dir is not None else None, checkpoint_every=eng.checkpoint_every,
-               resume=resume, data_source=source)
 
 
 def _progress(total: int, enabled: bool):
@@ -71,37 +45,46 @@ def _finite_or_none(x):
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-class _Terminated(KeyboardInterrupt):
+class Terminated(KeyboardInterrupt):
     """SIGTERM, turned into an exception so that the run directory is closed properly."""
 
 
 def _raise_on_sigterm(signum, frame):
-    raise _Terminated()
+    raise Terminated()
 
 
-def prepare(cfg: DictConfig, run_dir: Path) -> tuple[Job, dict | None, dict]:
-    """Every check a command must pass, and its data loaded, before anything in the run directory is written.
-    Refused (one line) otherwise. Returns the job, the checkpoint's manifest it resumes (or None) and the groups
-    as checked (experiments.config.validate)."""
+def _spec(config: DictConfig | Spec) -> Spec:
+    """A config as a Spec, validated here if it is not one already; Refused (one line) on bad input."""
+    if isinstance(config, Spec):
+        return config
     try:
-        checked = validate(cfg)
+        return checked(config)
     except ConfigError as e:
         raise Refused(str(e)) from None
-    manifest = rundir.check_run_dir(cfg, checked, run_dir)
+
+
+def prepare(spec: Spec, run_dir: Path) -> tuple[Job, dict | None]:
+    """The run directory taken and checked, and the job built (its data loaded), before anything in the directory
+    is written. Refused (one line) otherwise. Returns the job and the checkpoint's manifest it resumes (or None)."""
+    manifest = rundir.check_run_dir(spec, run_dir)
     try:
-        return build_job(cfg, checked, run_dir=run_dir, resume=manifest), manifest, checked
+        return build_job(spec, run_dir=run_dir, resume=manifest), manifest
     except (ConfigError, gdata.DatasetMissing) as e:
         rundir.unclaim(run_dir)
         raise Refused(str(e)) from None
 
 
-def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None,
+def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None,
         experiment: str | None = None) -> dict:
-    """Run one job and write its directory. Returns the summary. Raises Refused (one line) before writing
-    anything when the command cannot run; never raises for a failed or diverged run; Ctrl-C and SIGTERM close
-    the run directory (status failed) and are raised again."""
+    """Run one job and write its directory. Returns the summary. `config`: a composed config
+    (experiments.config.compose) or its Spec. Raises Refused (one line) before writing anything when the command
+    cannot run; never raises for a failed or diverged run; Ctrl-C and SIGTERM close the run directory (status
+    failed) and are raised again."""
     run_dir = Path(run_dir)
-    job, manifest, checked = prepare(cfg, run_dir)
+    spec = _spec(config)
+    cfg = spec.cfg
+    hydra, choices = _launched_by_hydra()
+    job, manifest = prepare(spec, run_dir)
     t0 = time.perf_counter()
     summary = {"status": "failed", "algorithm": cfg.algorithm.name, "engine": cfg.engine.name,
                "workers": job.workers, "workers_requested": cfg.workers, "model": job.model.name,
@@ -116,11 +99,11 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
     recorder = wandb = result = None
     old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm) if _main_thread() else None
     try:
-        rundir.write_hydra(run_dir, cfg)
+        rundir.write_hydra(run_dir, cfg, hydra)
         print(f"gem: algorithm={job.algorithm} engine={cfg.engine.name} workers={job.workers} model={job.model.name} "
               f"data={job.data.name} ({len(job.data.train_y)} train / {len(job.data.val_y)} val) -> {run_dir}")
         log_cfg = cfg.logger
-        logged = wandb_logger.config(cfg, job, checked, run_dir, experiment)  # every key, its defaults filled in
+        logged = wandb_logger.config(spec, job, run_dir, experiment, choices)  # every key, its defaults filled in
         wandb = wandb_logger.start(log_cfg.wandb.mode, run_dir, logged,
                                    project=log_cfg.wandb.project, entity=log_cfg.wandb.entity,
                                    group=log_cfg.wandb.group or wandb_group, name=wandb_name)
@@ -136,7 +119,7 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
         result = Result("failed", recorder.commits if recorder else 0, reason=str(e))
         print(f"error: {e}", file=sys.stderr)
     except KeyboardInterrupt as e:
-        why = "SIGTERM" if isinstance(e, _Terminated) else "Ctrl-C"
+        why = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
         result = Result("failed", recorder.commits if recorder else 0, reason=f"interrupted ({why})")
         raise
     except OSError as e:  # a write failed (disk full, the directory gone or read-only): its own one line
@@ -171,6 +154,16 @@ def run(cfg: DictConfig, run_dir: Path, wandb_group: str | None = None, wandb_na
             rundir.remove_temporary(run_dir)
             print(f"error: {e}; the run's summary is not on disk", file=sys.stderr)
     return summary
+
+
+def _launched_by_hydra() -> tuple[DictConfig | None, dict]:
+    """Hydra's config of this job and its group choices, when Hydra launched it (saved in `.hydra/`, logged to
+    W&B); (None, {}) for a run started from Python."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None, {}
+    return HydraConfig.instance().cfg, dict(HydraConfig.get().runtime.choices)
 
 
 def _close(recorder: Recorder, summary: dict, result: Result, run_dir: Path) -> None:
@@ -230,33 +223,6 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def _resume_job(cfg: DictConfig, job_dir: Path, num: int) -> dict | None:
-    """One job of a sweep run with resume=true (experiments.rundir.sweep_action): a finished job is left as it
-    is and its summary returned; a job that never started, or stopped before its first checkpoint, starts afresh
-    (the latter's files moved to .superseded/ first); a checkpointed one resumes (None: run it)."""
-    from omegaconf import open_dict
-
-    try:
-        rundir.claim(job_dir, f"job {num} of hydra.sweep.dir")  # before anything is decided or moved: one owner
-        action, why = rundir.sweep_action(cfg, validate(cfg), job_dir, num)
-    except (Refused, ConfigError) as e:
-        rundir.unclaim(job_dir)
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return {"status": "refused", "reason": str(e)}
-    if action == "skip":
-        rundir.unclaim(job_dir)
-        print(f"gem: job {num} ({job_dir}) is already {why}: skipped, left as it is", flush=True)
-        return json.loads((job_dir / "summary.json").read_text())
-    if action == "rerun":
-        moved = rundir.supersede(job_dir)
-        print(f"gem: job {num} ({job_dir}) stopped before a checkpoint ({why}): rerun; its files are in {moved}",
-              flush=True)
-    if action in ("new", "rerun"):
-        with open_dict(cfg):
-            cfg.resume = False  # a fresh run: resume=true means "finish the sweep", not "this run has a checkpoint"
-    return None
-
-
 def launched_worker() -> bool:
     """A rank > 0 of engine=distributed started by torchrun, or by SLURM through the submitit launcher."""
     from gem.engines import distributed
@@ -277,52 +243,3 @@ def _shares(shares: dict) -> str:
         return "  ".join(f"w{w} {v:.3f}" for w, v in shares.items())
     lo, hi = min(shares.values()), max(shares.values())
     return f"{len(shares)} workers, {lo:.3f} to {hi:.3f} (1/n = {1 / len(shares):.3f})"
-
-
-def main(cfg: DictConfig) -> dict | None:
-    """Hydra's task function (run.py hands it the composed config)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if cfg.engine.name == "distributed":  # a SLURM job of several tasks: each task is one rank
-        from gem.engines import distributed
-
-        distributed.export_submitit_env()
-        if launched_worker():
-            work()
-            return None
-
-    hc = HydraConfig.get()
-    multirun = hc.mode == RunMode.MULTIRUN
-    if cfg.plan:  # run.py's preflight shows a command's plan before Hydra starts; here when it was skipped
-        from experiments import plan  # (--config-dir, --config-name, --experimental-rerun): this job's plan only
-
-        plan.show([(list(hc.overrides.task), cfg, validate(cfg))])
-        return None
-    # W&B: a sweep's runs are grouped by experiment and launch time, each named by what its overrides set
-    group = wandb_logger.group(hc.runtime.choices.get("experiment"), multirun,
-                               hc.sweep.dir if multirun else hc.run.dir)
-    name = wandb_logger.run_name(cfg, list(hc.overrides.task))
-    if multirun and cfg.resume:  # a sweep resumed with the identical command: only its unfinished jobs run
-        done = _resume_job(cfg, Path(hc.runtime.output_dir), hc.job.num)
-        if done is not None:
-            return done
-    try:
-        summary = run(cfg, Path(hc.runtime.output_dir), wandb_group=group, wandb_name=name,
-                      experiment=hc.runtime.choices.get("experiment"))
-    except Refused as e:  # nothing was written; in a sweep the other jobs go on
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        if not multirun:
-            sys.exit(2)
-        return None
-    except KeyboardInterrupt as e:  # the run directory is already closed, with status failed
-        why, code = ("SIGTERM", 143) if isinstance(e, _Terminated) else ("Ctrl-C", 130)
-        print(f"gem: interrupted by {why}; the run directory {hc.runtime.output_dir} is closed "
-              "(status failed, rows up to the interruption kept)", file=sys.stderr)
-        sys.exit(code)
-    print(format_summary(summary), flush=True)
-    # A failed job ends a single run with an error code; in a sweep the other jobs go on. A diverged run is a
-    # result, not an error.
-    if summary["status"] == "failed" and not multirun:
-        sys.exit(1)
-    return summary

@@ -190,44 +190,39 @@ def run_name(cfg: DictConfig, overrides: list[str]) -> str:
     return " ".join([str(cfg.algorithm.name), *algo, f"n={cfg.workers}", *other, f"s{cfg.seed}"])
 
 
-def config(cfg: DictConfig, job, checked: dict, run_dir: Path, experiment: str | None) -> dict:
+def config(spec, job, run_dir: Path, experiment: str | None, choices: dict | None = None) -> dict:
     """The config a W&B run logs: every key with its schema default filled in (the checked groups, the algorithm's
     full parameters under `algorithm`, less lr, momentum and workers, which are top-level keys), the group choices
-    Hydra made (`choices`, without hydra/*), the experiment and the run directory. `workers` is what runs (1 for
+    Hydra made (`choices`, without hydra/*; none for a run started from Python), the experiment and the run
+    directory. `workers` is what runs (1 for
     a sequential algorithm), `workers_requested` what was asked; `loss` the one resolved for the model. Plain JSON
     values only. It never fails a run: on any error, the composed config as it is, with a line that says so."""
     try:
-        return _config(cfg, job, checked, run_dir, experiment)
+        return _config(spec, job, run_dir, experiment, choices or {})
     except Exception as e:  # noqa: BLE001 - W&B must never take a run down
         print(f"gem: W&B logs the composed config only ({type(e).__name__}: {e})", file=sys.stderr)
-        return OmegaConf.to_container(cfg, resolve=True)
+        return OmegaConf.to_container(spec.cfg, resolve=True)
 
 
-def _config(cfg: DictConfig, job, checked: dict, run_dir: Path, experiment: str | None) -> dict:
+def _config(spec, job, run_dir: Path, experiment: str | None, choices: dict) -> dict:
     from experiments import instantiate
-    from experiments.config import TOP_LEVEL_PARAMS, Config
+    from experiments.schema import TOP_LEVEL_PARAMS, Config
 
-    choices = {}
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        if HydraConfig.initialized():
-            choices = {k: v for k, v in HydraConfig.get().runtime.choices.items() if not k.startswith("hydra/")}
-    except Exception:  # noqa: BLE001 - no Hydra context (a test calling run() directly)
-        pass
+    cfg = spec.cfg
+    choices = {k: v for k, v in choices.items() if not k.startswith("hydra/")}
     groups = ("algorithm", "engine", "model", "data", "logger")
     config = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
               for k in (f.name for f in dataclasses.fields(Config)) if k not in groups and k in cfg}
-    data = {k: v for k, v in dataclasses.asdict(checked["data"]).items() if k != "_target_"}
+    data = {k: v for k, v in dataclasses.asdict(spec.data).items() if k != "_target_"}
     if instantiate.is_instantiated(cfg.data):  # a user's dataset class: its own keyword arguments as given
         data = {**OmegaConf.to_container(cfg.data, resolve=True), **data}
         data.pop("synthetic", None)
     model = {"name": job.model.name, **OmegaConf.to_container(cfg.model, resolve=True),
-             "parameters": sum(p.numel() for p in checked["model"].parameters())}
+             "parameters": sum(p.numel() for p in spec.model.parameters())}
     config.update(workers=job.workers, workers_requested=cfg.workers, loss=job.loss,
                   algorithm={"name": job.algorithm, **{k: v for k, v in dataclasses.asdict(job.hp).items()
                                                         if k not in TOP_LEVEL_PARAMS}},
-                  engine=dataclasses.asdict(checked["engine"]), model=model, data=data,
-                  logger=dataclasses.asdict(checked["logger"]), experiment=experiment, choices=choices,
+                  engine=dataclasses.asdict(spec.engine), model=model, data=data,
+                  logger=dataclasses.asdict(spec.logger), experiment=experiment, choices=choices,
                   run_dir=str(run_dir))
     return json.loads(json.dumps(config, default=str))

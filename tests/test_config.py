@@ -7,7 +7,8 @@ import sys
 import pytest
 from conftest import ROOT
 
-from experiments.config import ConfigError, check_job, compose, expand, options, preflight, validate
+from experiments.command import preflight
+from experiments.config import ConfigError, check_job, compose, expand, options, validate
 
 
 def test_default_config_composes_and_validates():

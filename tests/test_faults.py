@@ -46,7 +46,7 @@ def one_line(p) -> str:
 def refused_line(capsys, *argv) -> str:
     """What `python run.py <argv>` says before Hydra starts (run.py's preflight, in this process): exit code 2
     and one line."""
-    from experiments.config import preflight
+    from experiments.command import preflight
 
     with pytest.raises(SystemExit) as e:
         preflight(list(argv))

@@ -17,7 +17,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from analysis import from_wandb, load, plots, report
-from experiments.config import CONF_DIR, ConfigError, check_job, compose, expand, options, preflight
+from experiments.command import preflight
+from experiments.config import CONF_DIR, ConfigError, check_job, compose, expand, options
 from experiments.runner import run
 from paper_figures import __main__ as cli
 from paper_figures.figures import FIGURES, NoRuns
@@ -56,7 +57,7 @@ def test_experiment_composes_and_every_job_is_valid(name, monkeypatch):
         cfg, checked = check_job(job)  # raises ConfigError on any bad value
         assert cfg.batch_size >= 1 and cfg.epochs >= 1
     if name.endswith("_quick"):  # quick runs need nothing that cannot be had offline here
-        assert checked["data"].name in ("digits", "synthetic") or "shared" in checked["data"].root
+        assert checked.data.name in ("digits", "synthetic") or "shared" in checked.data.root
 
 
 def _jobs(name, *extra):

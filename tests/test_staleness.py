@@ -87,7 +87,7 @@ def test_a_trace_replays_a_process_run(process_run, tmp_path):
     one) and each worker's cycles have the recorded statistics; with more, the extra workers draw from the
     recorded durations of worker w mod m; and a seed fixes the draws."""
     from experiments.config import compose, validate
-    from experiments.runner import build_job
+    from experiments.job import build_job
 
     recorded = read_table(process_run)
     m = int(json.loads((process_run / "summary.json").read_text())["workers"])
@@ -98,7 +98,7 @@ def test_a_trace_replays_a_process_run(process_run, tmp_path):
         cfg = compose(["engine=sim", "engine.staleness=trace", f"engine.trace={process_run}", f"workers={workers}",
                        f"seed={seed}", "epochs=1", "batch_size=32"])
         rec = Recorder(d)
-        result = sim.run(build_job(cfg, validate(cfg), log=lambda *_: None), rec)
+        result = sim.run(build_job(validate(cfg), log=lambda *_: None), rec)
         rec.close()
         assert result.status == "completed", result
         return read_table(d)

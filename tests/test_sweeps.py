@@ -19,7 +19,7 @@ def quick_calibration(monkeypatch):
 
 
 def test_plan_lists_the_jobs_and_runs_nothing(tmp_path, capsys, quick_calibration):
-    from experiments.config import preflight
+    from experiments.command import preflight
 
     sweep = tmp_path / "sweep"
     before = sorted(p.name for p in (ROOT / "multirun").glob("*/*")) if (ROOT / "multirun").exists() else []
@@ -42,11 +42,11 @@ def test_plan_lists_the_jobs_and_runs_nothing(tmp_path, capsys, quick_calibratio
 
 
 def test_plan_warns_above_the_threshold(monkeypatch, capsys, quick_calibration):
-    from experiments import config, plan
+    from experiments import command, plan
 
     monkeypatch.setattr(plan, "WARN_S", 0.001)
     with pytest.raises(SystemExit) as e:
-        config.preflight(["-m", "seed=0,1", *QUICK, "plan=true"])
+        command.preflight(["-m", "seed=0,1", *QUICK, "plan=true"])
     out = capsys.readouterr().out
     assert e.value.code == 0
     assert "gem: warning: this sweep is estimated at" in out and "its longest job is #" in out
@@ -91,7 +91,7 @@ def test_an_interrupted_sweep_resumes_only_its_missing_jobs(tmp_path, capsys, qu
 
     # its plan says what the resume will do, job by job, and changes nothing
     with pytest.raises(SystemExit) as e:
-        from experiments.config import preflight
+        from experiments.command import preflight
 
         preflight([*cmd, "resume=true", "plan=true"])
     out = capsys.readouterr().out

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from experiments import instantiate, runner
-from experiments.config import ConfigError, compose, preflight, validate
+from experiments.command import preflight
+from experiments.config import ConfigError, compose, validate
 from gem import data as gdata
 from gem import models
 from gem.algorithms import gem as gem_algo
@@ -84,8 +85,8 @@ def test_builtin_models_keep_their_names_and_losses():
     for option, loss in (("mnist_cnn", "nll"), ("alexnet_cifar", "nll"), ("resnet18_cifar", "cross_entropy")):
         cfg = compose([f"model={option}", *(["data=synthetic"] if option != "mnist_cnn" else [])])
         checked = validate(cfg)
-        assert (instantiate.display_name("model", cfg.model), checked["loss"]) == (option, loss)
-    assert validate(compose(["loss=cross_entropy"]))["loss"] == "cross_entropy"  # = nll on log-probabilities
+        assert (instantiate.display_name("model", cfg.model), checked.loss) == (option, loss)
+    assert validate(compose(["loss=cross_entropy"])).loss == "cross_entropy"  # = nll on log-probabilities
 
 
 def test_resnet18_cifar_has_a_cifar_stem():

@@ -1,0 +1,398 @@
+"""The command line, `python run.py [-m] <overrides>`: its jobs checked before any of them runs, and Hydra's side
+of a run.
+
+A command flows one way, and each job's config is validated once, into a Spec (experiments.config):
+
+    run.py   precheck(argv)     what Hydra cannot refuse in one line: a sweep under torchrun, --cfg with -m, a
+                                launcher plugin that is not installed, a config that does not compose
+    Hydra    composes the command, then
+               one run:  `Checks.on_run_start` (a Hydra Callback; it runs before Hydra makes the run directory):
+                         `check_run`: the Spec, its data, plan=true, the run directory taken (experiments.rundir)
+               a sweep:  the gem sweeper (hydra_plugins/gem_sweeper): `check_sweep`: every job's Spec, their
+                         data, plan=true, the sweep's folders and what resume=true does with each job
+             launches each job: `main(cfg)`, the task function, takes the Spec checked above (`_ready`) and hands
+             it to experiments.runner, which builds the Job, runs the engine and writes the run directory.
+
+`preflight(argv)` makes all of these checks in this process and runs nothing (what the tests call).
+
+What is written by hand here, and why: Hydra has no public parser of its command line (`parse` reads Hydra's
+documented flags with argparse), and none of its extension points runs before it composes the command, whose
+errors it prints as a traceback (`precheck` composes first with Hydra's compose API).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import OmegaConfBaseException
+
+from experiments import plan, rundir, runner, wandb_logger
+from experiments.config import (
+    ConfigError,
+    Spec,
+    check_batch_size,
+    checked,
+    compose,
+    composed,
+    data_root,
+    expand,
+    one_line,
+)
+from experiments.rundir import Refused
+from gem import data as gdata
+
+# The Specs checked for the jobs Hydra is about to launch in this process, by their overrides: main() takes its
+# job's Spec from here. A launcher that runs jobs in other processes (joblib, submitit) finds none there, and
+# main() checks its job itself.
+_ready: dict[tuple[str, ...], Spec] = {}
+
+
+# ------------------------------------------------------------------------------------ before Hydra starts
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # not ours to report: Hydra parses the same line and says what is wrong
+        raise ValueError(message)
+
+
+def parse(argv: list[str]) -> argparse.Namespace | None:
+    """Hydra's command line: its flags (as `python run.py --hydra-help` lists them) and the overrides. None when
+    it does not parse; Hydra then says why."""
+    p = _Parser(add_help=False, allow_abbrev=False)
+    p.add_argument("overrides", nargs="*")
+    for flags in (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",), ("--run", "-r"),
+                  ("--multirun", "-m"), ("--shell-completion", "-sc")):
+        p.add_argument(*flags, action="store_true")
+    for flags in (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--config-name", "-cn"),
+                  ("--config-dir", "-cd"), ("--experimental-rerun",)):
+        p.add_argument(*flags)
+    p.add_argument("--info", "-i", nargs="?", const="all")
+    try:
+        return p.parse_args(argv)
+    except ValueError:
+        return None
+
+
+def precheck(argv: list[str]) -> argparse.Namespace | None:
+    """What must be refused before Hydra composes the command (one line, exit 2). Returns the parsed command, or
+    None for one that Hydra answers by itself (--help, --cfg, --info, another config...)."""
+    args = parse(argv)
+    if args is None:
+        return None
+    from gem.engines import distributed
+
+    if args.multirun and distributed.launched() and int(os.environ["WORLD_SIZE"]) > 1:
+        if distributed.launched_rank() == 0:
+            print("error: -m under torchrun: one torchrun runs one job of engine=distributed; sweep with "
+                  "hydra/launcher=submitit_slurm (one SLURM job per run), or run the sweep without torchrun "
+                  "(python run.py -m engine=distributed workers=N ... launches each run's workers itself)",
+                  file=sys.stderr)
+        sys.exit(2)
+    if args.cfg and args.multirun:
+        _refuse(f"--cfg with -m: Hydra prints the config of one job, not a sweep's; drop -m to print one job's "
+                f"config (python run.py <overrides> --cfg {args.cfg}), or add plan=true to list every job of the "
+                "sweep and its cost")
+    missing = _missing_launcher(args.overrides)
+    if missing:
+        _refuse(missing)
+    if args.help or args.hydra_help or args.version or args.cfg or args.info or args.shell_completion \
+            or args.config_name or args.config_path or args.config_dir or args.experimental_rerun:
+        return None
+    # a sweep override without -m is refused here; the jobs of a sweep are composed one by one by the sweeper
+    refusing(expand, args.overrides, args.multirun)
+    refusing(composed, _base(args.overrides))
+    return args
+
+
+def preflight(argv: list[str]) -> list[Spec] | None:
+    """Every check `python run.py <argv>` makes before a job runs, made in this process: one line and exit 2 on bad
+    input, the plan and exit 0 for plan=true. Returns the jobs' Specs (None for a command Hydra answers by itself).
+    A single run's directory is taken (held by this process), as the real command takes it."""
+    args = precheck(argv)
+    if args is None:
+        return None
+    jobs = refusing(expand, args.overrides, args.multirun)
+    config = refusing(compose, _base(args.overrides), True)
+    if not args.multirun:
+        return [refusing(check_run, config)]
+    return refusing(check_sweep, config, jobs)
+
+
+def _base(overrides: list[str]) -> list[str]:
+    """The command's overrides that are not sweeps: what every job shares."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return [o.input_line for o in OverridesParser.create().parse_overrides(overrides) if not o.is_sweep_override()]
+    except Exception:  # noqa: BLE001 - a malformed override: composed() gives its one line
+        return overrides
+
+
+# hydra/launcher options and the extra that installs their plugin
+LAUNCHER_EXTRAS = {"joblib": ("hydra_plugins.hydra_joblib_launcher", "joblib"),
+                   **{name: ("hydra_plugins.hydra_submitit_launcher", "slurm")
+                      for name in ("submitit_local", "submitit_slurm", "distributed_local", "distributed_slurm")}}
+
+
+def _missing_launcher(overrides: list[str]) -> str | None:
+    """`hydra/launcher=joblib` without its plugin installed: the line that says how to install it."""
+    import importlib.util
+
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.lstrip("+~") != "hydra/launcher" or value not in LAUNCHER_EXTRAS:
+            continue
+        module, extra = LAUNCHER_EXTRAS[value]
+        if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+            return (f"hydra/launcher={value} needs a Hydra launcher plugin that is not installed; install it with "
+                    f"pip install -e \".[{extra}]\" (in this project's folder)")
+    return None
+
+
+def _refuse(line: str):
+    print(f"error: {line}", file=sys.stderr)
+    sys.exit(2)
+
+
+def refusing(fn, *args):
+    """fn(*args), or one line and exit 2 on bad input: nothing has started and nothing is written."""
+    try:
+        return fn(*args)
+    except (ConfigError, gdata.DatasetMissing, Refused) as e:
+        _refuse(str(e))
+    except OmegaConfBaseException as e:
+        _refuse(one_line(e))
+    except Exception as e:  # noqa: BLE001 - a malformed override, say: Hydra's first line is clear enough
+        msg = str(e).strip().splitlines()
+        _refuse(msg[0] if msg else type(e).__name__)
+
+
+# ------------------------------------------------------------------------------ a command's jobs, checked
+
+
+def task_config(config: DictConfig) -> DictConfig:
+    """A job's config without Hydra's node: what Hydra hands the task function."""
+    task = copy.deepcopy(config)
+    with read_write(task), open_dict(task):
+        del task["hydra"]
+    return task
+
+
+def _check_data(specs: list[Spec]) -> None:
+    """Every dataset on disk (or downloaded), once per dataset, before any job starts; the batch fits it."""
+    available = set()
+    for spec in specs:
+        d = spec.data
+        key = (d.name, data_root(d.root), d.download)
+        if key not in available:
+            gdata.ensure_available(*key)
+            available.add(key)
+        check_batch_size(spec.cfg.batch_size, d.name, gdata.train_size(d.name, key[1], d.synthetic.train_size))
+
+
+def check_run(config: DictConfig) -> Spec:
+    """One run (`config`: the command as Hydra composed it, its `hydra` node included): its Spec and data; its plan
+    (exit 0) for plan=true; else its run directory taken (the lock is held until this process exits) and checked.
+    Raises on bad input (`refusing` makes it one line)."""
+    spec = checked(task_config(config))
+    _check_data([spec])
+    if spec.cfg.plan:
+        plan.show([(list(config.hydra.overrides.task), spec)])
+        sys.exit(0)
+    rundir.check_run_dir(spec, Path(os.path.abspath(str(config.hydra.run.dir))))
+    note = _single_run_note(config)
+    if note:
+        print(note, file=sys.stderr)
+    return spec
+
+
+def _single_run_note(config: DictConfig) -> str | None:
+    """`python run.py experiment=fig1` without -m runs one job, not the figure's sweep. That is legitimate (one
+    run with an experiment's settings), but worth a line."""
+    if not any(o.split("=", 1)[0].lstrip("+~") == "experiment" for o in config.hydra.overrides.task):
+        return None
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    if not params:
+        return None
+    swept = " ".join(f"{k}={v}" for k, v in params.items())
+    return f"gem: note: this experiment sweeps {swept}; without -m only one job runs. Add -m to run the whole sweep."
+
+
+def check_sweep(config: DictConfig, jobs: list[list[str]], compose_job=None) -> list[Spec]:
+    """A sweep (`config`: the command as Hydra composed it; `jobs`: each job's overrides; `compose_job`: how a job's
+    config is composed, Hydra's compose API by default): every job's Spec and data, then its plan (exit 0) for
+    plan=true, else its folders: none in use or holding results, unless resume=true, which says what happens to
+    each job. Raises on bad input (`refusing` makes it one line); nothing is written."""
+    specs = [checked(composed(job, compose_job)) for job in jobs]
+    _check_data(specs)
+    actions = _check_sweep_dir(config, specs)
+    if any(spec.cfg.plan for spec in specs):
+        plan.show(list(zip(jobs, specs, strict=True)), actions=actions)
+        sys.exit(0)
+    return specs
+
+
+def _check_sweep_dir(config: DictConfig, specs: list[Spec]) -> list[str] | None:
+    """No job's folder is in use or holds results (unless resume=true). Returns, for a sweep resumed with
+    resume=true, what happens to each job (experiments.rundir.sweep_action)."""
+    sweep_dir = os.path.abspath(str(config.hydra.sweep.dir))
+    numbered = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir") == "${hydra.job.num}"
+    if any(spec.cfg.resume for spec in specs):
+        if not numbered:
+            raise Refused("resume=true with -m needs the sweep's jobs in numbered folders "
+                          "(hydra.sweep.subdir=${hydra.job.num}, the default)")
+        return _plan_resume(Path(sweep_dir), specs)
+    if numbered:
+        for num in range(len(specs)):
+            job_dir = Path(sweep_dir) / str(num)
+            if rundir.in_use(job_dir):
+                raise Refused(f"hydra.sweep.dir={sweep_dir}: job {num}'s directory {job_dir} is in use by another "
+                              "run that is still going; pick another sweep directory")
+            st = rundir.status(job_dir)
+            if st is not None:  # results are never overwritten
+                raise Refused(f"hydra.sweep.dir={sweep_dir} already holds a sweep: job {num}'s directory holds a "
+                              f"run (status {st}); add resume=true to finish that sweep (the identical -m "
+                              "command), or pick a new sweep directory")
+    return None
+
+
+def _plan_resume(sweep_dir: Path, specs: list[Spec]) -> list[str]:
+    """`-m ... resume=true`: say what happens to each job (experiments.rundir.sweep_action), or refuse the
+    whole command before anything runs."""
+    if not sweep_dir.is_dir():
+        raise Refused(f"resume=true: hydra.sweep.dir={sweep_dir} does not exist; resuming a sweep needs "
+                      "hydra.sweep.dir=<the folder of the sweep to finish> and the identical -m command")
+    actions, by = [], {}
+    for num, spec in enumerate(specs):
+        action, why = rundir.sweep_action(spec, sweep_dir / str(num), num)
+        actions.append(action)
+        by.setdefault(action, []).append((num, why))
+    words = {"skip": "finished (skipped, left as they are)", "resume": "resume from the last checkpoint",
+             "rerun": "rerun (stopped before a checkpoint; their files move to .superseded/)", "new": "start"}
+    parts = []
+    for a in (a for a in words if a in by):
+        # the reasons of a resume or rerun say something per job; finished and new jobs are listed as ranges
+        listed = (", ".join(f"{num} ({why})" for num, why in by[a]) if a in ("resume", "rerun")
+                  else _ranges([num for num, _ in by[a]]))
+        parts.append(f"job{'s' if len(by[a]) > 1 else ''} {listed}: {words[a]}")
+    print(f"gem: resuming the sweep in {sweep_dir}: " + "; ".join(parts), file=sys.stderr)
+    return actions
+
+
+def _ranges(nums: list[int]) -> str:
+    """[0, 1, 2, 3, 7, 9, 10] -> '0-3, 7, 9-10'."""
+    out, start = [], None
+    for i, n in enumerate(nums):
+        start = n if start is None else start
+        if i + 1 == len(nums) or nums[i + 1] != n + 1:
+            out.append(f"{start}" if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out)
+
+
+def ready(jobs: list[list[str]], specs: list[Spec]) -> None:
+    """The Specs the sweeper checked, for main() to take when Hydra's launcher runs their jobs in this process."""
+    for job, spec in zip(jobs, specs, strict=True):
+        _ready[tuple(job)] = spec
+
+
+class Checks(Callback):
+    """The checks of a single run, made once Hydra has composed the command and before it makes the run directory
+    (conf/config.yaml names this callback). Hydra turns a callback's exception into a warning and goes on, so every
+    failure here ends the command itself: one line, exit 2."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        _ready[tuple(config.hydra.overrides.task)] = refusing(check_run, config)
+
+
+# ----------------------------------------------------------------------------------------- one job
+
+
+def main(cfg: DictConfig) -> dict | None:
+    """Hydra's task function (run.py): the job's Spec, checked above, run by experiments.runner."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if cfg.engine.name == "distributed":  # a SLURM job of several tasks: each task is one rank
+        from gem.engines import distributed
+
+        distributed.export_submitit_env()
+        if runner.launched_worker():
+            runner.work()
+            return None
+
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    overrides = list(hc.overrides.task)
+    spec = _ready.pop(tuple(overrides), None)
+    if spec is None:  # launched in another process (joblib, submitit), or by another sweeper: checked here, once
+        try:
+            spec = checked(cfg)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            if not multirun:
+                sys.exit(2)
+            return None
+        if cfg.plan:  # a command whose checks Hydra skipped (--config-name of another config): this job's plan
+            plan.show([(overrides, spec)])
+            return None
+    experiment = hc.runtime.choices.get("experiment")
+    # W&B: a sweep's runs are grouped by experiment and launch time, each named by what its overrides set
+    group = wandb_logger.group(experiment, multirun, hc.sweep.dir if multirun else hc.run.dir)
+    name = wandb_logger.run_name(cfg, overrides)
+    if multirun and cfg.resume:  # a sweep resumed with the identical command: only its unfinished jobs run
+        done = _resume_job(spec, Path(hc.runtime.output_dir), hc.job.num)
+        if done is not None:
+            return done
+    try:
+        summary = runner.run(spec, Path(hc.runtime.output_dir), wandb_group=group, wandb_name=name,
+                             experiment=experiment)
+    except Refused as e:  # nothing was written; in a sweep the other jobs go on
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if not multirun:
+            sys.exit(2)
+        return None
+    except KeyboardInterrupt as e:  # the run directory is already closed, with status failed
+        why, code = ("SIGTERM", 143) if isinstance(e, runner.Terminated) else ("Ctrl-C", 130)
+        print(f"gem: interrupted by {why}; the run directory {hc.runtime.output_dir} is closed "
+              "(status failed, rows up to the interruption kept)", file=sys.stderr)
+        sys.exit(code)
+    print(runner.format_summary(summary), flush=True)
+    # A failed job ends a single run with an error code; in a sweep the other jobs go on. A diverged run is a
+    # result, not an error.
+    if summary["status"] == "failed" and not multirun:
+        sys.exit(1)
+    return summary
+
+
+def _resume_job(spec: Spec, job_dir: Path, num: int) -> dict | None:
+    """One job of a sweep run with resume=true (experiments.rundir.sweep_action): a finished job is left as it
+    is and its summary returned; a job that never started, or stopped before its first checkpoint, starts afresh
+    (the latter's files moved to .superseded/ first); a checkpointed one resumes (None: run it)."""
+    try:
+        rundir.claim(job_dir, f"job {num} of hydra.sweep.dir")  # before anything is decided or moved: one owner
+        action, why = rundir.sweep_action(spec, job_dir, num)
+    except Refused as e:
+        rundir.unclaim(job_dir)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return {"status": "refused", "reason": str(e)}
+    if action == "skip":
+        rundir.unclaim(job_dir)
+        print(f"gem: job {num} ({job_dir}) is already {why}: skipped, left as it is", flush=True)
+        return json.loads((job_dir / "summary.json").read_text())
+    if action == "rerun":
+        moved = rundir.supersede(job_dir)
+        print(f"gem: job {num} ({job_dir}) stopped before a checkpoint ({why}): rerun; its files are in {moved}",
+              flush=True)
+    if action in ("new", "rerun"):
+        with open_dict(spec.cfg):
+            # a fresh run: resume=true means "finish the sweep", not "this run has a checkpoint"
+            spec.cfg.resume = False
+    return None

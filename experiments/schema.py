@@ -1,0 +1,136 @@
+"""The config's schema: the top-level keys, the groups' keys with their types and defaults, and the `per_worker`
+resolver (DESIGN §4). Types are enforced by Hydra when a config is composed; values are checked by
+experiments.config.validate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from experiments.instantiate import ConfigError
+from gem import algorithms
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("algorithm", "engine", "model", "data", "logger", "experiment")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class Config:
+    """Top-level keys (DESIGN §4). Types here are enforced by Hydra when the config is composed."""
+
+    algorithm: Any = MISSING
+    engine: Any = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    logger: Any = MISSING
+    # values live in conf/config.yaml (one source of defaults); the schema only fixes the types
+    workers: int = MISSING
+    lr: float = MISSING
+    momentum: float = MISSING
+    batch_size: int = MISSING
+    epochs: int = MISSING  # full passes over the training set, per worker
+    seed: int = MISSING
+    device: str = MISSING
+    loss: Any = MISSING  # nll | cross_entropy | null (the model's own: nll if it outputs log-probabilities)
+    precision: str = MISSING  # fp32 | bf16 (the workers' forward and backward passes)
+    resume: bool = MISSING
+    plan: bool = MISSING  # list the jobs of the command and their estimated cost, run nothing (experiments.plan)
+
+
+# Group schemas, checked by `validate` (the algorithm's own keys come from its module's Params dataclass).
+@dataclass
+class EngineConfig:
+    name: str = "sim"
+    staleness: str = "round_robin"
+    straggler_fraction: float = 0.25
+    straggler_slowdown: float = 4.0
+    cycle_cv: float = 0.0  # gamma: coefficient of variation of a worker's cycle time (0: round robin, 1: exponential)
+    trace: str = ""  # trace: the run directory of a process or distributed run whose cycle times are replayed
+    checkpoint_every: int = 500  # commits between checkpoints; 0: none
+    host: str = "127.0.0.1"  # engine=distributed, local launch: the address rank 0 listens on
+    allow_remote: bool = False  # ... an address other than loopback needs this opt-in
+    port: int = 0  # ... and its port; 0: a free one
+    # process, distributed: a worker that has not committed for silent_cycles x the median time between commits
+    # of a worker, and for at least timeout_s, is lost (killed, recorded; the run goes on with the others)
+    timeout_s: float = 60.0
+    silent_cycles: float = 10.0
+
+
+@dataclass
+class SyntheticConfig:
+    num_classes: int = 10
+    train_size: int = 5000
+    val_size: int = 1000
+    seed: int = 0
+    task: str = "teacher"  # teacher (a random linear teacher's labels) | prototypes (class templates plus noise)
+    snr: float = 0.5  # prototypes: the templates' scale against unit noise
+
+
+@dataclass
+class DataConfig:
+    _target_: Any = None  # null: the built-in loader `name`; else a torchvision-style dataset (experiments.instantiate)
+    name: str = "digits"
+    root: str = "data"
+    download: bool = False
+    augment: bool = True
+    num_classes: int = 10
+    synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    project: str = "gem"
+    entity: Any = None
+    group: Any = None
+    log_every: int = 10  # commits between W&B rows (every evaluation row is logged)
+
+
+@dataclass
+class LoggerConfig:
+    flush_every: int = 1000  # commit rows buffered before a parquet part is written
+    flush_seconds: float = 30.0  # ... or seconds, whichever comes first
+    eval_every: int = 100  # commits between evaluations of the central variable
+    eval_train_size: int = 2048
+    progress: bool = True
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+
+
+GROUP_SCHEMAS = {"engine": EngineConfig, "data": DataConfig, "logger": LoggerConfig}  # model: any _target_
+
+
+def per_worker(total: int, *, _root_: DictConfig) -> int:
+    """`${per_worker:256}`: split a total evenly over the workers that will run (1 for a sequential algorithm).
+
+    Experiments use it for a fixed effective batch (fig4: b = B/n with B = 256) and for the same data budget
+    at every n (fig4, fig5: epochs per worker = total epochs / n)."""
+    n = algorithms.workers_that_run(str(_root_.algorithm.get("name")), _root_.workers)
+    if n < 1:
+        raise ConfigError(f"workers={n} is not allowed; workers must be an integer >= 1")
+    if int(total) % n:
+        raise ConfigError(f"per_worker:{total} does not split evenly over workers={n}; "
+                          f"pick workers that divide {total}")
+    return int(total) // n
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="base_config", node=Config)
+    OmegaConf.register_new_resolver("per_worker", per_worker, replace=True)
+
+
+register()
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+# Params fields filled from top-level keys rather than from algorithm.*
+TOP_LEVEL_PARAMS = ("lr", "momentum", "workers")
