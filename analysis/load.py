@@ -112,7 +112,7 @@ def _config(path: Path) -> dict:
     (`batch_size: ${per_worker:256}`); a run killed before its summary has nothing else to say what ran."""
     from omegaconf import OmegaConf
 
-    import experiments.config  # noqa: F401 - registers the resolvers the experiments use (per_worker)
+    import experiments.schema  # noqa: F401 - registers the resolvers the experiments use (per_worker)
 
     node = OmegaConf.load(path)
     if "hydra" in node:
