@@ -119,15 +119,20 @@ class _Server(threading.Thread):
                 self.exchange(self.early.popleft())
                 continue
             if self.saving is not None and self.saving["saved"] >= set(self.ranks) - self.done:
-                # the clock now, not when the save was asked for: an exchange in flight then has committed since
-                self.events.put(("saved", self.saving["folder"], self.server.t))
-                while not self.written.wait(POLL_S) and threading.main_thread().is_alive():
-                    pass  # the coordinator writes the checkpoint; θ must stay as saved until it is on disk
-                self.saving = None  # the waiting workers are served as they ask again
+                self.finish_checkpoint()
                 continue
             src = self.next_header(header)
             if src is not None:
                 self.take(src, *(int(v) for v in header))
+
+    def finish_checkpoint(self) -> None:
+        """Every live worker has sent its state: hand the checkpoint to the coordinator, and hand out no turn
+        until it is written."""
+        # the clock now, not when the save was asked for: an exchange in flight then has committed since
+        self.events.put(("saved", self.saving["folder"], self.server.t))
+        while not self.written.wait(POLL_S) and threading.main_thread().is_alive():
+            pass  # the coordinator writes the checkpoint; θ must stay as saved until it is on disk
+        self.saving = None  # the waiting workers are served as they ask again
 
     def next_header(self, header: torch.Tensor) -> int | None:
         """The next worker's header, first come, first served: gloo keeps the notices of pending sends to a
@@ -143,6 +148,8 @@ class _Server(threading.Thread):
             raise RuntimeError(f"no worker sent anything for {wait_s:.0f} s (twice the silence limit + 10 s)") from None
         return work._source_rank()
 
+    # --- a header and what follows it, by kind
+
     def take(self, src: int, kind: int, rows_nbytes: int, rows_count: int, extra_nbytes: int) -> None:
         """Act on a header from `src`, with the rows and message that follow it. The rows are decoded by the
         coordinator: this thread's time is every worker's wait."""
@@ -154,12 +161,8 @@ class _Server(threading.Thread):
         except (RuntimeError, ValueError) as e:
             self.gone(src, e)
             return
-        with self.lock:
-            lost = src in self.lost
-            if not lost:
-                for _ in range(rows_count):
-                    self.pending[src].popleft()
-        if lost:  # given up for lost (silent too long) and back: its commits are marked already; it stops
+        if not self.rows_came(src, rows_count):
+            # given up for lost (silent too long) and back: its commits are marked already; it stops
             if kind in (ASK, PULL):
                 self.reply(src, STOP)
             return
@@ -168,51 +171,139 @@ class _Server(threading.Thread):
         if kind == READY:
             self.ready.add(src)
         elif kind == ASK:
-            if self.saving is not None:
-                self.reply(src, WAIT if src in self.saving["saved"] else SAVE)
-            elif len(self.ready | self.done) < len(self.ranks):
-                self.early.append(src)
-            else:
-                self.exchange(src)
+            self.on_ask(src)
         elif kind == PULL:
-            try:
-                barrier = int(extra.decode("ascii"))
-            except ValueError as e:
-                self.gone(src, e)
-                return
-            if self.saving is not None:
-                self.reply(src, WAIT if src in self.saving["saved"] else SAVE)
-            elif self.stopping:
-                with self.lock:
-                    self.done.add(src)
-                self.reply(src, STOP)
-            elif self.server.t < barrier:
-                self.barriers[src] = barrier
-                if self.unreachable():  # the others are told STOP when they next ask
-                    with self.lock:
-                        self.done.add(src)
-                    self.reply(src, STOP)
-                else:
-                    self.reply(src, WAIT)
-            else:
-                self.barriers.pop(src, None)
-                self.pull(src)
+            self.on_pull(src, extra)
         elif kind == SAVED:
-            ckpt.save_atomic(state, ckpt.worker_file(self.saving["folder"], src - 1))
-            self.saving["saved"].add(src)
+            self.on_saved(src, state)
         elif kind == FINISHED:
-            with self.lock:
-                self.done.add(src)
-            self.events.put(("finished", src))
-            self.reply(src, BYE)
+            self.on_finished(src)
         elif kind in (DIVERGED, ERROR):
-            with self.lock:
-                self.done.add(src)
-            if kind == DIVERGED:
-                self.stop(extra.decode())
-                self.events.put(("diverged", src, extra.decode()))
+            self.on_end(src, kind, extra)
+
+    def rows_came(self, src: int, count: int) -> bool:
+        """The rows of `src`'s first `count` pending commits came: those are pending no more. False, and nothing
+        done, if `src` was given up for lost."""
+        with self.lock:
+            lost = src in self.lost
+            if not lost:
+                for _ in range(count):
+                    self.pending[src].popleft()
+        return not lost
+
+    def on_ask(self, src: int) -> None:
+        """A worker asks for its turn: during a checkpoint it is told to SAVE or WAIT; before every worker is
+        ready it waits for them (all start from one θ); else its exchange, now."""
+        if self.saving is not None:
+            self.hold(src)
+        elif len(self.ready | self.done) < len(self.ranks):
+            self.early.append(src)
+        else:
+            self.exchange(src)
+
+    def on_pull(self, src: int, extra: bytes) -> None:
+        """A worker waits at a barrier (its clock in `extra`): θ once the server's clock has reached it; until
+        then WAIT, or STOP when no commit can reach it."""
+        try:
+            barrier = int(extra.decode("ascii"))
+        except ValueError as e:
+            self.gone(src, e)
+            return
+        if self.saving is not None:
+            self.hold(src)
+        elif self.stopping:
+            self.done_with(src)
+            self.reply(src, STOP)
+        elif self.server.t < barrier:
+            self.barriers[src] = barrier
+            if self.unreachable():  # the others are told STOP when they next ask
+                self.done_with(src)
+                self.reply(src, STOP)
             else:
-                self.events.put(("error", src, extra.decode()))
+                self.reply(src, WAIT)
+        else:
+            self.barriers.pop(src, None)
+            self.pull(src)
+
+    def on_saved(self, src: int, state: dict) -> None:
+        """A worker's state for the checkpoint being taken: into the checkpoint's folder at once."""
+        ckpt.save_atomic(state, ckpt.worker_file(self.saving["folder"], src - 1))
+        self.saving["saved"].add(src)
+
+    def on_finished(self, src: int) -> None:
+        self.done_with(src)
+        self.events.put(("finished", src))
+        self.reply(src, BYE)
+
+    def on_end(self, src: int, kind: int, extra: bytes) -> None:
+        """A worker diverged (the run stops: every worker that asks is told STOP) or raised (`extra` says what)."""
+        self.done_with(src)
+        if kind == DIVERGED:
+            self.stop(extra.decode())
+            self.events.put(("diverged", src, extra.decode()))
+        else:
+            self.events.put(("error", src, extra.decode()))
+
+    # --- the exchanges
+
+    def exchange(self, src: int) -> None:
+        """`src`'s turn: GO with θ, its commit back, applied; timed (busy_s) for the run's summary."""
+        if self.stopping or src in self.lost:
+            self.done_with(src)
+            self.reply(src, STOP)
+            return
+        began = time.perf_counter()
+        view = self.server.view(src - 1)
+        try:
+            payload = self.go_and_commit(src, view)
+        except (RuntimeError, ValueError) as e:
+            self.gone(src, e)
+            return
+        self.apply(src, view, payload)
+        self.busy_s += time.perf_counter() - began
+        self.served += 1
+
+    def go_and_commit(self, src: int, view) -> dict:
+        """GO with the clock and τ, the live θ and the server's tensors, all in flight at once; then the commit:
+        Δ into self.delta, and the payload it returns."""
+        server = self.server
+        header = torch.zeros(2, dtype=torch.long)
+        wait_s = self.wait_s
+        go = torch.tensor([GO, view.t, view.staleness, int(wait_s * 1000)], dtype=torch.long)
+        sends = [self.pg.send([v], src, TAG_X) for v in (go, server.theta, *server.state.values())]
+        for s in sends:
+            _wait(s, wait_s)
+        _wait(self.pg.recv([header], src, TAG_X), wait_s)
+        _wait(self.pg.recv([self.delta], src, TAG_X), wait_s)
+        payload = {}
+        if int(header[0]):
+            spec = _recv_bytes(self.pg, int(header[0]), src, TAG_X, wait_s)
+            payload = _recv_spec_and_tensors(self.pg, spec, src, TAG_X, wait_s)
+        return payload
+
+    def apply(self, src: int, view, payload: dict) -> None:
+        """The server rule on θ; the commit is pending until `src`'s row for it comes."""
+        with self.lock:
+            t = self.server.apply(view, Commit(delta=self.delta, payload=payload))
+            self.commits.append((src - 1, time.monotonic()))  # progress, for the coordinator's Silence
+            if src in self.pending:
+                self.pending[src].append(t)
+            else:  # given up for lost while this exchange ran: its row will never come
+                self.events.put(("lost_steps", [t]))
+
+    def pull(self, src: int) -> None:
+        """A worker at a barrier that the clock has reached: θ and the server's tensors; no commit follows."""
+        with self.lock:
+            view = self.server.pull(src - 1)
+        try:
+            go = torch.tensor([GO, view.t, 0, int(self.wait_s * 1000)], dtype=torch.long)
+            sends = [self.pg.send([v], src, TAG_X) for v in (go, self.server.theta, *self.server.state.values())]
+            for s in sends:
+                _wait(s, self.wait_s)
+        except RuntimeError as e:
+            self.gone(src, e)
+
+    # --- answers, and workers the server expects nothing more from
 
     def reply(self, src: int, kind: int, t: int = 0, staleness: int = 0) -> bool:
         try:
@@ -223,14 +314,22 @@ class _Server(threading.Thread):
             self.gone(src, e)
             return False
 
+    def hold(self, src: int) -> None:
+        """During a checkpoint: SAVE to a worker that has not sent its state, else WAIT (it asks again)."""
+        self.reply(src, WAIT if src in self.saving["saved"] else SAVE)
+
+    def done_with(self, src: int) -> None:
+        """Expect nothing more from `src`: finished, stopped, or lost."""
+        with self.lock:
+            self.done.add(src)
+
     def gone(self, src: int, e: Exception) -> None:
         """`src` closed its connection (a RuntimeError from gloo), or sent what cannot be read (a ValueError: a
         malformed spec or JSON): it is lost. Any other gloo error is a timeout, and gloo has dropped the group."""
         if isinstance(e, RuntimeError) and not _closed(e):
             raise RuntimeError(f"worker rank {src} did not answer for {self.wait_s:.0f} s (twice the silence limit "
                                "+ 10 s); gloo gives up on the whole group after such a wait") from None
-        with self.lock:  # expect nothing more from it now: a checkpoint in progress must not wait for it
-            self.done.add(src)
+        self.done_with(src)  # now: a checkpoint in progress must not wait for it
         why = "its connection closed" if isinstance(e, RuntimeError) else f"it sent what cannot be read ({e})"
         self.events.put(("lost", src, why))
 
@@ -245,51 +344,3 @@ class _Server(threading.Thread):
         self.stop(why)
         self.events.put(("fatal", why))
         return True
-
-    def pull(self, src: int) -> None:
-        """A worker at a barrier that the clock has reached: θ and the server's tensors; no commit follows."""
-        with self.lock:
-            view = self.server.pull(src - 1)
-        try:
-            go = torch.tensor([GO, view.t, 0, int(self.wait_s * 1000)], dtype=torch.long)
-            sends = [self.pg.send([v], src, TAG_X) for v in (go, self.server.theta, *self.server.state.values())]
-            for s in sends:
-                _wait(s, self.wait_s)
-        except RuntimeError as e:
-            self.gone(src, e)
-
-    def exchange(self, src: int) -> None:
-        if self.stopping or src in self.lost:
-            with self.lock:
-                self.done.add(src)
-            self.reply(src, STOP)
-            return
-        began = time.perf_counter()
-        server = self.server
-        view = server.view(src - 1)
-        header = torch.zeros(2, dtype=torch.long)
-        try:  # GO with the clock and τ, the live θ and the server's tensors, all in flight at once
-            wait_s = self.wait_s
-            go = torch.tensor([GO, view.t, view.staleness, int(wait_s * 1000)], dtype=torch.long)
-            sends = [self.pg.send([v], src, TAG_X) for v in (go, server.theta, *server.state.values())]
-            for s in sends:
-                _wait(s, wait_s)
-            _wait(self.pg.recv([header], src, TAG_X), wait_s)
-            _wait(self.pg.recv([self.delta], src, TAG_X), wait_s)
-            payload = {}
-            if int(header[0]):
-                spec = _recv_bytes(self.pg, int(header[0]), src, TAG_X, wait_s)
-                payload = _recv_spec_and_tensors(self.pg, spec, src, TAG_X, wait_s)
-        except (RuntimeError, ValueError) as e:
-            self.gone(src, e)
-            return
-        with self.lock:
-            t = server.apply(view, Commit(delta=self.delta, payload=payload))
-            self.commits.append((src - 1, time.monotonic()))  # progress, for the coordinator's Silence
-            if src in self.pending:
-                self.pending[src].append(t)
-            else:  # given up for lost while this exchange ran: its row will never come
-                self.events.put(("lost_steps", [t]))
-        self.busy_s += time.perf_counter() - began
-        self.served += 1
-
