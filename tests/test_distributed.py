@@ -21,6 +21,14 @@ from gem.data import make_synthetic
 from gem.engines import Job, distributed
 from gem.engines.coordinator import start_server
 from gem.engines.core import Evaluator, build_flat_model
+from gem.engines.distributed import address, launch
+from gem.engines.distributed import job as wire_job
+from gem.engines.distributed.address import _listener
+from gem.engines.distributed.job import _for_workers
+from gem.engines.distributed.launch import _Coordinator
+from gem.engines.distributed.link import _Waiting
+from gem.engines.distributed.server import _Server
+from gem.engines.distributed.wire import _patience, _waiting_key
 from gem.metrics import Recorder, read_table
 
 
@@ -102,7 +110,7 @@ def test_torchrun_with_the_wrong_number_of_processes_says_so_in_one_line(tmp_pat
                       "(--nproc_per_node)"], p.stderr[-2000:]
 
 
-class _HighRankWaits(distributed._Server):
+class _HighRankWaits(_Server):
     """An unfair server, like the original code's polling in rank order: the highest rank is served only once
     3 commits of lower ranks have gone before it."""
 
@@ -125,7 +133,7 @@ class _HighRankWaits(distributed._Server):
 
 def test_the_fairness_test_catches_an_unfair_server(data, tmp_path, monkeypatch):
     """The test above is not vacuous: a server that lets the highest rank wait fails it."""
-    monkeypatch.setattr(distributed, "_Server", _HighRankWaits)
+    monkeypatch.setattr(launch, "_Server", _HighRankWaits)
     with pytest.raises(AssertionError, match=r"0\.1 / 4"):
         test_commits_are_served_first_come_first_served(data, tmp_path)
 
@@ -144,8 +152,10 @@ def test_nothing_on_the_distributed_wire_is_unpickled(module):
     headers, JSON or raw tensors (a static check: the workers are spawned processes, out of a patch's reach)."""
     import ast
 
-    tree = ast.parse((ROOT / "gem" / "engines" / f"{module}.py").read_text())
-    for node in ast.walk(tree):
+    path = ROOT / "gem" / "engines" / module
+    files = sorted(path.glob("*.py")) if path.is_dir() else [path.with_suffix(".py")]  # a package: every module
+    assert files
+    for node in (n for f in files for n in ast.walk(ast.parse(f.read_text()))):
         if isinstance(node, ast.Import):
             assert not {a.name.split(".")[0] for a in node.names} & UNPICKLERS, ast.unparse(node)
         elif isinstance(node, ast.ImportFrom):
@@ -183,7 +193,7 @@ def test_the_job_travels_as_json_and_raw_tensors(data, tmp_path):
     full = job(data, 3, hp=gem.Params(workers=3, kappa=2.5, proxy="global"), device="cpu", run_dir=str(tmp_path),
                checkpoint_every=7, resume={"step": 12, "dir": "step-12", "path": str(tmp_path)}, data_source=source)
     full.engine.update(host="127.0.0.1", port=0, allow_remote=False, t0_wall=1.5e9, train_examples=256)
-    for original in (full, distributed._for_workers(full), distributed._for_workers(job(data, 2))):
+    for original in (full, _for_workers(full), _for_workers(job(data, 2))):
         text, tensors = distributed.encode_job(original)
         assert isinstance(json.loads(text), dict)
         assert tensors is None or set(tensors) == {"train_x", "train_y", "val_x", "val_y"}
@@ -211,7 +221,7 @@ def test_hyperparameters_that_json_would_change_are_refused(data, monkeypatch):
         sizes: tuple = (1, 2)  # JSON has no tuples: it would come back a list
 
     record = dataclasses.replace(algorithms.get("sgd"), Params=Params)
-    monkeypatch.setattr(distributed.algorithms, "get", lambda name: record)
+    monkeypatch.setattr(wire_job.algorithms, "get", lambda name: record)
     with pytest.raises(TypeError, match=r"sends algorithm=sgd's Params as JSON"):
         distributed.encode_job(job(data, 2, algorithm="sgd", hp=Params()))
 
@@ -249,7 +259,7 @@ def test_allow_remote_prints_one_warning(monkeypatch, capsys):
     """The config is validated by the preflight and again by the run: the warning is printed once."""
     from experiments.config import check_job
 
-    monkeypatch.setattr(distributed, "_warned", set())
+    monkeypatch.setattr(address, "_warned", set())
     for _ in range(2):
         check_job(["engine=distributed", "engine.host=0.0.0.0", "engine.allow_remote=true"])
     err = capsys.readouterr().err.splitlines()
@@ -301,7 +311,7 @@ def test_the_port_of_a_run_just_ended_is_not_refused(data, tmp_path):
     bind it again at once (the next run of a sweep with an explicit engine.port), so the check must not refuse."""
     import socket
 
-    listener = distributed._listener("127.0.0.1", 0)
+    listener = _listener("127.0.0.1", 0)
     port = listener.getsockname()[1]
     client = socket.create_connection(("127.0.0.1", port))
     accepted, _ = listener.accept()
@@ -366,7 +376,7 @@ def test_the_coordinator_loses_a_silent_worker_by_the_shared_rule(data, tmp_path
     algo = algorithms.get(j.algorithm)
     server, _ = start_server(j, algo, build_flat_model(j).param.clone())
     rec = Recorder(tmp_path)
-    coord = distributed._Coordinator(j, rec, server, Evaluator(j, data), None)
+    coord = _Coordinator(j, rec, server, Evaluator(j, data), None)
     now = time.monotonic()
     coord.ps, coord.store = _ServerThreadSeen([1, 2, 3], now), dist.HashStore()
     coord.watch()  # every worker is ready: the race, and the timers, start
@@ -374,20 +384,20 @@ def test_the_coordinator_loses_a_silent_worker_by_the_shared_rule(data, tmp_path
     # ten seconds on: worker 0 committed every 0.1 s until now; worker 1 waited for the server; worker 2, nothing
     coord.silence.since = dict.fromkeys([0, 1, 2], now - 10.0)
     coord.ps.commits = [(0, now - 1.0 + 0.1 * k) for k in range(11)]
-    coord.store.add(distributed._waiting_key(2), 3)
+    coord.store.add(_waiting_key(2), 3)
     coord.last_watch = 0.0
     coord.watch()
     rec.close()
     assert coord.ps.lost == [3] and coord.lost_workers == [2]
     assert coord.lost[0].startswith("worker 2 lost at commit 0 (silent for 10."), coord.lost
     assert coord.lost[0].endswith("limit 2.0 s = max(engine.timeout_s, 4 x median cycle 0.1 s))"), coord.lost
-    assert coord.ps.wait_s == distributed._patience(2.0)  # gloo's waits on a worker outlast the limit
+    assert coord.ps.wait_s == _patience(2.0)  # gloo's waits on a worker outlast the limit
 
 
 def test_a_worker_waiting_for_the_server_says_so_on_the_store():
     store = dist.HashStore()
-    key = distributed._waiting_key(2)
-    waiting = distributed._Waiting(store, 2)
+    key = _waiting_key(2)
+    waiting = _Waiting(store, 2)
     waiting.start()
     time.sleep(3 * distributed.WAITING_S)
     assert int(store.add(key, 0)) == 0  # computing (or hung in its rule): it says nothing

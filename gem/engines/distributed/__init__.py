@@ -1,0 +1,45 @@
+"""The `distributed` engine: the parameter server is rank 0 of a torch.distributed group, the workers are the
+other ranks, on one machine or many, over TCP (DESIGN §3).
+
+Launch it with torchrun (`torchrun --nproc_per_node=N+1 run.py engine=distributed workers=N`, multi-node
+forms in the README), under SLURM with Hydra's submitit launcher, or from one command on one machine:
+`python run.py engine=distributed workers=N` starts the N workers itself (from the forkserver of
+gem.engines.worker's `worker_context`, as the process engine does), bound to loopback.
+
+Transport: gloo point-to-point (BENCHMARKS.md, "Transport for the distributed engine": against
+torch.distributed.rpc it moves an AlexNet commit 2.5x faster, and it serves first come, first served where
+rpc's server lock is not first in, first out). Each rank builds its own `ProcessGroupGloo` on the job's store,
+so nothing global is touched and several runs can follow one another in one process (a sweep).
+
+Each worker runs the shared worker cycle (gem.engines.worker); its link makes one commit one exchange with the
+server, the `process` engine's turn over the wire:
+
+    worker                                   server (rank 0, one exchange at a time)
+    ASK [+ its last commit rows]  ─────────▶ takes headers from any source, in arrival order
+                                  ◀───────── GO t, τ, the live θ and the algorithm's server tensors
+    worker_rule(…, view of θ)
+    COMMIT Δ [+ payload]          ─────────▶ server.apply: server_rule(θ, Δ, τ), t ← t + 1
+    server.apply on its replica of θ: the same θ the server now holds; pull.
+
+So a commit costs two model-sized messages, and the algorithms run unchanged: the worker rule sees the live θ
+and the server state, exactly as in the process engine, and staleness is measured on the server's clock. A
+windowed algorithm talks to the server only when it commits.
+
+The engine by concern, each file read top to bottom; each imports only those above it:
+
+    wire.py      the group, the messages (kinds, headers, tensors as JSON specs and raw bytes), the timeouts
+    job.py       the job on the wire: JSON and raw tensors, rebuilt field for field by the worker
+    address.py   a local launch's address: loopback unless engine.allow_remote=true; the port checked
+    link.py      a worker rank: the worker cycle's Link to the server, over the wire
+    server.py    rank 0's server thread: the exchanges, one at a time, and the checkpoint barrier
+    launch.py    rank 0: the run (the group, the local workers, the job) and the coordinator
+"""
+
+from gem.engines.distributed.address import check_address, check_host, check_port
+from gem.engines.distributed.job import decode_job, encode_job
+from gem.engines.distributed.launch import run
+from gem.engines.distributed.link import WAITING_S, worker_main
+from gem.engines.distributed.wire import ASK, export_submitit_env, launched, launched_rank
+
+__all__ = ["run", "worker_main", "launched", "launched_rank", "export_submitit_env", "check_address", "check_host",
+           "check_port", "encode_job", "decode_job", "ASK", "WAITING_S"]

@@ -1,0 +1,324 @@
+"""Rank 0: the run. `run` starts the group (the launcher's ranks, or, for a local launch, N worker processes
+forked from gem.engines.worker's `worker_context` and bound to `engine.host`), sends each worker its job, and
+hands over to the coordinator.
+
+The server's exchanges run on a thread of rank 0 (gem.engines.distributed.server); its main thread, the
+coordinator (`_Coordinator`, on gem.engines.coordinator's loop), records rows in clock order, evaluates θ, writes
+checkpoints and watches the workers. A worker lost (its connection closes, its process dies) or silent is
+recorded and the run goes on. Silent is the `process` engine's rule, written once (gem.engines.coordinator's
+`Silence`): no progress for longer than max(engine.timeout_s, engine.silent_cycles x the median time between two
+commits of a worker), where rank 0 times every commit it applies; a worker that says on the job's store that it
+waits for the server is not to blame. A silent worker of a local launch is killed, which closes its connection
+and ends any wait on it. The coordinator keeps the server's waits on a worker at `_patience` of the silence limit.
+At the end every worker gets an answer (BYE or STOP) and exits; workers also exit when the server disappears.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from gem import algorithms
+from gem.engines import Job, Result
+from gem.engines import checkpoint as ckpt
+from gem.engines.coordinator import POLL_S, TIMEOUT_S, Coordinator, start_server
+from gem.engines.core import Evaluator, build_flat_model
+from gem.engines.distributed.address import _listener, _local_address, _warn_once, check_host
+from gem.engines.distributed.job import DONE, _for_workers, _send_job, encode_job
+from gem.engines.distributed.link import _local_worker
+from gem.engines.distributed.server import _Server
+from gem.engines.distributed.wire import (
+    BYE_TIMEOUT_S,
+    START_TIMEOUT_S,
+    TAG_JOB,
+    _group,
+    _launched_group,
+    _patience,
+    _send_packed,
+    _td,
+    _waiting_key,
+    launched,
+)
+from gem.engines.worker import threads_per_process, worker_context
+from gem.files import WriteError
+
+
+def run(job: Job, recorder) -> Result:
+    eng = job.engine
+    timeout_s = float(eng.get("timeout_s", TIMEOUT_S))
+    n = job.workers
+    algo = algorithms.get(job.algorithm)
+    # θ on rank 0's host: gloo moves CPU tensors. A GPU worker stages θ on its device at its commits.
+    server, resumed = start_server(job, algo, build_flat_model(job, device="cpu").param.clone())
+    children: list = []
+    listener = None
+    coord = None
+    try:
+        coord = _Coordinator(job, recorder, server, Evaluator(job, job.data), resumed)
+        saved = {w: ckpt.load_worker(job.resume, w) for w in coord.pending_workers()} if resumed else {}
+        job = dataclasses.replace(job, engine={**eng, "timeout_s": timeout_s, "t0_wall": coord.t0_wall,
+                                               "train_examples": len(job.data.train_y)})
+        coord.job = job
+        encoded = encode_job(_for_workers(job))  # before any worker starts: a field that JSON cannot carry fails here
+        if launched():
+            world = int(os.environ["WORLD_SIZE"])
+            if world != n + 1:
+                raise ValueError(f"workers={n} but the launcher started {world} processes; engine=distributed needs "
+                                 f"workers + 1 (rank 0 is the parameter server): pass workers={world - 1}")
+            torch.set_num_threads(threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+            store, pg = _connect(lambda: _launched_group(START_TIMEOUT_S)[:2], [])
+        else:
+            host, port = str(eng.get("host", "127.0.0.1")), int(eng.get("port", 0))
+            # the config's validation has checked the address; again here for a caller of the engine itself
+            _warn_once(check_host(host, bool(eng.get("allow_remote", False))))
+            listener = _listener(host, port)
+            port = listener.getsockname()[1]
+            store = dist.TCPStore(host, port, n + 1, True, timeout=_td(START_TIMEOUT_S), wait_for_workers=False,
+                                  master_listen_fd=listener.fileno())
+            local = _local_address(host)  # where this machine's ranks reach rank 0 and one another
+            # as on the process engine, the workers share the cores and the coordinating rank is not counted: it
+            # mostly waits on the wire. The same threads as the other engines: the same arithmetic at n = 1.
+            threads = threads_per_process(n)
+            torch.set_num_threads(threads)
+            ctx = worker_context()
+            for r in range(1, n + 1):
+                p = ctx.Process(target=_local_worker, name=f"gem-worker-{r - 1}", daemon=True,
+                                args=(r, n + 1, local, port, START_TIMEOUT_S, threads))
+                p.start()
+                children.append(p)
+            pg = _connect(lambda: _group(store, 0, n + 1, local, START_TIMEOUT_S), children)
+        for r in range(1, n + 1):
+            _send_job(pg, encoded, r, START_TIMEOUT_S)
+            _send_packed(pg, saved.get(r - 1, DONE if resumed else None), r, TAG_JOB, START_TIMEOUT_S)
+        coord.attach(pg, children, store)
+        return coord.serve()
+    finally:
+        _stop(children)
+        if listener is not None:
+            listener.close()
+
+
+def _connect(make, children: list):
+    """Build the group (every rank must join) while watching the local children: one that dies before it
+    joins fails the run at once instead of after the start timeout."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["pg"] = make()
+        except Exception as e:  # noqa: BLE001
+            out["error"] = e
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    deadline = time.monotonic() + START_TIMEOUT_S + 10
+    while th.is_alive():
+        th.join(POLL_S)
+        dead = [p for p in children if p.exitcode is not None]
+        if dead:
+            raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode} before it joined the group")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the workers did not join within {START_TIMEOUT_S:.0f} s")
+    if "error" in out:
+        raise RuntimeError(f"the group did not form: {out['error']}")
+    return out["pg"]
+
+
+def _stop(children: list, grace_s: float = 5.0) -> None:
+    """Local launch: every worker has had its answer and exits; any that does not is terminated, then killed."""
+    deadline = time.monotonic() + grace_s
+    for p in children:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in children:
+        if p.is_alive():
+            p.terminate()
+    for p in children:
+        p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+
+
+class _Coordinator(Coordinator):
+    """Rank 0's main thread: the shared bookkeeping, fed by the server thread's events."""
+
+    def __init__(self, job, recorder, server, evaluate, resumed):
+        super().__init__(job, recorder, server, evaluate, resumed)
+        self.events: queue.Queue = queue.Queue()
+        self.children: list = []
+        self.ps: _Server | None = None
+        self.fatal = ""
+        self.write_error = ""  # a file of the run directory could not be written: the run ends, failed
+        self.server_done = False
+        self.last_watch = 0.0
+        self.racing = False  # every worker is ready (or given up): the silence timers run
+        self.store = None  # the job's store, on which a worker waiting for the server says so
+        self.waited: dict[int, int] = {}  # each rank's count on it when the coordinator last looked
+        self.closed_at: float | None = None  # when every worker had finished or was lost
+
+    def attach(self, pg, children: list, store=None) -> None:
+        ranks = [w + 1 for w in range(self.job.workers)]
+        self.ps = _Server(pg, self.job, self.server, ranks, self.events)
+        self.children, self.store = children, store
+        for w in set(range(self.job.workers)) - set(self.pending_workers()):  # done before the checkpoint
+            self.ps.done.add(w + 1)
+            self.ps.ready.add(w + 1)
+        self.ps.start()
+
+    def lose_rank(self, rank: int, why: str) -> None:
+        if not self.lose(rank - 1, why):
+            return
+        for s in self.ps.lose(rank):
+            self.ledger.lost(s)
+        if self.children:
+            p = self.children[rank - 1]
+            if p.is_alive():
+                p.kill()
+
+    def handle(self, ev) -> None:
+        kind = ev[0]
+        if kind == "rows":
+            for row, tensors in json.loads(ev[1]):
+                self.ledger.add(row, tensors)
+        elif kind == "finished":
+            self.finish(ev[1] - 1)
+        elif kind == "diverged":
+            self.diverge(ev[2])
+        elif kind == "error":
+            self.lose_rank(ev[1], f"raised {ev[2].splitlines()[0]}")
+        elif kind == "lost":
+            self.lose_rank(ev[1], ev[2])
+        elif kind == "saved":  # the server waits with every live worker's state in ev[1], θ as of ev[2]
+            try:
+                if not self.diverged and not self.write_error:  # a diverged run's state is not worth resuming
+                    self.ledger.record()
+                    self.ledger.fill_gaps(ev[2])
+                    self.write_checkpoint(ev[1], ev[2])
+            except WriteError as e:
+                self.write_error = str(e)
+            finally:
+                self.ps.written.set()
+        elif kind == "lost_steps":
+            for step in ev[1]:
+                self.ledger.lost(step)
+        elif kind == "fatal":
+            self.fatal = ev[1]
+        elif kind == "write_error":
+            self.write_error = ev[1]
+        elif kind == "done":
+            self.server_done = True
+
+    # --- the engine hooks of Coordinator.serve
+
+    def running(self) -> bool:
+        return not self.server_done and not self.write_error
+
+    def poll(self, timeout: float) -> None:
+        try:
+            self.handle(self.events.get(timeout=timeout))
+            while True:
+                self.handle(self.events.get_nowait())
+        except queue.Empty:
+            pass
+
+    def watch(self) -> None:
+        """Notice workers that died (local launch: their process) or went silent (any launch): the rule of
+        `Silence`, fed with the time of every commit the server applies. A worker whose header the server took,
+        or that says on the store that it waits for the server (`_Waiting`), is not silent through its own fault."""
+        now = time.monotonic()
+        if now - self.last_watch < POLL_S:
+            return
+        self.last_watch = now
+        ps = self.ps
+        with ps.lock:
+            commits, ps.commits = ps.commits, []
+        if not self.racing:
+            self.start_race(now)
+        for w, at in commits:
+            self.silence.progress(w, at)
+        for r in ps.ranks:
+            self.silence.seen(r - 1, ps.heard[r])
+            if self.waited_since_last_look(r):
+                self.silence.seen(r - 1, now)
+        ps.wait_s = _patience(self.silence.limit())
+        for r in ps.ranks:
+            if r not in ps.done and self.children and self.children[r - 1].exitcode is not None:
+                self.lose_rank(r, f"process died, exit code {self.children[r - 1].exitcode}")
+        for w, silent_for in self.silence.silent(now):
+            if w + 1 in ps.done:  # finished (its event is on the way) or lost
+                self.silence.forget(w)
+            else:
+                self.lose_rank(w + 1, self.silence.why(silent_for))
+        if not ps.open() and not self.server_done:
+            # every worker finished or lost: the server ends by itself, unless it waits for a header from a worker
+            # that died or was lost (gloo's receive from any source does not wake when a peer dies); it gives up at
+            # its own timeout. Wait for it: it holds the group and its store, which must not outlive the run (the
+            # store's listening socket is closed at the end, and its number may be reused by the next run's)
+            ps.join(1.0)
+            self.closed_at = self.closed_at or now
+            self.server_done = not ps.is_alive() or now - self.closed_at > ps.wait_s + BYE_TIMEOUT_S
+
+    def waited_since_last_look(self, rank: int) -> bool:
+        if self.store is None or rank in self.ps.done:
+            return False
+        try:
+            count = int(self.store.add(_waiting_key(rank), 0))
+        except Exception:  # noqa: BLE001 - no store, no excuse: the rule still holds
+            return False
+        waited, self.waited[rank] = count != self.waited.get(rank, 0), count
+        return waited
+
+    def start_race(self, now: float) -> None:
+        """The silence timers start once every worker is ready, as the server's turns do: a worker not ready
+        START_TIMEOUT_S after the start is lost, and the others start without it."""
+        ps = self.ps
+        if len(ps.ready | ps.done) < len(ps.ranks):
+            if now - ps.started <= START_TIMEOUT_S:
+                return
+            for r in ps.ranks:
+                if r not in ps.ready and r not in ps.done:
+                    self.lose_rank(r, f"not ready within {START_TIMEOUT_S:.0f} s of its start")
+        self.racing = True
+        self.silence.start([r - 1 for r in ps.ranks if r not in ps.done], now)
+
+    def sync(self) -> None:
+        pass  # the server knows which commits a lost worker made: they are marked when it is lost
+
+    def snapshot(self):
+        with self.ps.lock:
+            return self.server.t, self.server.theta.clone()
+
+    def checkpoint(self) -> None:
+        self.ps.request_save(self.job.run_dir)
+
+    def wrap_up(self) -> Result:
+        if self.diverged or self.write_error:  # every worker that asks is told to stop; wait for them to go
+            self.ps.stop(self.diverged or self.write_error)
+            deadline = time.monotonic() + BYE_TIMEOUT_S
+            while not self.server_done and time.monotonic() < deadline:
+                self.poll(POLL_S)
+                self.watch()
+        self.ps.written.set()  # a checkpoint cut short by the end: the server need not wait for it
+        self.ps.join(BYE_TIMEOUT_S)
+        self.poll(0)  # what came with the last messages
+        with self.ps.lock:
+            final = self.server.t
+        self.ledger.fill_gaps(final)
+        ps, wall = self.ps, time.monotonic() - self.ps.started
+        # how loaded the parameter server was: its exchanges take server_commit_s each; busy close to 1 means
+        # the server, not the workers, set the pace
+        extra = {"server_commit_s": round(ps.busy_s / ps.served, 6) if ps.served else None,
+                 "server_busy": round(ps.busy_s / wall, 4) if wall > 0 else None}
+        if self.write_error:  # every process has stopped and the rows are recorded: the runner says it, once
+            raise WriteError(self.write_error)
+        if self.fatal and not self.diverged:
+            return Result("failed", self.steps, reason="; ".join([self.fatal, *self.lost]),
+                          extra={"lost_workers": sorted(self.lost_workers), **extra})
+        return self.conclude(extra)

@@ -1,0 +1,278 @@
+"""A worker rank: it joins the group, takes the job from rank 0 and runs the shared worker cycle
+(gem.engines.worker), whose Link, `_RemoteLink`, makes each commit one exchange with the server (ASK, GO with θ,
+COMMIT) and keeps a replica of the server's state, brought up to date by replaying the server step.
+
+A worker waiting for the server (for its turn, or behind a worker that holds the server up) is not silent through
+its own fault, and says so on the job's store while it waits (`_Waiting`): the server, stuck on a frozen worker,
+cannot hear the others. It waits for the server twice the server's own patience with a worker, which each reply
+tells it, and exits when the server is gone (`_ServerGone`) or answers BYE or STOP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from gem import algorithms
+from gem.algorithms import Commit
+from gem.data import load_dataset
+from gem.engines import Job
+from gem.engines.distributed.job import DONE, _recv_job
+from gem.engines.distributed.wire import (
+    ASK,
+    BYE_TIMEOUT_S,
+    DIVERGED,
+    ERROR,
+    FINISHED,
+    GO,
+    PULL,
+    READY,
+    SAVE,
+    SAVED,
+    START_TIMEOUT_S,
+    STOP,
+    TAG_ASK,
+    TAG_JOB,
+    TAG_X,
+    _group,
+    _launched_group,
+    _pack,
+    _patience,
+    _recv_packed,
+    _rows_json,
+    _send_bytes,
+    _td,
+    _wait,
+    _waiting_key,
+)
+from gem.engines.server import Server
+from gem.engines.worker import Diverged, Worker, barrier_pauses, setup_process, threads_per_process
+
+ROWS_PER_MESSAGE, ROWS_SECONDS = 16, 0.25  # a worker sends its commit rows in batches (as in the process engine)
+WAIT_S = 0.02  # a worker told to WAIT while a checkpoint is being taken asks again after this long (at a barrier:
+# worker.barrier_pauses)
+WAITING_S = 0.5  # a worker waiting for the server says so on the store this often
+
+
+def worker_main(timeout_s: float = START_TIMEOUT_S) -> int:
+    """A rank > 0 started by torchrun or SLURM: join the group, take the job from rank 0, work, exit."""
+    threads = threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    store, pg, rank, _world = _launched_group(timeout_s)
+    return _work(pg, rank, threads, ignore_sigint=False, store=store)
+
+
+def _local_worker(rank: int, world: int, host: str, port: int, timeout_s: float, threads: int) -> None:
+    """A worker of a local launch (`python run.py engine=distributed`)."""
+    store = dist.TCPStore(host, port, world, False, timeout=_td(timeout_s))
+    pg = _group(store, rank, world, host, timeout_s)
+    _work(pg, rank, threads, store=store)
+
+
+def _work(pg, rank: int, threads: int, ignore_sigint: bool = True, store=None) -> int:
+    setup_process(threads, ignore_sigint)
+    try:
+        job = _recv_job(pg, START_TIMEOUT_S)
+        saved = _recv_packed(pg, 0, TAG_JOB, START_TIMEOUT_S)  # this worker's state, when the run resumes
+    except RuntimeError:
+        return 1
+    if saved == DONE:  # a resumed run whose checkpoint has this worker finished, or lost: nothing to do
+        return 0
+    link = _RemoteLink(pg, rank, job, store)
+    try:
+        link.run(saved)
+    except _ServerGone:
+        return 1
+    return 0
+
+
+class _ServerGone(Exception):
+    pass
+
+
+class _Stopped(Exception):
+    """The server answered STOP: the run is ending."""
+
+
+class _RemoteLink:
+    """A worker rank's way to the server: ASK, GO with θ, COMMIT, all over gloo; a replica of the server's state
+    that the worker brings up to date by replaying the server step."""
+
+    def __init__(self, pg, rank: int, job: Job, store=None):
+        self.pg, self.rank, self.job = pg, rank, job
+        self.w = rank - 1  # the worker's index in metrics.parquet, as in the other engines
+        self.waiting = _Waiting(store, rank) if store is not None else None
+        if self.waiting is not None:
+            self.waiting.start()
+        self.timeout = float(job.engine["timeout_s"])
+        # how long to wait for the server: twice its own patience with a worker, which each reply updates (it may
+        # be held up by a silent worker until that one is lost)
+        self.wait_s = 2.0 * _patience(self.timeout)
+        self.t0_wall = float(job.engine["t0_wall"])
+        self.buffer: list = []
+        self.sent_at = time.monotonic()
+        self.reply = torch.zeros(4, dtype=torch.long)  # [kind, t, τ, the server's patience in ms]
+        self.extra: dict = {}
+        self.worker: Worker | None = None
+        self.server: Server | None = None
+
+    # --- messages to the server; any failure means it is gone
+    def header(self, kind: int, extra: bytes = b"") -> None:
+        """A header to the server, with the commit rows not yet sent: always with the last word, else in
+        batches, so that most ASKs are one small message."""
+        batch = kind != ASK or len(self.buffer) >= ROWS_PER_MESSAGE or time.monotonic() - self.sent_at > ROWS_SECONDS
+        rows = _rows_json(self.buffer) if batch and self.buffer else b""
+        h = torch.tensor([kind, len(rows), len(self.buffer) if rows else 0, len(extra)], dtype=torch.long)
+        try:
+            _wait(self.pg.send([h], 0, TAG_ASK), self.wait_s)
+            if rows:
+                _send_bytes(self.pg, rows, 0, TAG_X, self.wait_s)
+            if extra:
+                _send_bytes(self.pg, extra, 0, TAG_X, self.wait_s)
+        except RuntimeError as e:
+            raise _ServerGone() from e
+        if rows:
+            self.buffer, self.sent_at = [], time.monotonic()
+
+    def _recv(self, tensors: list[torch.Tensor], timeout: float) -> None:
+        try:
+            for t in tensors:
+                _wait(self.pg.recv([t], 0, TAG_X), timeout)
+        except RuntimeError as e:
+            raise _ServerGone() from e
+
+    def _send(self, tensors: list[torch.Tensor]) -> None:
+        try:
+            works = [self.pg.send([t], 0, TAG_X) for t in tensors]
+            for work in works:
+                _wait(work, self.wait_s)
+        except RuntimeError as e:
+            raise _ServerGone() from e
+
+    # --- the Link of the worker cycle
+    def acquire(self, w: int):
+        t, staleness = self._request(ASK, b"", itertools.repeat(WAIT_S))
+        return self._receive_view(w, t, t - staleness)
+
+    def await_clock(self, w: int, t: int):
+        """A barrier: PULL until the server's clock has reached t; the server then sends θ and its tensors (no
+        turn is held: nothing is committed) and marks the pull."""
+        clock, _ = self._request(PULL, str(t).encode(), barrier_pauses())
+        return self._receive_view(w, clock, clock)
+
+    def _request(self, kind: int, extra: bytes, pauses) -> tuple[int, int]:
+        """Ask (ASK or PULL) until the server answers GO; returns its (t, τ). Meanwhile a SAVE is answered with our
+        state, and a WAIT (a checkpoint is being taken, or the barrier not reached) with the next of `pauses` before
+        asking again: asking keeps the server awake, so that it notices when a worker it waits for has died
+        (gloo's wait would not wake). The worker says it is waiting, so it is not blamed for the others' silence."""
+        if self.waiting is not None:
+            self.waiting.waiting = True
+        try:
+            while True:
+                self.header(kind, extra)
+                self._recv([self.reply], self.wait_s)
+                answer, t, staleness, patience_ms = (int(v) for v in self.reply)
+                self.wait_s = 2.0 * max(patience_ms / 1000, _patience(self.timeout))
+                if answer == STOP:
+                    raise _Stopped()
+                if answer == GO:
+                    return t, staleness
+                if answer == SAVE:  # a checkpoint: our state as of before the gradient in hand, then ask again
+                    self._save()
+                else:
+                    time.sleep(next(pauses))
+        finally:
+            if self.waiting is not None:
+                self.waiting.waiting = False
+
+    def _receive_view(self, w: int, t: int, pulled_at: int):
+        """θ and the server's tensors as the GO that follows sends them, into this worker's replica."""
+        server = self.server
+        self._recv([server.theta, *server.state.values()], self.wait_s)
+        server.clock.fill_(t)
+        server.pulled_at[w] = pulled_at
+        return server.view(w)
+
+    def _save(self) -> None:
+        """A checkpoint: our state as of before the gradient in hand (or at the barrier)."""
+        spec, tensors = _pack(self.worker.state_dict(in_hand=True))
+        self.header(SAVED, json.dumps(spec).encode())
+        self._send(tensors)
+
+    def submit(self, view, commit: Commit) -> None:
+        spec = json.dumps(_pack(commit.payload)[0]).encode() if commit.payload else b""
+        tensors = [torch.tensor([len(spec), 0], dtype=torch.long), commit.delta.contiguous()]
+        if spec:
+            tensors += [torch.frombuffer(bytearray(spec), dtype=torch.uint8),
+                        *(v.contiguous() for v in commit.payload.values())]
+        self._send(tensors)
+
+    def release(self) -> None:
+        pass
+
+    def now(self) -> float:
+        return time.time() - self.t0_wall
+
+    def rows(self, row: dict, tensors) -> None:
+        self.buffer.append((row, tensors))
+
+    def run(self, saved: dict | None) -> None:
+        try:
+            job = self.job
+            data = job.data if job.data_source is None else load_dataset(**job.data_source)
+            job = self.job = dataclasses.replace(job, data=data)
+            if len(data.train_y) != job.engine["train_examples"]:
+                raise ValueError(f"this rank loaded {len(data.train_y)} training examples of data={data.name}, rank "
+                                 f"0 has {job.engine['train_examples']}: every node needs the same data.root")
+            algo = algorithms.get(job.algorithm)
+            worker = self.worker = Worker(self.w, job, algo)  # its model: θ₀ from the seed, as on every rank
+            # the replica of the server's state stays on the host, where gloo sends and receives it
+            self.server = Server.create(algo, job.hp, worker.x.detach().to("cpu", copy=True), job.workers)
+            if saved is not None:
+                worker.load_state_dict(saved)
+            self.header(READY)
+            while worker.cycle(self):
+                pass
+        except Diverged as e:
+            self.header(DIVERGED, str(e).encode())
+            return
+        except _Stopped:
+            return
+        except _ServerGone:
+            raise
+        except Exception as e:  # tell the server why, then stop
+            self.header(ERROR, f"{type(e).__name__}: {e}\n{traceback.format_exc()}".encode())
+            return
+        self.header(FINISHED)
+        try:  # the server's last word: it has everything; then nobody waits for anybody
+            self._recv([self.reply], BYE_TIMEOUT_S)
+        except _ServerGone:
+            pass
+
+
+class _Waiting(threading.Thread):
+    """While its worker waits for the server, add 1 to the worker's key on the job's store every WAITING_S: the
+    coordinator does not count a wait for the server as the worker's silence (the process engine's line). A frozen
+    worker's thread is frozen with it, and a worker hung anywhere else is not waiting: neither says anything."""
+
+    def __init__(self, store, rank: int):
+        super().__init__(name="gem-waiting", daemon=True)
+        self.store, self.key = store, _waiting_key(rank)
+        self.waiting = False
+
+    def run(self) -> None:
+        while True:
+            time.sleep(WAITING_S)
+            if self.waiting:
+                try:
+                    self.store.add(self.key, 1)
+                except Exception:  # noqa: BLE001 - the store went with rank 0: the worker finds out itself
+                    return
+

@@ -1,0 +1,346 @@
+"""Rank 0's parameter server: a thread that serves the workers' exchanges one at a time, in the order their
+headers arrive, and tells the coordinator (rank 0's main thread, gem.engines.distributed.launch) what happened
+through a queue of events.
+
+For a checkpoint the server stops handing out turns: each worker, when it next asks, is answered SAVE and sends its
+state (the run directory is rank 0's, perhaps on another machine); asking again, it is told to WAIT and asks again
+shortly, until every live worker has sent its state, the coordinator has written the checkpoint, and turns are
+handed out again. (A worker is not left waiting on a reply: gloo's receive from any source does not wake when one
+peer dies, so the server, blocked on it, would never learn that the last worker it waits for is gone.) A worker
+lost mid-exchange (its connection closes) is recorded and the run goes on: its commits whose rows never came are
+marked (`lost_row`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+
+import torch
+
+from gem.algorithms import Commit
+from gem.engines import Job
+from gem.engines import checkpoint as ckpt
+from gem.engines.coordinator import POLL_S
+from gem.engines.distributed.wire import (
+    ASK,
+    BYE,
+    DIVERGED,
+    ERROR,
+    FINISHED,
+    GO,
+    HEADER,
+    PULL,
+    READY,
+    SAVE,
+    SAVED,
+    START_TIMEOUT_S,
+    STOP,
+    TAG_ASK,
+    TAG_X,
+    WAIT,
+    _closed,
+    _patience,
+    _recv_bytes,
+    _recv_spec_and_tensors,
+    _wait,
+)
+from gem.engines.server import Server
+from gem.files import WriteError
+
+
+class _Server(threading.Thread):
+    """Rank 0's exchanges with the workers, one at a time, in the order their headers arrive. Talks to the
+    coordinator (the main thread) through `events`; `lock` guards the server's state and the bookkeeping."""
+
+    def __init__(self, pg, job: Job, server: Server, workers: list[int], events: queue.Queue):
+        super().__init__(name="gem-parameter-server", daemon=True)
+        self.pg, self.job, self.server, self.events = pg, job, server, events
+        # how long a wait on one worker may last (the coordinator keeps it at _patience of the silence limit)
+        self.wait_s = _patience(float(job.engine["timeout_s"]))
+        self.lock = threading.Lock()
+        self.ranks = workers  # ranks 1..n
+        self.pending: dict[int, deque] = {r: deque() for r in workers}  # commits whose rows have not come
+        self.heard = dict.fromkeys(workers, time.monotonic())  # each worker's last header: it asked, it waits
+        self.commits: list[tuple[int, float]] = []  # (worker, time) of the commits applied since the coordinator looked
+        self.ready: set[int] = set()
+        self.done: set[int] = set()  # finished, stopped, or lost: the server expects nothing more
+        self.lost: set[int] = set()
+        self.stopping = ""  # once set, every ASK is answered STOP
+        self.early: deque = deque()  # ASKs that came before every worker was ready: all start from one θ
+        self.barriers: dict[int, int] = {}  # the barrier each rank last waited at (PULL), until it pulls
+        self.saving: dict | None = None  # a checkpoint being taken: {"folder", "saved": ranks that sent their state}
+        self.written = threading.Event()
+        self.delta = torch.empty_like(server.theta)
+        self.started = time.monotonic()
+        self.busy_s, self.served = 0.0, 0  # seconds spent in exchanges that ended in a commit, and how many
+
+    def stop(self, why: str) -> None:
+        self.stopping = self.stopping or why
+
+    def lose(self, rank: int) -> list[int]:
+        """(coordinator) Expect nothing more from `rank`; returns its commits whose rows will never come."""
+        with self.lock:
+            self.lost.add(rank)
+            self.done.add(rank)
+            return list(self.pending.pop(rank, ()))
+
+    def open(self) -> bool:
+        return len(self.done) < len(self.ranks)
+
+    def request_save(self, run_dir) -> bool:
+        """(coordinator) Stop handing out turns and collect every live worker's state; False while a checkpoint
+        is still being taken."""
+        with self.lock:
+            if self.saving is not None or self.stopping:
+                return False
+            self.written.clear()
+            self.saving = {"folder": ckpt.pending(run_dir), "saved": set()}
+            return True
+
+    def run(self) -> None:
+        try:
+            self.serve()
+        except WriteError as e:  # a worker's checkpoint file: the disk failed, and the run ends
+            self.events.put(("write_error", str(e)))
+        except Exception as e:  # noqa: BLE001 - the coordinator reports it
+            if self.open():  # (else every worker had finished or was lost: nobody waited on what failed)
+                self.events.put(("fatal", f"parameter server: {type(e).__name__}: {e}"))
+        finally:
+            self.events.put(("done",))
+
+    def serve(self) -> None:
+        header = torch.zeros(HEADER, dtype=torch.long)
+        while self.open():
+            if self.early and (len(self.ready | self.done) == len(self.ranks)
+                               or time.monotonic() - self.started > START_TIMEOUT_S):
+                self.exchange(self.early.popleft())
+                continue
+            if self.saving is not None and self.saving["saved"] >= set(self.ranks) - self.done:
+                self.finish_checkpoint()
+                continue
+            src = self.next_header(header)
+            if src is not None:
+                self.take(src, *(int(v) for v in header))
+
+    def finish_checkpoint(self) -> None:
+        """Every live worker has sent its state: hand the checkpoint to the coordinator, and hand out no turn
+        until it is written."""
+        # the clock now, not when the save was asked for: an exchange in flight then has committed since
+        self.events.put(("saved", self.saving["folder"], self.server.t))
+        while not self.written.wait(POLL_S) and threading.main_thread().is_alive():
+            pass  # the coordinator writes the checkpoint; θ must stay as saved until it is on disk
+        self.saving = None  # the waiting workers are served as they ask again
+
+    def next_header(self, header: torch.Tensor) -> int | None:
+        """The next worker's header, first come, first served: gloo keeps the notices of pending sends to a
+        slot in the order they arrive, and a receive from any source takes the first (recvFromAny in gloo's
+        tcp transport). Returns its rank, or None if it died while its header was on the way."""
+        work = self.pg.recv_anysource([header], TAG_ASK)
+        wait_s = self.wait_s
+        try:
+            _wait(work, wait_s)
+        except RuntimeError as e:
+            if _closed(e):
+                return None  # the coordinator sees it go
+            raise RuntimeError(f"no worker sent anything for {wait_s:.0f} s (twice the silence limit + 10 s)") from None
+        return work._source_rank()
+
+    # --- a header and what follows it, by kind
+
+    def take(self, src: int, kind: int, rows_nbytes: int, rows_count: int, extra_nbytes: int) -> None:
+        """Act on a header from `src`, with the rows and message that follow it. The rows are decoded by the
+        coordinator: this thread's time is every worker's wait."""
+        self.heard[src] = time.monotonic()
+        try:
+            rows = _recv_bytes(self.pg, rows_nbytes, src, TAG_X, self.wait_s) if rows_nbytes else b""
+            extra = _recv_bytes(self.pg, extra_nbytes, src, TAG_X, self.wait_s) if extra_nbytes else b""
+            state = _recv_spec_and_tensors(self.pg, extra, src, TAG_X, self.wait_s) if kind == SAVED else None
+        except (RuntimeError, ValueError) as e:
+            self.gone(src, e)
+            return
+        if not self.rows_came(src, rows_count):
+            # given up for lost (silent too long) and back: its commits are marked already; it stops
+            if kind in (ASK, PULL):
+                self.reply(src, STOP)
+            return
+        if rows:
+            self.events.put(("rows", rows))
+        if kind == READY:
+            self.ready.add(src)
+        elif kind == ASK:
+            self.on_ask(src)
+        elif kind == PULL:
+            self.on_pull(src, extra)
+        elif kind == SAVED:
+            self.on_saved(src, state)
+        elif kind == FINISHED:
+            self.on_finished(src)
+        elif kind in (DIVERGED, ERROR):
+            self.on_end(src, kind, extra)
+
+    def rows_came(self, src: int, count: int) -> bool:
+        """The rows of `src`'s first `count` pending commits came: those are pending no more. False, and nothing
+        done, if `src` was given up for lost."""
+        with self.lock:
+            lost = src in self.lost
+            if not lost:
+                for _ in range(count):
+                    self.pending[src].popleft()
+        return not lost
+
+    def on_ask(self, src: int) -> None:
+        """A worker asks for its turn: during a checkpoint it is told to SAVE or WAIT; before every worker is
+        ready it waits for them (all start from one θ); else its exchange, now."""
+        if self.saving is not None:
+            self.hold(src)
+        elif len(self.ready | self.done) < len(self.ranks):
+            self.early.append(src)
+        else:
+            self.exchange(src)
+
+    def on_pull(self, src: int, extra: bytes) -> None:
+        """A worker waits at a barrier (its clock in `extra`): θ once the server's clock has reached it; until
+        then WAIT, or STOP when no commit can reach it."""
+        try:
+            barrier = int(extra.decode("ascii"))
+        except ValueError as e:
+            self.gone(src, e)
+            return
+        if self.saving is not None:
+            self.hold(src)
+        elif self.stopping:
+            self.done_with(src)
+            self.reply(src, STOP)
+        elif self.server.t < barrier:
+            self.barriers[src] = barrier
+            if self.unreachable():  # the others are told STOP when they next ask
+                self.done_with(src)
+                self.reply(src, STOP)
+            else:
+                self.reply(src, WAIT)
+        else:
+            self.barriers.pop(src, None)
+            self.pull(src)
+
+    def on_saved(self, src: int, state: dict) -> None:
+        """A worker's state for the checkpoint being taken: into the checkpoint's folder at once."""
+        ckpt.save_atomic(state, ckpt.worker_file(self.saving["folder"], src - 1))
+        self.saving["saved"].add(src)
+
+    def on_finished(self, src: int) -> None:
+        self.done_with(src)
+        self.events.put(("finished", src))
+        self.reply(src, BYE)
+
+    def on_end(self, src: int, kind: int, extra: bytes) -> None:
+        """A worker diverged (the run stops: every worker that asks is told STOP) or raised (`extra` says what)."""
+        self.done_with(src)
+        if kind == DIVERGED:
+            self.stop(extra.decode())
+            self.events.put(("diverged", src, extra.decode()))
+        else:
+            self.events.put(("error", src, extra.decode()))
+
+    # --- the exchanges
+
+    def exchange(self, src: int) -> None:
+        """`src`'s turn: GO with θ, its commit back, applied; timed (busy_s) for the run's summary."""
+        if self.stopping or src in self.lost:
+            self.done_with(src)
+            self.reply(src, STOP)
+            return
+        began = time.perf_counter()
+        view = self.server.view(src - 1)
+        try:
+            payload = self.go_and_commit(src, view)
+        except (RuntimeError, ValueError) as e:
+            self.gone(src, e)
+            return
+        self.apply(src, view, payload)
+        self.busy_s += time.perf_counter() - began
+        self.served += 1
+
+    def go_and_commit(self, src: int, view) -> dict:
+        """GO with the clock and τ, the live θ and the server's tensors, all in flight at once; then the commit:
+        Δ into self.delta, and the payload it returns."""
+        server = self.server
+        header = torch.zeros(2, dtype=torch.long)
+        wait_s = self.wait_s
+        go = torch.tensor([GO, view.t, view.staleness, int(wait_s * 1000)], dtype=torch.long)
+        sends = [self.pg.send([v], src, TAG_X) for v in (go, server.theta, *server.state.values())]
+        for s in sends:
+            _wait(s, wait_s)
+        _wait(self.pg.recv([header], src, TAG_X), wait_s)
+        _wait(self.pg.recv([self.delta], src, TAG_X), wait_s)
+        payload = {}
+        if int(header[0]):
+            spec = _recv_bytes(self.pg, int(header[0]), src, TAG_X, wait_s)
+            payload = _recv_spec_and_tensors(self.pg, spec, src, TAG_X, wait_s)
+        return payload
+
+    def apply(self, src: int, view, payload: dict) -> None:
+        """The server rule on θ; the commit is pending until `src`'s row for it comes."""
+        with self.lock:
+            t = self.server.apply(view, Commit(delta=self.delta, payload=payload))
+            self.commits.append((src - 1, time.monotonic()))  # progress, for the coordinator's Silence
+            if src in self.pending:
+                self.pending[src].append(t)
+            else:  # given up for lost while this exchange ran: its row will never come
+                self.events.put(("lost_steps", [t]))
+
+    def pull(self, src: int) -> None:
+        """A worker at a barrier that the clock has reached: θ and the server's tensors; no commit follows."""
+        with self.lock:
+            view = self.server.pull(src - 1)
+        try:
+            go = torch.tensor([GO, view.t, 0, int(self.wait_s * 1000)], dtype=torch.long)
+            sends = [self.pg.send([v], src, TAG_X) for v in (go, self.server.theta, *self.server.state.values())]
+            for s in sends:
+                _wait(s, self.wait_s)
+        except RuntimeError as e:
+            self.gone(src, e)
+
+    # --- answers, and workers the server expects nothing more from
+
+    def reply(self, src: int, kind: int, t: int = 0, staleness: int = 0) -> bool:
+        try:
+            reply = torch.tensor([kind, t, staleness, int(self.wait_s * 1000)], dtype=torch.long)
+            _wait(self.pg.send([reply], src, TAG_X), self.wait_s)
+            return True
+        except RuntimeError as e:
+            self.gone(src, e)
+            return False
+
+    def hold(self, src: int) -> None:
+        """During a checkpoint: SAVE to a worker that has not sent its state, else WAIT (it asks again)."""
+        self.reply(src, WAIT if src in self.saving["saved"] else SAVE)
+
+    def done_with(self, src: int) -> None:
+        """Expect nothing more from `src`: finished, stopped, or lost."""
+        with self.lock:
+            self.done.add(src)
+
+    def gone(self, src: int, e: Exception) -> None:
+        """`src` closed its connection (a RuntimeError from gloo), or sent what cannot be read (a ValueError: a
+        malformed spec or JSON): it is lost. Any other gloo error is a timeout, and gloo has dropped the group."""
+        if isinstance(e, RuntimeError) and not _closed(e):
+            raise RuntimeError(f"worker rank {src} did not answer for {self.wait_s:.0f} s (twice the silence limit "
+                               "+ 10 s); gloo gives up on the whole group after such a wait") from None
+        self.done_with(src)  # now: a checkpoint in progress must not wait for it
+        why = "its connection closed" if isinstance(e, RuntimeError) else f"it sent what cannot be read ({e})"
+        self.events.put(("lost", src, why))
+
+    def unreachable(self) -> bool:
+        """Every worker still expected waits at a barrier that only their own commits could reach (a lost worker
+        stalls synchronous rounds): end the run now, with the reason, rather than let them ask forever."""
+        live = set(self.ranks) - self.done
+        if not live or any(self.barriers.get(r, -1) <= self.server.t for r in live):
+            return False
+        why = (f"workers {sorted(r - 1 for r in live)} wait at a barrier (t={min(self.barriers[r] for r in live)}) "
+               f"that no commit can reach (t={self.server.t}, the other workers are lost or finished)")
+        self.stop(why)
+        self.events.put(("fatal", why))
+        return True
