@@ -273,8 +273,8 @@ def _check_launch(cfg: DictConfig, engine: str) -> None:
 
 
 def check_batch_size(batch_size: int, data: str, train: int | None) -> None:
-    """batch_size must fit in a worker's shard: every worker draws from all `train` examples. The preflight
-    checks it once the data is on disk (where the size is cheap to read); the runner checks it after loading."""
+    """batch_size must fit in a worker's shard: every worker draws from all `train` examples. The command's checks
+    make it once the data is on disk (where the size is cheap to read); experiments.job again after loading."""
     if train is not None and batch_size > train:
         raise ConfigError(f"batch_size={batch_size} is larger than a worker's shard: data={data} has "
                           f"{train} training examples, and every worker draws from all of them")

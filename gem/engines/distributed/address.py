@@ -62,7 +62,7 @@ def _local_address(host: str) -> str:
     return "::1" if host == "::" else "127.0.0.1"
 
 
-_warned: set[str] = set()  # the validation runs once for the preflight and once per run: one warning a process
+_warned: set[str] = set()  # each job of a sweep is validated, on the same host: one warning a process
 
 
 def _warn_once(line: str | None) -> None:
@@ -81,7 +81,7 @@ def check_port(host: str, port: int) -> None:
 
 def _listener(host: str, port: int) -> socket.socket:
     """Rank 0's listening socket for the job's TCPStore (port 0: a free one). A bind that fails, here or when a
-    port free at the preflight has been taken since, is one line naming the key."""
+    port free when the command was checked has been taken since, is one line naming the key."""
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
