@@ -136,3 +136,35 @@ def test_the_jobs_a_sweep_has_not_reached_are_counted(tmp_path):
     assert load.unstarted(r, short=True) == "7 of the 9 jobs of sweep sweep have not run"
     assert f"hydra.sweep.dir={sweep} resume=true" in load.unstarted(r)
     assert load.unstarted(r.assign(run_dir=[str(tmp_path / "elsewhere" / "0")])) == ""  # no multirun.yaml
+
+
+COUNT_VALIDATIONS = """
+import atexit, runpy, sys
+import experiments.config as config
+
+calls = []
+validate = config.validate
+def counted(cfg):
+    calls.append(cfg.seed)
+    return validate(cfg)
+config.validate = counted
+atexit.register(lambda: print(f"validations: {sorted(calls)}", file=sys.stderr))
+sys.argv = ["run.py", *sys.argv[1:]]
+runpy.run_path("run.py", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("multirun", [False, True], ids=["one run", "a sweep"])
+def test_each_jobs_config_is_validated_once(tmp_path, multirun):
+    """A command flows one way: each job's config is checked once, into the Spec that the job then runs (the
+    callback or the sweeper checks it before anything starts; the task function takes it back)."""
+    import subprocess
+    import sys
+
+    where = f"hydra.sweep.dir={tmp_path / 'sweep'}" if multirun else f"hydra.run.dir={tmp_path / 'run'}"
+    argv = ["-m", "seed=0,1"] if multirun else ["seed=1"]
+    p = subprocess.run([sys.executable, "-c", COUNT_VALIDATIONS, *argv, *QUICK, "workers=2", where], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.splitlines()[-1] == ("validations: [0, 1]" if multirun else "validations: [1]"), p.stderr
+    assert p.stdout.count("status          completed") == (2 if multirun else 1)
