@@ -13,7 +13,7 @@ MNIST = DATA / "MNIST" / "raw" / "train-images-idx3-ubyte"
 SCRIPTS = {  # script: arguments that make it brief
     "data_loading.py": ["--root", str(DATA), "--rounds", "1"],
     "distributed_engine.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1", "--smoke"],
-    "gem_commit.py": ["--root", str(DATA), "--commits", "4", "--reps", "2"],
+    "gem_commit.py": ["--root", str(DATA), "--commits", "4", "--reps", "2", "--smoke"],
     "gpu.py": ["--device", "cpu", "--steps", "8", "--smoke"],
     "process_engine.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1", "--smoke"],
     "sim_commit.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1", "--smoke"],
