@@ -11,7 +11,7 @@ DATA = SHARED_DATA  # the scripts fall back to the embedded digits where MNIST i
 MNIST = DATA / "MNIST" / "raw" / "train-images-idx3-ubyte"
 
 SCRIPTS = {  # script: arguments that make it brief
-    "data_loading.py": ["--root", str(DATA), "--rounds", "1"],
+    "data_loading.py": ["--root", str(DATA), "--rounds", "1", "--smoke"],
     "distributed_engine.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1", "--smoke"],
     "gem_commit.py": ["--root", str(DATA), "--commits", "4", "--reps", "2", "--smoke"],
     "gpu.py": ["--device", "cpu", "--steps", "8", "--smoke"],
