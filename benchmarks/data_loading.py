@@ -17,11 +17,14 @@ over rounds of each round's ratio (DataLoader time / tensor time), never a lone 
 absolute times say more about the machine than about the loader.
 
     python benchmarks/data_loading.py --root ../shared/data [--rounds 3]
+
+`--smoke` feeds the first 640 training images only (10 batches), to check that the script runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import statistics
@@ -49,9 +52,12 @@ SEED = 0
 # starts its processes, a cost every epoch pays with the default persistent_workers=False.
 
 
-def tensor_feed(root: str):
-    """(A) The whole training set as one normalised tensor; batches gathered by index."""
+def tensor_feed(root: str, limit: int | None = None):
+    """(A) The whole training set (or its first `limit` images) as one normalised tensor; batches gathered by
+    index."""
     data = load_mnist(root)
+    if limit is not None:
+        data = dataclasses.replace(data, train_x=data.train_x[:limit], train_y=data.train_y[:limit])
 
     def epoch():
         stream = WorkerStream(len(data.train_y), BATCH_SIZE, seed=SEED, worker=0)
@@ -61,10 +67,13 @@ def tensor_feed(root: str):
     return epoch, data
 
 
-def dataloader_feed(root: str, num_workers: int):
-    """(B) torchvision's MNIST with PIL per-sample transforms, through a DataLoader."""
+def dataloader_feed(root: str, num_workers: int, limit: int | None = None):
+    """(B) torchvision's MNIST (or its first `limit` images) with PIL per-sample transforms, through a
+    DataLoader."""
     dataset = datasets.MNIST(root, train=True, download=False, transform=transforms.Compose(
         [transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))]))
+    if limit is not None:
+        dataset = torch.utils.data.Subset(dataset, range(limit))
     loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, drop_last=True,
                                          num_workers=num_workers,
                                          generator=torch.Generator().manual_seed(SEED))
@@ -111,10 +120,10 @@ def check_same_inputs(data, dataset) -> None:
         sys.exit("the two feeds disagree on training example 0; the benchmark would compare different inputs")
 
 
-def dataloader_workers_ok(root: str, num_workers: int) -> str | None:
+def dataloader_workers_ok(root: str, num_workers: int, limit: int | None = None) -> str | None:
     """None if a DataLoader with worker processes runs here, else why not (then that variant is skipped)."""
     try:
-        epoch, _ = dataloader_feed(root, num_workers)
+        epoch, _ = dataloader_feed(root, num_workers, limit)
         next(iter(epoch()))
         return None
     except (RuntimeError, OSError) as e:  # e.g. no /dev/shm, or no new processes allowed in a sandbox
@@ -130,7 +139,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads in the training process, the same for every variant")
+    p.add_argument("--smoke", action="store_true", help="the first 640 training images only, to check that the "
+                   "script runs (tests/test_benchmarks.py): its numbers mean nothing")
     args = p.parse_args()
+    limit = 10 * BATCH_SIZE if args.smoke else None
+    if args.smoke:
+        print("--smoke: tiny sizes, to check that the script runs; its numbers mean nothing")
 
     raw = os.path.join(args.root, "MNIST", "raw")
     if not os.path.isdir(raw):
@@ -147,17 +161,17 @@ def main() -> None:
 
     # Setup (reading the files) is a one-time cost, not part of an epoch; it is shown as secondary info.
     t0 = time.perf_counter()
-    tensor_epoch, data = tensor_feed(args.root)
+    tensor_epoch, data = tensor_feed(args.root, limit)
     setup_tensor = time.perf_counter() - t0
     t0 = time.perf_counter()
-    dl0_epoch, dataset = dataloader_feed(args.root, num_workers=0)
+    dl0_epoch, dataset = dataloader_feed(args.root, num_workers=0, limit=limit)
     setup_dl = time.perf_counter() - t0
     check_same_inputs(data, dataset)
 
     variants = {"tensors + WorkerStream (A)": tensor_epoch, "DataLoader, num_workers=0 (B)": dl0_epoch}
-    why_not = dataloader_workers_ok(args.root, 2)
+    why_not = dataloader_workers_ok(args.root, 2, limit)
     if why_not is None:
-        variants["DataLoader, num_workers=2 (B)"] = dataloader_feed(args.root, num_workers=2)[0]
+        variants["DataLoader, num_workers=2 (B)"] = dataloader_feed(args.root, num_workers=2, limit=limit)[0]
     names = list(variants)
     baseline = names[0]
 

@@ -11,11 +11,15 @@
    AlexNet at batch 64 on 1 thread: how many workers' worth of commits one server can absorb.
 
     python benchmarks/distributed_engine.py --root ../shared/data [--rounds 3] [--workers 4]
+
+`--smoke` runs every part at tiny sizes (512 digits, 10 reference steps, 2 AlexNet workers), to check that the script
+runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -47,6 +51,10 @@ def main() -> int:
         data = load_dataset(name, args.root, download=False)
     except Exception:  # noqa: BLE001
         data, name = load_dataset("digits", args.root, download=False), "digits"
+    if args.smoke:  # 8 batches per worker and epoch
+        print("--smoke: tiny sizes, to check that the script runs; its numbers mean nothing")
+        data = dataclasses.replace(data, train_x=data.train_x[:512], train_y=data.train_y[:512],
+                                   val_x=data.val_x[:64], val_y=data.val_y[:64])
     print(f"data={name} ({len(data.train_y)} train), mnist_cnn, b=64, torch {torch.__version__}, "
           f"{threads_per_process(1)} cores", flush=True)
 
@@ -86,9 +94,10 @@ def main() -> int:
     # 2. parameter-server capacity, alexnet_cifar
     syn = make_synthetic((3, 32, 32), num_classes=10, train_size=64, val_size=16, seed=0)
     for r in range(args.rounds):
-        step = sgd_step_seconds("alexnet_cifar", reps=1 if args.smoke else 5)
-        m, result = engine_run(syn, "downpour", 4, epochs=1 if args.smoke else 4, model="alexnet_cifar", batch_size=16,
-                               engine=distributed, options={"timeout_s": 300}, with_result=True, lr=ALEXNET_LR)
+        step = sgd_step_seconds("alexnet_cifar", reps=1 if args.smoke else 5, warmup=1 if args.smoke else 3)
+        m, result = engine_run(syn, "downpour", 2 if args.smoke else 4, epochs=1 if args.smoke else 4,
+                               model="alexnet_cifar", batch_size=16, engine=distributed, options={"timeout_s": 300},
+                               with_result=True, lr=ALEXNET_LR)
         commit_s = result.extra["server_commit_s"]
         print(f"alexnet_cifar round {r + 1}: server {commit_s * 1e3:.1f} ms per commit ({1 / commit_s:.1f} commits/s, "
               f"busy {result.extra['server_busy']:.2f}), one SGD step at b=64 on 1 thread {step * 1e3:.0f} ms: "

@@ -8,6 +8,8 @@ replayed, in one thread, as every engine runs it: `prepare`, the worker rule, th
 their CPU time per commit (`time.thread_time`), and its parts.
 
     python benchmarks/gem_commit.py --root ../shared/data [--commits 60] [--reps 20]
+
+`--smoke` records the commits from a sim run on 256 training examples, to check that the script runs.
 """
 
 from __future__ import annotations
@@ -82,12 +84,18 @@ def main() -> int:
     ap.add_argument("--root", default="../shared/data")
     ap.add_argument("--commits", type=int, default=60, help="real commits to replay")
     ap.add_argument("--reps", type=int, default=20, help="replays of each commit per variant")
+    ap.add_argument("--smoke", action="store_true", help="a short sim run to record from, to check that the script "
+                    "runs (tests/test_benchmarks.py, with few --commits): its numbers mean nothing")
     args = ap.parse_args()
     torch.set_num_threads(1)
     try:
         data, name = load_dataset("mnist", args.root, download=False), "mnist"
     except Exception:  # noqa: BLE001
         data, name = load_dataset("digits", args.root, download=False), "digits"
+    if args.smoke:  # a sim run of 4 batches per worker rather than a whole epoch of MNIST
+        print("--smoke: tiny sizes, to check that the script runs; its numbers mean nothing")
+        data = dataclasses.replace(data, train_x=data.train_x[:256], train_y=data.train_y[:256],
+                                   val_x=data.val_x[:64], val_y=data.val_y[:64])
     commits = record_commits(data, args.commits)
     model = build_flat_model(Job(algorithm="gem", hp=gem.Params(), model="mnist_cnn", data=data, workers=1,
                                  batch_size=BATCH_SIZE, epochs=1, seed=SEED, engine={}, eval_every=10**9,

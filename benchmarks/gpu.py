@@ -12,6 +12,8 @@ left out. Runs on the CPU as well (`--device cpu`), which only checks that the s
 matter need a GPU.
 
     python benchmarks/gpu.py --device cuda [--steps 300]
+
+`--smoke` uses 16 synthetic images in batches of 4, to check that the script runs (on the CPU as well).
 """
 
 from __future__ import annotations
@@ -73,14 +75,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--smoke", action="store_true", help="a small dataset, to check that the script runs "
+    ap.add_argument("--smoke", action="store_true", help="a tiny dataset and batch, to check that the script runs "
                     "(tests/test_benchmarks.py, on CPU): its numbers mean nothing")
     args = ap.parse_args()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device(args.device)
-    data = make_synthetic(shape=(3, 32, 32), train_size=64 if args.smoke else 4096, val_size=16 if args.smoke else 64)
-    batch = 8 if args.smoke else BATCH_SIZE
+    if args.smoke:
+        print("--smoke: tiny sizes, to check that the script runs; its numbers mean nothing")
+    data = make_synthetic(shape=(3, 32, 32), train_size=16 if args.smoke else 4096, val_size=8 if args.smoke else 64)
+    batch = 4 if args.smoke else BATCH_SIZE
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-          f"alexnet_cifar, b={BATCH_SIZE}")
+          f"alexnet_cifar, b={batch}")
     plain = plain_steps_per_s(data, device, args.steps, batch=batch)
     one = engine_steps_per_s(data, str(device), 1, args.steps, batch)
     plain_after = plain_steps_per_s(data, device, args.steps, batch=batch)

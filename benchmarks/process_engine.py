@@ -15,6 +15,8 @@
    disk, divided by the wall time of `python -c "import torch"`, the floor any PyTorch command pays.
 
     python benchmarks/process_engine.py --root ../shared/data [--rounds 3] [--workers 2 4]
+
+`--smoke` runs every part at tiny sizes (digits, 10 reference steps, one start-up), to check that the script runs.
 """
 
 from __future__ import annotations
@@ -63,10 +65,10 @@ def sequential_steps_per_s(data, steps: int = 150) -> float:
         torch.set_num_threads(threads)
 
 
-def _independent(root: str, barrier, q, steps: int) -> None:
+def _independent(root: str, barrier, q, steps: int, name: str = "mnist") -> None:
     torch.set_num_threads(1)
     try:
-        data = load_dataset("mnist", root, download=False)
+        data = load_dataset(name, root, download=False)
     except Exception:  # noqa: BLE001
         data = load_dataset("digits", root, download=False)
     sequential_steps_per_s(data, 5)  # warm up
@@ -76,14 +78,14 @@ def _independent(root: str, barrier, q, steps: int) -> None:
     q.put((t0, time.perf_counter()))
 
 
-def ideal(root: str, k: int, steps: int = 300) -> float:
+def ideal(root: str, k: int, steps: int = 300, name: str = "mnist") -> float:
     """Aggregate steps/s of k independent sequential 1-thread processes started together: what the cores
     allow with no communication at all, timed from the first start to the last end, as an engine run is."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q, barrier = ctx.Queue(), ctx.Barrier(k)
-    procs = [ctx.Process(target=_independent, args=(root, barrier, q, steps)) for _ in range(k)]
+    procs = [ctx.Process(target=_independent, args=(root, barrier, q, steps, name)) for _ in range(k)]
     for p in procs:
         p.start()
     spans = [q.get(timeout=600) for _ in procs]
@@ -158,6 +160,8 @@ def main() -> int:
         data = load_dataset(name, args.root, download=False)
     except Exception:  # noqa: BLE001
         data, name = load_dataset("digits", args.root, download=False), "digits"
+    if args.smoke:
+        print("--smoke: tiny sizes, to check that the script runs; its numbers mean nothing")
     print(f"data={name} ({len(data.train_y)} train), mnist_cnn, b={BATCH_SIZE}, torch {torch.__version__}, "
           f"{threads_per_process(1)} cores")
 
@@ -182,7 +186,7 @@ def main() -> int:
             for name_ in ("gem", "agn", "easgd"):
                 windowed.setdefault((name_, n), []).append(rates[name_][0] / rates["downpour"][0])
             before = sequential_steps_per_s(data, steps)
-            rate = ideal(args.root, n, 2 * steps)
+            rate = ideal(args.root, n, 2 * steps, name)
             after = sequential_steps_per_s(data, steps)
             ratios.setdefault(("ideal: independent sequential processes", n), []).append(rate / ((before + after) / 2))
     print(f"\n| engine=process | aggregate worker steps/s / sequential 1-thread SGD steps/s "
@@ -201,7 +205,7 @@ def main() -> int:
     # 2. parameter-server apply, alexnet_cifar
     syn = make_synthetic((3, 32, 32), num_classes=10, train_size=64, val_size=16, seed=0)
     # η = 0.005: AlexNet with He initialisation diverges at the MNIST CNN's 0.05 (issue 26)
-    m = engine_run(syn, "downpour", 2, epochs=2 if args.smoke else 8, model="alexnet_cifar", batch_size=16,
+    m = engine_run(syn, "downpour", 2, epochs=1 if args.smoke else 8, model="alexnet_cifar", batch_size=16,
                    lr=ALEXNET_LR)
     numel = sum(p.numel() for p in build_model("alexnet_cifar").parameters())
     theta, delta = torch.zeros(numel), torch.full((numel,), 1e-3)

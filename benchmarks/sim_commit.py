@@ -15,11 +15,14 @@ for them. Variants are interleaved and their order rotates every round; the head
 rounds of each round's ratio, never a lone absolute time.
 
     python benchmarks/sim_commit.py --root ../shared/data --workers 30 [--rounds 5] [--threads 2]
+
+`--smoke` runs every part at tiny sizes (256 training examples, 5 reference steps), to check that the script runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -79,6 +82,8 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=1, help="passes over the data per worker")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, to check that the script runs "
+                    "(tests/test_benchmarks.py): its numbers mean nothing")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -87,6 +92,12 @@ def main() -> int:
     except Exception as e:  # no MNIST here: the embedded digits, upsampled to 28x28
         print(f"(MNIST not found under {args.root}: {e}; using digits)", file=sys.stderr)
         data, name = load_dataset("digits", args.root, download=False), "digits"
+    sgd_steps = 200
+    if args.smoke:  # 4 batches per worker and epoch, a short validation set, a few reference steps
+        print("--smoke: tiny sizes, to check that the script runs; its numbers mean nothing")
+        data = dataclasses.replace(data, train_x=data.train_x[:256], train_y=data.train_y[:256],
+                                   val_x=data.val_x[:64], val_y=data.val_y[:64])
+        sgd_steps = 5
     print(f"data={name} ({len(data.train_y)} train), mnist_cnn, b={BATCH_SIZE}, n={args.workers}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     variants = ["gem", "downpour"]
@@ -95,11 +106,11 @@ def main() -> int:
     commits = {}
     for r in range(args.rounds):
         order = variants[r % 2:] + variants[:r % 2]
-        ref_before = plain_sgd(data, 200)
+        ref_before = plain_sgd(data, sgd_steps)
         measured = {}
         for v in order:
             measured[v], commits[v] = sim_commit(data, v, args.workers, args.epochs)
-        ref_after = plain_sgd(data, 200)
+        ref_after = plain_sgd(data, sgd_steps)
         ref = (ref_before + ref_after) / 2  # bracket the engine runs: drift hits both sides alike
         times["sgd"].append(ref)
         for v in variants:

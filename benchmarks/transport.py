@@ -45,15 +45,16 @@ def model_size(name: str) -> int:
     return sum(p.numel() for p in models.build_model(name).parameters())
 
 
-def sgd_step_seconds(name: str, reps: int = 20) -> float:
-    """One plain SGD step (forward, backward, update) of `name` at batch 64 on 1 thread: the yardstick."""
+def sgd_step_seconds(name: str, reps: int = 20, warmup: int = 3) -> float:
+    """One plain SGD step (forward, backward, update) of `name` at batch 64 on 1 thread, after `warmup` steps: the
+    yardstick."""
     torch.set_num_threads(1)
     model = models.build_model(name)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(64, *models.input_shape(name))
     y = torch.randint(0, 10, (64,))
-    for i in range(reps + 3):
-        if i == 3:
+    for i in range(reps + warmup):
+        if i == warmup:
             t0 = time.perf_counter()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()

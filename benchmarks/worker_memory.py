@@ -18,6 +18,8 @@ shared pages divided among their sharers, so the sum is what the run costs the m
 
     python -m benchmarks.worker_memory [--workers 2] [--wait 25]
     python -m benchmarks.worker_memory --startup 4 16 100 200
+
+`--smoke` measures mnist_cnn only, and sim with 10 virtual workers, to check that the script runs.
 """
 
 from __future__ import annotations
@@ -239,6 +241,8 @@ def main() -> None:
         startup(args.startup)
         return
     mb = 2**20
+    if args.smoke:
+        print("--smoke: tiny sizes, to check that the script runs; its numbers mean nothing")
     print("engine=process, GEM: per worker process (median over the workers)")
     print(f"{'model':<15}{'USS MB':>9}{'RSS MB':>9}{'estimate MB':>13}{'estimate/USS':>14}")
     cases = CASES[:1] if args.smoke else CASES

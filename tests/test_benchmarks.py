@@ -11,13 +11,14 @@ DATA = SHARED_DATA  # the scripts fall back to the embedded digits where MNIST i
 MNIST = DATA / "MNIST" / "raw" / "train-images-idx3-ubyte"
 
 SCRIPTS = {  # script: arguments that make it brief
-    "data_loading.py": ["--root", str(DATA), "--rounds", "1"],
+    "data_loading.py": ["--root", str(DATA), "--rounds", "1", "--smoke"],
     "distributed_engine.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1", "--smoke"],
-    "gem_commit.py": ["--root", str(DATA), "--commits", "4", "--reps", "2"],
-    "gpu.py": ["--device", "cpu", "--steps", "8", "--smoke"],
+    "gem_commit.py": ["--root", str(DATA), "--commits", "4", "--reps", "2", "--smoke"],
+    "gpu.py": ["--device", "cpu", "--steps", "2", "--smoke"],
     "process_engine.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1", "--smoke"],
-    "sim_commit.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1"],
-    "transport.py": ["--workers", "2", "--seconds", "0.5", "--rounds", "1"],
+    "sim_commit.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1", "--threads", "1",
+                      "--smoke"],
+    "transport.py": ["--workers", "2", "--seconds", "0.2", "--rounds", "1"],
     "worker_memory.py": ["--workers", "2", "--wait", "2", "--smoke"],
 }
 
