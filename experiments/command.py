@@ -105,9 +105,9 @@ def precheck(argv: list[str]) -> argparse.Namespace | None:
     if args.help or args.hydra_help or args.version or args.cfg or args.info or args.shell_completion \
             or args.config_name or args.config_path or args.config_dir or args.experimental_rerun:
         return None
-    # a sweep override without -m is refused here; the jobs of a sweep are composed one by one by the sweeper
-    refusing(expand, args.overrides, args.multirun)
-    refusing(composed, _base(args.overrides))
+    refusing(composed, _base(args.overrides))  # what every job shares; the sweeper composes each job of a sweep
+    if not args.multirun:
+        refusing(expand, args.overrides, False)  # a sweep without -m
     return args
 
 

@@ -235,11 +235,17 @@ def _check_memory(cfg: DictConfig, hp, n: int, engine: str, dat, module) -> None
         return  # the launcher placed the ranks, possibly on other machines
     algo = algorithms.get(cfg.algorithm.name)
     params = sum(p.numel() for p in module.parameters())  # `module` is on the meta device: shapes only
-    with torch.device("meta"):
-        state = len(algo.init_state(torch.empty(params), hp))
-        # the server's own tensors (DC-ASGD: a backup of θ per worker), held once; on distributed every worker's
-        # replica of the server holds them too
-        server = sum(v.numel() for v in algo.server_state(torch.empty(params), hp, n).values()) * memory.FLOAT
+    # The state's tensors are counted on a θ of one and of two elements, and the server's extrapolated to θ's
+    # size (a tensor is θ-sized or of a fixed size): tensors on the meta device would do it at any size, but the
+    # first one costs torch a 0.4 s import (sympy), in every run.
+    state = len(algo.init_state(torch.zeros(1), hp))
+
+    def server_elements(size: int) -> int:  # the server's own tensors (DC-ASGD: a backup of θ per worker)
+        return sum(v.numel() for v in algo.server_state(torch.zeros(size), hp, n).values())
+
+    one = server_elements(1)
+    # held once; on distributed every worker's replica of the server holds them too
+    server = (one + (server_elements(2) - one) * (params - 1)) * memory.FLOAT
     server_each = server if engine == "distributed" else 0
     train = gdata.train_size(dat.name, data_root(dat.root), dat.synthetic.train_size) or 0
     each = memory.per_worker(engine, params, state, train) + server_each

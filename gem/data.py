@@ -134,18 +134,32 @@ def load_digits(shape=(1, 28, 28), val_size: int = 297) -> Dataset:
     It ships inside scikit-learn, so the default run works offline. A fixed split keeps 297 digits (about
     one in six) for validation, the same for every seed, so that validation numbers are comparable.
     """
-    from sklearn.datasets import load_digits as sk_digits
-
-    d = sk_digits()
-    x = torch.tensor(d.images, dtype=torch.float32)[:, None] / 16.0  # (N,1,8,8) in [0,1]
+    images, target = _sklearn_digits()
+    x = torch.tensor(images, dtype=torch.float32)[:, None] / 16.0  # (N,1,8,8) in [0,1]
     c, h, w = shape
     x = F.interpolate(x, size=(h, w), mode="bilinear", align_corners=False).clamp_(0, 1)
     x = x.expand(-1, c, -1, -1).contiguous()
     x = (x - MNIST_MEAN) / MNIST_STD
-    y = torch.tensor(d.target, dtype=torch.int64)
+    y = torch.tensor(target, dtype=torch.int64)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     tr, va = perm[val_size:], perm[:val_size]
     return Dataset("digits", x[tr], y[tr], x[va], y[va])
+
+
+def _sklearn_digits():
+    """scikit-learn's digits as its `load_digits` reads them (images (1797, 8, 8) and targets), from the file it
+    ships, without importing scikit-learn: that import (scipy.stats and more) takes a second, in every run."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    path = os.path.join(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz") if spec else ""
+    if not os.path.isfile(path):  # another layout of the package: its own loader
+        from sklearn.datasets import load_digits as sk_digits
+
+        d = sk_digits()
+        return d.images, d.target
+    data = np.loadtxt(path, delimiter=",")
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
 
 
 def _load_failed(what: str, folder: str, files, download: bool, error: Exception) -> DatasetMissing:

@@ -514,3 +514,15 @@ def test_make_synthetic_prototypes_are_templates_plus_noise():
     assert (torch.cdist(noise.val_x.flatten(1), means).argmin(1) == noise.val_y).float().mean() < 0.3
     with pytest.raises(ValueError, match="data.synthetic.task=nope is not allowed"):
         make_synthetic(task="nope")
+
+
+def test_digits_are_read_as_scikit_learn_reads_them():
+    """gem reads scikit-learn's digits file itself (importing scikit-learn costs a second in every run)."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    from gem.data import _sklearn_digits
+
+    images, target = _sklearn_digits()
+    d = sk_digits()
+    assert np.array_equal(images, d.images) and images.dtype == d.images.dtype
+    assert np.array_equal(target, d.target)

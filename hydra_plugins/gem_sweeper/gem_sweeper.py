@@ -7,8 +7,8 @@ into its Spec, its data is found, plan=true prints the plan and launches nothing
 checked (experiments.command.check_sweep); bad input is one line, exit 2, with nothing written. The Specs go to
 the jobs that Hydra's launcher runs in this process, so no job's config is validated twice.
 
-Hydra looks for plugins in the `hydra_plugins` package, which is why this module lives here and not in
-experiments/.
+Hydra looks for plugins in the `hydra_plugins` namespace package, which is why this module lives here and not in
+experiments/. It finds this one because `python run.py` puts the repository's root on sys.path.
 """
 
 from __future__ import annotations
