@@ -4,6 +4,11 @@ from pathlib import Path
 
 import pytest
 
+# One torch thread in every test process and every process a test starts (they inherit it). The suite runs its
+# tests side by side (pytest-xdist, pyproject.toml), and torch's threads spin while they wait for work: a run of two
+# threads per process took 15 s beside another run where it takes 6 s with one. Tests check behaviour, not speed.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 

@@ -10,6 +10,9 @@ from analysis.load import commits, find_runs, flatten, runs
 from experiments.config import compose
 from experiments.runner import run
 
+# its module-scoped fixtures are costly runs: under pytest-xdist its tests share one worker
+pytestmark = pytest.mark.xdist_group("analysis")
+
 COMMON = ["engine=sim", "epochs=1", "logger.wandb.mode=disabled", "logger.eval_every=10"]
 
 

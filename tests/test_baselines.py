@@ -18,6 +18,9 @@ from gem.engines.core import build_flat_model
 from gem.metrics import Recorder, read_table
 from gem.models import ModelSpec
 
+# its module-scoped fixtures are costly runs: under pytest-xdist its tests share one worker
+pytestmark = pytest.mark.xdist_group("baselines")
+
 N, B = 3, 16  # workers, per-worker batch
 
 

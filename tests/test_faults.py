@@ -20,6 +20,10 @@ import pytest
 from conftest import ROOT
 from procs import workers_of
 
+# the tests that share this module's costly fixtures (runs): under pytest-xdist they run in one process
+SHARED = pytest.mark.xdist_group("faults")
+
+
 QUICK = ["engine=sim", "epochs=1", "logger.wandb.mode=disabled", "logger.progress=false"]
 KILLED = [*QUICK, "epochs=10", "engine.checkpoint_every=40"]  # the run that `killed_run` kills
 
@@ -92,6 +96,8 @@ def completed_run(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.mark.slow
+@SHARED
 def test_resume_of_a_completed_run_is_refused_and_changes_nothing(completed_run):
     d = completed_run
     before = snapshot(d)
@@ -101,6 +107,7 @@ def test_resume_of_a_completed_run_is_refused_and_changes_nothing(completed_run)
     assert json.loads((d / "summary.json").read_text())["status"] == "completed"
 
 
+@SHARED
 def test_a_new_run_never_writes_over_a_finished_one(completed_run, capsys):
     before = snapshot(completed_run)
     line = refused_line(capsys, *QUICK, "seed=1", f"hydra.run.dir={completed_run}")
@@ -108,6 +115,8 @@ def test_a_new_run_never_writes_over_a_finished_one(completed_run, capsys):
     assert snapshot(completed_run) == before
 
 
+@pytest.mark.slow
+@SHARED
 def test_resume_with_a_changed_key_is_refused_and_keeps_hydra_and_rows(killed):
     before = snapshot(killed)
     line = one_line(run_py(*KILLED, "lr=0.1", "resume=true",
@@ -117,6 +126,7 @@ def test_resume_with_a_changed_key_is_refused_and_keeps_hydra_and_rows(killed):
     assert not (killed / "summary.json").exists()
 
 
+@SHARED
 def test_a_truncated_central_checkpoint_is_refused_before_rows_are_cut(killed):
     central = next((killed / "checkpoint").glob("step-*")) / "central.pt"
     central.write_bytes(central.read_bytes()[:100])
@@ -127,6 +137,7 @@ def test_a_truncated_central_checkpoint_is_refused_before_rows_are_cut(killed):
     assert snapshot(killed) == before  # the row parts were neither merged nor cut
 
 
+@SHARED
 def test_garbage_in_a_worker_checkpoint_is_one_line_without_torch_advice(killed):
     worker = next((killed / "checkpoint").glob("step-*")) / "worker-0.pt"
     worker.write_bytes(b"not a checkpoint at all" * 100)
@@ -168,8 +179,9 @@ def test_a_directory_in_use_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_two_runs_started_together_on_one_directory(tmp_path):
+    # whichever checks second is refused: "in use" while the other runs, "already holds" once it has finished
     d = tmp_path / "same"
-    procs = [subprocess.Popen([sys.executable, "run.py", *QUICK, "epochs=20", f"seed={s}", f"hydra.run.dir={d}"],
+    procs = [subprocess.Popen([sys.executable, "run.py", *QUICK, "epochs=4", f"seed={s}", f"hydra.run.dir={d}"],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in (1, 2)]
     out = [p.communicate(timeout=600) for p in procs]
     codes = sorted(p.returncode for p in procs)

@@ -23,6 +23,10 @@ from experiments.runner import run
 from paper_figures import __main__ as cli
 from paper_figures.figures import FIGURES, NoRuns
 
+# the tests that share this module's costly fixtures (runs): under pytest-xdist they run in one process
+SHARED = pytest.mark.xdist_group("figures")
+
+
 PAPER = "paper (read off Fig. 3)"
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -348,6 +352,7 @@ def process_runs(sweep, tmp_path_factory):
     return root
 
 
+@SHARED
 def test_the_sweep_has_what_the_figures_need(sweep):
     r = load.runs(sweep)
     assert len(r) == len(JOBS) and set(r["experiment"]) == {"test"}
@@ -355,6 +360,7 @@ def test_the_sweep_has_what_the_figures_need(sweep):
 
 
 @pytest.mark.parametrize("fig_id", sorted(FIGURES))
+@SHARED
 def test_every_figure_draws_from_a_small_sweep(sweep, kappa_run, gamma_runs, process_runs, tmp_path, fig_id):
     if fig_id in ("fig9", "fig10"):  # n = 8 and n = 16: not in this sweep
         with pytest.raises(NoRuns, match="requested number of workers"):
@@ -381,6 +387,7 @@ def test_every_figure_draws_from_a_small_sweep(sweep, kappa_run, gamma_runs, pro
     assert all(p.stat().st_size > 5000 for p in paths)
 
 
+@SHARED
 def test_a_figure_refuses_to_average_runs_that_differ_in_more_than_the_seed(sweep, kappa_run):
     with pytest.raises(NoRuns, match=r"fig1 averages the runs with the same algorithm, workers over seeds, but "
                                      r"these runs also differ in algorithm.kappa = 1.0/2"):
@@ -389,6 +396,7 @@ def test_a_figure_refuses_to_average_runs_that_differ_in_more_than_the_seed(swee
         FIGURES["fig8"]([sweep / "0", sweep / "2", kappa_run])
 
 
+@SHARED
 def test_fig1_draws_one_line_per_n_and_marks_the_diverged_run(sweep):
     fig = FIGURES["fig1"](sweep)
     gem_ax, downpour_ax = fig.axes[0], fig.axes[1]
@@ -450,6 +458,7 @@ def test_fig1_on_an_interrupted_sweep_draws_unfinished_runs_apart_and_names_the_
     plots.plt.close("all")
 
 
+@SHARED
 def test_fig2_and_fig4_refuse_sim_runs_in_one_line(sweep, process_runs, tmp_path, capsys):
     for fig_id in ("fig2", "fig4"):
         assert cli.main([fig_id, str(sweep), "--out", str(tmp_path)]) == 2
@@ -478,6 +487,7 @@ def test_fig4_keeps_its_k_of_n_labels_inside_the_panel():
     plots.plt.close("all")
 
 
+@SHARED
 def test_heatmaps_give_each_panel_its_own_colour_scale(sweep):
     fig = FIGURES["fig9_10"](sweep)
     images = [im for ax in fig.axes for im in ax.get_images()]
@@ -490,6 +500,7 @@ def test_heatmaps_give_each_panel_its_own_colour_scale(sweep):
     plots.plt.close("all")
 
 
+@SHARED
 def test_report_has_a_row_per_algorithm_n_and_setting_and_embeds_its_figure(sweep, kappa_run, tmp_path):
     path = report.write([sweep, kappa_run], tmp_path / "r.html", target=2.0)
     text = path.read_text()
@@ -512,6 +523,7 @@ def test_report_has_a_row_per_algorithm_n_and_setting_and_embeds_its_figure(swee
     assert "<h2>Runs left out of the means</h2>" in text and "<td>diverged</td>" in text  # the lr = 1e6 run
 
 
+@SHARED
 def test_markdown_report_links_its_png(sweep, tmp_path):
     path = report.write(sweep, tmp_path / "r.md", target=0.5)
     assert "| algorithm" in path.read_text() and "![loss curves](r.png)" in path.read_text()
@@ -529,6 +541,7 @@ def test_a_killed_run_reads_with_its_interpolations_resolved(tmp_path):
     assert "1 of 1 runs is not completed (1 incomplete)" in (tmp_path / "r.md").read_text()
 
 
+@SHARED
 def test_cli_errors_are_one_line(sweep, tmp_path, capsys):
     assert cli.main(["fig1", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip()
@@ -695,6 +708,7 @@ def test_an_empty_panel_of_a_sweep_that_has_not_finished_says_its_runs_may_come(
     assert "5 of the 12 jobs of sweep interrupted have not run" in fig._suptitle.get_text().replace("\n", " ")
 
 
+@SHARED
 def test_momentum_sgd_run_once_per_n_by_a_fig6_sweep_counts_once(sweep, tmp_path):
     """A fig6 sweep runs sgd at every n although it runs one worker: twins, the same computation. Figures and the
     report keep one per seed instead of refusing them as the same seed twice (they did); a real repeat still is."""

@@ -22,3 +22,17 @@ def test_turns_are_first_in_first_out(data, tmp_path):
     assert (m["wait_commits"] >= 0).all() and (m["wait_s"] >= 0).all()
     assert m["wait_commits"].max() <= n - 1, m["wait_commits"].value_counts().to_dict()
     assert sorted(m["worker"].unique()) == list(range(n))
+
+
+def test_threads_per_process_is_cores_over_processes_capped_by_omp_num_threads(monkeypatch):
+    import os
+
+    from gem.engines.worker import threads_per_process
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [threads_per_process(n) for n in (1, cores, 4 * cores)] == [cores, 1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what the test suite sets (conftest.py)
+    assert threads_per_process(1) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "junk")
+    assert threads_per_process(1) == cores

@@ -10,6 +10,9 @@ import pytest
 
 from analysis import load, report
 
+# its module-scoped fixtures are costly runs: under pytest-xdist its tests share one worker
+pytestmark = pytest.mark.xdist_group("report")
+
 # t(0.975, 2) = 4.3027: losses 0.1, 0.2, 0.3 have sd 0.1, so the half-width is 4.3027 · 0.1 / √3 = 0.2484
 HALF = 4.302652729911275 * 0.1 / np.sqrt(3)
 

@@ -38,6 +38,7 @@ def check_run_dir(d, steps=None):
     return summary, m, ev
 
 
+@pytest.mark.slow
 def test_python_run_sgd_writes_run_directory(tmp_path):
     d = tmp_path / "run"
     p = run_py("algorithm=sgd", "epochs=1", f"hydra.run.dir={d}")
@@ -52,6 +53,7 @@ def test_python_run_sgd_writes_run_directory(tmp_path):
     assert "\r" not in p.stdout and "commit/s" not in p.stdout + p.stderr  # no progress bar off a terminal
 
 
+@pytest.mark.slow
 def test_online_without_api_key_falls_back_to_offline(tmp_path):
     d = tmp_path / "run"
     p = run_py("epochs=1", "logger.wandb.mode=online", f"hydra.run.dir={d}", timeout=180)

@@ -154,6 +154,7 @@ runpy.run_path("run.py", run_name="__main__")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("multirun", [False, True], ids=["one run", "a sweep"])
 def test_each_jobs_config_is_validated_once(tmp_path, multirun):
     """A command flows one way: each job's config is checked once, into the Spec that the job then runs (the

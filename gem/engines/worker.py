@@ -61,9 +61,12 @@ class Link(Protocol):
 
 
 def threads_per_process(processes: int) -> int:
-    """floor(cores / processes), at least 1 (DESIGN §3)."""
+    """floor(cores / processes), at least 1 (DESIGN §3), and at most OMP_NUM_THREADS where it is set: the cap on
+    torch's threads that torch itself honours in a process that sets none (the sim engine's)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, processes))
+    threads = max(1, cores // max(1, processes))
+    cap = os.environ.get("OMP_NUM_THREADS", "")
+    return min(threads, int(cap)) if cap.isdigit() and int(cap) >= 1 else threads
 
 
 # glibc's mallopt parameters
