@@ -321,6 +321,7 @@ def test_the_port_of_a_run_just_ended_is_not_refused(data, tmp_path):
     distributed.check_port("127.0.0.1", port)
 
 
+@pytest.mark.slow
 def test_run_py_refuses_a_port_in_use_before_a_run_directory_exists(held_port, tmp_path):
     d = tmp_path / "x"
     p = subprocess.run([sys.executable, "run.py", "engine=distributed", f"engine.port={held_port}",

@@ -423,6 +423,7 @@ def test_resume_after_the_main_process_is_killed(tmp_path, engine):
     assert len(t) == 10 * len(m) and not t.duplicated(["step", "tensor_index"]).any()
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_missing_or_foreign_checkpoint_with_one_line(tmp_path, data):
     from gem.engines.checkpoint import CheckpointError, check_resumable, read_manifest
 

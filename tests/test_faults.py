@@ -107,6 +107,7 @@ def test_resume_of_a_completed_run_is_refused_and_changes_nothing(completed_run)
     assert json.loads((d / "summary.json").read_text())["status"] == "completed"
 
 
+@pytest.mark.slow
 @SHARED
 def test_a_new_run_never_writes_over_a_finished_one(completed_run, capsys):
     before = snapshot(completed_run)
@@ -126,6 +127,7 @@ def test_resume_with_a_changed_key_is_refused_and_keeps_hydra_and_rows(killed):
     assert not (killed / "summary.json").exists()
 
 
+@pytest.mark.slow
 @SHARED
 def test_a_truncated_central_checkpoint_is_refused_before_rows_are_cut(killed):
     central = next((killed / "checkpoint").glob("step-*")) / "central.pt"
@@ -137,6 +139,7 @@ def test_a_truncated_central_checkpoint_is_refused_before_rows_are_cut(killed):
     assert snapshot(killed) == before  # the row parts were neither merged nor cut
 
 
+@pytest.mark.slow
 @SHARED
 def test_garbage_in_a_worker_checkpoint_is_one_line_without_torch_advice(killed):
     worker = next((killed / "checkpoint").glob("step-*")) / "worker-0.pt"
@@ -148,6 +151,7 @@ def test_garbage_in_a_worker_checkpoint_is_one_line_without_torch_advice(killed)
     assert snapshot(killed) == before
 
 
+@pytest.mark.slow
 def test_resume_in_a_directory_that_does_not_exist_creates_nothing(tmp_path):
     d = tmp_path / "fresh"
     line = one_line(run_py(*QUICK, "resume=true", f"hydra.run.dir={d}"))
@@ -155,6 +159,7 @@ def test_resume_in_a_directory_that_does_not_exist_creates_nothing(tmp_path):
     assert not d.exists()
 
 
+@pytest.mark.slow
 def test_a_directory_in_use_is_refused_in_one_line(tmp_path):
     """The lock is the kernel's (flock): a second command on a directory held by a live run is refused, and a
     holder killed with SIGKILL releases it."""
@@ -242,6 +247,7 @@ def test_removed_row_parts_do_not_pass_as_completed(tmp_path, monkeypatch):
     assert summary["val_loss"] is None
 
 
+@pytest.mark.slow
 def test_a_write_error_ends_the_run_with_one_line_and_no_temporary_files(tmp_path):
     """A file-size limit makes the first large write (a checkpoint) fail as a full disk does: the run ends
     failed, with the path and the OS's reason, and leaves no temporary file."""

@@ -352,6 +352,7 @@ def process_runs(sweep, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @SHARED
 def test_the_sweep_has_what_the_figures_need(sweep):
     r = load.runs(sweep)
@@ -359,6 +360,7 @@ def test_the_sweep_has_what_the_figures_need(sweep):
     assert r["status"].value_counts().to_dict() == {"completed": len(JOBS) - 1, "diverged": 1}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fig_id", sorted(FIGURES))
 @SHARED
 def test_every_figure_draws_from_a_small_sweep(sweep, kappa_run, gamma_runs, process_runs, tmp_path, fig_id):
@@ -387,6 +389,7 @@ def test_every_figure_draws_from_a_small_sweep(sweep, kappa_run, gamma_runs, pro
     assert all(p.stat().st_size > 5000 for p in paths)
 
 
+@pytest.mark.slow
 @SHARED
 def test_a_figure_refuses_to_average_runs_that_differ_in_more_than_the_seed(sweep, kappa_run):
     with pytest.raises(NoRuns, match=r"fig1 averages the runs with the same algorithm, workers over seeds, but "
@@ -396,6 +399,7 @@ def test_a_figure_refuses_to_average_runs_that_differ_in_more_than_the_seed(swee
         FIGURES["fig8"]([sweep / "0", sweep / "2", kappa_run])
 
 
+@pytest.mark.slow
 @SHARED
 def test_fig1_draws_one_line_per_n_and_marks_the_diverged_run(sweep):
     fig = FIGURES["fig1"](sweep)
@@ -436,6 +440,7 @@ def interrupted(sweep, tmp_path):
     return root
 
 
+@pytest.mark.slow
 def test_fig1_on_an_interrupted_sweep_draws_unfinished_runs_apart_and_names_the_empty_panels(interrupted):
     fig = FIGURES["fig1"](interrupted)
     gem_ax, downpour_ax, adaptive_ax, final_ax = fig.axes
@@ -458,6 +463,7 @@ def test_fig1_on_an_interrupted_sweep_draws_unfinished_runs_apart_and_names_the_
     plots.plt.close("all")
 
 
+@pytest.mark.slow
 @SHARED
 def test_fig2_and_fig4_refuse_sim_runs_in_one_line(sweep, process_runs, tmp_path, capsys):
     for fig_id in ("fig2", "fig4"):
@@ -487,6 +493,7 @@ def test_fig4_keeps_its_k_of_n_labels_inside_the_panel():
     plots.plt.close("all")
 
 
+@pytest.mark.slow
 @SHARED
 def test_heatmaps_give_each_panel_its_own_colour_scale(sweep):
     fig = FIGURES["fig9_10"](sweep)
@@ -500,6 +507,7 @@ def test_heatmaps_give_each_panel_its_own_colour_scale(sweep):
     plots.plt.close("all")
 
 
+@pytest.mark.slow
 @SHARED
 def test_report_has_a_row_per_algorithm_n_and_setting_and_embeds_its_figure(sweep, kappa_run, tmp_path):
     path = report.write([sweep, kappa_run], tmp_path / "r.html", target=2.0)
@@ -523,6 +531,7 @@ def test_report_has_a_row_per_algorithm_n_and_setting_and_embeds_its_figure(swee
     assert "<h2>Runs left out of the means</h2>" in text and "<td>diverged</td>" in text  # the lr = 1e6 run
 
 
+@pytest.mark.slow
 @SHARED
 def test_markdown_report_links_its_png(sweep, tmp_path):
     path = report.write(sweep, tmp_path / "r.md", target=0.5)
@@ -541,6 +550,7 @@ def test_a_killed_run_reads_with_its_interpolations_resolved(tmp_path):
     assert "1 of 1 runs is not completed (1 incomplete)" in (tmp_path / "r.md").read_text()
 
 
+@pytest.mark.slow
 @SHARED
 def test_cli_errors_are_one_line(sweep, tmp_path, capsys):
     assert cli.main(["fig1", str(tmp_path / "nowhere")]) == 2
@@ -696,6 +706,7 @@ def test_pi_by_run_takes_the_second_half_and_by_staleness_buckets_tau_relative_t
     assert s.loc[1.0, "pi_median"] == pytest.approx(0.5 + 1.5)  # 0.5 plus the mean of the seeds' late shift
 
 
+@pytest.mark.slow
 def test_an_empty_panel_of_a_sweep_that_has_not_finished_says_its_runs_may_come(interrupted):
     import yaml
 
@@ -708,6 +719,7 @@ def test_an_empty_panel_of_a_sweep_that_has_not_finished_says_its_runs_may_come(
     assert "5 of the 12 jobs of sweep interrupted have not run" in fig._suptitle.get_text().replace("\n", " ")
 
 
+@pytest.mark.slow
 @SHARED
 def test_momentum_sgd_run_once_per_n_by_a_fig6_sweep_counts_once(sweep, tmp_path):
     """A fig6 sweep runs sgd at every n although it runs one worker: twins, the same computation. Figures and the
