@@ -197,27 +197,22 @@ def repeated_seeds(runs: pd.DataFrame, keys) -> str:
 
 
 def planned_jobs(sweep: str | os.PathLike) -> int | None:
-    """How many jobs the sweep in `sweep` was launched with: the product of the sweeps in its `multirun.yaml`
-    (the experiment's sweeper params, the command line winning, as Hydra's basic sweeper does). None when there is
-    no such file or it cannot be read that way (another sweeper)."""
+    """How many jobs the sweep in `sweep` was launched with, read from its `multirun.yaml`: the jobs its sweeper's
+    params and its command line make (experiments.config.jobs_of, the expansion gem's sweeper launches; Hydra's
+    basic sweeper makes the same). None when there is no such file or it cannot be read that way (another
+    sweeper)."""
     import yaml
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from experiments.config import jobs_of
 
     path = Path(sweep) / "multirun.yaml"
     try:
         hydra = yaml.safe_load(path.read_text())["hydra"]
-        if "basic_sweeper" not in str(hydra["sweeper"].get("_target_", "")):
+        target = str(hydra["sweeper"].get("_target_", ""))
+        if "basic_sweeper" not in target and "GemSweeper" not in target:
             return None
-        params = hydra["sweeper"].get("params") or {}
-        by_key = {}
-        for o in OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()]
-                                                          + list(hydra["overrides"]["task"])):
-            by_key[o.key_or_group] = o
-        total = 1
-        for o in by_key.values():
-            if o.is_sweep_override():
-                total *= len(list(o.sweep_string_iterator()))
-        return total
+        return len(jobs_of(dict(hydra["sweeper"].get("params") or {}), list(hydra["overrides"]["task"]),
+                           hydra["sweeper"].get("grids")))
     except Exception:  # no multirun.yaml, or not one this can count
         return None
 

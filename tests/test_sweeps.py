@@ -82,6 +82,11 @@ def test_an_interrupted_sweep_resumes_only_its_missing_jobs(tmp_path, capsys, qu
     (sweep / "1" / "summary.json").unlink()
     shutil.rmtree(sweep / "2")
     done = snapshot(sweep / "0")
+    from analysis import load
+
+    # the multirun.yaml gem's sweeper wrote counts the jobs the figures and reports say have not run
+    assert load.planned_jobs(sweep) == 3
+    assert load.unstarted(load.runs(sweep), short=True) == "1 of the 3 jobs of sweep sweep have not run"
 
     # without resume=true a sweep directory with results is refused, as before (run.py's preflight, in-process)
     assert "add resume=true to finish that sweep" in refused_line(capsys, *cmd)
@@ -109,8 +114,6 @@ def test_an_interrupted_sweep_resumes_only_its_missing_jobs(tmp_path, capsys, qu
     assert [_status(sweep / str(j)) for j in range(3)] == ["completed"] * 3
     kept = list((sweep / ".superseded").iterdir())  # the interrupted attempt is kept, out of the analyses
     assert len(kept) == 1 and kept[0].name.startswith("1-") and (kept[0] / "metrics.parquet").exists()
-
-    from analysis import load
 
     r = load.runs(sweep)
     assert len(r) == 3 and set(r["status"]) == {"completed"}
