@@ -359,7 +359,7 @@ def test_async_localsgd_inner_momentum_steps_and_outer_nesterov():
     # H = 2, η = 1, μ = 0.5, η_o = 0.5, μ_o = 0.5. Window 1: g = 1, 2: m = −1, −2.5; x − s = −3.5, Δ = 3.5;
     # v = 3.5, θ = 10 − 0.5·(3.5 + 0.5·3.5) = 7.375. Window 2, g = 0, 0 (m carried over the pull): m = −1.25, −0.625,
     # Δ = 1.875; v = 0.5·3.5 + 1.875 = 3.625, θ = 7.375 − 0.5·(1.875 + 0.5·3.625) = 5.53125
-    hp = async_localsgd.Params(lr=1.0, momentum=0.5, window=2, outer_lr=0.5, outer_momentum=0.5)
+    hp = async_localsgd.Params(lr=1.0, momentum=0.5, window=2, outer_lr=0.5, outer_momentum=0.5, outer="nesterov")
     theta = T([10.0])
     server = async_localsgd.ALGORITHM.server_state(theta, hp, 1)
     x = theta.clone()
@@ -374,6 +374,52 @@ def test_async_localsgd_inner_momentum_steps_and_outer_nesterov():
         assert close(server["v"], [v]) and close(theta, [expected])
         x.copy_(theta)  # the pull
     assert close(state["m"], [-0.625])
+
+
+def test_async_localsgd_delayed_nesterov_by_hand():
+    # N = 3, η_o = 0.5, μ_o = 0.5; pseudo-gradients Δ = 3, 6, 9, then 3. Commits 1, 2: θ −= η_o·Δ/N, no momentum:
+    # θ = 10 − 0.5, then − 1 = 8.5. Commit 3 (t = 3, a multiple of N): θ −= 0.5·9/3 = 1.5 → 7; v = 0.5·0 + 18/3 = 6;
+    # θ −= η_o·μ_o·v = 1.5 → 5.5; the buffer empties. Commit 4: θ −= 0.5·3/3 → 5.0, v stays 6, buffer 3.
+    hp = async_localsgd.Params(outer_lr=0.5, outer_momentum=0.5, nesterov_every=3)
+    theta = T([10.0])
+    server = async_localsgd.ALGORITHM.server_state(theta, hp, 2)
+    for t, (delta, v, buffer, expected) in enumerate([(3.0, 0.0, 3.0, 9.5), (6.0, 0.0, 9.0, 8.5),
+                                                      (9.0, 6.0, 0.0, 5.5), (3.0, 6.0, 3.0, 5.0)]):
+        async_localsgd.ALGORITHM.server_rule(at(theta, server, t=t), algorithms.Commit(delta=T([delta])), hp)
+        assert close(theta, [expected]) and close(server["v"], [v]) and close(server["buffer"], [buffer]), t
+
+
+def test_delayed_nesterov_defaults_to_one_momentum_step_per_n_commits():
+    assert async_localsgd.delay(async_localsgd.Params(workers=7)) == 7  # Liu et al.: N = the number of workers
+    assert async_localsgd.delay(async_localsgd.Params(workers=7, nesterov_every=2)) == 2
+    assert async_localsgd.delay(async_localsgd.Params(workers=7, outer="nesterov")) == 1
+
+
+def test_delayed_nesterov_with_n_1_is_nesterov_on_every_commit_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    theta0 = torch.randn(1000, generator=g)
+    deltas = [torch.randn(1000, generator=g) * 0.1 for _ in range(20)]
+    out = []
+    for hp in (async_localsgd.Params(nesterov_every=1, workers=4), async_localsgd.Params(outer="nesterov")):
+        theta = theta0.clone()
+        server = async_localsgd.ALGORITHM.server_state(theta, hp, 4)
+        for t, d in enumerate(deltas):
+            async_localsgd.ALGORITHM.server_rule(at(theta, server, t=t), algorithms.Commit(delta=d.clone()), hp)
+        out.append((theta, server["v"]))
+    theta, v = theta0.clone(), torch.zeros(1000)  # the outer step as it was before delayed Nesterov
+    for d in deltas:
+        v.mul_(0.9).add_(d)
+        theta.add_(d, alpha=-0.7).add_(v, alpha=-0.7 * 0.9)
+    out.append((theta, v))
+    # and all are torch.optim.SGD(nesterov=True) on the pseudo-gradients, as DiLoCo's outer step
+    p = torch.nn.Parameter(theta0.clone())
+    opt = torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True)
+    for d in deltas:
+        p.grad = d.clone()
+        opt.step()
+    for theta, v in out[1:]:
+        assert torch.equal(out[0][0], theta) and torch.equal(out[0][1], v)
+    assert torch.allclose(out[0][0], p.detach(), atol=1e-5, rtol=0)  # to rounding: torch adds η_o(Δ + μ_o v) at once
 
 
 # ------------------------------------------------------------------------------------ sgd and the set

@@ -1,20 +1,38 @@
-"""Asynchronous local SGD with an outer Nesterov momentum, DESIGN §2: the outer optimiser of DiLoCo (Douillard et
-al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models"), run asynchronously as in Liu et
-al. 2024 ("Asynchronous Local-SGD Training for Language Modeling").
+"""Asynchronous local SGD with delayed Nesterov momentum (Liu et al. 2024, "Asynchronous Local-SGD Training for
+Language Modeling", Sec. 5, "Delayed Nesterov"), the outer optimiser of DiLoCo (Douillard et al. 2023, "DiLoCo:
+Distributed Low-Communication Training of Language Models") run asynchronously, DESIGN §2.
 
 Inner loop, on each worker: H (`window`) steps of SGD with momentum from the θ it pulled, s, with the top-level
 `lr` and `momentum` (the proxy's η and μ; DiLoCo's inner optimiser is AdamW, SGD with momentum stands in for it
 here): m ← μm − η∇L(x), x ← x + m. The momentum m is the worker's own and survives its pulls, as DiLoCo keeps its
 inner optimiser state. Then it commits the pseudo-gradient Δ = s − x.
 
-Outer step, at the server, per commit, however stale (Nesterov momentum as torch.optim.SGD(nesterov=True)):
+Outer step, at the server, on the t-th commit (t = 1, 2, …), however stale; N is `nesterov_every`:
 
-    v ← μ_o·v + Δ        θ ← θ − η_o·(Δ + μ_o·v)
+    `outer: delayed_nesterov` (the default; Liu et al.'s delayed Nesterov, their Algorithm 3):
+        buffer ← buffer + Δ
+        t a multiple of N:  v ← μ_o·v + buffer/N      θ ← θ − η_o·(Δ/N + μ_o·v)      buffer ← 0
+        otherwise:                                     θ ← θ − η_o·Δ/N
+    `outer: nesterov` (the plain asynchronous form, Nesterov momentum on every commit, as torch.optim.SGD(
+    nesterov=True)):
+        v ← μ_o·v + Δ        θ ← θ − η_o·(Δ + μ_o·v)
+
+Liu et al. find the plain form unstable: every stale pseudo-gradient enters the momentum, which then pushes θ
+along it again on every later commit. Delayed Nesterov applies each Δ once, at η_o/N, and feeds the momentum only
+every N commits, with their mean; over N commits θ moves by −η_o·(mean Δ + μ_o·v), one Nesterov step on the mean of
+N pseudo-gradients, as synchronous DiLoCo takes on the mean of its N workers' ones. With N = 1 it is the plain
+form, bit for bit. N defaults to n, the number of workers (Liu et al.'s default for the momentum activation), so
+the momentum sees about one pseudo-gradient per worker per step.
 
 Defaults: η_o = 0.7 and μ_o = 0.9, DiLoCo's outer learning rate and Nesterov momentum (Douillard et al. 2023,
-Sec. 3). H = 10, not DiLoCo's 500 inner steps (which assumes thousands of steps per worker): AGN's window in the
-paper's experiments, so that the two windowed methods commit equally often in the baselines. With η_o = 1 and
-μ_o = 0 the outer step adds x − s: DOWNPOUR with a window and worker momentum.
+Sec. 3), which Liu et al. keep. H = 10, not DiLoCo's 500 inner steps (which assumes thousands of steps per
+worker): AGN's window in the paper's experiments, so that the two windowed methods commit equally often in the
+baselines. With η_o = 1, μ_o = 0 and `outer: nesterov` the outer step adds x − s: DOWNPOUR with a window and
+worker momentum.
+
+Dynamic local updates (Liu et al.'s DyLU, each worker's H scaled by its speed) are not implemented: the window is
+one number for every worker in every engine (`commit_every`), and of the simulator's schedules only `stragglers`
+gives workers lastingly different speeds.
 """
 
 from __future__ import annotations
@@ -25,20 +43,35 @@ import torch
 
 from gem.algorithms import Algorithm, Commit, View, positive, require
 
+OUTER = ("delayed_nesterov", "nesterov")
+
 
 @dataclass(frozen=True)
 class Params:
     lr: float = 0.05  # η of the inner SGD
     momentum: float = 0.9  # μ of the inner SGD
+    workers: int = 1  # n, filled from the top-level `workers`: the default N
     window: int = 10  # H: inner steps between commits
     outer_lr: float = 0.7  # η_o (DiLoCo)
     outer_momentum: float = 0.9  # μ_o, Nesterov (DiLoCo)
+    outer: str = "delayed_nesterov"  # delayed_nesterov (Liu et al. 2024) | nesterov (on every commit)
+    nesterov_every: int | None = None  # N, commits between momentum steps (delayed_nesterov); None: n
 
     def __post_init__(self):
         require(isinstance(self.window, int) and self.window >= 1, "window", self.window, "an integer >= 1")
         require(positive(self.outer_lr), "outer_lr", self.outer_lr, "a number > 0")
         require(isinstance(self.outer_momentum, (int, float)) and 0 <= self.outer_momentum < 1, "outer_momentum",
                 self.outer_momentum, "a number in [0, 1)")
+        require(self.outer in OUTER, "outer", self.outer, f"one of: {', '.join(OUTER)}")
+        require(self.nesterov_every is None or (isinstance(self.nesterov_every, int) and self.nesterov_every >= 1),
+                "nesterov_every", self.nesterov_every, "an integer >= 1, or null for the number of workers")
+
+
+def delay(hp: Params) -> int:
+    """N: commits between two momentum steps (1: Nesterov on every commit)."""
+    if hp.outer == "nesterov":
+        return 1
+    return hp.nesterov_every if hp.nesterov_every is not None else max(1, hp.workers)
 
 
 def init_state(theta: torch.Tensor, hp: Params) -> dict:
@@ -47,7 +80,8 @@ def init_state(theta: torch.Tensor, hp: Params) -> dict:
 
 
 def init_server(theta: torch.Tensor, hp: Params, workers: int) -> dict:
-    return {"v": torch.zeros_like(theta)}  # the outer momentum
+    return {"v": torch.zeros_like(theta),  # the outer momentum
+            "buffer": torch.zeros_like(theta)}  # the sum of the pseudo-gradients since the last momentum step
 
 
 def commit_every(hp: Params) -> int:
@@ -74,8 +108,13 @@ def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
 
 
 def server_rule(view: View, commit: Commit, hp: Params) -> None:
-    v = view.server["v"].mul_(hp.outer_momentum).add_(commit.delta)
-    view.theta.add_(commit.delta, alpha=-hp.outer_lr).add_(v, alpha=-hp.outer_lr * hp.outer_momentum)
+    n_delay = delay(hp)
+    buffer = view.server["buffer"].add_(commit.delta)
+    view.theta.add_(commit.delta, alpha=-hp.outer_lr / n_delay)
+    if (view.t + 1) % n_delay == 0:  # view.t commits came before this one: this is the (t + 1)-th
+        v = view.server["v"].mul_(hp.outer_momentum).add_(buffer, alpha=1.0 / n_delay)
+        view.theta.add_(v, alpha=-hp.outer_lr * hp.outer_momentum)
+        buffer.zero_()
 
 
 ALGORITHM = Algorithm("async_localsgd", Params, init_state, worker_rule, server_rule, commit_every=commit_every,
