@@ -219,9 +219,10 @@ def _single_run_note(config: DictConfig) -> str | None:
     if not any(o.split("=", 1)[0].lstrip("+~") == "experiment" for o in config.hydra.overrides.task):
         return None
     params = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    if not params:
+    grids = OmegaConf.select(config, "hydra.sweeper.grids") or []
+    if not params and not grids:
         return None
-    swept = " ".join(f"{k}={v}" for k, v in params.items())
+    swept = " ".join([f"{k}={v}" for k, v in params.items()] + ([f"over {len(grids)} grids"] if grids else []))
     return f"gem: note: this experiment sweeps {swept}; without -m only one job runs. Add -m to run the whole sweep."
 
 

@@ -15,6 +15,7 @@ import itertools
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -320,7 +321,8 @@ def one_line(exc: Exception) -> str:
 
 
 def expand(overrides: list[str], multirun: bool) -> list[list[str]]:
-    """The override lists of every job a command would launch, including an experiment's sweeper params."""
+    """The override lists of every job a command would launch, including an experiment's sweeper params and
+    grids."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     if not multirun:
@@ -329,20 +331,41 @@ def expand(overrides: list[str], multirun: bool) -> list[list[str]]:
                 raise ConfigError(f"{o.input_line} is a sweep; add -m (--multirun) to run one job per value")
         return [overrides]
     base = [o.input_line for o in OverridesParser.create().parse_overrides(overrides) if not o.is_sweep_override()]
-    params = OmegaConf.select(compose(base, return_hydra_config=True), "hydra.sweeper.params") or {}
-    return jobs_of(dict(params), overrides)
+    sweeper = OmegaConf.select(compose(base, return_hydra_config=True), "hydra.sweeper") or {}
+    return jobs_of(dict(sweeper.get("params") or {}), overrides, sweeper.get("grids"))
 
 
-def jobs_of(params: dict, overrides: list[str]) -> list[list[str]]:
+def jobs_of(params: dict, overrides: list[str], grids: list | None = None) -> list[list[str]]:
     """A sweep's jobs: every combination of the values of `params` (an experiment's `hydra.sweeper.params`) and
     of the command's `overrides`, in the order Hydra's basic sweeper launches them (the last key varies
     fastest). Written with Hydra's public override parser: the command is checked before Hydra starts, and the
-    gem sweeper (hydra_plugins/gem_sweeper) launches exactly the jobs that were checked."""
+    gem sweeper (hydra_plugins/gem_sweeper) launches exactly the jobs that were checked.
+
+    `grids` (`hydra.sweeper.grids`, gem's sweeper only): a list of grids, each a dict of keys and values swept
+    like `params`. The jobs are those of each grid in turn, each combined with `params` and the command (its keys
+    first, so `params` vary fastest), as scikit-learn's ParameterGrid takes a list of grids: settings that only
+    some jobs have (GEM's κ, AGN's window) in one sweep. A job that two grids both make runs once."""
+    if not grids:
+        return _product(params, overrides)
+    jobs, seen = [], set()
+    for i, grid in enumerate(grids):
+        if not isinstance(grid, Mapping) or not grid:
+            raise ConfigError(f"hydra.sweeper.grids[{i}]={grid} is not allowed; each grid must be a mapping of "
+                              "keys to values (a,b,c)")
+        for job in _product({**dict(grid), **{k: v for k, v in params.items() if k not in grid}}, overrides):
+            if tuple(job) not in seen:
+                seen.add(tuple(job))
+                jobs.append(job)
+    return jobs
+
+
+def _product(params: dict, overrides: list[str]) -> list[list[str]]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     # a key given twice keeps its first place and takes its last value, as in Hydra's basic sweeper
     by_key = {}
-    for o in OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()] + list(overrides)):
+    for o in OverridesParser.create().parse_overrides([f"{k}={_sweep_value(v)}" for k, v in params.items()]
+                                                      + list(overrides)):
         by_key[o.key_or_group] = o
     values = []
     for o in by_key.values():
@@ -355,6 +378,13 @@ def jobs_of(params: dict, overrides: list[str]) -> list[list[str]]:
             raise ConfigError(f"{o.input_line}: an interval cannot be swept by the basic sweeper; sweep a list "
                               "(a,b,c), choice(a,b,c) or range(start,stop,step)")
     return [list(job) for job in itertools.product(*values)]
+
+
+def _sweep_value(value) -> str:
+    """A YAML list in a grid ([0.01, 0.05]) as the override syntax's a,b; anything else as written."""
+    if isinstance(value, (list, tuple)) or OmegaConf.is_list(value):
+        return ",".join(str(v) for v in value)
+    return str(value)
 
 
 def compose(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:

@@ -2,10 +2,12 @@
 of them is launched.
 
 A sweep runs the jobs its command and its experiment's `hydra.sweeper.params` make (every combination, in the
-basic sweeper's order: experiments.config.jobs_of). Before the first one starts, each is composed and validated
-into its Spec, its data is found, plan=true prints the plan and launches nothing, and the sweep's folders are
-checked (experiments.command.check_sweep); bad input is one line, exit 2, with nothing written. The Specs go to
-the jobs that Hydra's launcher runs in this process, so no job's config is validated twice.
+basic sweeper's order), and, beyond the basic sweeper, those of each of its `hydra.sweeper.grids` in turn
+(settings only some jobs have, as the tuning experiment's per-algorithm knobs): experiments.config.jobs_of. Before
+the first one starts, each is composed and validated into its Spec, its data is found, plan=true prints the plan
+and launches nothing, and the sweep's folders are checked (experiments.command.check_sweep); bad input is one line,
+exit 2, with nothing written. The Specs go to the jobs that Hydra's launcher runs in this process, so no job's
+config is validated twice.
 
 Hydra looks for plugins in the `hydra_plugins` namespace package, which is why this module lives here and not in
 experiments/. It finds this one because `python run.py` puts the repository's root on sys.path.
@@ -21,10 +23,12 @@ from omegaconf import OmegaConf
 
 
 class GemSweeper(Sweeper):
-    def __init__(self, max_batch_size: int | None = None, params: dict | None = None) -> None:
+    def __init__(self, max_batch_size: int | None = None, params: dict | None = None,
+                 grids: list | None = None) -> None:
         super().__init__()
         self.max_batch_size = max_batch_size  # jobs handed to the launcher at a time (None: all)
         self.params = dict(params or {})  # an experiment's swept keys (hydra.sweeper.params)
+        self.grids = list(grids or [])  # and its grids, each swept in turn with the params (hydra.sweeper.grids)
         self.config = self.hydra_context = self.launcher = None
 
     def setup(self, *, hydra_context, task_function, config) -> None:
@@ -36,7 +40,7 @@ class GemSweeper(Sweeper):
         from experiments import command
         from experiments.config import jobs_of
 
-        jobs = command.refusing(jobs_of, self.params, arguments)
+        jobs = command.refusing(jobs_of, self.params, arguments, self.grids)
         specs = command.refusing(command.check_sweep, self.config, jobs, self._compose)
         command.ready(jobs, specs)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
