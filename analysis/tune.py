@@ -1,0 +1,319 @@
+"""The tuning protocol's second stage: from a tuning sweep, each algorithm's best setting at each n, and the sweep
+that reruns it on held-out seeds; then the two protocols side by side.
+
+    python run.py -m experiment=tune data.root=<folder with MNIST/raw>      # stage 1: every trial, tuning seeds
+    python -m analysis.tune <tuning sweep>                                  # the choice, and stage 2's command
+    python run.py -m experiment=tune_heldout data.root=...                  # stage 2: held-out seeds
+    python -m analysis.tune <tuning sweep> --heldout <held-out sweep>       # the table: paper's protocol | tuned
+
+The protocol (REPRODUCTION.md, "Tuning"), as optimiser benchmarks run it (Schmidt et al. 2021, "Descending
+through a Crowded Valley"; the MLCommons AlgoPerf rules): the same number of trials for every algorithm, selection
+on validation data, final numbers on fresh seeds.
+
+- A trial is one setting of one algorithm at one n: the settings its runs differ in besides the seed (η, and its
+  knob: GEM's κ, AGN's window, ...). Its score is the mean final validation loss over the tuning seeds. A trial
+  with a diverged seed scores worst (+inf): an unstable setting is not chosen for its lucky seeds. Among trials
+  that all diverged, none is better than another, and the first in the grid is kept.
+- The choice is the trial with the lowest score, per algorithm and n. A sweep with a failed, killed or missing
+  job is refused in one line: a trial on fewer seeds than the others is not the same measurement.
+- Stage 2 reruns, on the held-out seeds (0, 1, 2 by default: the paper protocol's seeds), both the chosen setting
+  and the paper's (η as the experiment sets it, every knob at its default), so that the two protocols are
+  compared on the same seeds; a chosen setting that is the paper's runs once. It is written as an experiment,
+  `conf/experiment/<experiment>_heldout.yaml`, which a reviewer can read and anyone can rerun.
+
+Files: `<tuning sweep>/tuning.csv` (every trial: its setting, seeds, how many diverged, the mean validation loss,
+its rank and whether it was chosen) and `<tuning sweep>/sensitivity.png` (final validation loss against η,
+one panel per n, diverged trials marked); with --heldout, the table as `--out` (.md or .csv; default
+`<held-out sweep>/protocols.md`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis import load
+from analysis.stats import mean_ci
+
+HELDOUT_SEEDS = (0, 1, 2)
+SCORE = "val_loss"  # selection: the final validation loss of the central variable
+
+
+def _text(v) -> str:
+    """A setting's value as the override syntax writes it."""
+    if isinstance(v, (bool, np.bool_)):
+        return str(bool(v)).lower()
+    if isinstance(v, (float, np.floating)):
+        return f"{float(v):g}"
+    return str(v)
+
+
+def settings_of(runs: pd.DataFrame) -> list[str]:
+    """The columns that tell apart the trials of an algorithm at one n, for any algorithm: what varies besides
+    the seed. Each trial's own are those of them it has a value in (trials)."""
+    return load.varying(runs, ["algorithm", "workers"])
+
+
+def _setting(row: pd.Series, columns: list[str]) -> dict:
+    return {c: row[c] for c in columns if not (isinstance(row[c], float) and math.isnan(row[c]))}
+
+
+def describe(setting: dict) -> str:
+    """`lr=0.05 kappa=2`: a setting as a reader reads it."""
+    return " ".join(f"{k.removeprefix('algorithm.')}={_text(v)}" for k, v in setting.items())
+
+
+def _check_finished(runs: pd.DataFrame, sweep) -> None:
+    missing = load.unstarted(runs)
+    if missing:
+        raise ValueError(f"{sweep}: {missing}; a trial on fewer seeds than the others is not comparable")
+    bad = runs[~runs["status"].isin(["completed", "diverged"])]
+    if len(bad):
+        first = bad.iloc[0]
+        raise ValueError(f"{sweep}: {len(bad)} run(s) {'/'.join(sorted(set(bad['status'])))} ({first['run_dir']}, "
+                         f"...); finish them first: the identical -m command with resume=true")
+
+
+def trials(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per (algorithm, n, setting): seeds, how many diverged, the mean validation loss over the tuning
+    seeds, its score (+inf with a diverged seed), its rank within (algorithm, n) and whether it is chosen. The
+    rows are in the sweep's order (the grid's), which breaks ties."""
+    runs = runs.sort_values("run_dir", key=lambda s: s.map(_job_number), kind="stable")
+    rows = []
+    for (algorithm, n), g in runs.groupby(["algorithm", "workers"], sort=False):
+        # this algorithm's own settings: what its trials differ in (GEM's κ is not a setting of AGN's trials)
+        columns = load.varying(runs[runs["algorithm"] == algorithm], ["workers"])
+        keys = g[columns].map(_text).apply(tuple, axis=1) if columns else pd.Series([()] * len(g), index=g.index)
+        for _, t in g.groupby(keys, sort=False):
+            first = t.iloc[0]
+            diverged = int((t["status"] == "diverged").sum())
+            values = pd.to_numeric(t[SCORE], errors="coerce")
+            mean = float(values[t["status"] == "completed"].mean()) if diverged < len(t) else math.nan
+            rows.append({"algorithm": algorithm, "workers": int(n), **{c: first[c] for c in columns},
+                         "setting": describe(_setting(first, columns)), "seeds": len(t), "diverged": diverged,
+                         f"{SCORE}_mean": mean, "score": math.inf if diverged or not np.isfinite(mean) else mean})
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    out["rank"] = out.groupby(["algorithm", "workers"], sort=False)["score"].rank(method="first").astype(int)
+    out["chosen"] = out["rank"] == 1
+    return out
+
+
+def _job_number(run_dir: str) -> int:
+    name = Path(run_dir).name
+    return int(name) if name.isdigit() else 1 << 30
+
+
+def paper_setting(algorithm: str, experiment: str | None, columns: list[str]) -> dict:
+    """The paper protocol's setting of `algorithm` in `columns`: η as the experiment sets it, every knob at the
+    algorithm's default (its conf/algorithm YAML), composed as a job would be."""
+    from omegaconf import OmegaConf
+
+    from experiments.config import compose
+
+    cfg = compose([f"algorithm={algorithm}", *([f"experiment={experiment}"] if experiment else [])])
+    flat = load.flatten(OmegaConf.to_container(cfg, resolve=False))
+    return {c: flat[c] for c in columns if c in flat and flat[c] is not None}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return {k: _text(v) for k, v in a.items()} == {k: _text(v) for k, v in b.items() if k in a}
+
+
+def heldout_experiment(chosen: pd.DataFrame, columns: list[str], experiment: str, seeds) -> tuple[str, int]:
+    """The held-out stage as an experiment file's text: every algorithm at the paper's setting, and each chosen
+    setting that is not the paper's, at its n, on `seeds`. Returns the text and how many of the chosen settings
+    are the paper's."""
+    grids, same = [], 0
+    for algorithm, g in chosen.groupby("algorithm", sort=False):
+        paper = paper_setting(algorithm, experiment, columns)
+        workers = ",".join(str(int(n)) for n in g["workers"])
+        grids.append(f"      - {{algorithm: {algorithm}, workers: \"{workers}\", lr: {_text(paper['lr'])}}}"
+                     "  # the paper's protocol")
+        for _, row in g.iterrows():
+            setting = _setting(row, columns)
+            if _same(setting, paper):
+                same += 1
+                continue
+            keys = ", ".join(f"{k}: {_text(v)}" for k, v in setting.items())
+            grids.append(f"      - {{algorithm: {algorithm}, workers: {int(row['workers'])}, {keys}}}"
+                         f"  # tuned: val loss {row[f'{SCORE}_mean']:.4f} over {row['seeds']} seeds")
+    text = (f"# @package _global_\n"
+            f"# The tuning protocol's held-out stage, written by `python -m analysis.tune` from a sweep of "
+            f"experiment={experiment}:\n"
+            f"# each algorithm at the paper's setting and, at each n, at the setting the tuning chose (where it "
+            f"differs),\n# on seeds the tuning did not use. Then: python -m analysis.tune <tuning sweep> --heldout "
+            f"<this sweep>\ndefaults:\n  - {experiment}\n\nhydra:\n  sweeper:\n    params:\n"
+            f"      seed: {','.join(str(s) for s in seeds)}\n    grids:\n" + "\n".join(grids) + "\n")
+    return text, same
+
+
+def compare(trial_table: pd.DataFrame, heldout: pd.DataFrame, experiment: str | None,
+            columns: list[str]) -> pd.DataFrame:
+    """Per algorithm and n: the held-out runs at the paper's setting and at the chosen one, side by side (the
+    same runs when the choice is the paper's setting). `columns`: the settings the trials differ in."""
+    rows = []
+    for _, t in trial_table[trial_table["chosen"]].iterrows():
+        algorithm, n = t["algorithm"], int(t["workers"])
+        here = heldout[(heldout["algorithm"] == algorithm) & (heldout["workers"] == n)]
+        tuned = _setting(t, columns)
+        paper = {k: v for k, v in paper_setting(algorithm, experiment, columns).items() if k in tuned}
+        row = {"algorithm": algorithm, "n": n}
+        for name, setting in (("paper", paper), ("tuned", tuned)):
+            match = here[here.apply(lambda r, s=setting: _same(s, _setting(r, list(s))), axis=1)] if len(here) \
+                else here
+            done = match[match["status"] == "completed"]
+            agg = mean_ci(pd.to_numeric(done[SCORE], errors="coerce"))
+            acc = mean_ci(pd.to_numeric(done["val_accuracy"], errors="coerce"))
+            row.update({f"{name} setting": describe(setting), f"{name} runs": len(match),
+                        f"{name} diverged": int((match["status"] == "diverged").sum()),
+                        f"{name} val loss": agg.text(".4f"), f"{name} val accuracy": acc.text(".4f"),
+                        f"{name}_{SCORE}_mean": agg.mean, f"{name}_{SCORE}_ci_lo": agg.lo,
+                        f"{name}_{SCORE}_ci_hi": agg.hi, f"{name}_k": agg.k})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def sensitivity_figure(trial_table: pd.DataFrame, out: Path) -> Path:
+    """Final validation loss against η, one panel per n, one line per algorithm (at each η its best knob value:
+    how forgiving the method is of η, given its knob); a trial with a diverged seed is an × at the panel's top."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    from analysis import plots
+
+    ns = sorted(trial_table["workers"].unique())
+    algorithms = sorted(trial_table["algorithm"].unique(), key=plots.algorithm_order)
+    colours = plots.colours(algorithms)
+    fig, axes = plt.subplots(1, len(ns), figsize=(4.6 * len(ns), 4.2), sharey=True, squeeze=False)
+    finite = trial_table.loc[np.isfinite(trial_table["score"]), "score"]
+    top = float(finite.max()) * 1.15 if len(finite) else 3.0
+    for ax, n in zip(axes[0], ns, strict=True):
+        here = trial_table[trial_table["workers"] == n]
+        for a in algorithms:
+            g = here[here["algorithm"] == a]
+            best = g.groupby("lr")["score"].min().sort_index()
+            ok = best[np.isfinite(best)]
+            ax.plot(ok.index, ok.values, "-o", color=colours[a], ms=4, lw=1.5, label=a)
+            chosen = g[g["chosen"] & np.isfinite(g["score"])]
+            ax.plot(chosen["lr"], chosen["score"], "o", ms=10, mfc="none", mec=colours[a], mew=1.5)
+            bad = best[~np.isfinite(best)]
+            ax.plot(bad.index, [top] * len(bad), "x", color=colours[a], ms=8, mew=2)
+        ax.set_xscale("log")
+        grid = sorted(here["lr"].unique())
+        ax.xaxis.set_major_locator(FixedLocator(grid))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_title(f"n = {n}")
+        ax.set_xlabel("η (learning rate)")
+        ax.axhline(top, color="lightgrey", lw=0.8, zorder=0)
+        ax.text(0.01, top, " ×: at this η, every trial of the algorithm had a diverged seed", va="bottom",
+                fontsize=7, color="grey", transform=ax.get_yaxis_transform())
+        ax.grid(True, which="major", alpha=0.3)
+    plots.log_y(axes[0][0])
+    axes[0][0].set_ylabel("final validation loss (mean over tuning seeds)")
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    fig.suptitle("Sensitivity to η: each algorithm's best knob value at each η (circled: chosen; ×: diverged)",
+                 fontsize=11)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def _markdown(frame: pd.DataFrame) -> str:
+    return frame.to_markdown(index=False)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis.tune", description=__doc__.splitlines()[0])
+    p.add_argument("sweep", help="the tuning sweep (python run.py -m experiment=tune ...)")
+    p.add_argument("--seeds", default=",".join(map(str, HELDOUT_SEEDS)),
+                   help="the held-out seeds, none of them a tuning seed (default: 0,1,2)")
+    p.add_argument("--force", action="store_true", help="overwrite the held-out experiment file if it exists")
+    p.add_argument("--heldout", help="the held-out sweep: print and write the two protocols side by side")
+    p.add_argument("--out", help="with --heldout: the table, .md or .csv (default <held-out sweep>/protocols.md)")
+    args = p.parse_args(argv)
+    try:
+        return _main(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args) -> int:
+    from experiments.schema import CONF_DIR
+    from gem.files import write_atomic
+
+    sweep = Path(args.sweep)
+    runs = load.runs(sweep)
+    if runs.empty:
+        raise ValueError(f"{sweep} holds no runs")
+    _check_finished(runs, sweep)
+    experiment = runs["experiment"].dropna().iloc[0] if runs["experiment"].notna().any() else None
+    seeds = sorted({int(s) for s in args.seeds.split(",") if s.strip()})
+    used = sorted(set(seeds) & set(int(s) for s in runs["seed"]))
+    if used:
+        raise ValueError(f"--seeds={args.seeds} is not allowed; seed {used[0]} was a tuning seed, the held-out "
+                         "seeds must be new")
+    table = trials(runs)
+    columns = settings_of(runs)
+    write_atomic(sweep / "tuning.csv", table.to_csv(index=False).encode())
+    figure = sensitivity_figure(table, sweep / "sensitivity.png")
+    chosen = table[table["chosen"]]
+    show = chosen[["algorithm", "workers", "setting", "seeds", "diverged", f"{SCORE}_mean"]]
+    print(f"tuning: {len(table)} trials of {table['algorithm'].nunique()} algorithms in {sweep} "
+          f"({len(runs)} runs); the chosen setting of each algorithm at each n (lowest mean validation loss):")
+    print(_markdown(show.rename(columns={"workers": "n", f"{SCORE}_mean": "val loss (tuning seeds)"})))
+    print(f"trials: {sweep / 'tuning.csv'}; sensitivity figure: {figure}")
+    if args.heldout:
+        return _compare(args, table, experiment, columns, set(int(s) for s in runs["seed"]))
+    name = f"{experiment or 'tuning'}_heldout"
+    path = CONF_DIR / "experiment" / f"{name}.yaml"
+    text, same = heldout_experiment(chosen, columns, experiment or "baselines", seeds)
+    if path.exists() and path.read_text() != text and not args.force:
+        raise ValueError(f"{path} exists and holds another choice; add --force to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, text.encode())
+    print(f"held-out stage: {path} ({len(chosen)} chosen settings, {same} of them the paper's; seeds "
+          f"{','.join(map(str, seeds))}). Run it, then compare:\n"
+          f"  python run.py -m experiment={name} data.root=<folder with MNIST/raw> plan=true\n"
+          f"  python run.py -m experiment={name} data.root=<folder with MNIST/raw> hydra/launcher=joblib "
+          f"hydra.launcher.n_jobs=2\n"
+          f"  python -m analysis.tune {sweep} --heldout <its sweep folder>")
+    return 0
+
+
+def _compare(args, table: pd.DataFrame, experiment, columns: list[str], tuning_seeds: set) -> int:
+    from gem.files import write_atomic
+
+    heldout = Path(args.heldout)
+    runs = load.runs(heldout)
+    if runs.empty:
+        raise ValueError(f"{heldout} holds no runs")
+    _check_finished(runs, heldout)
+    if tuning_seeds & set(int(s) for s in runs["seed"]):
+        raise ValueError(f"{heldout} has runs on tuning seeds")
+    out = Path(args.out) if args.out else heldout / "protocols.md"
+    if out.suffix not in (".md", ".csv"):
+        raise ValueError(f"--out={out} is not allowed; its suffix must be .md or .csv")
+    c = compare(table, runs, experiment, columns)
+    shown = c[["algorithm", "n", "paper setting", "paper val loss", "paper diverged", "tuned setting",
+               "tuned val loss", "tuned diverged"]]
+    text = _markdown(shown)
+    write_atomic(out, (c.to_csv(index=False) if out.suffix == ".csv" else text + "\n").encode())
+    print("held-out seeds: final validation loss, mean ± 95% t interval (k seeds), the paper's protocol and the "
+          "tuned one")
+    print(text)
+    print(f"table: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The tuning protocol (analysis.tune, hydra.sweeper.grids) on sweeps written by hand: the score and the choice,
+the held-out experiment it writes, the refusals, and the two protocols side by side."""
+
+import json
+
+import pytest
+import yaml
+
+from analysis import load, tune
+from experiments.config import ConfigError, check_job, expand, jobs_of
+
+
+def _run(d, algorithm, n, seed, lr, status="completed", val_loss=1.0, experiment="tune_quick", **knobs):
+    """A run directory with what analysis.tune reads: its config (the settings) and its summary."""
+    (d / ".hydra").mkdir(parents=True)
+    config = {"algorithm": {"name": algorithm, **knobs}, "workers": n, "seed": seed, "lr": lr}
+    (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    (d / "summary.json").write_text(json.dumps({
+        "status": status, "algorithm": algorithm, "workers": n, "seed": seed, "lr": lr, "experiment": experiment,
+        "val_loss": val_loss if status == "completed" else None, "val_accuracy": 0.5}))
+
+
+def _tuning_sweep(root):
+    """GEM at n = 4: (lr, κ) = (0.05, 1) scores 1.0; (0.2, 2) 0.5 on one seed but diverges on the other; (0.05, 2)
+    0.8. DOWNPOUR: lr 0.05 scores 0.9, lr 0.2 0.7. Seeds 10 and 11."""
+    job = 0
+    for lr, kappa, losses in [(0.05, 1, (1.0, 1.0)), (0.2, 2, (0.5, None)), (0.05, 2, (0.7, 0.9))]:
+        for seed, loss in zip((10, 11), losses, strict=True):
+            _run(root / str(job), "gem", 4, seed, lr, status="completed" if loss else "diverged", val_loss=loss,
+                 kappa=kappa)
+            job += 1
+    for lr, loss in [(0.05, 0.9), (0.2, 0.7)]:
+        for seed in (10, 11):
+            _run(root / str(job), "downpour", 4, seed, lr, val_loss=loss)
+            job += 1
+    return root
+
+
+def test_a_trial_is_scored_by_its_mean_validation_loss_and_a_diverged_seed_makes_it_the_worst(tmp_path):
+    t = tune.trials(load.runs(_tuning_sweep(tmp_path)))
+    gem = t[t["algorithm"] == "gem"].set_index("setting")
+    assert list(gem.index) == ["kappa=1 lr=0.05", "kappa=2 lr=0.2", "kappa=2 lr=0.05"]  # the sweep's order
+    assert gem.loc["kappa=2 lr=0.2", "score"] == float("inf") and gem.loc["kappa=2 lr=0.2", "diverged"] == 1
+    assert gem.loc["kappa=2 lr=0.05", "val_loss_mean"] == pytest.approx(0.8)
+    assert gem["chosen"].tolist() == [False, False, True] and gem["rank"].tolist() == [2, 3, 1]
+    down = t[t["algorithm"] == "downpour"].set_index("setting")  # κ is GEM's setting, not DOWNPOUR's
+    assert list(down.index) == ["lr=0.05", "lr=0.2"] and down.loc["lr=0.2", "chosen"]
+
+
+@pytest.mark.slow
+def test_tune_writes_the_held_out_experiment_with_the_papers_setting_beside_each_choice(tmp_path, monkeypatch,
+                                                                                     capsys):
+    import experiments.schema
+
+    sweep = _tuning_sweep(tmp_path / "sweep")
+    conf = tmp_path / "conf"
+    monkeypatch.setattr(experiments.schema, "CONF_DIR", conf)  # where the experiment file goes (not the repo's)
+    assert tune.main([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert "python run.py -m experiment=tune_quick_heldout" in out and "1 of them the paper's" not in out
+    text = (conf / "experiment" / "tune_quick_heldout.yaml").read_text()
+    node = yaml.safe_load(text)
+    assert node["defaults"] == ["tune_quick"] and node["hydra"]["sweeper"]["params"] == {"seed": "0,1,2"}
+    assert node["hydra"]["sweeper"]["grids"] == [
+        {"algorithm": "gem", "workers": "4", "lr": 0.05},  # the paper's protocol: η 0.05, κ at its default
+        {"algorithm": "gem", "workers": 4, "algorithm.kappa": 2, "lr": 0.05},
+        {"algorithm": "downpour", "workers": "4", "lr": 0.05},
+        {"algorithm": "downpour", "workers": 4, "lr": 0.2}]
+    assert (sweep / "tuning.csv").exists() and (sweep / "sensitivity.png").stat().st_size > 10_000
+
+    # the same choice again is no change; another choice is not overwritten without --force
+    assert tune.main([str(sweep)]) == 0
+    (conf / "experiment" / "tune_quick_heldout.yaml").write_text(text.replace("0.2", "0.4"))
+    capsys.readouterr()
+    assert tune.main([str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds another choice; add --force" in err
+
+    # every job it makes is a valid job of the experiment it names (composed from the repository's conf/)
+    monkeypatch.undo()
+    jobs = jobs_of({"seed": "0,1,2"}, ["experiment=tune_quick"], node["hydra"]["sweeper"]["grids"])
+    assert len(jobs) == 12 and all(check_job(j) for j in jobs[::3])
+
+
+def test_tune_refuses_an_unfinished_sweep_and_held_out_seeds_that_were_tuned_on(tmp_path, capsys):
+    sweep = _tuning_sweep(tmp_path / "sweep")
+    assert tune.main([str(sweep), "--seeds", "0,11"]) == 2
+    assert capsys.readouterr().err == ("error: --seeds=0,11 is not allowed; seed 11 was a tuning seed, the "
+                                       "held-out seeds must be new\n")
+    (sweep / "3" / "summary.json").unlink()  # a job killed before its summary
+    assert tune.main([str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "1 run(s) incomplete" in err and "resume=true" in err
+
+
+def test_the_two_protocols_side_by_side_on_the_held_out_seeds(tmp_path, capsys):
+    sweep = _tuning_sweep(tmp_path / "sweep")
+    held = tmp_path / "held"
+    job = 0
+    for algorithm, lr, kappa, losses in [("gem", 0.05, None, (1.1, 1.3, 1.2)), ("gem", 0.05, 2, (0.7, 0.8, 0.9)),
+                                         ("downpour", 0.05, None, (0.9, 1.0, 1.1)),
+                                         ("downpour", 0.2, None, (0.6, None, 0.6))]:
+        for seed, loss in zip((0, 1, 2), losses, strict=True):
+            knobs = {"kappa": kappa if kappa else 1} if algorithm == "gem" else {}
+            _run(held / str(job), algorithm, 4, seed, lr, status="completed" if loss else "diverged",
+                 val_loss=loss, experiment="tune_quick_heldout", **knobs)
+            job += 1
+    assert tune.main([str(sweep), "--heldout", str(held), "--out", str(tmp_path / "p.csv")]) == 0
+    import pandas as pd
+
+    c = pd.read_csv(tmp_path / "p.csv").set_index("algorithm")
+    assert c.loc["gem", "paper setting"] == "kappa=1 lr=0.05" and c.loc["gem", "tuned setting"] == "kappa=2 lr=0.05"
+    assert c.loc["gem", "paper_val_loss_mean"] == pytest.approx(1.2)
+    assert c.loc["gem", "tuned_val_loss_mean"] == pytest.approx(0.8) and c.loc["gem", "tuned_k"] == 3
+    assert c.loc["downpour", "tuned diverged"] == 1 and c.loc["downpour", "tuned_k"] == 2
+    assert "held-out seeds: final validation loss" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------ grids
+
+
+def test_grids_sweep_each_grid_in_turn_with_the_params_and_the_command():
+    grids = [{"algorithm": "gem", "lr": "0.1,0.2", "algorithm.kappa": [1, 2]}, {"algorithm": "downpour", "lr": 0.1}]
+    jobs = jobs_of({"workers": "2,3", "seed": 0}, ["epochs=2"], grids)
+    assert jobs[:3] == [["algorithm=gem", "lr=0.1", "algorithm.kappa=1", "workers=2", "seed=0", "epochs=2"],
+                        ["algorithm=gem", "lr=0.1", "algorithm.kappa=1", "workers=3", "seed=0", "epochs=2"],
+                        ["algorithm=gem", "lr=0.1", "algorithm.kappa=2", "workers=2", "seed=0", "epochs=2"]]
+    assert len(jobs) == 8 + 2 and jobs[-1] == ["algorithm=downpour", "lr=0.1", "workers=3", "seed=0", "epochs=2"]
+    # the command line wins, in its place; a job two grids both make runs once
+    assert jobs_of({}, ["lr=0.5"], [{"lr": "0.1,0.2"}, {"lr": "0.3"}]) == [["lr=0.5"]]
+    with pytest.raises(ConfigError, match=r"hydra.sweeper.grids\[1\]=lr is not allowed; each grid must be a mapping"):
+        jobs_of({}, [], [{"lr": 0.1}, "lr"])
+
+
+def test_the_tuning_experiment_gives_every_algorithm_the_same_trials_the_papers_setting_among_them():
+    jobs = expand(["experiment=tune"], multirun=True)
+    assert len(jobs) == 9 * 6 * 3 * 2
+    by_algorithm = {}
+    for job in jobs:
+        d = dict(o.split("=", 1) for o in job)
+        assert d["seed"] in ("10", "11") and d["workers"] in ("5", "10", "30")
+        by_algorithm.setdefault(d["algorithm"], set()).add(
+            tuple(sorted((k, v) for k, v in d.items() if k not in ("seed", "workers", "experiment"))))
+    assert {len(trials) for trials in by_algorithm.values()} == {6} and len(by_algorithm) == 9
+    for algorithm, trials in by_algorithm.items():  # η 0.05 at the default knob is always one of them
+        assert any(dict(t)["lr"] == "0.05" and all(k == "algorithm" or k == "lr" or
+                                                     v.lower() in ("1", "10", "0.9", "false", "0.7")
+                                                     for k, v in t) for t in trials), algorithm
