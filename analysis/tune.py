@@ -234,8 +234,8 @@ def _markdown(frame: pd.DataFrame) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.tune", description=__doc__.splitlines()[0])
     p.add_argument("sweep", help="the tuning sweep (python run.py -m experiment=tune ...)")
-    p.add_argument("--seeds", default=",".join(map(str, HELDOUT_SEEDS)),
-                   help="the held-out seeds, none of them a tuning seed (default: 0,1,2)")
+    p.add_argument("--seeds", help="the held-out seeds, none of them a tuning seed (default: the tuning sweep's "
+                   "hydra.sweeper.heldout_seeds, else 0,1,2)")
     p.add_argument("--force", action="store_true", help="overwrite the held-out experiment file if it exists")
     p.add_argument("--heldout", help="the held-out sweep: print and write the two protocols side by side")
     p.add_argument("--out", help="with --heldout: the table, .md or .csv (default <held-out sweep>/protocols.md)")
@@ -257,11 +257,11 @@ def _main(args) -> int:
         raise ValueError(f"{sweep} holds no runs")
     _check_finished(runs, sweep)
     experiment = runs["experiment"].dropna().iloc[0] if runs["experiment"].notna().any() else None
-    seeds = sorted({int(s) for s in args.seeds.split(",") if s.strip()})
+    seeds = sorted({int(s) for s in (args.seeds or _declared_seeds(sweep)).split(",") if s.strip()})
     used = sorted(set(seeds) & set(int(s) for s in runs["seed"]))
     if used:
-        raise ValueError(f"--seeds={args.seeds} is not allowed; seed {used[0]} was a tuning seed, the held-out "
-                         "seeds must be new")
+        raise ValueError(f"--seeds={','.join(map(str, seeds))} is not allowed; seed {used[0]} was a tuning seed, "
+                         "the held-out seeds must be new")
     table = trials(runs)
     columns = settings_of(runs)
     write_atomic(sweep / "tuning.csv", table.to_csv(index=False).encode())
@@ -288,6 +288,18 @@ def _main(args) -> int:
           f"hydra.launcher.n_jobs=2\n"
           f"  python -m analysis.tune {sweep} --heldout <its sweep folder>")
     return 0
+
+
+def _declared_seeds(sweep: Path) -> str:
+    """The held-out seeds the tuning experiment declares (hydra.sweeper.heldout_seeds in the sweep's
+    multirun.yaml), else HELDOUT_SEEDS."""
+    import yaml
+
+    try:
+        seeds = yaml.safe_load((sweep / "multirun.yaml").read_text())["hydra"]["sweeper"].get("heldout_seeds")
+    except Exception:  # no multirun.yaml (runs copied by hand), or another sweeper's
+        seeds = None
+    return str(seeds) if seeds is not None else ",".join(map(str, HELDOUT_SEEDS))
 
 
 def _compare(args, table: pd.DataFrame, experiment, columns: list[str], tuning_seeds: set) -> int:

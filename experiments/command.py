@@ -226,6 +226,17 @@ def _single_run_note(config: DictConfig) -> str | None:
     return f"gem: note: this experiment sweeps {swept}; without -m only one job runs. Add -m to run the whole sweep."
 
 
+def heldout_seeds(config: DictConfig) -> list[int] | None:
+    """A tuning sweep's held-out seeds (hydra.sweeper.heldout_seeds, "0,1,2"), or None for any other sweep."""
+    seeds = OmegaConf.select(config, "hydra.sweeper.heldout_seeds")
+    if seeds is None:
+        return None
+    try:
+        return [int(s) for s in str(seeds).split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"hydra.sweeper.heldout_seeds={seeds} is not allowed; it must be seeds, as 0,1,2") from None
+
+
 def check_sweep(config: DictConfig, jobs: list[list[str]], compose_job=None) -> list[Spec]:
     """A sweep (`config`: the command as Hydra composed it; `jobs`: each job's overrides; `compose_job`: how a job's
     config is composed, Hydra's compose API by default): every job's Spec and data, then its plan (exit 0) for
@@ -235,7 +246,7 @@ def check_sweep(config: DictConfig, jobs: list[list[str]], compose_job=None) -> 
     _check_data(specs)
     actions = _check_sweep_dir(config, specs)
     if any(spec.cfg.plan for spec in specs):
-        plan.show(list(zip(jobs, specs, strict=True)), actions=actions)
+        plan.show(list(zip(jobs, specs, strict=True)), actions=actions, heldout_seeds=heldout_seeds(config))
         sys.exit(0)
     return specs
 

@@ -170,10 +170,14 @@ def _swept(jobs) -> set[str]:
     return {k for k, v in values.items() if len(v) > 1 and not k.startswith("hydra")}
 
 
-def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | None = None) -> float:
+def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | None = None,
+         heldout_seeds: list[int] | None = None) -> float:
     """Print the plan of `jobs` ((overrides, experiments.config.Spec) each); returns the estimated total seconds.
     `actions`: what a resumed sweep does with each job (experiments.rundir.sweep_action); a skipped job costs
-    nothing, a resumed one is counted whole (an upper bound)."""
+    nothing, a resumed one is counted whole (an upper bound). `heldout_seeds`: the sweep is a tuning protocol's
+    first stage (hydra.sweeper.heldout_seeds); its second, which `python -m analysis.tune` writes, runs each
+    algorithm at each n at two settings at most (the paper's and the chosen one) on these seeds, so it is
+    estimated too, at the cost of that algorithm's and n's costliest trial."""
     import dataclasses
 
     from experiments.instantiate import display_name
@@ -182,6 +186,7 @@ def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | N
     built: dict[str, tuple] = {}
     commit_s: dict[tuple[str, str], float] = {}
     rows = []
+    costliest: dict[tuple[str, int], float] = {}  # per (algorithm, n): its costliest job (the held-out stage)
     swept = _swept(jobs)
     for i, (overrides, spec) in enumerate(jobs):
         cfg = spec.cfg
@@ -199,6 +204,8 @@ def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | N
             if actions[i] == "skip":
                 size["seconds"] = 0.0
         rows.append((label, cfg.engine.name, size))
+        trial = (spec.algorithm, spec.workers)
+        costliest[trial] = max(costliest.get(trial, 0.0), size["seconds"])
     total = sum(r[2]["seconds"] for r in rows)
     width = max(len(r[0]) for r in rows)
     out(f"gem: plan for {len(rows)} job{'s' if len(rows) != 1 else ''} (plan=true: nothing runs, no directory is "
@@ -211,6 +218,13 @@ def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | N
     left = "" if actions is None else f" for the {sum(a != 'skip' for a in actions)} jobs left to run"
     out(f"total{left}: {commits:,} commits, about {duration(total)} one job after another on this machine "
         f"({cores()} cores)")
+    if heldout_seeds:
+        held = 2 * len(heldout_seeds) * sum(costliest.values())
+        out(f"then the held-out stage (python -m analysis.tune): at most {2 * len(heldout_seeds) * len(costliest)} "
+            f"jobs, each algorithm at each n at the paper's setting and at the chosen one on seeds "
+            f"{','.join(map(str, heldout_seeds))}, about {duration(held)}; the whole protocol about "
+            f"{duration(total + held)}")
+        total += held
     for key, c in costs.items():
         cfg = next(spec.cfg for _, spec in jobs if _key(spec.cfg) == key)
         out(f"  calibration: model={display_name('model', cfg.model)} data={display_name('data', cfg.data)} "

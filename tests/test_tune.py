@@ -146,3 +146,37 @@ def test_the_tuning_experiment_gives_every_algorithm_the_same_trials_the_papers_
         assert any(dict(t)["lr"] == "0.05" and all(k == "algorithm" or k == "lr" or
                                                      v.lower() in ("1", "10", "0.9", "false", "0.7")
                                                      for k, v in t) for t in trials), algorithm
+
+
+@pytest.mark.slow
+def test_the_plan_of_a_tuning_sweep_estimates_its_held_out_stage_too(monkeypatch):
+    from experiments import plan
+
+    monkeypatch.setattr(plan, "CALIBRATION_S", 0.05)  # a few timed calls: the numbers are not what is tested
+    base = ["data=digits", "epochs=1", "workers=2"]
+    jobs = [[f"algorithm={a}", f"lr={lr}", f"seed={seed}", *base]
+            for a in ("gem", "downpour") for lr in (0.05, 0.2) for seed in (10, 11)]
+    lines = []
+    total = plan.show([(j, check_job(j)[1]) for j in jobs], out=lines.append, heldout_seeds=[0, 1, 2])
+    assert lines[0].startswith("gem: plan for 8 jobs")
+    held = next(line for line in lines if line.startswith("then the held-out stage"))
+    # per algorithm and n, two settings at most on three seeds, each at the cost of its costliest trial
+    assert "at most 12 jobs" in held and "on seeds 0,1,2" in held and "the whole protocol about" in held
+    one = plan.show([(j, check_job(j)[1]) for j in jobs], out=lambda _: None)
+    assert total > one
+
+
+def test_a_sweep_declares_its_held_out_seeds_in_its_sweeper_config():
+    from omegaconf import OmegaConf
+
+    from experiments.command import heldout_seeds
+
+    def of(value):
+        return heldout_seeds(OmegaConf.create({"hydra": {"sweeper": {"heldout_seeds": value}}}))
+
+    assert of("0,1,2") == [0, 1, 2] and of(7) == [7] and of(None) is None
+    with pytest.raises(ConfigError, match="hydra.sweeper.heldout_seeds=a,b is not allowed; it must be seeds"):
+        of("a,b")
+    from experiments.schema import CONF_DIR
+
+    assert OmegaConf.load(CONF_DIR / "experiment" / "tune.yaml").hydra.sweeper.heldout_seeds == "0,1,2"

@@ -24,11 +24,12 @@ from omegaconf import OmegaConf
 
 class GemSweeper(Sweeper):
     def __init__(self, max_batch_size: int | None = None, params: dict | None = None,
-                 grids: list | None = None) -> None:
+                 grids: list | None = None, heldout_seeds: str | None = None) -> None:
         super().__init__()
         self.max_batch_size = max_batch_size  # jobs handed to the launcher at a time (None: all)
         self.params = dict(params or {})  # an experiment's swept keys (hydra.sweeper.params)
         self.grids = list(grids or [])  # and its grids, each swept in turn with the params (hydra.sweeper.grids)
+        self.heldout_seeds = heldout_seeds  # a tuning sweep's held-out seeds: for its plan and analysis.tune
         self.config = self.hydra_context = self.launcher = None
 
     def setup(self, *, hydra_context, task_function, config) -> None:
