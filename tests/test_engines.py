@@ -373,7 +373,10 @@ def test_resume_continues_every_worker_where_the_checkpoint_left_it(data, tmp_pa
     assert m["step"].tolist() == list(range(1, len(m) + 1))  # every commit once
     steps = m.groupby("worker")["worker_step"].apply(list)
     assert steps[0] == steps[1] == list(range(1, steps_each + 1))
-    assert steps[2] == list(range(1, len(steps[2]) + 1)) and m.loc[m["worker"] == 2, "step"].max() <= step
+    # worker 2 does not start again: its steps (none, if the checkpoint came before its first commit, as on a loaded
+    # machine) all lie before the checkpoint
+    lost = steps.get(2, [])
+    assert lost == list(range(1, len(lost) + 1)) and (m.loc[m["worker"] == 2, "step"] <= step).all()
     assert not (tmp_path / "checkpoint").exists()  # a completed run cannot be resumed: its checkpoint is gone
 
 
