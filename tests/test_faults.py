@@ -282,7 +282,7 @@ def test_lost_workers_is_a_list_on_every_status(tmp_path):
 def test_every_worker_killed_fails_with_every_worker_lost(tmp_path):
     d = tmp_path / "x"
     p = subprocess.Popen([sys.executable, "run.py", "engine=process", "workers=2", "epochs=200",
-                          "logger.wandb.mode=disabled", f"hydra.run.dir={d}"], cwd=ROOT,
+                          "logger.wandb.mode=disabled", "logger.flush_every=5", f"hydra.run.dir={d}"], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
