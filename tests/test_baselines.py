@@ -188,16 +188,33 @@ def test_dcasgd_with_lambda_zero_is_downpour_commit_for_commit(cnn_data, tmp_pat
 
 def test_async_localsgd_without_outer_momentum_is_windowed_downpour_with_worker_momentum(cnn_data, tmp_path,
                                                                                         monkeypatch):
-    """η_o = 1, μ_o = 0: θ ← θ + (x − s), DOWNPOUR with λ = H and local momentum μ; DiLoCo's defaults differ."""
+    """The plain outer step with η_o = 1, μ_o = 0: θ ← θ + (x − s), DOWNPOUR with λ = H and local momentum μ;
+    DiLoCo's defaults differ."""
     hp = dict(lr=0.05, momentum=0.9, window=2)
     ref_hp = downpour.Params(lr=0.05, window=2, local_momentum=0.9)
     _, ref = run(sim_job(cnn_data, "downpour", ref_hp), tmp_path / "downpour", monkeypatch)
     params = algorithms.get("async_localsgd").Params
-    _, m = run(sim_job(cnn_data, "async_localsgd", params(**hp, outer_lr=1.0, outer_momentum=0.0)), tmp_path / "a",
-               monkeypatch)
+    _, m = run(sim_job(cnn_data, "async_localsgd", params(**hp, outer_lr=1.0, outer_momentum=0.0, outer="nesterov")),
+               tmp_path / "a", monkeypatch)
     assert m["loss"].tolist() == pytest.approx(ref["loss"].tolist(), abs=1e-6)
     _, d = run(sim_job(cnn_data, "async_localsgd", params(**hp)), tmp_path / "diloco", monkeypatch)
     assert d["loss"].iloc[3:].tolist() != pytest.approx(ref["loss"].iloc[3:].tolist(), abs=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["sim", "process"])
+def test_async_localsgd_at_its_defaults_completes_where_the_plain_form_diverged(tmp_path, engine):
+    """`python run.py algorithm=async_localsgd engine=<engine> workers=4 data=digits epochs=3 seed=<s>`, s = 0, 1, 2:
+    the command a new user tried, which diverged at every seed with the plain Nesterov outer step, completes at
+    its defaults (delayed Nesterov) on both engines."""
+    from experiments.config import compose
+    from experiments.runner import run as run_job
+
+    for seed in (0, 1, 2):
+        cfg = compose(["algorithm=async_localsgd", f"engine={engine}", "workers=4", "data=digits", "epochs=3",
+                       f"seed={seed}", "logger.wandb.mode=disabled", "logger.progress=false"])
+        summary = run_job(cfg, tmp_path / str(seed))
+        assert summary["status"] == "completed" and summary["val_loss"] < 2.5, (seed, summary["reason"])
 
 
 @pytest.mark.slow
