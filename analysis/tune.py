@@ -150,7 +150,9 @@ def heldout_experiment(chosen: pd.DataFrame, columns: list[str], experiment: str
             f"# each algorithm at the paper's setting and, at each n, at the setting the tuning chose (where it "
             f"differs),\n# on seeds the tuning did not use. Then: python -m analysis.tune <tuning sweep> --heldout "
             f"<this sweep>\ndefaults:\n  - {experiment}\n\nhydra:\n  sweeper:\n    params:\n"
-            f"      seed: {','.join(str(s) for s in seeds)}\n    grids:\n" + "\n".join(grids) + "\n")
+            f"      seed: {','.join(str(s) for s in seeds)}\n"
+            f"    heldout_seeds: null  # this is the held-out stage: nothing is held out of it\n"
+            f"    grids:\n" + "\n".join(grids) + "\n")
     return text, same
 
 

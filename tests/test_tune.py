@@ -61,6 +61,7 @@ def test_tune_writes_the_held_out_experiment_with_the_papers_setting_beside_each
     text = (conf / "experiment" / "tune_quick_heldout.yaml").read_text()
     node = yaml.safe_load(text)
     assert node["defaults"] == ["tune_quick"] and node["hydra"]["sweeper"]["params"] == {"seed": "0,1,2"}
+    assert node["hydra"]["sweeper"]["heldout_seeds"] is None  # it is the held-out stage
     assert node["hydra"]["sweeper"]["grids"] == [
         {"algorithm": "gem", "workers": "4", "lr": 0.05},  # the paper's protocol: η 0.05, κ at its default
         {"algorithm": "gem", "workers": 4, "algorithm.kappa": 2, "lr": 0.05},
