@@ -265,6 +265,7 @@ def _main(args) -> int:
         raise ValueError(f"--seeds={','.join(map(str, seeds))} is not allowed; seed {used[0]} was a tuning seed, "
                          "the held-out seeds must be new")
     table = trials(runs)
+    table.attrs["sweep"] = str(sweep)
     columns = settings_of(runs)
     write_atomic(sweep / "tuning.csv", table.to_csv(index=False).encode())
     figure = sensitivity_figure(table, sweep / "sensitivity.png")
@@ -321,7 +322,12 @@ def _compare(args, table: pd.DataFrame, experiment, columns: list[str], tuning_s
     shown = c[["algorithm", "n", "paper setting", "paper val loss", "paper diverged", "tuned setting",
                "tuned val loss", "tuned diverged"]]
     text = _markdown(shown)
-    write_atomic(out, (c.to_csv(index=False) if out.suffix == ".csv" else text + "\n").encode())
+    page = (f"# The tuning protocol: the paper's setting and the tuned one, on held-out seeds\n\n"
+            f"Final validation loss, mean ± the half-width of its 95% t interval over k held-out seeds, of each "
+            f"algorithm at each n: at the paper's setting (η as the experiment sets it, every knob at its default) and "
+            f"at the setting chosen on the tuning sweep {table.attrs.get('sweep', '')} (lowest mean validation "
+            f"loss over its seeds). Runs: {heldout}. Written by `python -m analysis.tune`.\n\n{text}\n")
+    write_atomic(out, (c.to_csv(index=False) if out.suffix == ".csv" else page).encode())
     print("held-out seeds: final validation loss, mean ± 95% t interval (k seeds), the paper's protocol and the "
           "tuned one")
     print(text)
