@@ -84,10 +84,11 @@ def trials(runs: pd.DataFrame) -> pd.DataFrame:
     seeds, its score (+inf with a diverged seed), its rank within (algorithm, n) and whether it is chosen. The
     rows are in the sweep's order (the grid's), which breaks ties."""
     runs = runs.sort_values("run_dir", key=lambda s: s.map(_job_number), kind="stable")
+    # each algorithm's own settings: what its trials differ in (GEM's κ is not a setting of AGN's trials)
+    own = {a: load.varying(g, ["workers"]) for a, g in runs.groupby("algorithm", sort=False)}
     rows = []
     for (algorithm, n), g in runs.groupby(["algorithm", "workers"], sort=False):
-        # this algorithm's own settings: what its trials differ in (GEM's κ is not a setting of AGN's trials)
-        columns = load.varying(runs[runs["algorithm"] == algorithm], ["workers"])
+        columns = own[algorithm]
         keys = g[columns].map(_text).apply(tuple, axis=1) if columns else pd.Series([()] * len(g), index=g.index)
         for _, t in g.groupby(keys, sort=False):
             first = t.iloc[0]
@@ -160,12 +161,14 @@ def compare(trial_table: pd.DataFrame, heldout: pd.DataFrame, experiment: str | 
             columns: list[str]) -> pd.DataFrame:
     """Per algorithm and n: the held-out runs at the paper's setting and at the chosen one, side by side (the
     same runs when the choice is the paper's setting). `columns`: the settings the trials differ in."""
-    rows = []
+    rows, papers = [], {}
     for _, t in trial_table[trial_table["chosen"]].iterrows():
         algorithm, n = t["algorithm"], int(t["workers"])
         here = heldout[(heldout["algorithm"] == algorithm) & (heldout["workers"] == n)]
         tuned = _setting(t, columns)
-        paper = {k: v for k, v in paper_setting(algorithm, experiment, columns).items() if k in tuned}
+        if algorithm not in papers:  # composed once per algorithm
+            papers[algorithm] = paper_setting(algorithm, experiment, columns)
+        paper = {k: v for k, v in papers[algorithm].items() if k in tuned}
         row = {"algorithm": algorithm, "n": n}
         for name, setting in (("paper", paper), ("tuned", tuned)):
             match = here[here.apply(lambda r, s=setting: _same(s, _setting(r, list(s))), axis=1)] if len(here) \

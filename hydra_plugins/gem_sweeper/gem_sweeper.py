@@ -29,7 +29,9 @@ class GemSweeper(Sweeper):
         self.max_batch_size = max_batch_size  # jobs handed to the launcher at a time (None: all)
         self.params = dict(params or {})  # an experiment's swept keys (hydra.sweeper.params)
         self.grids = list(grids or [])  # and its grids, each swept in turn with the params (hydra.sweeper.grids)
-        self.heldout_seeds = heldout_seeds  # a tuning sweep's held-out seeds: for its plan and analysis.tune
+        # a tuning sweep's held-out seeds: a key of the sweeper's config, so accepted here; the plan
+        # (experiments.command.heldout_seeds) and analysis.tune (the sweep's multirun.yaml) read it from there
+        self.heldout_seeds = heldout_seeds
         self.config = self.hydra_context = self.launcher = None
 
     def setup(self, *, hydra_context, task_function, config) -> None:
