@@ -39,6 +39,7 @@ import pandas as pd
 
 from analysis import load
 from analysis.stats import mean_ci
+from gem.files import write_atomic
 
 HELDOUT_SEEDS = (0, 1, 2)
 SCORE = "val_loss"  # selection: the final validation loss of the central variable
@@ -253,14 +254,10 @@ def main(argv=None) -> int:
 
 
 def _main(args) -> int:
-    from experiments.schema import CONF_DIR
-    from gem.files import write_atomic
-
+    """Every check first (the sweeps, the seeds, --out, an existing choice), then the files: a refused command
+    writes nothing."""
     sweep = Path(args.sweep)
-    runs = load.runs(sweep)
-    if runs.empty:
-        raise ValueError(f"{sweep} holds no runs")
-    _check_finished(runs, sweep)
+    runs = _finished_runs(sweep)
     experiment = runs["experiment"].dropna().iloc[0] if runs["experiment"].notna().any() else None
     seeds = sorted({int(s) for s in (args.seeds or _declared_seeds(sweep)).split(",") if s.strip()})
     used = sorted(set(seeds) & set(int(s) for s in runs["seed"]))
@@ -268,23 +265,35 @@ def _main(args) -> int:
         raise ValueError(f"--seeds={','.join(map(str, seeds))} is not allowed; seed {used[0]} was a tuning seed, "
                          "the held-out seeds must be new")
     table = trials(runs)
-    table.attrs["sweep"] = str(sweep)
     columns = settings_of(runs)
+    chosen = table[table["chosen"]]
+    if args.heldout:
+        heldout = Path(args.heldout)
+        held = _finished_runs(heldout)
+        if set(int(s) for s in runs["seed"]) & set(int(s) for s in held["seed"]):
+            raise ValueError(f"{heldout} has runs on tuning seeds")
+        out = Path(args.out) if args.out else heldout / "protocols.md"
+        if out.suffix not in (".md", ".csv"):
+            raise ValueError(f"--out={out} is not allowed; its suffix must be .md or .csv")
+    else:
+        from experiments.schema import CONF_DIR
+
+        name = f"{experiment or 'tuning'}_heldout"
+        path = CONF_DIR / "experiment" / f"{name}.yaml"
+        text, same = heldout_experiment(chosen, columns, experiment or "baselines", seeds)
+        if path.exists() and path.read_text() != text and not args.force:
+            raise ValueError(f"{path} exists and holds another choice; add --force to replace it")
+
     write_atomic(sweep / "tuning.csv", table.to_csv(index=False).encode())
     figure = sensitivity_figure(table, sweep / "sensitivity.png")
-    chosen = table[table["chosen"]]
     show = chosen[["algorithm", "workers", "setting", "seeds", "diverged", f"{SCORE}_mean"]]
     print(f"tuning: {len(table)} trials of {table['algorithm'].nunique()} algorithms in {sweep} "
           f"({len(runs)} runs); the chosen setting of each algorithm at each n (lowest mean validation loss):")
     print(_markdown(show.rename(columns={"workers": "n", f"{SCORE}_mean": "val loss (tuning seeds)"})))
     print(f"trials: {sweep / 'tuning.csv'}; sensitivity figure: {figure}")
     if args.heldout:
-        return _compare(args, table, experiment, columns, set(int(s) for s in runs["seed"]))
-    name = f"{experiment or 'tuning'}_heldout"
-    path = CONF_DIR / "experiment" / f"{name}.yaml"
-    text, same = heldout_experiment(chosen, columns, experiment or "baselines", seeds)
-    if path.exists() and path.read_text() != text and not args.force:
-        raise ValueError(f"{path} exists and holds another choice; add --force to replace it")
+        _write_comparison(compare(table, held, experiment, columns), sweep, heldout, out)
+        return 0
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, text.encode())
     print(f"held-out stage: {path} ({len(chosen)} chosen settings, {same} of them the paper's; seeds "
@@ -294,6 +303,14 @@ def _main(args) -> int:
           f"hydra.launcher.n_jobs=2\n"
           f"  python -m analysis.tune {sweep} --heldout <its sweep folder>")
     return 0
+
+
+def _finished_runs(sweep: Path) -> pd.DataFrame:
+    runs = load.runs(sweep)
+    if runs.empty:
+        raise ValueError(f"{sweep} holds no runs")
+    _check_finished(runs, sweep)
+    return runs
 
 
 def _declared_seeds(sweep: Path) -> str:
@@ -308,34 +325,20 @@ def _declared_seeds(sweep: Path) -> str:
     return str(seeds) if seeds is not None else ",".join(map(str, HELDOUT_SEEDS))
 
 
-def _compare(args, table: pd.DataFrame, experiment, columns: list[str], tuning_seeds: set) -> int:
-    from gem.files import write_atomic
-
-    heldout = Path(args.heldout)
-    runs = load.runs(heldout)
-    if runs.empty:
-        raise ValueError(f"{heldout} holds no runs")
-    _check_finished(runs, heldout)
-    if tuning_seeds & set(int(s) for s in runs["seed"]):
-        raise ValueError(f"{heldout} has runs on tuning seeds")
-    out = Path(args.out) if args.out else heldout / "protocols.md"
-    if out.suffix not in (".md", ".csv"):
-        raise ValueError(f"--out={out} is not allowed; its suffix must be .md or .csv")
-    c = compare(table, runs, experiment, columns)
+def _write_comparison(c: pd.DataFrame, sweep: Path, heldout: Path, out: Path) -> None:
     shown = c[["algorithm", "n", "paper setting", "paper val loss", "paper diverged", "tuned setting",
                "tuned val loss", "tuned diverged"]]
     text = _markdown(shown)
     page = (f"# The tuning protocol: the paper's setting and the tuned one, on held-out seeds\n\n"
             f"Final validation loss, mean ± the half-width of its 95% t interval over k held-out seeds, of each "
             f"algorithm at each n: at the paper's setting (η as the experiment sets it, every knob at its default) and "
-            f"at the setting chosen on the tuning sweep {table.attrs.get('sweep', '')} (lowest mean validation "
+            f"at the setting chosen on the tuning sweep {sweep} (lowest mean validation "
             f"loss over its seeds). Runs: {heldout}. Written by `python -m analysis.tune`.\n\n{text}\n")
     write_atomic(out, (c.to_csv(index=False) if out.suffix == ".csv" else page).encode())
     print("held-out seeds: final validation loss, mean ± 95% t interval (k seeds), the paper's protocol and the "
           "tuned one")
     print(text)
     print(f"table: {out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -106,6 +106,9 @@ def test_the_two_protocols_side_by_side_on_the_held_out_seeds(tmp_path, capsys):
             _run(held / str(job), algorithm, 4, seed, lr, status="completed" if loss else "diverged",
                  val_loss=loss, experiment="tune_quick_heldout", **knobs)
             job += 1
+    # a refused command writes nothing, not even the tuning sweep's own files
+    assert tune.main([str(sweep), "--heldout", str(held), "--out", str(tmp_path / "p.txt")]) == 2
+    assert "--out=" in capsys.readouterr().err and not (sweep / "tuning.csv").exists()
     assert tune.main([str(sweep), "--heldout", str(held), "--out", str(tmp_path / "p.csv")]) == 0
     import pandas as pd
 
