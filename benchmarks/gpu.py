@@ -6,6 +6,10 @@
    model, batch and in-memory batches). Target: at least 0.9.
 2. Sharing: aggregate worker steps per second of 4 `process` workers on one device over 1 worker.
 3. bf16: the plain loop under `torch.autocast(bfloat16)` over the plain loop in float32.
+4. The physical limit of 1.: a `downpour` commit of a GPU worker moves θ host to device (the staged view), its
+   commit device to host, and θ host to device again (the pull), 3 × 4 bytes per parameter, over the copy speed
+   measured here between θ's pageable shared host memory and the device. The limit is the plain loop's step
+   time over that step time plus the copies: what 1. could reach if the server's step and the turn cost nothing.
 
 The engine is timed between its first and last commit rows (`time_s`), so start-up and CUDA initialisation are
 left out. Runs on the CPU as well (`--device cpu`), which only checks that the script works: the numbers that
@@ -64,11 +68,30 @@ def plain_steps_per_s(data, device: torch.device, steps: int, bf16: bool = False
     return steps / (time.perf_counter() - t0)
 
 
+def copy_seconds(numel: int, device: torch.device, repeats: int = 20) -> tuple[float, float]:
+    """Seconds of one host-to-device and one device-to-host copy of `numel` float32, from pageable host memory
+    as θ is (shared host memory is not pinned)."""
+    host, dev = torch.randn(numel), torch.empty(numel, device=device)
+    times = []
+    for copy in (lambda: dev.copy_(host), lambda: host.copy_(dev)):
+        copy()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            copy()
+        _sync(device)
+        times.append((time.perf_counter() - t0) / repeats)
+    return times[0], times[1]
+
+
 def engine_steps_per_s(data, device: str, workers: int, steps: int, batch: int = BATCH_SIZE) -> float:
     epochs = max(1, -(-steps * batch // len(data.train_y)))
     m = engine_run(data, "downpour", workers, epochs, model="alexnet_cifar", device=device, lr=LR, batch_size=batch)
     m = m[m["step"] > min(10 * workers, len(m) // 2)]  # warm-up
-    return (len(m) - 1) / (m["time_s"].iloc[-1] - m["time_s"].iloc[0])
+    rate = (len(m) - 1) / (m["time_s"].iloc[-1] - m["time_s"].iloc[0])
+    print(f"   {workers} worker(s): {rate:.1f} steps/s; the server's step (apply_s) {1e3 * m['apply_s'].mean():.2f} ms "
+          f"a commit, {100 * m['apply_s'].sum() * rate / len(m):.0f}% of the time")
+    return rate
 
 
 def main() -> None:
@@ -95,6 +118,13 @@ def main() -> None:
     print(f"2. 4 process workers on one device / 1 worker: {four / one:.3f}")
     bf16 = plain_steps_per_s(data, device, args.steps, bf16=True, batch=batch)
     print(f"3. plain loop bf16 / fp32: {bf16 / plain_after:.3f}")
+    numel = sum(p.numel() for p in build_model("alexnet_cifar", num_classes=data.num_classes).parameters())
+    down, up = copy_seconds(numel, device)
+    moved = 2 * down + up
+    step = 1 / reference
+    print(f"4. physical limit of 1. (plain step / (plain step + copies of a commit)): {step / (step + moved):.3f}  "
+          f"({3 * 4 * numel / 1e6:.0f} MB a commit; host to device {4 * numel / down / 1e9:.1f} GB/s, device to "
+          f"host {4 * numel / up / 1e9:.1f} GB/s; plain step {1e3 * step:.2f} ms, copies {1e3 * moved:.2f} ms)")
 
 
 if __name__ == "__main__":
