@@ -345,6 +345,41 @@ def test_staged_views_give_the_same_commits_as_the_server_s_own_tensors(monkeypa
         assert copied[col].tolist() == direct[col].tolist()
 
 
+def test_a_worker_s_diagnostics_read_its_own_commit_not_the_copy_sent_to_the_server(monkeypatch, tmp_path):
+    """A GPU worker sends the server a copy of its commit on the server's device (`to_device`); its diagnostics
+    (GEM's central energy: the commit plus `aux`, both on the worker's device) must read the commit as the worker
+    rule made it. Reading the copy lost every GEM worker at its first commit on the first GPU run ("Expected all
+    tensors to be on the same device"). Forced here on the CPU: the staged view and a copy that moves."""
+    import dataclasses
+
+    from gem.engines import worker as wmod
+
+    data = gdata.make_synthetic(train_size=256, val_size=32)
+    job = Job(algorithm="gem", hp=gem_algo.Params(workers=3), model="mnist_cnn", data=data, workers=3,
+              batch_size=32, epochs=1, seed=0, engine={"name": "sim"})
+    monkeypatch.setattr(gem_algo, "FUSED", False)  # a GPU's path: torch operations, `central` in aux
+    _, direct = _sim_rows(job, tmp_path / "direct")
+    sent, read_own = [], []
+
+    def to_server(commit, device):  # as a move to another device does: new tensors
+        copy = dataclasses.replace(commit, delta=commit.delta.clone(),
+                                   payload={k: v.clone() for k, v in commit.payload.items()})
+        sent.append(copy)  # kept alive, so that no later tensor reuses its memory
+        return copy
+
+    def diagnostics(commit, layout, hp):
+        read_own.append(all(commit.delta.data_ptr() != c.delta.data_ptr() for c in sent))
+        return gem_algo.diagnostics(commit, layout, hp)
+
+    monkeypatch.setattr(wmod, "device_of", lambda job, w: torch.device("cpu", 0))
+    monkeypatch.setattr(wmod, "to_device", to_server)
+    monkeypatch.setattr(gem_algo, "ALGORITHM", dataclasses.replace(gem_algo.ALGORITHM, diagnostics=diagnostics))
+    _, moved = _sim_rows(job, tmp_path / "moved")
+    assert len(read_own) == len(sent) == len(direct) and all(read_own)
+    for col in ("loss", "staleness", "pi_median", "central_energy"):
+        assert moved[col].tolist() == direct[col].tolist()
+
+
 def test_to_device_moves_only_what_the_server_reads():
     from gem.algorithms import Commit
     from gem.engines.worker import to_device

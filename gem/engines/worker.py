@@ -229,10 +229,11 @@ class Worker:
         try:
             waited, stamp = time.monotonic() - asked, link.now()  # stamped in turn: times follow the clock
             commit = self.algo.worker_rule(self.state, self.x, self.model.grad, self.staged(view), self.hp)
-            commit = to_device(commit, view.theta.device)
-            link.submit(view, commit)
+            # the server gets the commit on its device; the diagnostics below read the one made here, beside aux
+            sent = to_device(commit, view.theta.device)
+            link.submit(view, sent)
             applied = time.perf_counter()
-            t = link.server.apply(view, commit)
+            t = link.server.apply(view, sent)
             applied = time.perf_counter() - applied
             if commit.pull_at is not None and commit.pull_at > t:
                 self.pull_at = commit.pull_at  # a barrier: pull before the next gradient, once t has reached it

@@ -137,7 +137,12 @@ class _Server(threading.Thread):
     def next_header(self, header: torch.Tensor) -> int | None:
         """The next worker's header, first come, first served: gloo keeps the notices of pending sends to a
         slot in the order they arrive, and a receive from any source takes the first (recvFromAny in gloo's
-        tcp transport). Returns its rank, or None if it died while its header was on the way."""
+        tcp transport). Returns its rank, or None if it died while its header was on the way.
+
+        Not yet handled: a worker that dies with its header sent but not received. gloo offers the dead rank's
+        notice first, and `recv_anysource` fails as it is posted, at every try, so the run fails here (README,
+        the failures table). Receiving per rank instead needs a thread per rank (a gloo receive's is_completed
+        stays False until it is waited on, and a timed-out wait drops the group)."""
         work = self.pg.recv_anysource([header], TAG_ASK)
         wait_s = self.wait_s
         try:
