@@ -57,17 +57,17 @@ run_checks() {
     step env 60 bash -c "nvidia-smi -L; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, \
 torch.cuda.is_available() and torch.cuda.get_device_name(0))'; nproc"
     for engine in process sim distributed; do
-        step "run-$engine" 120 $PY run.py device=$DEV engine=$engine hydra.run.dir=$RUNS/$engine "${MORE[@]}"
+        step "run-$engine" 60 $PY run.py device=$DEV engine=$engine hydra.run.dir=$RUNS/$engine "${MORE[@]}"
         trend "$RUNS/$engine"
     done
     for precision in fp32 bf16; do
-        step "alexnet-$precision" 240 $PY run.py device=$DEV model=alexnet_cifar data=synthetic \
+        step "alexnet-$precision" 100 $PY run.py device=$DEV model=alexnet_cifar data=synthetic \
             data.synthetic.task=prototypes workers=8 epochs=2 precision=$precision hydra.run.dir=$RUNS/alexnet_$precision "${MORE[@]}"
         trend "$RUNS/alexnet_$precision"
     done
     local pid
     pid=$(smi smi_16_workers.txt)
-    step workers-16 180 $PY run.py device=$DEV workers=16 hydra.run.dir=$RUNS/w16 "${MORE[@]}"
+    step workers-16 90 $PY run.py device=$DEV workers=16 hydra.run.dir=$RUNS/w16 "${MORE[@]}"
     [ -n "${pid:-}" ] && kill "$pid"
     trend "$RUNS/w16"
     # the most GPU memory each process held
