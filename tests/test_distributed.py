@@ -58,15 +58,17 @@ def test_commits_are_served_first_come_first_served(data, tmp_path):
     they all run. At b = 4 a worker's step is shorter than the server's exchange, so the workers queue at the
     server and are of equal speed as far as it can tell, where an unfair order would show most. Served in rank
     order (the original code's polling), low ranks would take most of the commits and τ would split into 0 for
-    them and large for the others; first come, first served gives each of the 4 workers 1/n ± 10% of each half of
-    the run, and τ = n - 1 for most commits (round robin)."""
+    them and large for the others; first come, first served gives each of the 4 workers 1/n ± 20% of each half of
+    the run, and τ = n - 1 for most commits (round robin). The bound, measured: a fair server on a loaded machine
+    (this suite on 2 cores; a 16-core machine running GPU jobs beside it) gave shares from 0.22 to 0.29 (±16%);
+    the unfair server below starves its last rank to 0.14 (-44%)."""
     n = 4
     result, m, _ = run(job(data, n, algorithm="downpour", hp=downpour.Params(), batch_size=4), tmp_path)
     assert result.status == "completed" and len(m) == n * 256 // 4
     for half in (m[m["step"] <= len(m) // 2], m[m["step"] > len(m) // 2]):
         shares = half["worker"].value_counts(normalize=True)
         assert sorted(shares.index) == list(range(n))
-        assert ((shares - 1 / n).abs() <= 0.1 / n).all(), shares.to_dict()
+        assert ((shares - 1 / n).abs() <= 0.2 / n).all(), shares.to_dict()
     assert m.loc[m["worker_step"] > 1, "staleness"].median() == n - 1
 
 
@@ -134,7 +136,7 @@ class _HighRankWaits(_Server):
 def test_the_fairness_test_catches_an_unfair_server(data, tmp_path, monkeypatch):
     """The test above is not vacuous: a server that lets the highest rank wait fails it."""
     monkeypatch.setattr(launch, "_Server", _HighRankWaits)
-    with pytest.raises(AssertionError, match=r"0\.1 / 4"):
+    with pytest.raises(AssertionError, match=r"0\.2 / 4"):
         test_commits_are_served_first_come_first_served(data, tmp_path)
 
 
