@@ -345,6 +345,7 @@ def test_staged_views_give_the_same_commits_as_the_server_s_own_tensors(monkeypa
         assert copied[col].tolist() == direct[col].tolist()
 
 
+@pytest.mark.slow
 def test_a_worker_s_diagnostics_read_its_own_commit_not_the_copy_sent_to_the_server(monkeypatch, tmp_path):
     """A GPU worker sends the server a copy of its commit on the server's device (`to_device`); its diagnostics
     (GEM's central energy: the commit plus `aux`, both on the worker's device) must read the commit as the worker
@@ -378,6 +379,20 @@ def test_a_worker_s_diagnostics_read_its_own_commit_not_the_copy_sent_to_the_ser
     assert len(read_own) == len(sent) == len(direct) and all(read_own)
     for col in ("loss", "staleness", "pi_median", "central_energy"):
         assert moved[col].tolist() == direct[col].tolist()
+
+
+def test_the_forkserver_preloads_torchvision_only_for_a_model_that_uses_it():
+    from gem.engines.worker import uses_torchvision
+
+    def job(model):
+        return Job(algorithm="gem", hp=gem_algo.Params(), model=model, data=None, workers=1, batch_size=1, epochs=1,
+                   seed=0)
+
+    assert not uses_torchvision(job("mnist_cnn")) and uses_torchvision(job("resnet18_cifar"))
+    assert not uses_torchvision(job(models.ModelSpec("mnist_cnn", "gem.models.MnistCNN")))
+    assert uses_torchvision(job(models.ModelSpec("resnet18_cifar", "gem.models.resnet18_cifar")))
+    assert uses_torchvision(job(models.ModelSpec("resnet50", "hydra.utils.instantiate",
+                                                 {"config": {"_target_": "torchvision.models.resnet50"}})))
 
 
 def test_to_device_moves_only_what_the_server_reads():

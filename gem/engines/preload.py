@@ -41,10 +41,8 @@ for _name in algorithms.ALGORITHMS:
 from gem.algorithms import gem as _gem  # noqa: E402
 
 _gem.warm()  # GEM's fused loops, compiled (or loaded from numba's cache) once, here, rather than in every worker
-try:  # torchvision's models (resnet18_cifar) and datasets, where a worker builds them
-    import torchvision  # noqa: F401
-except ImportError:
-    pass
+# torchvision (1.5 s to import, most of a run's start-up) is preloaded as a module of its own, only for a job whose
+# model needs it (gem.engines.worker.worker_context)
 
 
 def threads() -> int:

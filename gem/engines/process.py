@@ -352,7 +352,7 @@ def run(job: Job, recorder) -> Result:
         for w in coord.pending_workers():
             ckpt.load_worker(job.resume, w)
     shared = _share(job)
-    ctx = worker_context()
+    ctx = worker_context(job)
     turn = coord.turn = Turn(ctx, n + 1)
     turn.state[0] = n  # the coordinator holds the turn until every worker is ready: all start from one θ
     tensors = server.tensors()

@@ -90,7 +90,20 @@ def keep_heap() -> None:
         pass
 
 
-def worker_context():
+def uses_torchvision(job) -> bool:
+    """Whether the job's model is built with torchvision (resnet18_cifar, or a `_target_` in torchvision): its
+    workers then find torchvision imported in the forkserver. A model of the user's own that imports torchvision
+    inside still works; each of its workers imports torchvision itself."""
+    import json
+
+    model = job.model
+    if isinstance(model, str):  # a built-in model's name
+        return model == "resnet18_cifar"
+    return model.name == "resnet18_cifar" or "torchvision" in model.factory or "torchvision" in json.dumps(
+        model.kwargs, default=str)
+
+
+def worker_context(job=None):
     """The multiprocessing context that starts worker processes (process, and distributed's local launch): forked
     from a forkserver that has imported torch and gem once (gem.engines.preload), so that a worker holds only what
     it computes with (BENCHMARKS.md, "Lean worker processes"). The forkserver is a fresh process, started once per
@@ -100,7 +113,10 @@ def worker_context():
     A forked worker's parent is the forkserver, which outlives the coordinator while workers are left, so
     `multiprocessing.parent_process()` cannot tell a worker that the coordinator is gone: the engine gives each
     worker the read end of a pipe whose write end only the coordinator holds, and which reads end of file once the
-    coordinator has exited."""
+    coordinator has exited.
+
+    The forkserver's imports are fixed when it starts (with this process's first run): torchvision is among them
+    when that run's model uses it (`uses_torchvision`)."""
     import multiprocessing
 
     import torch.multiprocessing as tmp
@@ -108,7 +124,7 @@ def worker_context():
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return tmp.get_context("spawn")
     ctx = tmp.get_context("forkserver")
-    ctx.set_forkserver_preload(["gem.engines.preload"])
+    ctx.set_forkserver_preload(["gem.engines.preload"] + (["torchvision"] if job and uses_torchvision(job) else []))
     return ctx
 
 

@@ -87,7 +87,7 @@ def run(job: Job, recorder) -> Result:
             # mostly waits on the wire. The same threads as the other engines: the same arithmetic at n = 1.
             threads = threads_per_process(n)
             torch.set_num_threads(threads)
-            ctx = worker_context()
+            ctx = worker_context(job)
             for r in range(1, n + 1):
                 p = ctx.Process(target=_local_worker, name=f"gem-worker-{r - 1}", daemon=True,
                                 args=(r, n + 1, local, port, START_TIMEOUT_S, threads))
