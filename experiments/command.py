@@ -105,7 +105,7 @@ def precheck(argv: list[str]) -> argparse.Namespace | None:
     if args.help or args.hydra_help or args.version or args.cfg or args.info or args.shell_completion \
             or args.config_name or args.config_path or args.config_dir or args.experimental_rerun:
         return None
-    refusing(composed, _base(args.overrides))  # what every job shares; the sweeper composes each job of a sweep
+    refusing(composed, base(args.overrides))  # what every job shares; the sweeper composes each job of a sweep
     if not args.multirun:
         refusing(expand, args.overrides, False)  # a sweep without -m
     return args
@@ -119,13 +119,13 @@ def preflight(argv: list[str]) -> list[Spec] | None:
     if args is None:
         return None
     jobs = refusing(expand, args.overrides, args.multirun)
-    config = refusing(compose, _base(args.overrides), True)
+    config = refusing(compose, base(args.overrides), True)
     if not args.multirun:
         return [refusing(check_run, config)]
     return refusing(check_sweep, config, jobs)
 
 
-def _base(overrides: list[str]) -> list[str]:
+def base(overrides: list[str]) -> list[str]:
     """The command's overrides that are not sweeps: what every job shares."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -161,17 +161,22 @@ def _refuse(line: str):
     sys.exit(2)
 
 
+def refusal(e: Exception) -> str:
+    """The one line that says why a check refused (experiments.api raises it, the command line prints it)."""
+    if isinstance(e, (ConfigError, gdata.DatasetMissing, Refused)):
+        return str(e)
+    if isinstance(e, OmegaConfBaseException):
+        return one_line(e)
+    msg = str(e).strip().splitlines()  # a malformed override, say: Hydra's first line is clear enough
+    return msg[0] if msg else type(e).__name__
+
+
 def refusing(fn, *args):
     """fn(*args), or one line and exit 2 on bad input: nothing has started and nothing is written."""
     try:
         return fn(*args)
-    except (ConfigError, gdata.DatasetMissing, Refused) as e:
-        _refuse(str(e))
-    except OmegaConfBaseException as e:
-        _refuse(one_line(e))
-    except Exception as e:  # noqa: BLE001 - a malformed override, say: Hydra's first line is clear enough
-        msg = str(e).strip().splitlines()
-        _refuse(msg[0] if msg else type(e).__name__)
+    except Exception as e:  # noqa: BLE001 - every error of a check is one line
+        _refuse(refusal(e))
 
 
 # ------------------------------------------------------------------------------ a command's jobs, checked
@@ -197,15 +202,17 @@ def _check_data(specs: list[Spec]) -> None:
         check_batch_size(spec.cfg.batch_size, d.name, gdata.train_size(d.name, key[1], d.synthetic.train_size))
 
 
-def check_run(config: DictConfig) -> Spec:
+def check_run(config: DictConfig, exit_on_plan: bool = True) -> Spec:
     """One run (`config`: the command as Hydra composed it, its `hydra` node included): its Spec and data; its plan
-    (exit 0) for plan=true; else its run directory taken (the lock is held until this process exits) and checked.
-    Raises on bad input (`refusing` makes it one line)."""
+    for plan=true (then exit 0, or the Spec returned with `exit_on_plan=False`); else its run directory taken (the
+    lock is held until this process exits) and checked. Raises on bad input (`refusing` makes it one line)."""
     spec = checked(task_config(config))
     _check_data([spec])
     if spec.cfg.plan:
         plan.show([(list(config.hydra.overrides.task), spec)])
-        sys.exit(0)
+        if exit_on_plan:
+            sys.exit(0)
+        return spec
     rundir.check_run_dir(spec, Path(os.path.abspath(str(config.hydra.run.dir))))
     note = _single_run_note(config)
     if note:
