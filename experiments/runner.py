@@ -127,6 +127,11 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
         rundir.remove_temporary(run_dir)
         print(f"error: {e}", file=sys.stderr)
     except Exception as e:
+        interrupt = _interrupt_behind(e)
+        if interrupt is not None:  # Ctrl-C or SIGTERM inside compiled code (numba): the interruption, not an error
+            why = "SIGTERM" if isinstance(interrupt, Terminated) else "Ctrl-C"
+            result = Result("failed", recorder.commits if recorder else 0, reason=f"interrupted ({why})")
+            raise interrupt from None
         result = Result("failed", recorder.commits if recorder else 0, reason=f"{type(e).__name__}: {e}")
         where = run_dir / "error.txt"
         try:
@@ -154,6 +159,19 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
             rundir.remove_temporary(run_dir)
             print(f"error: {e}; the run's summary is not on disk", file=sys.stderr)
     return summary
+
+
+def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt (Ctrl-C, or SIGTERM as Terminated) that an error stands for: a signal handled while a
+    numba-compiled loop runs comes out as `SystemError: ... returned a result with an exception set`, caused by the
+    interruption."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _launched_by_hydra() -> tuple[DictConfig | None, dict]:

@@ -86,3 +86,25 @@ def test_the_example_notebook_runs_in_a_jupyter_kernel(tmp_path):
     assert "refused: workers=0 is not allowed; workers must be an integer >= 1" in text
     assert any("image/png" in o.get("data", {}) for o in outputs)
     assert len(list((tmp_path / "outputs").glob("*/*/summary.json"))) == 2
+
+
+def test_an_interruption_inside_compiled_code_is_an_interruption_not_a_failure(tmp_path, monkeypatch):
+    """Ctrl-C handled while a numba loop runs comes out of it as `SystemError: ... returned a result with an
+    exception set`, caused by the KeyboardInterrupt (seen in CI on the sim engine): the run is interrupted, as
+    for any Ctrl-C, not failed with an error."""
+    from experiments import runner
+    from experiments.config import compose
+    from gem.engines import sim
+
+    def numba_interrupted(job, recorder):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise SystemError("CPUDispatcher(<function _median_loop>) returned a result with an exception set") from e
+
+    monkeypatch.setattr(sim, "run", numba_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(compose(["engine=sim", "logger.wandb.mode=disabled"]), tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["reason"] == "interrupted (Ctrl-C)"
+    assert not (tmp_path / "run" / "error.txt").exists()
