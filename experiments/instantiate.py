@@ -69,6 +69,9 @@ def model_spec(cfg: DictConfig) -> models.ModelSpec:
         raise ConfigError("model has no _target_; give model=<one of the configs in conf/model> or "
                           "model._target_=<import path of a torch.nn.Module>")
     config = OmegaConf.to_container(node, resolve=True)
+    if "num_classes" in config and _given_by_default(node, "num_classes") and not _takes(config["_target_"],
+                                                                                        "num_classes"):
+        del config["num_classes"]  # the group's default for gem's own models; this constructor has no such argument
     name = display_name("model", node)
     kwargs = {k: v for k, v in config.items() if k != "_target_"}
     plain = all(not k.startswith("_") and (v is None or isinstance(v, (str, int, float, bool)))
@@ -81,6 +84,23 @@ def model_spec(cfg: DictConfig) -> models.ModelSpec:
     if plain:
         return models.ModelSpec(name, config["_target_"], kwargs)
     return models.ModelSpec(name, "hydra.utils.instantiate", {"config": config})
+
+
+def _given_by_default(node: DictConfig, key: str) -> bool:
+    """The key holds the model group's default, `${data.num_classes}`, rather than a value the user set."""
+    return OmegaConf.to_container(node, resolve=False).get(key) == "${data.num_classes}"
+
+
+def _takes(target: str, argument: str) -> bool:
+    """Whether the callable at `target` accepts `argument` (by name, or through **kwargs); True where it cannot
+    be told (the constructor then says so itself)."""
+    import inspect
+
+    try:
+        params = inspect.signature(models.locate(target)).parameters.values()
+    except (ValueError, TypeError):
+        return True
+    return any(p.name == argument or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def build_meta(cfg: DictConfig) -> torch.nn.Module:
@@ -142,9 +162,12 @@ def check_pairing(spec: models.ModelSpec, loss: str, dataset: gdata.Dataset, see
         raise ConfigError(f"model={spec.name} gives outputs of shape {got} for a batch of {len(x)}; gem trains "
                           "classifiers: the model must return (batch, classes) scores")
     if out.shape[1] != dataset.num_classes:
+        takes = "num_classes" in spec.kwargs or "num_classes" in spec.kwargs.get("config", {})
+        fix = (f"set model.num_classes={dataset.num_classes}" if takes else
+               f"give the model {dataset.num_classes} outputs (its constructor takes no num_classes)")
         raise ConfigError(f"model={spec.name} has {out.shape[1]} outputs but data={dataset.name} has "
-                          f"{dataset.num_classes} classes; set model.num_classes={dataset.num_classes} (or "
-                          "data.num_classes)")
+                          f"{dataset.num_classes} classes; {fix}, or set data.num_classes if the data has "
+                          f"{out.shape[1]} classes")
     if loss == "nll":
         lse = torch.logsumexp(out.float(), dim=1).abs().max().item()
         if lse > 1e-3:

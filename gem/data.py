@@ -292,30 +292,46 @@ SYNTHETIC_TASKS = ("teacher", "prototypes")
 # ------------------------------------------------------------------------- any torchvision-style dataset
 
 
+# the usual names of a file's splits, in the order they are looked for
+TRAIN_KEYS = (("x", "y"), ("x_train", "y_train"))
+HELD_OUT_KEYS = (("x_val", "y_val"), ("x_valid", "y_valid"), ("x_test", "y_test"))
+
+
 class TensorFile:
     """Plain tensors from a file, as a torchvision-style dataset: `.npz` (numpy) or `.pt` (a dict of tensors).
 
-    The file holds `x` (N, ...) inputs and `y` (N,) integer labels, and optionally `x_val`, `y_val`. Without
-    them, a fixed `val_fraction` of the examples (the same for every seed) is the validation split. `.pt` files
-    are read with `weights_only=True`: tensors only, no code runs.
+    The training split is `x`, `y` (or `x_train`, `y_train`): (N, ...) inputs and (N,) integer labels. The
+    validation split is the first held-out pair the file has: `x_val`/`y_val`, `x_valid`/`y_valid`, then
+    `x_test`/`y_test`; without one, a fixed `val_fraction` of the training examples (the same for every seed).
+    Which arrays serve which split is printed once, with any held-out pair left unused. `.pt` files are read
+    with `weights_only=True`: tensors only, no code runs.
     """
 
     def __init__(self, path: str, train: bool = True, val_fraction: float = 0.1):
         arrays = _read_arrays(path)
-        for k in ("x", "y"):
-            if k not in arrays:
-                raise ValueError(f"{path} has no '{k}' array (it has: {', '.join(sorted(arrays)) or 'none'}); "
-                                 "it needs x (inputs) and y (labels), optionally x_val and y_val")
-        x, y = torch.as_tensor(arrays["x"]), torch.as_tensor(arrays["y"])
-        if "x_val" in arrays and "y_val" in arrays:
+        keys = next((k for k in TRAIN_KEYS if k[0] in arrays and k[1] in arrays), None)
+        if keys is None:
+            raise ValueError(f"{path} has no training arrays (it has: {', '.join(sorted(arrays)) or 'none'}); it "
+                             "needs x and y (or x_train and y_train), optionally x_val and y_val (or x_test, "
+                             "y_test)")
+        x, y = torch.as_tensor(arrays[keys[0]]), torch.as_tensor(arrays[keys[1]])
+        held = [k for k in HELD_OUT_KEYS if k[0] in arrays and k[1] in arrays]
+        if held:
             if not train:
-                x, y = torch.as_tensor(arrays["x_val"]), torch.as_tensor(arrays["y_val"])
+                x, y = torch.as_tensor(arrays[held[0][0]]), torch.as_tensor(arrays[held[0][1]])
+                unused = "; " + ", ".join(f"{a}/{b}" for a, b in held[1:]) + " not used" if held[1:] else ""
+                print(f"gem: {path}: training on {keys[0]}/{keys[1]} ({len(arrays[keys[1]])} examples), "
+                      f"validating on {held[0][0]}/{held[0][1]} ({len(y)}){unused}", flush=True)
         else:
             if not 0 < val_fraction < 1:
                 raise ValueError(f"val_fraction={val_fraction} must be in (0, 1)")
             perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
             k = max(1, int(round(len(x) * val_fraction)))
             idx = perm[k:] if train else perm[:k]
+            if not train:
+                print(f"gem: {path}: no held-out arrays (x_val/y_val, x_valid/y_valid, x_test/y_test): training on "
+                      f"{len(x) - k} of {keys[0]}/{keys[1]}, validating on the other {k} (val_fraction "
+                      f"{val_fraction})", flush=True)
             x, y = x[idx], y[idx]
         if len(x) != len(y):
             raise ValueError(f"{path}: {len(x)} inputs but {len(y)} labels")

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from gem.algorithms import sgd
 from gem.data import WorkerStream, make_synthetic
@@ -264,3 +265,49 @@ def test_a_flat_model_config_is_built_without_hydra_and_a_nested_one_through_it(
     b = build_model(ModelSpec("mnist_cnn", "hydra.utils.instantiate",
                               {"config": {"_target_": "gem.models.MnistCNN", "num_classes": 10}}))
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+# ----------------------------------------------------------------------------- a newcomer's own model
+
+
+class PlainNet(nn.Module):
+    """As a newcomer writes a model: a constructor without arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(28 * 28, self.outputs)
+
+    outputs = 10
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+
+
+class SevenNet(PlainNet):
+    outputs = 7
+
+
+def test_num_classes_is_passed_only_to_a_constructor_that_takes_it():
+    """The model group's default num_classes (${data.num_classes}) is left out for a constructor without it; a
+    value the user sets is passed, and a constructor that cannot take it says so."""
+    from experiments.config import ConfigError, checked, compose
+    from experiments.instantiate import model_spec
+
+    plain = compose([f"model._target_={__name__}.PlainNet"])
+    assert model_spec(plain).kwargs == {} and checked(plain)
+    assert model_spec(compose(["model=mnist_cnn"])).kwargs == {"num_classes": 10}
+    with pytest.raises(ConfigError, match=r"PlainNet could not be built: TypeError: .*num_classes"):
+        checked(compose([f"model._target_={__name__}.PlainNet", "model.num_classes=10"]))
+
+
+def test_the_class_count_hint_names_only_keys_the_model_has(tmp_path):
+    from experiments.api import Refused, run
+
+    with pytest.raises(Refused) as e:
+        run(f"model._target_={__name__}.SevenNet", f"hydra.run.dir={tmp_path / 'run'}")
+    assert str(e.value) == (f"model={__name__}.SevenNet has 7 outputs but data=digits has 10 classes; give the model "
+                            "10 outputs (its constructor takes no num_classes), or set data.num_classes if the data "
+                            "has 7 classes")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(Refused, match=r"; set model.num_classes=10, or set data.num_classes"):
+        run("model=mnist_cnn", "model.num_classes=7", f"hydra.run.dir={tmp_path / 'run2'}")

@@ -223,6 +223,25 @@ def test_plain_tensors_from_a_file(tmp_path, suffix):
         gdata.from_datasets("tensors", train, val, num_classes=2)
 
 
+@pytest.mark.parametrize("keys, used, unused", [
+    (("x_train", "y_train", "x_test", "y_test"), "x_test/y_test", ""),
+    (("x", "y", "x_valid", "y_valid"), "x_valid/y_valid", ""),
+    (("x", "y", "x_val", "y_val", "x_test", "y_test"), "x_val/y_val", "; x_test/y_test not used"),
+])
+def test_a_file_s_held_out_split_is_found_by_its_usual_names_and_named(tmp_path, capsys, keys, used, unused):
+    """`x_test`/`y_test` used to be dropped without a word (only x_val/y_val were read): every usual name of a
+    held-out split is read, and the line says which arrays serve which split."""
+    g = torch.Generator().manual_seed(0)
+    train_x, held_x = torch.randn(40, 3, generator=g), torch.randn(8, 3, generator=g) + 100
+    arrays = dict(zip(keys, (train_x, torch.arange(40) % 2, held_x, torch.arange(8) % 2,
+                             torch.randn(5, 3, generator=g) - 100, torch.arange(5) % 2), strict=False))
+    np.savez(tmp_path / "mine.npz", **{k: v.numpy() for k, v in arrays.items()})
+    train, val = (gdata.TensorFile(str(tmp_path / "mine.npz"), train=t) for t in (True, False))
+    assert len(train) == 40 and torch.equal(val.data, held_x)
+    assert capsys.readouterr().out == (f"gem: {tmp_path / 'mine.npz'}: training on {keys[0]}/{keys[1]} (40 examples), "
+                                       f"validating on {used} (8){unused}\n")
+
+
 def test_data_tensors_runs_end_to_end(tmp_path):
     g = torch.Generator().manual_seed(0)
     y = torch.arange(400) % 4
