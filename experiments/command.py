@@ -381,7 +381,8 @@ def main(cfg: DictConfig) -> dict | None:
     except KeyboardInterrupt as e:  # the run directory is already closed, with status failed
         why, code = ("SIGTERM", 143) if isinstance(e, runner.Terminated) else ("Ctrl-C", 130)
         print(f"gem: interrupted by {why}; the run directory {hc.runtime.output_dir} is closed "
-              "(status failed, rows up to the interruption kept)", file=sys.stderr)
+              f"(status failed, rows up to the interruption kept); "
+              f"{resume_hint(Path(hc.runtime.output_dir), multirun)}", file=sys.stderr)
         sys.exit(code)
     print(runner.format_summary(summary), flush=True)
     # A failed job ends a single run with an error code; in a sweep the other jobs go on. A diverged run is a
@@ -389,6 +390,24 @@ def main(cfg: DictConfig) -> dict | None:
     if summary["status"] == "failed" and not multirun:
         sys.exit(1)
     return summary
+
+
+def resume_hint(run_dir: Path, multirun: bool) -> str:
+    """How to go on after an interruption: resume=true, from the run's last checkpoint if it has one."""
+    from gem.engines import checkpoint as ckpt
+
+    try:
+        step = ckpt.read_manifest(run_dir)["step"]
+    except ckpt.CheckpointError:
+        step = None
+    if multirun:
+        return ("to finish the sweep, run the identical -m command with resume=true (this job "
+                + (f"resumes from its checkpoint at commit {step})" if step is not None else
+                   "starts again: it had no checkpoint yet)"))
+    if step is None:
+        return "it had no checkpoint yet (engine.checkpoint_every), so resume=true cannot continue it: run it again"
+    return (f"to continue from its checkpoint at commit {step}, run the same command with resume=true "
+            f"hydra.run.dir={run_dir}")
 
 
 def _resume_job(spec: Spec, job_dir: Path, num: int) -> dict | None:

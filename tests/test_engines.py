@@ -607,6 +607,7 @@ def test_ctrl_c_and_sigterm_leave_no_child_behind(tmp_path, sig, code, engine):
     finally:
         p.kill()
     assert p.returncode == code, err
+    assert "resume=true" in err.splitlines()[-1], err  # the last line says how to go on
     time.sleep(0.5)
     alive = [k for k in kids if is_alive(k)]
     assert alive == [], f"children left behind: {alive}"

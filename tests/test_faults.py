@@ -300,3 +300,19 @@ def test_every_worker_killed_fails_with_every_worker_lost(tmp_path):
     assert summary["status"] == "failed" and summary["lost_workers"] == [0, 1]
 
 
+
+
+def test_the_interruption_line_says_how_to_go_on(tmp_path):
+    """Ctrl-C and SIGTERM end with a line that says what resume=true will do with this run or sweep."""
+    from experiments.command import resume_hint
+    from gem.engines import checkpoint as ckpt
+
+    assert resume_hint(tmp_path, False) == ("it had no checkpoint yet (engine.checkpoint_every), so resume=true "
+                                            "cannot continue it: run it again")
+    assert resume_hint(tmp_path, True).endswith("resume=true (this job starts again: it had no checkpoint yet)")
+    (tmp_path / ckpt.CHECKPOINT / "step-50").mkdir(parents=True)
+    (tmp_path / ckpt.CHECKPOINT / "step-50" / "central.pt").write_bytes(b"")
+    (tmp_path / ckpt.CHECKPOINT / "manifest.json").write_text('{"step": 50, "dir": "step-50"}')
+    assert resume_hint(tmp_path, False) == ("to continue from its checkpoint at commit 50, run the same command "
+                                            f"with resume=true hydra.run.dir={tmp_path}")
+    assert resume_hint(tmp_path, True).endswith("(this job resumes from its checkpoint at commit 50)")
