@@ -213,11 +213,22 @@ def check_run(config: DictConfig, exit_on_plan: bool = True) -> Spec:
         if exit_on_plan:
             sys.exit(0)
         return spec
-    rundir.check_run_dir(spec, Path(os.path.abspath(str(config.hydra.run.dir))))
+    rundir.check_run_dir(spec, Path(os.path.abspath(_named_dir(config, "hydra.run.dir"))))
     note = _single_run_note(config)
     if note:
         print(note, file=sys.stderr)
     return spec
+
+
+def _named_dir(config: DictConfig, key: str) -> str:
+    """A run's or sweep's folder as given; an empty one (or `.`) would put the run's files among whatever is in the
+    current directory, the checkout say."""
+    where = str(OmegaConf.select(config, key)).strip()
+    if where in ("", ".", "./"):
+        default = "outputs/<date>/<time>" if key == "hydra.run.dir" else "multirun/<date>/<time>"
+        raise Refused(f"{key}='{where}' is not allowed: it would write the run's files into the current directory "
+                      f"({os.getcwd()}); name a folder of its own (default {default})")
+    return where
 
 
 def _single_run_note(config: DictConfig) -> str | None:
@@ -261,7 +272,7 @@ def check_sweep(config: DictConfig, jobs: list[list[str]], compose_job=None) -> 
 def _check_sweep_dir(config: DictConfig, specs: list[Spec]) -> list[str] | None:
     """No job's folder is in use or holds results (unless resume=true). Returns, for a sweep resumed with
     resume=true, what happens to each job (experiments.rundir.sweep_action)."""
-    sweep_dir = os.path.abspath(str(config.hydra.sweep.dir))
+    sweep_dir = os.path.abspath(_named_dir(config, "hydra.sweep.dir"))
     numbered = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir") == "${hydra.job.num}"
     if any(spec.cfg.resume for spec in specs):
         if not numbered:

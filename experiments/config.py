@@ -102,6 +102,8 @@ def validate(cfg: DictConfig) -> Spec:
         ("momentum", 0 <= cfg.momentum < 1, "a number in [0, 1)"),
         ("batch_size", cfg.batch_size >= 1, "an integer >= 1"),
         ("epochs", cfg.epochs >= 1, "an integer >= 1"),
+        # torch's generators take 64-bit seeds, and gem derives each worker's streams from the seed
+        ("seed", 0 <= cfg.seed < 2**32, "an integer from 0 to 4294967295 (2^32 - 1)"),
     ):
         if not cond:
             raise ConfigError(f"{key}={cfg[key]} is not allowed; {key} must be {allowed}")

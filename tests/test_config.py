@@ -86,6 +86,12 @@ BAD = [
      "engine.trace=/no/run is not a run directory (no summary.json)"),
     (["device=tpu"], "device=tpu is not allowed; use cpu, cuda (workers spread over the visible GPUs) or cuda:N"),
     (["model=alexnet_cifar", "data=digits", "data=mnist"], "model=alexnet_cifar expects 3x32x32 inputs but data=mnist"),
+    (["seed=99999999999999999999"], "seed=99999999999999999999 is not allowed; seed must be an integer from 0 to "
+                                    "4294967295 (2^32 - 1)"),  # was a 30-line traceback and an empty run directory
+    (["seed=-1"], "seed=-1 is not allowed"),
+    (["hydra.run.dir="], "hydra.run.dir='' is not allowed: it would write the run's files into the current "
+                         "directory"),  # the checkout root, say
+    (["-m", "seed=0,1", "hydra.sweep.dir=."], "hydra.sweep.dir='.' is not allowed"),
 ]
 
 
