@@ -75,8 +75,7 @@ def run_record(run_dir: Path) -> dict:
     if config.exists():
         rec.update({k: v for k, v in flatten(_config(config)).items() if not k.startswith("logger.")})
     rec["experiment"] = experiment_of(run_dir)
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary = _summary(run_dir / "summary.json")
     rec["workers_requested"] = summary.get("workers_requested", rec.get("workers"))  # before `workers` says what ran
     for k in RAN:
         if k in summary:
@@ -90,6 +89,20 @@ def run_record(run_dir: Path) -> dict:
         rec["lost_workers"] = len(rec["lost_workers"])
     rec["run_dir"] = str(run_dir)
     return rec
+
+
+def _summary(path: Path) -> dict:
+    """A run's summary.json ({} when absent); ValueError naming the file when it is not a JSON object."""
+    if not path.exists():
+        return {}
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} cannot be read as JSON ({e}); move that run directory aside or delete it") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{path} holds a JSON {type(summary).__name__}, not a run's summary (an object); move that "
+                         "run directory aside or delete it")
+    return summary
 
 
 def _as_the_summary_would(rec: dict) -> None:
@@ -110,11 +123,19 @@ def _as_the_summary_would(rec: dict) -> None:
 def _config(path: Path) -> dict:
     """A run's composed config with its interpolations resolved. Hydra saves `.hydra/config.yaml` unresolved
     (`batch_size: ${per_worker:256}`); a run killed before its summary has nothing else to say what ran."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     import experiments.schema  # noqa: F401 - registers the resolvers the experiments use (per_worker)
 
-    node = OmegaConf.load(path)
+    try:
+        node = OmegaConf.load(path)
+    except Exception as e:  # noqa: BLE001 - YAML's own errors: a damaged or foreign file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{path} cannot be read as YAML ({first}); move that run directory aside or delete it") \
+            from None
+    if not isinstance(node, DictConfig):
+        raise ValueError(f"{path} holds a YAML {type(node).__name__}, not a run's config; move that run directory "
+                         "aside or delete it")
     if "hydra" in node:
         del node["hydra"]
     try:

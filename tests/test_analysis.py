@@ -69,3 +69,29 @@ def test_flatten_names_groups_by_their_choice():
     assert flatten({"algorithm": {"name": "gem", "kappa": 2}, "lr": 0.1, "data": {"name": "mnist",
                     "synthetic": {"seed": 3}}}) == {"algorithm": "gem", "algorithm.kappa": 2, "lr": 0.1,
                                                     "data": "mnist", "data.synthetic.seed": 3}
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("summary.json", "[1, 2]", "holds a JSON list, not a run's summary (an object)"),
+    ("summary.json", "{not json", "cannot be read as JSON (Expecting property name"),
+    (".hydra/config.yaml", "a: [1,\n  b: {", "cannot be read as YAML ("),
+    (".hydra/config.yaml", "- 1\n- 2\n", "holds a YAML ListConfig, not a run's config"),
+])
+def test_a_damaged_run_file_is_one_line_naming_it(tmp_path, name, text, says):
+    """Was a traceback (a list, or YAML that is not YAML), or a line without the file's name (JSON)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    run = tmp_path / "sweep" / "0"
+    (run / ".hydra").mkdir(parents=True)
+    (run / name).write_text(text)
+    with pytest.raises(ValueError) as e:
+        runs(tmp_path / "sweep")
+    assert str(e.value).startswith(f"{run / name} {says}") and "\n" not in str(e.value)
+    if text != "[1, 2]":
+        return  # the command line, once: it prints the same line
+    r = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path / "sweep"), "--out",
+                        str(tmp_path / "report.md")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and r.stderr.startswith(f"error: {run / name} {says}") and r.stderr.count("\n") == 1
