@@ -260,6 +260,20 @@ def unstarted(r: pd.DataFrame, short: bool = False) -> str:
     return "; ".join(out)
 
 
+def describe(r: pd.DataFrame) -> str:
+    """One line on a set of runs (a `runs` frame) for the terminal, what a figure's title and a report say: how
+    many runs of each status, that means and final losses are over the completed ones, and the jobs of their
+    sweeps that have not run."""
+    status = r["status"].fillna("incomplete").astype(str) if "status" in r else pd.Series(dtype=object)
+    counts = status.value_counts()
+    order = ["completed", *sorted(set(counts.index) - {"completed"})]
+    line = f"{len(r)} run{'s' if len(r) != 1 else ''}: " + ", ".join(f"{counts[k]} {k}" for k in order if k in counts)
+    if len(counts) > 1 or "completed" not in counts:
+        line += f"; means and final losses are over the {counts.get('completed', 0)} completed"
+    missing = unstarted(r)
+    return f"{line}; {missing}" if missing else line
+
+
 def runs(paths) -> pd.DataFrame:
     """One row per run: config columns, then summary columns; `run_dir` identifies the run."""
     records = [run_record(d) for d in find_runs(paths)]

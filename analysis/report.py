@@ -457,8 +457,8 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError, WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    note = "" if (runs["status"] == "completed").all() else f" ({headline(runs).split(':')[0]})"
-    print(f"report: {path}{note}")
+    print(f"report: {path}")
+    print(load.describe(runs))  # what the report says of its runs, here too
     return 0
 
 

@@ -63,7 +63,7 @@ def draw_all(root, out: Path, target: float, band="minmax") -> tuple[int, int]:
         where = run_dirs[0].parent
         try:
             paths = draw(fig_id, run_dirs, out, target, band)
-            print(f"{fig_id}: {', '.join(map(str, paths))}  (from {where})")
+            print(f"{fig_id}: {', '.join(map(str, paths))}  (from {where}: {load.describe(load.runs(run_dirs))})")
             drawn += 1
         except Exception as e:  # one figure's problem must not stop the others
             print(f"{fig_id}: not drawn, {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
@@ -88,6 +88,7 @@ def main(argv=None) -> int:
             return 0 if drawn else 1
         for path in draw(args.figure, args.paths, args.out, args.target_loss, band):
             print(path)
+        print(load.describe(load.runs(args.paths)))  # what the figure's title says of its runs, here too
     except (NoRuns, FileNotFoundError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

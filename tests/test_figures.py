@@ -467,6 +467,18 @@ def test_fig1_on_an_interrupted_sweep_draws_unfinished_runs_apart_and_names_the_
 
 
 @pytest.mark.slow
+def test_the_terminal_says_what_a_figure_left_out(interrupted, tmp_path, capsys):
+    """The figure's title counts its runs by status; the command's output now says the same (it printed only the
+    figure's paths)."""
+    from paper_figures.__main__ import main
+
+    assert main(["fig1", str(interrupted), "--out", str(tmp_path / "figures")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == ("7 runs: 2 completed, 1 diverged, 2 failed, 2 incomplete; "
+                                                        "means and final losses are over the 2 completed")
+    plots.plt.close("all")
+
+
+@pytest.mark.slow
 @SHARED
 def test_fig2_and_fig4_refuse_sim_runs_in_one_line(sweep, process_runs, tmp_path, capsys):
     for fig_id in ("fig2", "fig4"):

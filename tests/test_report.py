@@ -142,4 +142,7 @@ def test_the_same_seed_twice_is_refused_not_counted_as_two(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: 2 runs share algorithm=gem, workers=2, seed=0 (") and "not two seeds" in err
     assert not (tmp_path / "t.csv").exists()
+    capsys.readouterr()
     assert report.main([str(tmp_path / "a"), "--out", str(tmp_path / "t.csv")]) == 0  # each seed once: fine
+    # the terminal says what the report says of its runs (it printed only the report's path)
+    assert capsys.readouterr().out == f"report: {tmp_path / 't.csv'}\n2 runs: 2 completed\n"
