@@ -762,3 +762,17 @@ def test_momentum_sgd_run_once_per_n_by_a_fig6_sweep_counts_once(sweep, tmp_path
     shutil.copytree(sweep / "2", root / "8")  # gem n = 2 seed 0 again: the same seed twice
     with pytest.raises(NoRuns, match="the same seed twice"):
         FIGURES["fig6"](root)
+
+
+@pytest.mark.slow
+@SHARED
+def test_the_readme_analysis_snippet_runs_and_its_figure_has_a_legend(sweep):
+    """The README's Analysis example, run as written on a small sweep (it drew curves without a legend)."""
+    text = (ROOT / "README.md").read_text()
+    code = text.split("## Analysis\n\n```python\n", 1)[1].split("```", 1)[0]
+    code = re.sub(r'load\.runs\("[^"]+"\)', f'load.runs(r"{sweep}")', code, count=1)
+    namespace: dict = {}
+    exec(compile(code, "README.md (Analysis)", "exec"), namespace)
+    labels = [t.get_text() for t in namespace["ax"].get_legend().get_texts()]
+    assert labels and all(label.startswith("n = ") for label in labels), labels
+    plots.plt.close("all")
