@@ -146,3 +146,17 @@ def test_the_same_seed_twice_is_refused_not_counted_as_two(tmp_path, capsys):
     assert report.main([str(tmp_path / "a"), "--out", str(tmp_path / "t.csv")]) == 0  # each seed once: fine
     # the terminal says what the report says of its runs (it printed only the report's path)
     assert capsys.readouterr().out == f"report: {tmp_path / 't.csv'}\n2 runs: 2 completed\n"
+
+
+def test_the_report_s_files_at_the_root_are_ignored_by_git():
+    """`python -m analysis.report <sweep> --out baselines.md` at the checkout's root left two untracked files."""
+    import shutil
+    import subprocess
+
+    from conftest import ROOT
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    names = ["baselines.html", "baselines.md", "baselines.png", "baselines.csv", "baselines.tex", "figures/fig1.png"]
+    r = subprocess.run(["git", "check-ignore", *names], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == names
