@@ -2,7 +2,7 @@
 reads (experiments.job builds the Job from it, experiments.rundir checks the run directory against it, the runner
 runs it). Nothing after `validate` checks the config again.
 
-Bad input gets one clear line that names the key and what is allowed (DESIGN §4), before any data is loaded or
+Bad input gets one clear line that names the key and what is allowed (docs/contract.md), before any data is loaded or
 any process starts. This module also composes configs with Hydra's compose API (`compose`, `check_job`) and
 expands a command's sweep into its jobs' overrides (`expand`), so that a command can be checked before Hydra
 launches anything (experiments.command).

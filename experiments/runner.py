@@ -1,7 +1,7 @@
 """One job run: its Spec (experiments.config) into a Job, the engine run, the run directory written.
 
 Nothing here needs Hydra: `run(cfg or spec, run_dir)` runs a job from Python as well as from the command line
-(experiments.command hands it the spec its checks made). Run directory (DESIGN §4): `summary.json`,
+(experiments.command hands it the spec its checks made). Run directory (docs/contract.md): `summary.json`,
 `metrics.parquet` (one row per commit), `eval.parquet` (the central variable every `logger.eval_every` commits and
 at the end), `tensors.parquet` (per-tensor diagnostics, for algorithms that log them), `wandb/` (unless
 disabled) and `.hydra/` (when Hydra launched it).

@@ -1,5 +1,5 @@
 """The config's schema: the top-level keys, the groups' keys with their types and defaults, and the `per_worker`
-resolver (DESIGN §4). Types are enforced by Hydra when a config is composed; values are checked by
+resolver (docs/contract.md). Types are enforced by Hydra when a config is composed; values are checked by
 experiments.config.validate.
 """
 
@@ -23,7 +23,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 
 @dataclass
 class Config:
-    """Top-level keys (DESIGN §4). Types here are enforced by Hydra when the config is composed."""
+    """Top-level keys (docs/contract.md). Types here are enforced by Hydra when the config is composed."""
 
     algorithm: Any = MISSING
     engine: Any = MISSING

@@ -1,4 +1,4 @@
-"""One function per paper figure (DESIGN §5). Each takes the run directories of a sweep (and `band`: "minmax",
+"""One function per paper figure (docs/design.md). Each takes the run directories of a sweep (and `band`: "minmax",
 "ci" or None, the band around each mean, `analysis.plots.curves`) and returns a matplotlib Figure;
 `python -m paper_figures <id> <sweep_dir> [--band ci]` saves it as <id>.png and <id>.pdf.
 
@@ -203,7 +203,7 @@ def fig2(paths, band="minmax"):
     return _finish(fig, "Fig. 2", "GEM, training loss against wall-clock seconds", m, r, band)
 
 
-# Fig. 3's median π, read off the paper's plot (DESIGN §5): not measured here, drawn for comparison
+# Fig. 3's median π, read off the paper's plot (docs/design.md): not measured here, drawn for comparison
 PAPER_FIG3 = {5: 0.8, 10: 0.45, 20: 0.15, 30: 0.08}
 
 

@@ -1,4 +1,4 @@
-"""Each update rule against tensors computed by hand (DESIGN §1, §2). A wrong sign or factor fails here."""
+"""Each update rule against tensors computed by hand (docs/design.md). A wrong sign or factor fails here."""
 
 import dataclasses
 import math

@@ -1,4 +1,4 @@
-"""The engine contract, one suite for the three engines (DESIGN §3): every commit once, staleness on the server's
+"""The engine contract, one suite for the three engines (docs/design.md): every commit once, staleness on the server's
 clock, windowed commits, the same losses on every engine with one worker, checkpoints and resume, divergence,
 lost workers and signals where an engine has real workers, and an algorithm the engines have never seen."""
 

@@ -1,4 +1,4 @@
-"""Asynchronous optimisers as explicit records of small pure functions (DESIGN §2).
+"""Asynchronous optimisers as explicit records of small pure functions (docs/design.md, "Algorithms").
 
 Each algorithm module ends with one `Algorithm` record, in the spirit of optax's `GradientTransformation`:
 
@@ -16,7 +16,7 @@ Each algorithm module ends with one `Algorithm` record, in the spirit of optax's
   turn. ``view`` (a `View`) holds the live central variable θ and the server's tensors (read them, never keep a
   reference), the clock t, this commit's staleness τ and the worker's id. This runs before the server applies the
   worker's commit, so a copy of θ taken now is θ just before the worker's own commit, which is the reference
-  GEM needs for θ − s (DESIGN §1). Do here only what the commit needs: statistics go in ``diagnostics``.
+  GEM needs for θ − s (docs/design.md). Do here only what the commit needs: statistics go in ``diagnostics``.
 - ``prepare(state, x, grad, hp)`` (optional): the part of a commit that does not read θ, run at the window's end
   just before the worker takes the turn (GEM: Δθ, its proxy's next value, π's numerator and denominator). It
   writes scratch buffers only, never ``state`` or ``x``: a checkpoint taken while the worker waits for the turn

@@ -1,5 +1,5 @@
 """Staleness-aware SGD (DynSGD, Jiang et al. 2017): DOWNPOUR's workers, and a server that divides each commit
-by its staleness plus one (DESIGN §2): θ ← θ + Δ/(τ + 1).
+by its staleness plus one (docs/design.md, "Algorithms"): θ ← θ + Δ/(τ + 1).
 
 τ is measured by the parameter server on its own clock, so the scaling uses the true number of commits the
 worker missed. With n equally fast workers τ = n − 1, so each commit counts 1/n: the group moves about as far

@@ -1,4 +1,4 @@
-"""Accumulated Gradient Normalisation (Hermans et al. 2017), DESIGN §2.
+"""Accumulated Gradient Normalisation (Hermans et al. 2017); docs/design.md, "Algorithms".
 
 Each worker takes λ local SGD steps, like DOWNPOUR, and commits the accumulated difference divided
 by λ: the average step of the window rather than its sum. The server adds it: θ ← θ + Δ/1. Fewer, smaller,

@@ -1,6 +1,6 @@
 """Asynchronous local SGD with delayed Nesterov momentum (Liu et al. 2024, "Asynchronous Local-SGD Training for
 Language Modeling", Sec. 5, "Delayed Nesterov"), the outer optimiser of DiLoCo (Douillard et al. 2023, "DiLoCo:
-Distributed Low-Communication Training of Language Models") run asynchronously, DESIGN §2.
+Distributed Low-Communication Training of Language Models") run asynchronously; docs/design.md, "Algorithms".
 
 Inner loop, on each worker: H (`window`) steps of SGD with momentum from the θ it pulled, s, with the top-level
 `lr` and `momentum` (the proxy's η and μ; DiLoCo's inner optimiser is AdamW, SGD with momentum stands in for it

@@ -1,5 +1,5 @@
 """Delay-compensated ASGD (Zheng et al., ICML 2017, "Asynchronous Stochastic Gradient Descent with Delay
-Compensation"), DESIGN §2.
+Compensation"); docs/design.md, "Algorithms".
 
 A worker's gradient g = ∇L(θ_bak) was taken at θ_bak, the θ it pulled; by the time it reaches the server θ has
 moved on. DC-ASGD corrects g to first order in θ − θ_bak with a diagonal approximation of the Hessian, λ·g⊙g:

@@ -1,4 +1,4 @@
-"""DOWNPOUR (Dean et al. 2012): workers take local SGD steps and commit the difference (DESIGN §2).
+"""DOWNPOUR (Dean et al. 2012): workers take local SGD steps and commit the difference (docs/design.md).
 
 Each worker moves its local copy by plain SGD steps, x ← x − η∇L(x). Every `window` (λ) local steps it
 commits the accumulated difference x − s, where s is the θ it last pulled; the server adds it as it is,
@@ -25,7 +25,7 @@ class Params:
     lr: float = 0.05
     momentum: float = 0.9
     window: int = 1  # λ: local steps between commits
-    local_momentum: float = 0.0  # the workers' own momentum; 0: plain SGD steps (DESIGN §2)
+    local_momentum: float = 0.0  # the workers' own momentum; 0: plain SGD steps, as their papers define them
 
     def __post_init__(self):  # inherited by adaptive's and agn's Params
         require(isinstance(self.window, int) and self.window >= 1, "window", self.window, "an integer >= 1")

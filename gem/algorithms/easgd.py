@@ -1,4 +1,4 @@
-"""Asynchronous Elastic Averaging SGD (Zhang, Choromanska & LeCun 2015, Algorithm 1), DESIGN §2.
+"""Asynchronous Elastic Averaging SGD (Zhang, Choromanska & LeCun 2015, Algorithm 1); docs/design.md.
 
 Each worker explores with its own variable x, linked to the central variable θ by an elastic force. Between
 exchanges it takes plain SGD steps x ← x − η∇L(x). Every `window` (λ) local steps it reads θ and computes the

@@ -1,4 +1,4 @@
-"""Gradient Energy Matching (Hermans & Louppe 2018), DESIGN §1.
+"""Gradient Energy Matching (Hermans & Louppe 2018); docs/design.md, "The science in one page".
 
 Each worker keeps the proxy, its own estimate of sequential momentum SGD, m ← μm + Δθ with Δθ = −η∇L,
 and rescales its update element by element so that the kinetic energy of the central variable matches the
@@ -15,7 +15,7 @@ workers. Each commit carries the worker's m, and the server keeps their running 
 until n have arrived, then an exponential average with weight 1/n (about the last n commits, one per
 worker). Workers use κ|M| in place of κ|m|: the same scale, with the noise of n workers averaged out.
 
-Per-commit diagnostics (DESIGN §2): the median, mean and fraction-zero of π over all elements and per
+Per-commit diagnostics (docs/design.md): the median, mean and fraction-zero of π over all elements and per
 parameter tensor, the fraction clamped at π_max, the proxy energy ½‖κm‖² (κM with the global proxy), and
 the central energy ½‖θ − s + πΔθ‖². The median is the lower median (torch.median's convention).
 

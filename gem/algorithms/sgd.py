@@ -1,4 +1,4 @@
-"""Sequential momentum SGD: the proxy that GEM's workers try to match (DESIGN §2, `sgd`).
+"""Sequential momentum SGD: the proxy that GEM's workers try to match (docs/design.md, `sgd`).
 
 One worker, no staleness. With Δθ = −η∇L(θ), the momentum m ← μm + Δθ is committed and the server adds it:
 θ ← θ + m. This is exactly torch.optim.SGD(lr=η, momentum=μ) (its buffer b = −m/η).

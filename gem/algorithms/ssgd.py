@@ -1,4 +1,4 @@
-"""Synchronous SGD with n workers: the synchronous data-parallel baseline (DESIGN §2, `ssgd`).
+"""Synchronous SGD with n workers: the synchronous data-parallel baseline (docs/design.md, `ssgd`).
 
 Training goes in rounds. In each round every worker takes one gradient at the same θ, on its own mini-batch, and
 commits Δθᵢ = −η∇L. The server sums the round's commits; the n-th applies their mean through the proxy's momentum,

@@ -1,4 +1,4 @@
-"""Engines decide who runs the workers and in which order (DESIGN §3). Algorithms do not know about them.
+"""Engines decide who runs the workers and in which order (docs/design.md). Algorithms do not know about them.
 
 Every engine has `run(job, recorder) -> Result`, where `job` is a plain, picklable `Job` (no Hydra objects),
 so that child processes never need Hydra's resolvers.

@@ -39,7 +39,7 @@ def device_of(job, worker: int) -> torch.device:
 
 
 def worker_steps(job) -> int:
-    """Local gradient steps per worker: `epochs` full passes over the training set (DESIGN §1)."""
+    """Local gradient steps per worker: `epochs` full passes over the training set, as in the paper."""
     return job.epochs * (len(job.data.train_y) // job.batch_size)
 
 

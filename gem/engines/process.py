@@ -1,4 +1,4 @@
-"""The `process` engine: n real worker processes on one machine, θ in shared memory (DESIGN §3).
+"""The `process` engine: n real worker processes on one machine, θ in shared memory (docs/design.md, "Engines").
 
 Workers are OS processes forked from a forkserver that has imported torch and gem once (gem.engines.worker's
 `worker_context`), so each holds only what it computes with, and 100 of them fit on a laptop. Each runs the shared

@@ -1,4 +1,4 @@
-"""The parameter server's state and its one step, the same on every engine (DESIGN §3).
+"""The parameter server's state and its one step, the same on every engine (docs/design.md, "Engines").
 
 The server holds the central variable θ, the algorithm's server tensors, the clock t (commits applied) and, for
 every worker, the clock at its last pull. All of it is tensors: the `process` engine puts them in shared memory,

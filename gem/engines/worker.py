@@ -1,4 +1,4 @@
-"""One worker's cycle, the same on every engine (DESIGN §3).
+"""One worker's cycle, the same on every engine (docs/design.md, "Engines").
 
 A worker repeats: a gradient of the loss at its local copy x on its next mini-batch; a local step if that gradient
 does not end the algorithm's window (no server involved); else the commit, under the server's turn:
@@ -61,7 +61,7 @@ class Link(Protocol):
 
 
 def threads_per_process(processes: int) -> int:
-    """floor(cores / processes), at least 1 (DESIGN §3), and at most OMP_NUM_THREADS where it is set: the cap on
+    """floor(cores / processes), at least 1 (docs/design.md), and at most OMP_NUM_THREADS where it is set: the cap on
     torch's threads that torch itself honours in a process that sets none (the sim engine's)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // max(1, processes))

@@ -1,5 +1,5 @@
 """The `distributed` engine: the parameter server is rank 0 of a torch.distributed group, the workers are the
-other ranks, on one machine or many, over TCP (DESIGN §3).
+other ranks, on one machine or many, over TCP (docs/design.md, "Engines").
 
 Launch it with torchrun (`torchrun --nproc_per_node=N+1 run.py engine=distributed workers=N`, multi-node
 forms in the README), under SLURM with Hydra's submitit launcher, or from one command on one machine:
