@@ -130,7 +130,9 @@ def run(*overrides: str, **values) -> Run | None:
     if spec.cfg.plan:
         return None
     run_dir = Path(os.path.abspath(str(config.hydra.run.dir)))
-    summary = runner.run(spec, run_dir)  # Refused (one line) where the directory or the data refuse
+    experiment = config.hydra.runtime.choices.get("experiment")
+    # Refused (one line) where the directory or the data refuse; .hydra/ written as Hydra writes it
+    summary = runner.run(spec, run_dir, experiment=experiment, hydra=config.hydra)
     print(runner.format_summary(summary), flush=True)
     return Run(run_dir, summary)
 

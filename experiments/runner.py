@@ -18,7 +18,7 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from experiments import rundir, wandb_logger
 from experiments.config import ConfigError, Spec, checked
@@ -75,15 +75,20 @@ def prepare(spec: Spec, run_dir: Path) -> tuple[Job, dict | None]:
 
 
 def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None,
-        experiment: str | None = None) -> dict:
+        experiment: str | None = None, hydra: DictConfig | None = None) -> dict:
     """Run one job and write its directory. Returns the summary. `config`: a composed config
     (experiments.config.compose) or its Spec. Raises Refused (one line) before writing anything when the command
     cannot run; never raises for a failed or diverged run; Ctrl-C and SIGTERM close the run directory (status
-    failed) and are raised again."""
+    failed) and are raised again. `hydra`: the `hydra` node of a config composed with Hydra's (experiments.api),
+    saved as `.hydra/` as Hydra saves a launched job's; a job Hydra launched brings its own."""
     run_dir = Path(run_dir)
     spec = _spec(config)
     cfg = spec.cfg
-    hydra, choices = _launched_by_hydra()
+    launched, choices = _launched_by_hydra()
+    if launched is None and hydra is not None:  # composed by experiments.api: its `hydra` node, as Hydra would save it
+        launched = OmegaConf.create({"hydra": hydra})
+        choices = dict(hydra.runtime.choices)
+    hydra = launched
     job, manifest = prepare(spec, run_dir)
     t0 = time.perf_counter()
     summary = {"status": "failed", "algorithm": cfg.algorithm.name, "engine": cfg.engine.name,

@@ -56,6 +56,13 @@ def test_a_model_defined_in_main_trains_on_the_sim_engine(tmp_path, in_main):
             model=NotebookNet)
     assert r.status == "completed" and r.summary["model"] == "__main__.NotebookNet"
     assert len(r.metrics) == r.summary["steps"]
+    # the run directory of `python run.py`: .hydra/ included, so that analysis.load reads its config
+    from analysis import load
+
+    assert sorted(p.name for p in (r.run_dir / ".hydra").iterdir()) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
+    row = load.runs(r.run_dir).iloc[0]
+    assert (row["engine"], row["workers"], row["epochs"], row["model._target_"]) == ("sim", 2, 1,
+                                                                                    "__main__.NotebookNet")
 
 
 @pytest.mark.slow
