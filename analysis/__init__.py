@@ -1,4 +1,4 @@
 """Analysis of run directories: load sweeps into tidy pandas frames (`analysis.load`).
 
-Figures and reports build on these frames (issue 5).
+Figures and reports build on these frames.
 """

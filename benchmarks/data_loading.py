@@ -1,4 +1,4 @@
-"""Data loading benchmark (issue 2): in-memory tensors vs a torchvision DataLoader, side by side.
+"""Data loading benchmark: in-memory tensors vs a torchvision DataLoader, side by side.
 
 One MNIST epoch of `mnist_cnn` training (batch 64, SGD lr 0.05 momentum 0.9, forward + backward + step) is
 fed in two ways:

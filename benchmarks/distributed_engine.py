@@ -1,4 +1,4 @@
-"""The `distributed` engine (issue 6) against the `process` engine, ratios measured side by side in one run.
+"""The `distributed` engine against the `process` engine, ratios measured side by side in one run.
 
 1. Throughput: aggregate worker steps per second of `engine=distributed` (gloo over loopback TCP, rank 0 the
    parameter server, workers spawned by the local launch) over that of `engine=process` (θ in shared memory),

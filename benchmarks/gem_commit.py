@@ -1,4 +1,4 @@
-"""GEM's commit on CPU (issue 26): its fused loops against the torch operations they replace, side by side.
+"""GEM's commit on CPU: its fused loops against the torch operations they replace, side by side.
 
 The inputs are real: a short `sim` run of GEM (mnist_cnn, b = 64, 4 workers, round robin) records, at some of
 its commits, what the worker rule gets (the worker's m and s, θ, the gradient). Each recorded commit is then

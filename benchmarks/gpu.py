@@ -1,4 +1,4 @@
-"""GPU workers of the `process` engine (issue 16), ratios measured side by side in one run.
+"""GPU workers of the `process` engine, ratios measured side by side in one run.
 
 1. One worker: AlexNet-CIFAR worker steps per second of `engine=process` with one worker on the device
    (`downpour`, b = 64: a commit, hence a θ round trip through host memory, after every gradient), divided by

@@ -1,4 +1,4 @@
-"""The `process` engine (issues 4 and 13), ratios measured side by side in one run.
+"""The `process` engine, ratios measured side by side in one run.
 
 1. Throughput: aggregate worker steps per second of `engine=process` with n workers (`gem` and `downpour`,
    `mnist_cnn`, b = 64), divided by the steps per second of plain sequential single-thread SGD
@@ -207,7 +207,7 @@ def main() -> int:
 
     # 2. parameter-server apply, alexnet_cifar
     syn = make_synthetic((3, 32, 32), num_classes=10, train_size=64, val_size=16, seed=0)
-    # η = 0.005: AlexNet with He initialisation diverges at the MNIST CNN's 0.05 (issue 26)
+    # η = 0.005: AlexNet with He initialisation diverges at the MNIST CNN's 0.05
     m = engine_run(syn, "downpour", 2, epochs=1 if args.smoke else 8, model="alexnet_cifar", batch_size=16,
                    lr=ALEXNET_LR)
     numel = sum(p.numel() for p in build_model("alexnet_cifar").parameters())

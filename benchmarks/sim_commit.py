@@ -1,4 +1,4 @@
-"""Simulated commit cost (issue 3): one `sim` commit of gem / downpour against one step of plain SGD.
+"""Simulated commit cost: one `sim` commit of gem / downpour against one step of plain SGD.
 
 For `mnist_cnn` with batch 64, side by side in one run:
 

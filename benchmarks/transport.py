@@ -1,7 +1,7 @@
 """Which transport for the `distributed` engine? Commit round trips on loopback TCP, side by side.
 
 A worker sends a commit (a model-sized tensor) to the parameter server (rank 0) and gets θ back; the server
-applies commits one at a time, in arrival order. Two candidates from torch.distributed (issue 6):
+applies commits one at a time, in arrival order. Two candidates from torch.distributed:
 
 - `gloo`: point-to-point send/recv. The server takes a small header from *any* source (`recv(src=None)`, first
   come first served), then that worker's payload, applies it, and sends θ back.

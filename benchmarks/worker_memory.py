@@ -1,4 +1,4 @@
-"""Memory per worker (issues 14 and 26): what the up-front check in `experiments.config` assumes, against what a
+"""Memory per worker: what the up-front check in `experiments.config` assumes, against what a
 real run's workers hold, side by side; and the start-up and memory of n worker processes.
 
 For each model, `python run.py engine=process workers=N` runs until its workers have taken steps; then every
