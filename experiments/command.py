@@ -213,7 +213,13 @@ def check_run(config: DictConfig, exit_on_plan: bool = True) -> Spec:
         if exit_on_plan:
             sys.exit(0)
         return spec
-    rundir.check_run_dir(spec, Path(os.path.abspath(_named_dir(config, "hydra.run.dir"))))
+    run_dir = Path(os.path.abspath(_named_dir(config, "hydra.run.dir")))
+    if not spec.cfg.resume and (run_dir.parent / "multirun.yaml").exists():
+        # analysis.load reads every folder of a sweep as one of its jobs: a run started by hand there would count
+        raise Refused(f"hydra.run.dir={run_dir} is a job folder of the sweep in {run_dir.parent} (it has "
+                      "multirun.yaml): a run started there by hand would be counted as one of its jobs; give the run "
+                      "a folder of its own, or finish the sweep with its identical -m command and resume=true")
+    rundir.check_run_dir(spec, run_dir)
     note = _single_run_note(config)
     if note:
         print(note, file=sys.stderr)

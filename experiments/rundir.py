@@ -193,8 +193,9 @@ NOT_IDENTITY = ("resume", "plan", "logger")
 
 def config_difference(cfg, run_dir: Path) -> str | None:
     """None when the run in `run_dir` was launched with the same config as `cfg` (both unresolved, as Hydra
-    composes and the runner saves them; NOT_IDENTITY aside); else the first key that differs, as
-    `key: <theirs> here, <ours> in this command`. A run without its `.hydra/config.yaml` cannot be compared."""
+    composes and the runner saves them; NOT_IDENTITY aside); else what differs, as `key: <theirs> there, <ours>
+    in this command` (a group chosen differently once, top-level keys first, at most three). A run without its
+    `.hydra/config.yaml` cannot be compared."""
     from omegaconf import OmegaConf
 
     saved = Path(run_dir) / ".hydra" / "config.yaml"
@@ -205,12 +206,19 @@ def config_difference(cfg, run_dir: Path) -> str | None:
     except Exception as e:  # a damaged file: not this command's run
         return f"{saved} is unreadable ({type(e).__name__})"
     ours = _flat(OmegaConf.to_container(cfg, resolve=False))
-    for key in sorted(set(theirs) | set(ours)):
-        if key.split(".")[0] in NOT_IDENTITY:
-            continue
-        if theirs.get(key, "<absent>") != ours.get(key, "<absent>"):
-            return f"{key}: {theirs.get(key, '<absent>')} there, {ours.get(key, '<absent>')} in this command"
-    return None
+    differ = [k for k in sorted(set(theirs) | set(ours))
+              if k.split(".")[0] not in NOT_IDENTITY and theirs.get(k, "<absent>") != ours.get(k, "<absent>")]
+    if not differ:
+        return None
+    # a group chosen differently (algorithm=gem there, downpour here) is one difference, not each of its keys
+    # (which used to name algorithm.eps first, alphabetically); the top-level keys come first
+    renamed = {k.rsplit(".", 1)[0] for k in differ if k.endswith((".name", "._target_")) and k.count(".") == 1}
+    shown = [k for k in differ if k.split(".")[0] not in renamed or k.endswith((".name", "._target_"))]
+    shown.sort(key=lambda k: (k.count(".") > 0 and not k.endswith(".name"), k))
+    parts = [f"{k.removesuffix('.name')}: {theirs.get(k, '<absent>')} there, {ours.get(k, '<absent>')} in this "
+             "command" for k in shown[:3]]
+    more = f"; and {len(shown) - 3} more" if len(shown) > 3 else ""
+    return "; ".join(parts) + more
 
 
 def sweep_action(spec: Spec, job_dir: Path, num: int) -> tuple[str, str]:

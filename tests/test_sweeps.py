@@ -92,6 +92,15 @@ def test_an_interrupted_sweep_resumes_only_its_missing_jobs(tmp_path, capsys, qu
     assert "add resume=true to finish that sweep" in refused_line(capsys, *cmd)
     changed = refused_line(capsys, *cmd[:-1], "epochs=2", f"hydra.sweep.dir={sweep}", "resume=true")
     assert "holds a run of another configuration (epochs: 1 there, 2 in this command)" in changed
+    # another algorithm is one difference, named as such, beside the top-level keys (it named algorithm.eps)
+    changed = refused_line(capsys, *cmd[:-1], "algorithm=downpour", "epochs=2", f"hydra.sweep.dir={sweep}",
+                           "resume=true")
+    assert ("holds a run of another configuration (algorithm: gem there, downpour in this command; epochs: 1 there, "
+            "2 in this command)") in changed
+    # a run started by hand in a job's folder would count as that job: refused, the folder as it was
+    single = refused_line(capsys, *QUICK, "workers=2", f"hydra.run.dir={sweep / '1'}")
+    assert single.startswith(f"error: hydra.run.dir={sweep / '1'} is a job folder of the sweep in {sweep} (it has "
+                             "multirun.yaml)"), single
     assert snapshot(sweep / "0") == done
 
     # its plan says what the resume will do, job by job, and changes nothing
