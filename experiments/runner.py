@@ -102,6 +102,7 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
                "train_examples": len(job.data.train_y),  # epochs of data = step x batch_size x window / this
                "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     recorder = wandb = result = None
+    write_failed = False  # a file of the run could not be written: closing the tables fails the same way
     old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm) if _main_thread() else None
     try:
         rundir.write_hydra(run_dir, cfg, hydra)
@@ -128,6 +129,7 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
         result = Result("failed", recorder.commits if recorder else 0, reason=f"interrupted ({why})")
         raise
     except OSError as e:  # a write failed (disk full, the directory gone or read-only): its own one line
+        write_failed = True
         result = Result("failed", recorder.commits if recorder else 0, reason=str(e))
         rundir.remove_temporary(run_dir)
         print(f"error: {e}", file=sys.stderr)
@@ -153,7 +155,7 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
         summary.update(status=result.status, steps=result.steps, reason=result.reason, **result.extra)
         summary["lost_workers"] = sorted(summary.get("lost_workers") or [])
         if recorder is not None:
-            _close(recorder, summary, result, run_dir)
+            _close(recorder, summary, result, run_dir, quiet=write_failed)
         summary["wall_time_s"] = round(time.perf_counter() - t0, 3)
         if wandb is not None:
             summary["wandb"] = wandb.where
@@ -189,8 +191,10 @@ def _launched_by_hydra() -> tuple[DictConfig | None, dict]:
     return HydraConfig.instance().cfg, dict(HydraConfig.get().runtime.choices)
 
 
-def _close(recorder: Recorder, summary: dict, result: Result, run_dir: Path) -> None:
-    """Merge the tables, and put the recorded numbers in the summary; a table that lost rows on disk is said."""
+def _close(recorder: Recorder, summary: dict, result: Result, run_dir: Path, quiet: bool = False) -> None:
+    """Merge the tables, and put the recorded numbers in the summary; a table that lost rows on disk is said.
+    `quiet`: the run already ended on a write error, which is its one line and its reason: merging the tables then
+    fails on the same disk, and saying so again (twice, for two tables) would only repeat it."""
     def fail(why: str) -> None:
         summary["status"] = "failed"
         summary["reason"] = (summary["reason"] + "; " if summary["reason"] else "") + why
@@ -199,8 +203,9 @@ def _close(recorder: Recorder, summary: dict, result: Result, run_dir: Path) -> 
         recorder.close()
     except OSError as e:  # the flushed parts are still on disk and readable
         rundir.remove_temporary(run_dir)
-        fail(str(e))
-        print(f"error: {e}", file=sys.stderr)
+        if not quiet:
+            fail(str(e))
+            print(f"error: {e}", file=sys.stderr)
     missing = recorder.commits - recorder.rows_on_disk if recorder.rows_on_disk is not None else 0
     if missing > 0:
         fail(f"metrics.parquet holds {recorder.rows_on_disk} of the {recorder.commits} commit rows recorded: "

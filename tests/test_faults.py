@@ -268,6 +268,25 @@ def test_a_write_error_ends_the_run_with_one_line_and_no_temporary_files(tmp_pat
     assert not list(d.rglob("*.tmp")) and not (d / "checkpoint" / "pending").exists()
 
 
+@pytest.mark.slow
+def test_a_disk_that_fills_at_a_row_flush_is_one_line_and_one_reason(tmp_path):
+    """The rows' first flush (commit 40 of 92) fails as on a full disk. It gave two `error:` lines, and a reason
+    that said the same error three times (the flush, then merging each table on the same disk)."""
+    import resource
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write(), not a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (6_000, 6_000))
+
+    d = tmp_path / "x"
+    p = run_py(*QUICK, "engine.checkpoint_every=0", "logger.flush_every=40", f"hydra.run.dir={d}", preexec_fn=limit)
+    assert p.returncode == 1, p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: cannot write {d}/metrics.parts/part-000000.parquet: File too large"], p.stderr
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["reason"] == errors[0].removeprefix("error: ")
+
+
 def test_lost_workers_is_a_list_on_every_status(tmp_path):
     from experiments.config import compose
     from experiments.runner import run
