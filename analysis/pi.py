@@ -104,8 +104,13 @@ def main(argv=None) -> int:
     if len(unfinished):
         left = (f"{d} ({s})" for d, s in zip(unfinished["run_dir"], unfinished["status"], strict=True))
         print(f"left out, not completed: {', '.join(left)}\n")
+    by = ", ".join(args.by)
+    print(f"## π by run: per {by}, the mean over seeds of each run's mean median π and zero fraction over the "
+          "second half of its commits\n")
     print(markdown(by_run(m, args.by)))
-    print()
+    print(f"\n## π by each commit's own staleness: per {by} and τ/(n − 1) bucket (`tau_rel`, its centre), the "
+          f"mean of the per-commit median π over the second half of every run (buckets of fewer than {MIN_COMMITS} "
+          "commits left out)\n")
     print(markdown(by_staleness(m, args.by)))
     return 0
 

@@ -95,3 +95,20 @@ def test_a_damaged_run_file_is_one_line_naming_it(tmp_path, name, text, says):
     r = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path / "sweep"), "--out",
                         str(tmp_path / "report.md")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and r.stderr.startswith(f"error: {run / name} {says}") and r.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_analysis_pi_heads_each_table(tmp_path, capsys):
+    """`python -m analysis.pi` printed two tables without a word on what each is."""
+    from analysis import pi
+
+    for seed in (0, 1):
+        run(compose(["engine=sim", "workers=2", "epochs=1", f"seed={seed}", "logger.wandb.mode=disabled",
+                     "logger.progress=false"]), tmp_path / "sweep" / str(seed))
+    capsys.readouterr()
+    assert pi.main([str(tmp_path / "sweep")]) == 0
+    out = capsys.readouterr().out
+    first, second = out.index("## π by run: per workers"), out.index("## π by each commit's own staleness")
+    parts = (out[first:second], out[second:])
+    tables = [[line for line in part.splitlines() if line.startswith("|")] for part in parts]
+    assert first == 0 and tables[0] and "workers" in tables[0][0] and tables[1] and "tau_rel" in tables[1][0]
