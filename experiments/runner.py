@@ -34,11 +34,21 @@ from gem.metrics import Recorder
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
+    """The run's progress bar: on a terminal, and in a Jupyter kernel (a widget where ipywidgets is installed, else
+    text); silent in CI logs and pipes, and with logger.progress=false."""
+    from tqdm.std import tqdm
 
-    # disable=None: shown on a terminal, silent in CI logs and pipes
-    return tqdm(total=total, unit="commit", disable=None if enabled else True, dynamic_ncols=True,
-                smoothing=0.05, mininterval=0.5)
+    options = dict(total=total, unit="commit", smoothing=0.05)
+    if enabled and "ipykernel" in sys.modules:  # a notebook's output is no terminal, but it shows a bar
+        try:
+            import ipywidgets  # noqa: F401 - tqdm.notebook's widget needs it (else it warns and draws nothing)
+            from tqdm.notebook import tqdm as notebook_tqdm
+
+            return notebook_tqdm(**options, mininterval=0.5)
+        except ImportError:
+            return tqdm(**options, mininterval=1.0, disable=False)
+    # disable=None: shown on a terminal only
+    return tqdm(**options, disable=None if enabled else True, dynamic_ncols=True, mininterval=0.5)
 
 
 def _finite_or_none(x):

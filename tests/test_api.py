@@ -91,6 +91,7 @@ def test_the_example_notebook_runs_in_a_jupyter_kernel(tmp_path):
     assert not [o for o in outputs if o.output_type == "error"], text[-2000:]
     assert "gem completed" in text and "downpour completed" in text, text[-2000:]
     assert "refused: workers=0 is not allowed; workers must be an integer >= 1" in text
+    assert "276/276" in text and "TqdmWarning" not in text  # each run's progress bar, drawn in the notebook
     assert any("image/png" in o.get("data", {}) for o in outputs)
     assert len(list((tmp_path / "outputs").glob("*/*/summary.json"))) == 2
 
