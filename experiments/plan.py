@@ -236,7 +236,8 @@ def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | N
         out(f"  calibration: model={display_name('model', cfg.model)} data={display_name('data', cfg.data)} "
             f"batch_size={cfg.batch_size}: {c.step_s * 1e3:.1f} ms per gradient step on 1 thread, "
             + (f"and no faster on {cores()} (the cores are busy with other programs: the estimate assumes one "
-               "thread's speed)" if c.busy else f"{c.step_all_s * 1e3:.1f} ms on {cores()}")
+               "thread's speed, which a run gets with OMP_NUM_THREADS=1; on every core it may be far slower)"
+               if c.busy else f"{c.step_all_s * 1e3:.1f} ms on {cores()}")
             + f"; an evaluation of {c.val:,} + {min(cfg.logger.eval_train_size, c.train):,} examples "
             f"{(c.val + min(cfg.logger.eval_train_size, c.train)) * c.example_fwd_s:.2f} s")
     slowest: dict[str, float] = {}

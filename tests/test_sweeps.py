@@ -198,4 +198,5 @@ def test_the_plan_s_calibration_holds_on_a_busy_machine(monkeypatch, capsys, qui
         preflight(["engine=sim", "epochs=1", "plan=true"])
     out = capsys.readouterr().out
     assert ("7.6 ms per gradient step on 1 thread, and no faster on 2 (the cores are busy with other programs: the "
-            "estimate assumes one thread's speed)") in out
+            "estimate assumes one thread's speed, which a run gets with OMP_NUM_THREADS=1; on every core it may be "
+            "far slower)") in out
