@@ -124,7 +124,8 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
                                    project=log_cfg.wandb.project, entity=log_cfg.wandb.entity,
                                    group=log_cfg.wandb.group or wandb_group, name=wandb_name)
         if spec.logger.tensorboard:
-            tensorboard = tensorboard_logger.start(run_dir, log_cfg.flush_seconds)
+            tensorboard = tensorboard_logger.start(run_dir, log_cfg.flush_seconds,
+                                                   resume_step=manifest["step"] if manifest else None)
         total = job.workers * commits_per_worker(job, algorithms.get(job.algorithm).commit_every(job.hp))
         recorder = Recorder(run_dir, flush_every=log_cfg.flush_every, flush_seconds=log_cfg.flush_seconds,
                             sink=fan_out(wandb, tensorboard), sink_every=log_cfg.wandb.log_every,

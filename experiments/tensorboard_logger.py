@@ -8,13 +8,15 @@ W&B shows) at the commit clock t; at the end the summary's numbers as `summary/<
 `tensorboard --logdir <run_dir>` shows a run; `--logdir <sweep dir>` every job of a sweep side by side, each under
 its job number. Events are flushed every `logger.flush_seconds` (a killed run loses at most that, like its parquet
 rows) and on close, which the runner does in a `finally`. Like W&B, it never fails a run: a writer that fails says
-so once and stops. A resumed run adds an event file to the same folder, so the commits between its checkpoint
-and the kill show twice there (metrics.parquet holds them once).
+so once and stops. A resumed run adds an event file to the same folder, opened by a restart mark at the commit
+after its checkpoint: TensorBoard then drops the first attempt's points from there on, as the run directory drops
+its rows, so no commit shows twice.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from gem.metrics import scalars
@@ -64,14 +66,19 @@ class TensorBoardLogger:
             pass
 
 
-def start(run_dir: Path, flush_seconds: float) -> TensorBoardLogger | None:
+def start(run_dir: Path, flush_seconds: float, resume_step: int | None = None) -> TensorBoardLogger | None:
     """The writer of `<run_dir>/tensorboard/`, or None (said in one line) when it cannot start. That the package
-    is installed was checked with the config (experiments.config)."""
+    is installed was checked with the config (experiments.config). `resume_step`: the checkpoint's commit a resumed
+    run continues from."""
     log_dir = Path(run_dir) / FOLDER
     try:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(log_dir=str(log_dir), flush_secs=flush_seconds)
+        if resume_step is not None:  # a restart mark: TensorBoard drops the points logged before at this t and after
+            writer._get_file_writer().add_event(Event(step=resume_step + 1, wall_time=time.time(),
+                                                      session_log=SessionLog(status=SessionLog.START)))
     except Exception as e:
         print(f"gem: TensorBoard could not start ({type(e).__name__}: {e}); continuing without it", file=sys.stderr)
         return None

@@ -118,6 +118,19 @@ def test_both_views_get_the_same_rows_at_one_cadence(tmp_path):
     assert metrics.scalars("eval", {"step": 7, "val_loss": 0.5, "note": "x"}) == {"eval/val_loss": 0.5}
 
 
+def test_a_resumed_run_replaces_the_points_past_its_checkpoint(tmp_path):
+    first = tensorboard_logger.start(tmp_path, flush_seconds=30)
+    for t in range(1, 9):  # killed at t = 8, its checkpoint at t = 5
+        first("commit", {"step": t, "loss": 1.0})
+    first.finish()
+    resumed = tensorboard_logger.start(tmp_path, flush_seconds=30, resume_step=5)
+    for t in range(6, 11):
+        resumed("commit", {"step": t, "loss": 2.0})
+    resumed.finish({"steps": 10})
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    assert event_scalars(tmp_path)["train/loss"] == [(t, 1.0 if t <= 5 else 2.0) for t in range(1, 11)]
+
+
 def test_a_writer_that_fails_stops_logging_and_the_run_goes_on(capsys):
     class Full:
         closed = False
