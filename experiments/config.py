@@ -11,6 +11,7 @@ launches anything (experiments.command).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import math
 import os
@@ -142,6 +143,9 @@ def validate(cfg: DictConfig) -> Spec:
                           f"{'x'.join(map(str, fixed[dat.name]))}; pick a matching model")
     if log.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={log.wandb.mode} is not allowed; choose one of: {', '.join(WANDB_MODES)}")
+    if log.tensorboard and importlib.util.find_spec("tensorboard") is None:  # refused before anything is written
+        raise ConfigError("logger.tensorboard=true needs the tensorboard package, which is not installed; "
+                          "pip install tensorboard")
     for key, value, cond, allowed in (
         ("logger.flush_every", log.flush_every, log.flush_every >= 1, "an integer >= 1"),
         ("logger.flush_seconds", log.flush_seconds, log.flush_seconds > 0, "a number > 0"),

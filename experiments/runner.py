@@ -4,7 +4,7 @@ Nothing here needs Hydra: `run(cfg or spec, run_dir)` runs a job from Python as 
 (experiments.command hands it the spec its checks made). Run directory (docs/contract.md): `summary.json`,
 `metrics.parquet` (one row per commit), `eval.parquet` (the central variable every `logger.eval_every` commits and
 at the end), `tensors.parquet` (per-tensor diagnostics, for algorithms that log them), `wandb/` (unless
-disabled) and `.hydra/` (when Hydra launched it).
+disabled), `tensorboard/` (when asked) and `.hydra/` (when Hydra launched it).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import rundir, wandb_logger
+from experiments import rundir, tensorboard_logger, wandb_logger
 from experiments.config import ConfigError, Spec, checked
 from experiments.job import build_job
 from experiments.rundir import Refused
@@ -30,7 +30,7 @@ from gem.engines import Job, Result
 from gem.engines.checkpoint import CheckpointError
 from gem.engines.core import commits_per_worker
 from gem.files import write_atomic
-from gem.metrics import Recorder
+from gem.metrics import Recorder, fan_out
 
 
 def _progress(total: int, enabled: bool):
@@ -111,7 +111,7 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
                "run_dir": str(run_dir), "experiment": experiment,
                "train_examples": len(job.data.train_y),  # epochs of data = step x batch_size x window / this
                "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    recorder = wandb = result = None
+    recorder = wandb = tensorboard = result = None
     write_failed = False  # a file of the run could not be written: closing the tables fails the same way
     old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm) if _main_thread() else None
     try:
@@ -123,9 +123,12 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
         wandb = wandb_logger.start(log_cfg.wandb.mode, run_dir, logged,
                                    project=log_cfg.wandb.project, entity=log_cfg.wandb.entity,
                                    group=log_cfg.wandb.group or wandb_group, name=wandb_name)
+        if spec.logger.tensorboard:
+            tensorboard = tensorboard_logger.start(run_dir, log_cfg.flush_seconds,
+                                                   resume_step=manifest["step"] if manifest else None)
         total = job.workers * commits_per_worker(job, algorithms.get(job.algorithm).commit_every(job.hp))
         recorder = Recorder(run_dir, flush_every=log_cfg.flush_every, flush_seconds=log_cfg.flush_seconds,
-                            sink=wandb, sink_every=log_cfg.wandb.log_every,
+                            sink=fan_out(wandb, tensorboard), sink_every=log_cfg.wandb.log_every,
                             progress=_progress(total, log_cfg.progress),
                             resume_step=manifest["step"] if manifest else None)
         if manifest:
@@ -167,6 +170,8 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
         if recorder is not None:
             _close(recorder, summary, result, run_dir, quiet=write_failed)
         summary["wall_time_s"] = round(time.perf_counter() - t0, 3)
+        if tensorboard is not None:  # closed here, whatever ended the run: its event files stay readable
+            tensorboard.finish(summary)
         if wandb is not None:
             summary["wandb"] = wandb.where
             wandb.finish(summary, exit_code=0 if summary["status"] == "completed" else 1)

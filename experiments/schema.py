@@ -90,7 +90,7 @@ class WandbConfig:
     project: str = "gem"
     entity: Any = None
     group: Any = None
-    log_every: int = 10  # commits between W&B rows (every evaluation row is logged)
+    log_every: int = 10  # commits between W&B rows, and TensorBoard's (every evaluation row is logged)
 
 
 @dataclass
@@ -100,6 +100,7 @@ class LoggerConfig:
     eval_every: int = 100  # commits between evaluations of the central variable
     eval_train_size: int = 2048
     progress: bool = True
+    tensorboard: bool = False  # TensorBoard event files in <run_dir>/tensorboard/ (experiments.tensorboard_logger)
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
 
 

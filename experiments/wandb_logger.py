@@ -26,6 +26,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from gem.metrics import scalars
+
 
 def _has_api_key() -> bool:
     if os.environ.get("WANDB_API_KEY"):
@@ -60,8 +62,7 @@ class WandbLogger:
         self._log(kind, row)
 
     def _log(self, kind: str, row: dict) -> None:
-        prefix = "train" if kind == "commit" else "eval"
-        data = {f"{prefix}/{k}": v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+        data = scalars(kind, row)
         step = max(int(row["step"]), self.last_step)
         try:
             self.run.log(data, step=step)

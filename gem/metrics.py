@@ -21,6 +21,29 @@ import pyarrow.parquet as pq
 from gem.files import write_atomic
 
 TABLES = ("metrics", "eval", "tensors")
+Sink = Callable[[str, dict], None]  # sink(kind, row): kind is "commit" or "eval"
+
+
+def scalars(kind: str, row: dict) -> dict[str, float]:
+    """What a live view of the run plots against the commit clock t (the row's `step`): every numeric column of a
+    row, as `train/<column>` for a commit row and `eval/<column>` for an evaluation row. One naming for every view
+    (W&B and TensorBoard show the same tags)."""
+    prefix = "train" if kind == "commit" else "eval"
+    return {f"{prefix}/{k}": v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+
+
+def fan_out(*sinks: Sink | None) -> Sink | None:
+    """One sink that hands each row to every sink given (None: not running), in order: the Recorder feeds one sink
+    at one cadence (`sink_every`), so W&B and TensorBoard, both on, get the same rows. None if none is given."""
+    live = [s for s in sinks if s is not None]
+    if len(live) <= 1:
+        return live[0] if live else None
+
+    def sink(kind: str, row: dict) -> None:
+        for s in live:
+            s(kind, row)
+
+    return sink
 
 
 class PartWriter:
@@ -101,12 +124,13 @@ def read_table(run_dir: str | os.PathLike, name: str = "metrics") -> pd.DataFram
 class Recorder:
     """Receives rows from an engine (in the coordinating process only) and writes the run directory tables.
 
-    `sink(kind, row)` is an optional extra consumer of rows (the W&B logger); `progress` an optional tqdm bar
-    advanced once per commit.
+    `sink(kind, row)` is an optional extra consumer of rows (the live views, W&B and TensorBoard, through
+    `fan_out`): every `sink_every`-th commit row and every evaluation row; `progress` an optional tqdm bar advanced
+    once per commit.
     """
 
     def __init__(self, run_dir: str | os.PathLike, flush_every: int = 1000, flush_seconds: float = 30.0,
-                 sink: Callable[[str, dict], None] | None = None, progress=None, sink_every: int = 1,
+                 sink: Sink | None = None, progress=None, sink_every: int = 1,
                  resume: bool = False, resume_step: int | None = None):
         """`resume_step`: continue a run from its checkpoint at that commit: rows after it are dropped and
         the running totals are rebuilt from the rows kept."""

@@ -75,6 +75,7 @@ BAD = [
     (["engine=distributed", "engine.host=0.0.0.0", "engine.staleness=x"],
      "engine.staleness is not a key of engine=distributed; its keys are: name, host, allow_remote, port, timeout_s"),
     (["logger.wandb.mode=loud"], "logger.wandb.mode=loud is not allowed; choose one of: offline, online, disabled"),
+    (["logger.tensorboard=maybe"], "logger.tensorboard: Value 'maybe' is not a valid bool"),
     (["engine.staleness=fast"], "engine.staleness is not a key of engine=process; its keys are: name, "),
     (["engine=sim", "engine.staleness=fast"], "engine.staleness=fast is not allowed; choose one of: round_robin"),
     (["engine=sim", "engine.cycle_cv=-1"], "engine.cycle_cv=-1.0 is not allowed; it must be a number in [0, 10]"),
