@@ -16,7 +16,6 @@ its rows, so no commit shows twice.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 from gem.metrics import scalars
@@ -72,13 +71,12 @@ def start(run_dir: Path, flush_seconds: float, resume_step: int | None = None) -
     run continues from."""
     log_dir = Path(run_dir) / FOLDER
     try:
-        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from torch.utils.tensorboard import SummaryWriter
 
-        writer = SummaryWriter(log_dir=str(log_dir), flush_secs=flush_seconds)
-        if resume_step is not None:  # a restart mark: TensorBoard drops the points logged before at this t and after
-            writer._get_file_writer().add_event(Event(step=resume_step + 1, wall_time=time.time(),
-                                                      session_log=SessionLog(status=SessionLog.START)))
+        # purge_step, for a resumed run: TensorBoard drops the points the killed run logged at this t and after
+        # (rows after the checkpoint, which the resumed run logs again)
+        writer = SummaryWriter(log_dir=str(log_dir), flush_secs=flush_seconds,
+                               purge_step=None if resume_step is None else resume_step + 1)
     except Exception as e:
         print(f"gem: TensorBoard could not start ({type(e).__name__}: {e}); continuing without it", file=sys.stderr)
         return None
