@@ -67,7 +67,7 @@ def test_a_model_defined_in_main_trains_on_the_sim_engine(tmp_path, in_main):
 
 @pytest.mark.slow
 def test_a_sweep_returns_its_runs_and_a_refused_one_raises(tmp_path):
-    runs = sweep("algorithm=gem,downpour", "epochs=1", "logger.wandb.mode=disabled",
+    runs = sweep("algorithm=gem,downpour", "engine=sim", "workers=2", "epochs=1", "logger.wandb.mode=disabled",
                  f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert sorted(runs["algorithm"]) == ["downpour", "gem"] and set(runs["status"]) == {"completed"}
     assert all(json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text())["status"] == "completed"

@@ -15,11 +15,11 @@ SCRIPTS = {  # script: arguments that make it brief
     "distributed_engine.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1", "--smoke"],
     "gem_commit.py": ["--root", str(DATA), "--commits", "4", "--reps", "2", "--smoke"],
     "gpu.py": ["--device", "cpu", "--steps", "2", "--smoke"],
-    "process_engine.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1", "--smoke"],
+    "process_engine.py": ["--root", str(DATA), "--workers", "1", "--epochs", "1", "--rounds", "1", "--smoke"],
     "sim_commit.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1", "--threads", "1",
                       "--smoke"],
-    "transport.py": ["--workers", "2", "--seconds", "0.2", "--rounds", "1"],
-    "worker_memory.py": ["--workers", "2", "--wait", "2", "--smoke"],
+    "transport.py": ["--workers", "1", "--seconds", "0.2", "--rounds", "1"],
+    "worker_memory.py": ["--workers", "2", "--wait", "0.5", "--smoke"],
 }
 
 
