@@ -53,6 +53,7 @@ def run(job_, d):
     return result, read_table(d), rec
 
 
+@pytest.mark.slow  # a run of 4 distributed workers: 6 s
 def test_commits_are_served_first_come_first_served(data, tmp_path):
     """Every worker has the same budget, so the final shares are 1/n whatever the order: fairness shows while
     they all run. At b = 4 a worker's step is shorter than the server's exchange, so the workers queue at the
@@ -133,6 +134,7 @@ class _HighRankWaits(_Server):
         return src
 
 
+@pytest.mark.slow  # a run of 4 distributed workers: 6 s
 def test_the_fairness_test_catches_an_unfair_server(data, tmp_path, monkeypatch):
     """The test above is not vacuous: a server that lets the highest rank wait fails it."""
     monkeypatch.setattr(launch, "_Server", _HighRankWaits)

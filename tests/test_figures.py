@@ -47,7 +47,9 @@ def test_every_figure_has_a_full_and_a_quick_experiment():
         assert (CONF_DIR / "experiment" / f"{e}.yaml").read_text().startswith("# @package _global_\n"), e
 
 
-@pytest.mark.parametrize("name", EXPERIMENTS)
+# the tuning sweeps (324 and 162 jobs) take 8 s each to validate: in the whole suite, not the fast tier
+@pytest.mark.parametrize("name", [pytest.param(e, marks=pytest.mark.slow) if e.startswith("tune") else e
+                                  for e in EXPERIMENTS])
 def test_experiment_composes_and_every_job_is_valid(name, monkeypatch):
     from gem.engines import memory
 
