@@ -143,6 +143,7 @@ def test_help_and_cfg_flags_are_left_to_hydra():
     preflight(["--cfg", "job"])
 
 
+@pytest.mark.slow  # real `python run.py` processes: 5 s
 def test_real_command_prints_one_line_and_exits_2(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "run.py"), "lr=-1"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=120)

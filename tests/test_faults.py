@@ -216,6 +216,7 @@ def test_too_many_workers_for_this_machine_is_refused(tmp_path, args, figure, ca
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # real `python run.py` processes: 5 s
 def test_an_unknown_key_is_refused_plus_included(tmp_path, capsys):
     line = one_line(run_py(*QUICK, "+foo=1", f"hydra.run.dir={tmp_path / 'x'}"))  # as typed, once
     assert line.startswith("error: foo is not a config key; top-level keys are: algorithm, engine")

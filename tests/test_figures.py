@@ -47,8 +47,8 @@ def test_every_figure_has_a_full_and_a_quick_experiment():
         assert (CONF_DIR / "experiment" / f"{e}.yaml").read_text().startswith("# @package _global_\n"), e
 
 
-# the tuning sweeps (324 and 162 jobs) take 8 s each to validate: in the whole suite, not the fast tier
-@pytest.mark.parametrize("name", [pytest.param(e, marks=pytest.mark.slow) if e.startswith("tune") else e
+# the tuning and baselines sweeps (135-324 jobs) take 4-8 s each to validate: in the whole suite, not the fast tier
+@pytest.mark.parametrize("name", [pytest.param(e, marks=pytest.mark.slow) if e.startswith(("tune", "baselines")) else e
                                   for e in EXPERIMENTS])
 def test_experiment_composes_and_every_job_is_valid(name, monkeypatch):
     from gem.engines import memory
@@ -73,6 +73,7 @@ def _jobs(name, *extra):
     return [check_job(j)[0] for j in expand([f"experiment={name}", *extra], multirun=True)]
 
 
+@pytest.mark.slow  # validates the 36 jobs of fig1: 5 s
 def test_fig1_sweeps_three_algorithms_four_n_three_seeds_on_mnist():
     cfgs = _jobs("fig1")
     assert len(cfgs) == 36
