@@ -248,18 +248,24 @@ def test_removed_row_parts_do_not_pass_as_completed(tmp_path, monkeypatch):
     assert summary["val_loss"] is None
 
 
-@pytest.mark.slow
-def test_a_write_error_ends_the_run_with_one_line_and_no_temporary_files(tmp_path):
-    """A file-size limit makes the first large write (a checkpoint) fail as a full disk does: the run ends
-    failed, with the path and the OS's reason, and leaves no temporary file."""
+def file_size_limit(nbytes: int):
+    """A child's preexec_fn: files it writes stop at `nbytes`, and a write past that fails as on a full disk."""
     import resource
 
     def limit():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write(), not a signal
-        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
 
+    return limit
+
+
+@pytest.mark.slow
+def test_a_write_error_ends_the_run_with_one_line_and_no_temporary_files(tmp_path):
+    """A file-size limit makes the first large write (a checkpoint) fail as a full disk does: the run ends
+    failed, with the path and the OS's reason, and leaves no temporary file."""
     d = tmp_path / "x"
-    p = run_py(*QUICK, "epochs=3", "engine.checkpoint_every=20", f"hydra.run.dir={d}", preexec_fn=limit)
+    p = run_py(*QUICK, "epochs=3", "engine.checkpoint_every=20", f"hydra.run.dir={d}",
+               preexec_fn=file_size_limit(100_000))
     assert p.returncode == 1, p.stderr
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "cannot write" in errors[0] and "File too large" in errors[0], p.stderr
@@ -273,14 +279,9 @@ def test_a_write_error_ends_the_run_with_one_line_and_no_temporary_files(tmp_pat
 def test_a_disk_that_fills_at_a_row_flush_is_one_line_and_one_reason(tmp_path):
     """The rows' first flush (commit 40 of 92) fails as on a full disk. It gave two `error:` lines, and a reason
     that said the same error three times (the flush, then merging each table on the same disk)."""
-    import resource
-
-    def limit():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write(), not a signal
-        resource.setrlimit(resource.RLIMIT_FSIZE, (6_000, 6_000))
-
     d = tmp_path / "x"
-    p = run_py(*QUICK, "engine.checkpoint_every=0", "logger.flush_every=40", f"hydra.run.dir={d}", preexec_fn=limit)
+    p = run_py(*QUICK, "engine.checkpoint_every=0", "logger.flush_every=40", f"hydra.run.dir={d}",
+               preexec_fn=file_size_limit(6_000))
     assert p.returncode == 1, p.stderr
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: cannot write {d}/metrics.parts/part-000000.parquet: File too large"], p.stderr
