@@ -186,7 +186,7 @@ def test_a_directory_in_use_is_refused_in_one_line(tmp_path):
 def test_two_runs_started_together_on_one_directory(tmp_path):
     # whichever checks second is refused: "in use" while the other runs, "already holds" once it has finished
     d = tmp_path / "same"
-    procs = [subprocess.Popen([sys.executable, "run.py", *QUICK, "epochs=4", f"seed={s}", f"hydra.run.dir={d}"],
+    procs = [subprocess.Popen([sys.executable, "run.py", *QUICK, f"seed={s}", f"hydra.run.dir={d}"],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in (1, 2)]
     out = [p.communicate(timeout=600) for p in procs]
     codes = sorted(p.returncode for p in procs)

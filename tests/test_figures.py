@@ -447,6 +447,7 @@ def interrupted(sweep, tmp_path):
 
 
 @pytest.mark.slow
+@SHARED
 def test_fig1_on_an_interrupted_sweep_draws_unfinished_runs_apart_and_names_the_empty_panels(interrupted):
     fig = FIGURES["fig1"](interrupted)
     gem_ax, downpour_ax, adaptive_ax, final_ax = fig.axes
@@ -470,6 +471,7 @@ def test_fig1_on_an_interrupted_sweep_draws_unfinished_runs_apart_and_names_the_
 
 
 @pytest.mark.slow
+@SHARED
 def test_the_terminal_says_what_a_figure_left_out(interrupted, tmp_path, capsys):
     """The figure's title counts its runs by status; the command's output now says the same (it printed only the
     figure's paths)."""
@@ -672,15 +674,16 @@ def test_wandb_logger_holds_an_evaluation_until_the_commits_before_it_are_logged
 @pytest.mark.slow
 def test_a_quick_experiment_runs_end_to_end_and_its_figure_is_drawn(tmp_path):
     sweep = tmp_path / "multirun" / "fig8_quick"
-    # epochs=1 and two of its four κ: the end-to-end path is the point (the sweep, its run directories, `paper_figures
-    # all`), not the curves; the experiment's own sweep is checked by test_experiment_composes_and_every_job_is_valid
-    env_cmd = [sys.executable, "run.py", "-m", "experiment=fig8_quick", "epochs=1", "algorithm.kappa=1,4",
+    # epochs=1, 3 of its 10 workers and two of its four κ: the end-to-end path is the point (the sweep, its run
+    # directories, `paper_figures all`), not the curves; the experiment's own sweep is checked by
+    # test_experiment_composes_and_every_job_is_valid
+    env_cmd = [sys.executable, "run.py", "-m", "experiment=fig8_quick", "epochs=1", "workers=3", "algorithm.kappa=1,4",
                "logger.wandb.mode=disabled", "logger.progress=false", f"hydra.sweep.dir={sweep}"]
     done = subprocess.run(env_cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stderr[-2000:]
     r = load.runs(sweep)
     assert len(r) == 2 and set(r["status"]) == {"completed"} and set(r["experiment"]) == {"fig8_quick"}
-    assert sorted(r["algorithm.kappa"]) == [1, 4] and set(r["workers"]) == {10}
+    assert sorted(r["algorithm.kappa"]) == [1, 4] and set(r["workers"]) == {3}
     out = tmp_path / "figures"
     done = subprocess.run([sys.executable, "-m", "paper_figures", "all", str(tmp_path), "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -726,6 +729,7 @@ def test_pi_by_run_takes_the_second_half_and_by_staleness_buckets_tau_relative_t
 
 
 @pytest.mark.slow
+@SHARED
 def test_an_empty_panel_of_a_sweep_that_has_not_finished_says_its_runs_may_come(interrupted):
     import yaml
 
