@@ -279,7 +279,8 @@ def test_a_saved_state_nobody_asked_for_loses_only_that_worker(data, tmp_path):
 
 @pytest.mark.parametrize("header, sent", [
     ((ASK, -1, 0, 0), "an ASK header with a negative size (-1 bytes of rows, 0 rows, 0 extra bytes)"),
-    ((ERROR, 0, 0, 1 << 40), "an ERROR header announcing 1099511627776 bytes after its rows (0 to 65536 allowed)"),
+    ((ERROR, 0, 0, 1 << 40), "an ERROR header announcing 1099511627776 bytes after its rows (1 to 65536 allowed)"),
+    ((ERROR, 0, 0, 0), "an ERROR header announcing 0 bytes after its rows (1 to 65536 allowed)"),  # no reason
     ((ASK, 0, 0, 4 << 30), "an ASK header announcing 4294967296 bytes after its rows (0 to 0 allowed)"),
     ((99, 0, 0, 0), "a header of unknown kind 99"),
     ((READY, 0, 0, 0), "READY a second time"),
