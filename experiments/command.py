@@ -361,7 +361,7 @@ def main(cfg: DictConfig) -> dict | None:
 
         distributed.export_submitit_env()
         if runner.launched_worker():
-            runner.work()
+            runner.work(cfg)
             return None
 
     hc = HydraConfig.get()

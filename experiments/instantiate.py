@@ -86,6 +86,39 @@ def model_spec(cfg: DictConfig) -> models.ModelSpec:
     return models.ModelSpec(name, "hydra.utils.instantiate", {"config": config})
 
 
+def worker_imports(cfg: DictConfig | None, argv: list[str]) -> set[str]:
+    """The import paths an engine=distributed worker rank may take from its job (gem.engines.distributed.job):
+    those its own command names. Under SLURM a worker has composed the command (`cfg`): its algorithm and its
+    model's. Under torchrun it composes nothing, and every rank has the same command line (`argv`): the paths it
+    gives a model (`model._target_=`, nested ones too) or an algorithm (`algorithm.name=`), and the `_target_`s of
+    this machine's model configs (conf/model)."""
+    from gem.engines.distributed.job import named_imports
+
+    if cfg is not None:
+        try:
+            return named_imports(str(cfg.algorithm.name), model_spec(cfg))
+        except ConfigError:
+            return set()
+    out = {t for path in (CONF_DIR / "model").glob("*.yaml") for t in _all_targets(OmegaConf.load(path))}
+    for arg in argv:
+        key, eq, value = arg.lstrip("+~").partition("=")
+        value = value.strip("'\"")
+        if eq and ((key.startswith("model.") and key.endswith("._target_")) or key == "algorithm.name"):
+            out.add(value)
+    return out
+
+
+def _all_targets(node) -> set[str]:
+    """Every `_target_` of a config, nested ones included."""
+    container = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else node
+    if isinstance(container, dict):
+        here = {str(container["_target_"])} if "_target_" in container else set()
+        return here.union(*(_all_targets(v) for v in container.values()))
+    if isinstance(container, list):
+        return set().union(*(_all_targets(v) for v in container))
+    return set()
+
+
 def _given_by_default(node: DictConfig, key: str) -> bool:
     """The key holds the model group's default, `${data.num_classes}`, rather than a value the user set."""
     return OmegaConf.to_container(node, resolve=False).get(key) == "${data.num_classes}"

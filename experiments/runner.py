@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import rundir, tensorboard_logger, wandb_logger
+from experiments import instantiate, rundir, tensorboard_logger, wandb_logger
 from experiments.config import ConfigError, Spec, checked
 from experiments.job import build_job
 from experiments.rundir import Refused
@@ -273,11 +273,12 @@ def launched_worker() -> bool:
     return distributed.launched() and distributed.launched_rank() > 0
 
 
-def work() -> int:
-    """Such a rank's whole life: its job, and everything it records, come from and go to rank 0."""
+def work(cfg=None) -> int:
+    """Such a rank's whole life: its job, and everything it records, come from and go to rank 0. It imports
+    only what its own command names (`cfg`, composed under SLURM; its command line under torchrun) for the job."""
     from gem.engines import distributed
 
-    return distributed.worker_main()
+    return distributed.worker_main(allowed=tuple(instantiate.worker_imports(cfg, sys.argv[1:])))
 
 
 def _shares(shares: dict) -> str:

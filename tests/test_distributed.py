@@ -246,7 +246,7 @@ def test_any_other_host_needs_allow_remote(host):
     with pytest.raises(ValueError, match=r"engine\.host=.* is not a loopback address.*engine\.allow_remote=true"):
         distributed.check_host(host, allow_remote=False)
     warning = distributed.check_host(host, allow_remote=True)
-    assert warning.startswith("gem: warning: ") and "anyone who can reach it can join the run" in warning
+    assert warning.startswith("gem: warning: ") and "only workers that prove the run's secret can join" in warning
 
 
 def test_a_remote_host_is_refused_in_one_line_before_anything_starts():
@@ -254,9 +254,15 @@ def test_a_remote_host_is_refused_in_one_line_before_anything_starts():
 
     with pytest.raises(ConfigError) as e:
         check_job(["engine=distributed", "engine.host=0.0.0.0"])
-    assert str(e.value) == ("engine.host=0.0.0.0 is not a loopback address, and anyone who can reach it could join "
-                            "the run; use engine.host=127.0.0.1 (or localhost, ::1), or set engine.allow_remote=true "
-                            "to expose the run on it")
+    assert str(e.value) == ("engine.host=0.0.0.0 is not a loopback address, and anyone who can reach it could "
+                            "connect to the run and read its traffic; use engine.host=127.0.0.1 (or localhost, ::1), "
+                            "or set engine.allow_remote=true to expose the run on it")
+
+
+ALLOW_REMOTE_WARNING = ("gem: warning: engine.allow_remote=true: the run listens on every address of this machine "
+                        "(0.0.0.0); anyone who can reach it can connect, and read or disturb its traffic (gloo's is "
+                        "neither authenticated nor encrypted), though only workers that prove the run's secret can "
+                        "join")
 
 
 def test_allow_remote_prints_one_warning(monkeypatch, capsys):
@@ -267,8 +273,7 @@ def test_allow_remote_prints_one_warning(monkeypatch, capsys):
     for _ in range(2):
         check_job(["engine=distributed", "engine.host=0.0.0.0", "engine.allow_remote=true"])
     err = capsys.readouterr().err.splitlines()
-    assert err == ["gem: warning: engine.allow_remote=true: the run listens on every address of this machine "
-                   "(0.0.0.0), and anyone who can reach it can join the run and send it commits"]
+    assert err == [ALLOW_REMOTE_WARNING]
 
 
 def test_a_host_that_is_not_this_machines_is_refused():
@@ -346,8 +351,7 @@ def test_run_py_with_allow_remote_warns_once_and_runs(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     warnings = [line for line in p.stderr.splitlines() if line.startswith("gem: warning:")]
-    assert warnings == ["gem: warning: engine.allow_remote=true: the run listens on every address of this machine "
-                        "(0.0.0.0), and anyone who can reach it can join the run and send it commits"], p.stderr
+    assert warnings == [ALLOW_REMOTE_WARNING], p.stderr
     assert (d / "summary.json").exists()
 
 
@@ -367,7 +371,7 @@ class _ServerThreadSeen:
     def open(self):
         return len(self.done) < len(self.ranks)
 
-    def lose(self, rank):
+    def lose(self, rank, banned=False):
         self.lost.append(rank)
         self.done.add(rank)
         return []

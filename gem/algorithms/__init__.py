@@ -26,6 +26,9 @@ Each algorithm module ends with one `Algorithm` record, in the spirit of optax's
   measured by the server on its own clock) and ``view.worker`` (for state kept per worker at the server).
 - ``init_server(theta, hp, workers) -> dict[str, Tensor]`` (optional): tensors the server keeps next to θ
   (GEM's global proxy). Only ``server_rule`` writes them; ``worker_rule`` reads them as ``view.server``.
+- ``payload(theta, hp) -> dict[str, Tensor]`` (optional): tensors of the names, dtypes and shapes of every
+  commit's ``payload`` (θ itself may stand for one shaped like it); None: commits carry none. engine=distributed
+  accepts from a worker only a payload of exactly these, so an algorithm whose commits carry one must declare it.
 - ``diagnostics(commit, layout, hp) -> (metrics, tensors)`` (optional): per-commit statistics, computed by the
   worker after it has handed the turn on, from the tensors the worker rule left in ``commit.aux``. ``layout``
   lists the model's parameter tensors as ``(name, slice)`` pairs into the flat vectors; ``tensors`` holds one list
@@ -91,6 +94,7 @@ class Algorithm:
     commit_every: Callable = _every_step
     local_step: Callable | None = None
     init_server: Callable | None = None
+    payload: Callable | None = None
     prepare: Callable | None = None
     diagnostics: Callable | None = None
     sequential: bool = False

@@ -71,6 +71,11 @@ def init_server(theta: torch.Tensor, hp: Params, workers: int) -> dict:
     return {"proxy": torch.zeros_like(theta), "proxy_commits": torch.zeros((), dtype=torch.long)}
 
 
+def payload(theta: torch.Tensor, hp: Params) -> dict:
+    """What a commit carries for the server rule: under the global proxy, the worker's momentum m (θ's shape)."""
+    return {"m": theta} if hp.proxy == "global" else {}
+
+
 def prepare(state, x, grad, hp: Params) -> None:
     """The part of the commit that does not read θ, run before the worker takes the turn: Δθ, the proxy's next
     value μm + Δθ, and π's numerator κ|μm + Δθ| (local proxy) and denominator |Δθ| + ε. In scratch buffers only:
@@ -122,8 +127,7 @@ def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
         proxy_sq = float(proxy.dot(proxy))
         aux = {"pi": pi, "central": central}
     metrics = {"proxy_energy": 0.5 * hp.kappa**2 * proxy_sq}
-    payload = {"m": m} if hp.proxy == "global" else {}
-    return Commit(delta=update, payload=payload, metrics=metrics, aux=aux)
+    return Commit(delta=update, payload=payload(m, hp), metrics=metrics, aux=aux)
 
 
 def server_rule(view: View, commit: Commit, hp: Params) -> None:
@@ -373,4 +377,4 @@ def warm() -> None:
 
 
 ALGORITHM = Algorithm("gem", Params, init_state, worker_rule, server_rule, init_server=init_server,
-                      prepare=prepare, diagnostics=diagnostics)
+                      payload=payload, prepare=prepare, diagnostics=diagnostics)

@@ -27,9 +27,12 @@ windowed algorithm talks to the server only when it commits.
 
 The engine by concern, each file read top to bottom; each imports only those above it:
 
-    wire.py      the group, the messages (kinds, headers, tensors as JSON specs and raw bytes), the timeouts
-    job.py       the job on the wire: JSON and raw tensors, rebuilt field for field by the worker
-    address.py   a local launch's address: loopback unless engine.allow_remote=true; the port checked
+    wire.py      the group, the messages (kinds, headers, tensors as JSON specs and raw bytes), the timeouts,
+                 the run's secret and its proof, and what rank 0 accepts from a worker (Bounds)
+    job.py       the job on the wire: JSON and raw tensors, rebuilt field for field by the worker, which imports
+                 only what its own side allows
+    address.py   a local launch's address: loopback unless engine.allow_remote=true; the port and, for a
+                 launch over several machines, the secret checked
     link.py      a worker rank: the worker cycle's Link to the server, over the wire
     server.py    rank 0's server thread: the exchanges, one at a time, and the checkpoint barrier
     launch.py    rank 0: the run (the group, the local workers, the job) and the coordinator

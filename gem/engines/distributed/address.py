@@ -1,7 +1,9 @@
-"""The address a local launch listens on. It listens on loopback; another address (`engine.host=0.0.0.0`) lets
-anyone who can reach it join the run and send it commits, so it needs `engine.allow_remote=true`. The address and
-an explicit `engine.port` are checked before anything starts (check_address, called by the config's validation),
-and rank 0 binds its listening socket the same way (`_listener`)."""
+"""Who can reach the run. A local launch listens on loopback; another address (`engine.host=0.0.0.0`) lets anyone
+who can reach it connect to the run, so it needs `engine.allow_remote=true`; only the launch's own workers, which
+it hands the run's secret, can join it as workers (wire._admit). A launch over several machines needs the secret
+in every rank's environment (GEM_RUN_SECRET). The address, an explicit `engine.port` and the secret are checked
+before anything starts (check_address, called by the config's validation), and rank 0 binds its listening socket
+the same way (`_listener`)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,16 @@ import ipaddress
 import socket
 import sys
 
-from gem.engines.distributed.wire import launched
+from gem.engines.distributed.wire import launched, launched_secret
 
 
 def check_address(host: str, port: int, allow_remote: bool) -> None:
     """engine=distributed: refuse, in one line (ValueError), an address a local launch must not or cannot listen
     on, before anything starts; print the warning for an exposed one (once). Under a launcher the addresses are
-    the launcher's (MASTER_ADDR, MASTER_PORT): nothing to check."""
+    the launcher's (MASTER_ADDR, MASTER_PORT), and what is checked is the run's secret, which a launch over
+    several machines needs (wire.launched_secret)."""
     if launched():
+        launched_secret()
         return
     warning = check_host(host, allow_remote)
     check_port(host, port)
@@ -26,17 +30,18 @@ def check_address(host: str, port: int, allow_remote: bool) -> None:
 
 def check_host(host: str, allow_remote: bool) -> str | None:
     """None for loopback (127.0.0.0/8, ::1, localhost); for any other address, the warning line to print when
-    engine.allow_remote=true, else ValueError: whoever can reach rank 0's address can join the run as a worker
-    and send it commits."""
+    engine.allow_remote=true, else ValueError: whoever can reach rank 0's address can connect to the run, read its
+    traffic and disturb it."""
     if _loopback(host):
         return None
     if not allow_remote:
-        raise ValueError(f"engine.host={host} is not a loopback address, and anyone who can reach it could join the "
-                         "run; use engine.host=127.0.0.1 (or localhost, ::1), or set engine.allow_remote=true to "
-                         "expose the run on it")
+        raise ValueError(f"engine.host={host} is not a loopback address, and anyone who can reach it could connect to "
+                         "the run and read its traffic; use engine.host=127.0.0.1 (or localhost, ::1), or set "
+                         "engine.allow_remote=true to expose the run on it")
     where = f"every address of this machine ({host or 'all'})" if _any_address(host) else host
-    return (f"gem: warning: engine.allow_remote=true: the run listens on {where}, and anyone who can reach it can "
-            "join the run and send it commits")
+    return (f"gem: warning: engine.allow_remote=true: the run listens on {where}; anyone who can reach it can "
+            "connect, and read or disturb its traffic (gloo's is neither authenticated nor encrypted), though only "
+            "workers that prove the run's secret can join")
 
 
 def _loopback(host: str) -> bool:

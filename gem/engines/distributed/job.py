@@ -1,11 +1,22 @@
 """The job on the wire: rank 0 sends each worker the Job it runs, as JSON (its fields, the algorithm's
 hyperparameters) and raw tensors (the training set), never a pickle; the worker rebuilds the same Job. Then, on
-the same tag, the worker's saved state when the run resumes from a checkpoint."""
+the same tag, the worker's saved state when the run resumes from a checkpoint. Rank 0 sends it only to a worker
+that proved the run's secret (wire._admit, on the same tag, first).
+
+A job names code: an algorithm and a model factory by import path (a Hydra config's `_target_`s, when Hydra
+instantiates the model). A worker imports only what its own side allows (`allowed_imports`): gem's own algorithms
+and models; the import paths of its own command line and model configs (under torchrun every rank has the same
+command line: experiments.instantiate.worker_imports); those its parent, rank 0, gave it (a local launch);
+and those listed in its environment's GEM_ALLOWED_IMPORTS. A job that names anything else is refused in one line
+(ValueError) before anything is imported, so whoever speaks for rank 0 on the wire cannot make a worker run code
+of its choosing. The dataset a worker loads itself (Job.data_source) is one of gem's loaders, by name.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import torch
 
@@ -13,7 +24,11 @@ from gem import algorithms
 from gem.data import Dataset
 from gem.engines import Job
 from gem.engines.distributed.wire import HEADER, TAG_JOB, _recv_bytes, _recv_packed, _send_bytes, _send_packed, _wait
-from gem.models import ModelSpec
+from gem.models import MODELS, ModelSpec
+
+IMPORTS_ENV = "GEM_ALLOWED_IMPORTS"  # comma-separated import paths a worker may import besides gem's own
+INSTANTIATE = "hydra.utils.instantiate"  # a ModelSpec's factory for a Hydra config: it imports the config's _target_s
+GEM_MODELS = frozenset(f"{f.__module__}.{f.__qualname__}" for f in MODELS.values())  # gem.models.MnistCNN, ...
 
 DATASET_TENSORS = ("train_x", "train_y", "val_x", "val_y")  # raw on the wire; gem.data.Dataset's other fields: JSON
 DONE = {"done": True}  # instead of a worker's state: the run resumes from a checkpoint in which it had no work left
@@ -65,18 +80,63 @@ def _hp_fields(job: Job) -> dict:
     return d
 
 
-def decode_job(text: bytes, tensors: dict[str, torch.Tensor] | None) -> Job:
-    """The Job that encode_job encoded: the same value in every field."""
+def decode_job(text: bytes, tensors: dict[str, torch.Tensor] | None, allowed: frozenset[str] = frozenset()) -> Job:
+    """The Job that encode_job encoded: the same value in every field. ValueError, before anything is imported,
+    if it names an algorithm or a model outside gem's own and `allowed` (allowed_imports)."""
     fields = json.loads(text)
+    model = fields["model"]
+    spec = ModelSpec(**model["spec"]) if isinstance(model, dict) else model
+    check_imports(named_imports(fields["algorithm"], spec), allowed)
+    fields["model"] = spec
     fields["hp"] = algorithms.get(fields["algorithm"]).Params(**fields["hp"])
-    if isinstance(fields["model"], dict):
-        fields["model"] = ModelSpec(**fields["model"]["spec"])
     if fields["data"] is not None:
         fields["data"] = Dataset(**fields["data"], **tensors)
     source = fields["data_source"]
     if source is not None and source.get("shape") is not None:
         source["shape"] = tuple(source["shape"])  # the model's input shape: a tuple, which JSON makes a list
     return Job(**fields)
+
+
+def named_imports(algorithm, model) -> set[str]:
+    """The import paths a job makes a worker import: an algorithm by import path; a ModelSpec's factory, or,
+    for one that Hydra instantiates, every `_target_` of its config (Hydra imports each)."""
+    out = set()
+    if algorithm not in algorithms.ALGORITHMS:  # algorithms.get imports a dotted name as a module
+        out.add(str(algorithm))
+    if isinstance(model, ModelSpec):
+        out |= _targets(model.kwargs) if model.factory == INSTANTIATE else {str(model.factory)}
+    return out
+
+
+def _targets(node) -> set[str]:
+    if isinstance(node, dict):
+        here = {str(node["_target_"])} if "_target_" in node else set()
+        return here.union(*(_targets(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_targets(v) for v in node))
+    return set()
+
+
+def allowed_imports(given=()) -> frozenset[str]:
+    """What a worker may import for its job besides gem's own: `given` (its own command line's, or its parent's)
+    and the paths in GEM_ALLOWED_IMPORTS. A path allows itself and what lies under it ("my_models" allows
+    "my_models.Net")."""
+    listed = (p.strip() for p in os.environ.get(IMPORTS_ENV, "").split(","))
+    return frozenset(_normal(p) for p in (*given, *listed) if p)
+
+
+def check_imports(named: set[str], allowed: frozenset[str]) -> None:
+    """ValueError, in one line, naming each import path of `named` that neither gem's models nor `allowed` allow."""
+    own = GEM_MODELS | allowed
+    refused = sorted(p for p in named if not any(_normal(p) == a or _normal(p).startswith(a + ".") for a in own))
+    if refused:
+        raise ValueError(f"the job names {', '.join(refused)}, which this worker does not import: a worker imports "
+                         f"gem's own algorithms and models, the import paths of its own command line and model "
+                         f"configs, and those listed in {IMPORTS_ENV} (comma-separated) on its host")
+
+
+def _normal(path: str) -> str:
+    return str(path).replace(":", ".")  # Hydra's "package.module:attr" is gem's "package.module.attr"
 
 
 def _send_job(pg, encoded: tuple[bytes, dict | None], dst: int, timeout_s: float) -> None:
@@ -86,9 +146,11 @@ def _send_job(pg, encoded: tuple[bytes, dict | None], dst: int, timeout_s: float
     _send_packed(pg, tensors, dst, TAG_JOB, timeout_s)
 
 
-def _recv_job(pg, timeout_s: float) -> Job:
+def _recv_job(pg, timeout_s: float) -> tuple[bytes, dict | None]:
+    """The job as it came (decode_job rebuilds it): every message rank 0 sends is received before the worker
+    judges it, so that rank 0 waits on none."""
     header = torch.zeros(HEADER, dtype=torch.long)
     _wait(pg.recv([header], 0, TAG_JOB), timeout_s)
     text = _recv_bytes(pg, int(header[0]), 0, TAG_JOB, timeout_s)
-    return decode_job(text, _recv_packed(pg, 0, TAG_JOB, timeout_s))
+    return text, _recv_packed(pg, 0, TAG_JOB, timeout_s)
 

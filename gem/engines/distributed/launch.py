@@ -1,6 +1,8 @@
 """Rank 0: the run. `run` starts the group (the launcher's ranks, or, for a local launch, N worker processes
-forked from gem.engines.worker's `worker_context` and bound to `engine.host`), sends each worker its job, and
-hands over to the coordinator.
+forked from gem.engines.worker's `worker_context` and bound to `engine.host`), has each worker prove the run's
+secret, sends each worker that did its job, and hands over to the coordinator (`_serve`). A local launch makes
+its own secret and hands it to its workers as they start; a launched run takes it from the environment
+(wire.launched_secret).
 
 The server's exchanges run on a thread of rank 0 (gem.engines.distributed.server); its main thread, the
 coordinator (`_Coordinator`, on gem.engines.coordinator's loop), records rows in clock order, evaluates θ, writes
@@ -16,9 +18,9 @@ At the end every worker gets an answer (BYE or STOP) and exits; workers also exi
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import queue
+import secrets
 import threading
 import time
 
@@ -31,13 +33,16 @@ from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, TIMEOUT_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.distributed.address import _listener, _local_address, _warn_once, check_host
-from gem.engines.distributed.job import DONE, _for_workers, _send_job, encode_job
+from gem.engines.distributed.job import DONE, _for_workers, _send_job, encode_job, named_imports
 from gem.engines.distributed.link import _local_worker
 from gem.engines.distributed.server import _Server
 from gem.engines.distributed.wire import (
     BYE_TIMEOUT_S,
     START_TIMEOUT_S,
     TAG_JOB,
+    Bounds,
+    Malformed,
+    _admit,
     _group,
     _launched_group,
     _patience,
@@ -45,6 +50,8 @@ from gem.engines.distributed.wire import (
     _td,
     _waiting_key,
     launched,
+    launched_secret,
+    run_secret,
 )
 from gem.engines.worker import threads_per_process, worker_context
 from gem.files import WriteError
@@ -72,6 +79,7 @@ def run(job: Job, recorder) -> Result:
             if world != n + 1:
                 raise ValueError(f"workers={n} but the launcher started {world} processes; engine=distributed needs "
                                  f"workers + 1 (rank 0 is the parameter server): pass workers={world - 1}")
+            secret = launched_secret()  # the config's validation has refused a multi-node launch without one
             torch.set_num_threads(threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
             store, pg = _connect(lambda: _launched_group(START_TIMEOUT_S)[:2], [])
         else:
@@ -87,22 +95,37 @@ def run(job: Job, recorder) -> Result:
             # mostly waits on the wire. The same threads as the other engines: the same arithmetic at n = 1.
             threads = threads_per_process(n)
             torch.set_num_threads(threads)
+            # this launch's own secret (the environment's, if set), handed to its workers by their parent: a
+            # process that reaches engine.host (allow_remote) cannot join without it
+            secret = run_secret() or secrets.token_hex(16)
+            # the workers import what the job names, as this process does: it is this user's command
+            imports = tuple(sorted(named_imports(job.algorithm, job.model)))
             ctx = worker_context(job)
             for r in range(1, n + 1):
                 p = ctx.Process(target=_local_worker, name=f"gem-worker-{r - 1}", daemon=True,
-                                args=(r, n + 1, local, port, START_TIMEOUT_S, threads))
+                                args=(r, n + 1, local, port, START_TIMEOUT_S, threads, secret, imports))
                 p.start()
                 children.append(p)
             pg = _connect(lambda: _group(store, 0, n + 1, local, START_TIMEOUT_S), children)
-        for r in range(1, n + 1):
-            _send_job(pg, encoded, r, START_TIMEOUT_S)
-            _send_packed(pg, saved.get(r - 1, DONE if resumed else None), r, TAG_JOB, START_TIMEOUT_S)
-        coord.attach(pg, children, store)
-        return coord.serve()
+        states = {r: saved.get(r - 1, DONE if resumed else None) for r in range(1, n + 1)}
+        return _serve(coord, pg, secret, encoded, states, children, store)
     finally:
         _stop(children)
         if listener is not None:
             listener.close()
+
+
+def _serve(coord: _Coordinator, pg, secret: str, encoded, states: dict, children: list, store=None) -> Result:
+    """The run, once the group has formed: each worker proves the run's secret (wire._admit); each that did gets
+    its job and its saved state (`states`, by rank); one that did not gets nothing and is recorded lost. Then the
+    coordinator serves the run to its end."""
+    refused = _admit(pg, sorted(states), secret, START_TIMEOUT_S)
+    for r, state in states.items():
+        if r not in refused:
+            _send_job(pg, encoded, r, START_TIMEOUT_S)
+            _send_packed(pg, state, r, TAG_JOB, START_TIMEOUT_S)
+    coord.attach(pg, children, store, refused)
+    return coord.serve()
 
 
 def _connect(make, children: list):
@@ -163,19 +186,27 @@ class _Coordinator(Coordinator):
         self.waited: dict[int, int] = {}  # each rank's count on it when the coordinator last looked
         self.closed_at: float | None = None  # when every worker had finished or was lost
 
-    def attach(self, pg, children: list, store=None) -> None:
+    def attach(self, pg, children: list, store=None, refused: dict[int, str] | None = None) -> None:
+        """Start the server thread; `refused`: ranks that did not prove the run's secret, lost from the start."""
         ranks = [w + 1 for w in range(self.job.workers)]
-        self.ps = _Server(pg, self.job, self.server, ranks, self.events)
+        job, server = self.job, self.server
+        bounds = Bounds.of(server.algo, job.hp, server.theta, len(self.ledger.tensor_names),
+                           int(job.engine.get("train_examples", len(job.data.train_y))))
+        self.ps = _Server(pg, job, server, ranks, self.events, bounds)
         self.children, self.store = children, store
         for w in set(range(self.job.workers)) - set(self.pending_workers()):  # done before the checkpoint
             self.ps.done.add(w + 1)
             self.ps.ready.add(w + 1)
+        for r, why in (refused or {}).items():
+            self.lose_rank(r, why, banned=True)
         self.ps.start()
 
-    def lose_rank(self, rank: int, why: str) -> None:
+    def lose_rank(self, rank: int, why: str, banned: bool = False) -> None:
+        """Record `rank` lost, and its commits whose rows will not come; `banned`: for what it sent, so that the
+        server reads nothing more from it."""
         if not self.lose(rank - 1, why):
             return
-        for s in self.ps.lose(rank):
+        for s in self.ps.lose(rank, banned):
             self.ledger.lost(s)
         if self.children:
             p = self.children[rank - 1]
@@ -184,11 +215,19 @@ class _Coordinator(Coordinator):
 
     def handle(self, ev) -> None:
         kind = ev[0]
-        if kind == "rows":
-            for row, tensors in json.loads(ev[1]):
+        if kind == "rows":  # rank ev[1]'s rows for its commits ev[3], as it sent them (ev[2])
+            try:
+                rows = self.ps.bounds.rows(ev[2], ev[1] - 1, ev[3])
+            except Malformed as e:  # those commits' rows will never come; nor will any more of its own
+                for step in ev[3]:
+                    self.ledger.lost(step)
+                self.lose_rank(ev[1], f"it sent {e}", banned=True)
+                return
+            for row, tensors in rows:
                 self.ledger.add(row, tensors)
         elif kind == "finished":
-            self.finish(ev[1] - 1)
+            if ev[1] - 1 not in self.lost_workers:  # lost meanwhile for the rows that came with its last word
+                self.finish(ev[1] - 1)
         elif kind == "diverged":
             self.diverge(ev[2])
         elif kind == "error":

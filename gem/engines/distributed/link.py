@@ -1,4 +1,5 @@
-"""A worker rank: it joins the group, takes the job from rank 0 and runs the shared worker cycle
+"""A worker rank: it joins the group, proves the run's secret, takes the job from rank 0 (importing only what its
+own side allows: job.allowed_imports) and runs the shared worker cycle
 (gem.engines.worker), whose Link, `_RemoteLink`, makes each commit one exchange with the server (ASK, GO with θ,
 COMMIT) and keeps a replica of the server's state, brought up to date by replaying the server step.
 
@@ -14,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import os
+import sys
 import threading
 import time
 import traceback
@@ -25,7 +27,7 @@ from gem import algorithms
 from gem.algorithms import Commit
 from gem.data import load_dataset
 from gem.engines import Job
-from gem.engines.distributed.job import DONE, _recv_job
+from gem.engines.distributed.job import DONE, _recv_job, allowed_imports, decode_job
 from gem.engines.distributed.wire import (
     ASK,
     BYE_TIMEOUT_S,
@@ -35,53 +37,81 @@ from gem.engines.distributed.wire import (
     GO,
     PULL,
     READY,
+    ROWS_PER_MESSAGE,
     SAVE,
     SAVED,
+    SECRET_ENV,
     START_TIMEOUT_S,
     STOP,
     TAG_ASK,
     TAG_JOB,
     TAG_X,
+    TEXT_BYTES,
     _group,
     _launched_group,
     _pack,
     _patience,
+    _prove,
     _recv_packed,
     _rows_json,
     _send_bytes,
     _td,
     _wait,
     _waiting_key,
+    launched_secret,
 )
 from gem.engines.server import Server
 from gem.engines.worker import Diverged, Worker, barrier_pauses, setup_process, threads_per_process
 
-ROWS_PER_MESSAGE, ROWS_SECONDS = 16, 0.25  # a worker sends its commit rows in batches (as in the process engine)
+ROWS_SECONDS = 0.25  # a worker sends its commit rows in batches (as in the process engine): ROWS_PER_MESSAGE, or
+# what it holds once this long has passed
 WAIT_S = 0.02  # a worker told to WAIT while a checkpoint is being taken asks again after this long (at a barrier:
 # worker.barrier_pauses)
 WAITING_S = 0.5  # a worker waiting for the server says so on the store this often
 
 
-def worker_main(timeout_s: float = START_TIMEOUT_S) -> int:
-    """A rank > 0 started by torchrun or SLURM: join the group, take the job from rank 0, work, exit."""
+def worker_main(timeout_s: float = START_TIMEOUT_S, allowed=()) -> int:
+    """A rank > 0 started by torchrun or SLURM: join the group, prove the run's secret, take the job from rank 0,
+    work, exit. `allowed`: the import paths its own command line names (job.allowed_imports)."""
+    try:
+        secret = launched_secret()  # before joining: a worker without it would only be refused
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     threads = threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     store, pg, rank, _world = _launched_group(timeout_s)
-    return _work(pg, rank, threads, ignore_sigint=False, store=store)
+    return _work(pg, rank, threads, secret, allowed_imports(allowed), ignore_sigint=False, store=store)
 
 
-def _local_worker(rank: int, world: int, host: str, port: int, timeout_s: float, threads: int) -> None:
-    """A worker of a local launch (`python run.py engine=distributed`)."""
+def _local_worker(rank: int, world: int, host: str, port: int, timeout_s: float, threads: int, secret: str,
+                  allowed: tuple[str, ...]) -> None:
+    """A worker of a local launch (`python run.py engine=distributed`): rank 0, its parent, hands it the run's
+    secret and the import paths of its job as arguments, never over the network."""
     store = dist.TCPStore(host, port, world, False, timeout=_td(timeout_s))
     pg = _group(store, rank, world, host, timeout_s)
-    _work(pg, rank, threads, store=store)
+    _work(pg, rank, threads, secret, allowed_imports(allowed), store=store)
 
 
-def _work(pg, rank: int, threads: int, ignore_sigint: bool = True, store=None) -> int:
+def _work(pg, rank: int, threads: int, secret: str, allowed: frozenset[str], ignore_sigint: bool = True,
+          store=None) -> int:
     setup_process(threads, ignore_sigint)
     try:
-        job = _recv_job(pg, START_TIMEOUT_S)
+        _prove(pg, rank, secret, START_TIMEOUT_S)
+        text, tensors = _recv_job(pg, START_TIMEOUT_S)
         saved = _recv_packed(pg, 0, TAG_JOB, START_TIMEOUT_S)  # this worker's state, when the run resumes
-    except RuntimeError:
+    except RuntimeError as e:
+        print(f"gem: worker rank {rank}: no job from rank 0 ({str(e).splitlines()[0] if str(e) else e!r}); rank 0 "
+              f"sends none to a worker that does not prove the run's secret ({SECRET_ENV})", file=sys.stderr)
+        return 1
+    try:
+        job = decode_job(text, tensors, allowed)
+    except (ValueError, TypeError, KeyError) as e:  # rank 0 records the worker lost, with this line
+        why = f"{type(e).__name__}: {e}"
+        print(f"gem: worker rank {rank} refuses its job: {why}", file=sys.stderr, flush=True)
+        try:
+            _header(pg, ERROR, b"", 0, why.encode()[:TEXT_BYTES], START_TIMEOUT_S)
+        except RuntimeError:
+            pass
         return 1
     if saved == DONE:  # a resumed run whose checkpoint has this worker finished, or lost: nothing to do
         return 0
@@ -91,6 +121,16 @@ def _work(pg, rank: int, threads: int, ignore_sigint: bool = True, store=None) -
     except _ServerGone:
         return 1
     return 0
+
+
+def _header(pg, kind: int, rows: bytes, count: int, extra: bytes, timeout_s: float) -> None:
+    """A header to the server, then the rows and the extra bytes it announces."""
+    h = torch.tensor([kind, len(rows), count, len(extra)], dtype=torch.long)
+    _wait(pg.send([h], 0, TAG_ASK), timeout_s)
+    if rows:
+        _send_bytes(pg, rows, 0, TAG_X, timeout_s)
+    if extra:
+        _send_bytes(pg, extra, 0, TAG_X, timeout_s)
 
 
 class _ServerGone(Exception):
@@ -129,13 +169,8 @@ class _RemoteLink:
         batches, so that most ASKs are one small message."""
         batch = kind != ASK or len(self.buffer) >= ROWS_PER_MESSAGE or time.monotonic() - self.sent_at > ROWS_SECONDS
         rows = _rows_json(self.buffer) if batch and self.buffer else b""
-        h = torch.tensor([kind, len(rows), len(self.buffer) if rows else 0, len(extra)], dtype=torch.long)
         try:
-            _wait(self.pg.send([h], 0, TAG_ASK), self.wait_s)
-            if rows:
-                _send_bytes(self.pg, rows, 0, TAG_X, self.wait_s)
-            if extra:
-                _send_bytes(self.pg, extra, 0, TAG_X, self.wait_s)
+            _header(self.pg, kind, rows, len(self.buffer) if rows else 0, extra, self.wait_s)
         except RuntimeError as e:
             raise _ServerGone() from e
         if rows:
@@ -207,11 +242,11 @@ class _RemoteLink:
         self._send(tensors)
 
     def submit(self, view, commit: Commit) -> None:
-        spec = json.dumps(_pack(commit.payload)[0]).encode() if commit.payload else b""
+        spec, payload = _pack(commit.payload)
+        spec = json.dumps(spec).encode() if commit.payload else b""
         tensors = [torch.tensor([len(spec), 0], dtype=torch.long), commit.delta.contiguous()]
         if spec:
-            tensors += [torch.frombuffer(bytearray(spec), dtype=torch.uint8),
-                        *(v.contiguous() for v in commit.payload.values())]
+            tensors += [torch.frombuffer(bytearray(spec), dtype=torch.uint8), *payload]
         self._send(tensors)
 
     def release(self) -> None:
@@ -241,14 +276,14 @@ class _RemoteLink:
             while worker.cycle(self):
                 pass
         except Diverged as e:
-            self.header(DIVERGED, str(e).encode())
+            self.header(DIVERGED, str(e).encode()[:TEXT_BYTES])
             return
         except _Stopped:
             return
         except _ServerGone:
             raise
         except Exception as e:  # tell the server why, then stop
-            self.header(ERROR, f"{type(e).__name__}: {e}\n{traceback.format_exc()}".encode())
+            self.header(ERROR, f"{type(e).__name__}: {e}\n{traceback.format_exc()}".encode()[:TEXT_BYTES])
             return
         self.header(FINISHED)
         try:  # the server's last word: it has everything; then nobody waits for anybody

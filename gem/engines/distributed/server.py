@@ -9,6 +9,14 @@ handed out again. (A worker is not left waiting on a reply: gloo's receive from 
 peer dies, so the server, blocked on it, would never learn that the last worker it waits for is gone.) A worker
 lost mid-exchange (its connection closes) is recorded and the run goes on: its commits whose rows never came are
 marked (`lost_row`).
+
+A worker is held to what the server expects of it (wire.Bounds): a header's kind must be one it may send now (SAVED
+only while a checkpoint is taken, and only from a worker told SAVE; READY once), and every size it announces must
+be within the bounds before anything that follows is received; a commit's payload must be exactly the algorithm's;
+its rows are checked by the coordinator, which decodes them. A worker that sends anything else is lost for what it
+sent, and banned: the server reads nothing more it sends (its unread messages stay with gloo, addressed from its
+rank, where no receive will ever take them) and answers it nothing, so that a peer that breaks the protocol cannot
+make the server wait on it either.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from gem.engines.distributed.wire import (
     HEADER,
     PULL,
     READY,
+    ROWS_PENDING,
     SAVE,
     SAVED,
     START_TIMEOUT_S,
@@ -41,10 +50,12 @@ from gem.engines.distributed.wire import (
     TAG_ASK,
     TAG_X,
     WAIT,
+    Bounds,
+    Malformed,
     _closed,
     _patience,
     _recv_bytes,
-    _recv_spec_and_tensors,
+    _recv_tensors,
     _wait,
 )
 from gem.engines.server import Server
@@ -55,9 +66,9 @@ class _Server(threading.Thread):
     """Rank 0's exchanges with the workers, one at a time, in the order their headers arrive. Talks to the
     coordinator (the main thread) through `events`; `lock` guards the server's state and the bookkeeping."""
 
-    def __init__(self, pg, job: Job, server: Server, workers: list[int], events: queue.Queue):
+    def __init__(self, pg, job: Job, server: Server, workers: list[int], events: queue.Queue, bounds: Bounds):
         super().__init__(name="gem-parameter-server", daemon=True)
-        self.pg, self.job, self.server, self.events = pg, job, server, events
+        self.pg, self.job, self.server, self.events, self.bounds = pg, job, server, events, bounds
         # how long a wait on one worker may last (the coordinator keeps it at _patience of the silence limit)
         self.wait_s = _patience(float(job.engine["timeout_s"]))
         self.lock = threading.Lock()
@@ -68,10 +79,12 @@ class _Server(threading.Thread):
         self.ready: set[int] = set()
         self.done: set[int] = set()  # finished, stopped, or lost: the server expects nothing more
         self.lost: set[int] = set()
+        self.banned: set[int] = set()  # lost for what they sent: nothing more they send is read or answered
         self.stopping = ""  # once set, every ASK is answered STOP
         self.early: deque = deque()  # ASKs that came before every worker was ready: all start from one θ
         self.barriers: dict[int, int] = {}  # the barrier each rank last waited at (PULL), until it pulls
-        self.saving: dict | None = None  # a checkpoint being taken: {"folder", "saved": ranks that sent their state}
+        # a checkpoint being taken: {"folder", "told": ranks told SAVE, "saved": ranks that sent their state}
+        self.saving: dict | None = None
         self.written = threading.Event()
         self.delta = torch.empty_like(server.theta)
         self.started = time.monotonic()
@@ -80,9 +93,12 @@ class _Server(threading.Thread):
     def stop(self, why: str) -> None:
         self.stopping = self.stopping or why
 
-    def lose(self, rank: int) -> list[int]:
-        """(coordinator) Expect nothing more from `rank`; returns its commits whose rows will never come."""
+    def lose(self, rank: int, banned: bool = False) -> list[int]:
+        """(coordinator) Expect nothing more from `rank` (`banned`: nor read anything it sends); returns its commits
+        whose rows will never come."""
         with self.lock:
+            if banned:
+                self.banned.add(rank)
             self.lost.add(rank)
             self.done.add(rank)
             return list(self.pending.pop(rank, ()))
@@ -97,7 +113,7 @@ class _Server(threading.Thread):
             if self.saving is not None or self.stopping:
                 return False
             self.written.clear()
-            self.saving = {"folder": ckpt.pending(run_dir), "saved": set()}
+            self.saving = {"folder": ckpt.pending(run_dir), "told": set(), "saved": set()}
             return True
 
     def run(self) -> None:
@@ -156,45 +172,62 @@ class _Server(threading.Thread):
     # --- a header and what follows it, by kind
 
     def take(self, src: int, kind: int, rows_nbytes: int, rows_count: int, extra_nbytes: int) -> None:
-        """Act on a header from `src`, with the rows and message that follow it. The rows are decoded by the
-        coordinator: this thread's time is every worker's wait."""
+        """Act on a header from `src`, with the rows and message that follow it, once checked (`admit`). The rows
+        are decoded by the coordinator: this thread's time is every worker's wait."""
         self.heard[src] = time.monotonic()
+        if src in self.banned or (src in self.done and src not in self.lost):
+            return  # banned, or finished or stopped (it exits): what it sends now is no message of the protocol
         try:
+            self.admit(src, kind, rows_nbytes, rows_count, extra_nbytes)
             rows = _recv_bytes(self.pg, rows_nbytes, src, TAG_X, self.wait_s) if rows_nbytes else b""
             extra = _recv_bytes(self.pg, extra_nbytes, src, TAG_X, self.wait_s) if extra_nbytes else b""
-            state = _recv_spec_and_tensors(self.pg, extra, src, TAG_X, self.wait_s) if kind == SAVED else None
+            barrier = self.bounds.clock(extra) if kind == PULL else None
+            state = None
+            if kind == SAVED:
+                state = _recv_tensors(self.pg, self.bounds.state(extra), src, TAG_X, self.wait_s)
         except (RuntimeError, ValueError) as e:
             self.gone(src, e)
             return
-        if not self.rows_came(src, rows_count):
+        steps = self.rows_came(src, rows_count)
+        if steps is None:
             # given up for lost (silent too long) and back: its commits are marked already; it stops
             if kind in (ASK, PULL):
                 self.reply(src, STOP)
             return
         if rows:
-            self.events.put(("rows", rows))
+            self.events.put(("rows", src, rows, steps))
         if kind == READY:
             self.ready.add(src)
         elif kind == ASK:
             self.on_ask(src)
         elif kind == PULL:
-            self.on_pull(src, extra)
+            self.on_pull(src, barrier)
         elif kind == SAVED:
             self.on_saved(src, state)
         elif kind == FINISHED:
             self.on_finished(src)
         elif kind in (DIVERGED, ERROR):
-            self.on_end(src, kind, extra)
+            self.on_end(src, kind, extra.decode("utf-8", errors="replace"))
 
-    def rows_came(self, src: int, count: int) -> bool:
-        """The rows of `src`'s first `count` pending commits came: those are pending no more. False, and nothing
-        done, if `src` was given up for lost."""
+    def admit(self, src: int, kind: int, rows_nbytes: int, rows_count: int, extra_nbytes: int) -> None:
+        """Malformed unless `src` may send a header of this kind now, of these sizes (wire.Bounds). A worker given
+        up for lost and back may still send the rows it holds, which are read and dropped."""
+        if kind == READY and src in self.ready:
+            raise Malformed("READY a second time")
+        saving = self.saving
+        if kind == SAVED and (saving is None or src not in saving["told"] or src in saving["saved"]):
+            raise Malformed("its state (SAVED) though no checkpoint asked it for its state")
         with self.lock:
-            lost = src in self.lost
-            if not lost:
-                for _ in range(count):
-                    self.pending[src].popleft()
-        return not lost
+            pending = len(self.pending[src]) if src in self.pending else ROWS_PENDING
+        self.bounds.header(kind, rows_nbytes, rows_count, extra_nbytes, pending)
+
+    def rows_came(self, src: int, count: int) -> list[int] | None:
+        """The rows of `src`'s first `count` pending commits came: those are pending no more; returns their
+        steps. None, and nothing done, if `src` was given up for lost."""
+        with self.lock:
+            if src in self.lost:
+                return None
+            return [self.pending[src].popleft() for _ in range(count)]
 
     def on_ask(self, src: int) -> None:
         """A worker asks for its turn: during a checkpoint it is told to SAVE or WAIT; before every worker is
@@ -206,14 +239,9 @@ class _Server(threading.Thread):
         else:
             self.exchange(src)
 
-    def on_pull(self, src: int, extra: bytes) -> None:
-        """A worker waits at a barrier (its clock in `extra`): θ once the server's clock has reached it; until
-        then WAIT, or STOP when no commit can reach it."""
-        try:
-            barrier = int(extra.decode("ascii"))
-        except ValueError as e:
-            self.gone(src, e)
-            return
+    def on_pull(self, src: int, barrier: int) -> None:
+        """A worker waits at a barrier: θ once the server's clock has reached it; until then WAIT, or STOP when no
+        commit can reach it."""
         if self.saving is not None:
             self.hold(src)
         elif self.stopping:
@@ -240,19 +268,21 @@ class _Server(threading.Thread):
         self.events.put(("finished", src))
         self.reply(src, BYE)
 
-    def on_end(self, src: int, kind: int, extra: bytes) -> None:
-        """A worker diverged (the run stops: every worker that asks is told STOP) or raised (`extra` says what)."""
+    def on_end(self, src: int, kind: int, text: str) -> None:
+        """A worker diverged (the run stops: every worker that asks is told STOP) or raised (`text` says what)."""
         self.done_with(src)
         if kind == DIVERGED:
-            self.stop(extra.decode())
-            self.events.put(("diverged", src, extra.decode()))
+            self.stop(text)
+            self.events.put(("diverged", src, text))
         else:
-            self.events.put(("error", src, extra.decode()))
+            self.events.put(("error", src, text))
 
     # --- the exchanges
 
     def exchange(self, src: int) -> None:
         """`src`'s turn: GO with θ, its commit back, applied; timed (busy_s) for the run's summary."""
+        if src in self.banned:
+            return  # it asked before it was banned
         if self.stopping or src in self.lost:
             self.done_with(src)
             self.reply(src, STOP)
@@ -279,22 +309,26 @@ class _Server(threading.Thread):
         for s in sends:
             _wait(s, wait_s)
         _wait(self.pg.recv([header], src, TAG_X), wait_s)
-        _wait(self.pg.recv([self.delta], src, TAG_X), wait_s)
-        payload = {}
-        if int(header[0]):
-            spec = _recv_bytes(self.pg, int(header[0]), src, TAG_X, wait_s)
-            payload = _recv_spec_and_tensors(self.pg, spec, src, TAG_X, wait_s)
-        return payload
+        spec_nbytes = int(header[0])
+        self.bounds.commit(spec_nbytes)
+        _wait(self.pg.recv([self.delta], src, TAG_X), wait_s)  # Δ: θ's size, always
+        if not spec_nbytes:
+            return {}
+        spec = self.bounds.payload_of(_recv_bytes(self.pg, spec_nbytes, src, TAG_X, wait_s))
+        return _recv_tensors(self.pg, spec, src, TAG_X, wait_s)
 
     def apply(self, src: int, view, payload: dict) -> None:
         """The server rule on θ; the commit is pending until `src`'s row for it comes."""
         with self.lock:
             t = self.server.apply(view, Commit(delta=self.delta, payload=payload))
             self.commits.append((src - 1, time.monotonic()))  # progress, for the coordinator's Silence
-            if src in self.pending:
-                self.pending[src].append(t)
+            pending = self.pending.get(src)
+            if pending is not None:
+                pending.append(t)
             else:  # given up for lost while this exchange ran: its row will never come
                 self.events.put(("lost_steps", [t]))
+        if pending is not None and len(pending) > ROWS_PENDING:
+            self.ban(src, f"no rows for its last {len(pending)} commits (at most {ROWS_PENDING} may await rows)")
 
     def pull(self, src: int) -> None:
         """A worker at a barrier that the clock has reached: θ and the server's tensors; no commit follows."""
@@ -311,6 +345,8 @@ class _Server(threading.Thread):
     # --- answers, and workers the server expects nothing more from
 
     def reply(self, src: int, kind: int, t: int = 0, staleness: int = 0) -> bool:
+        if src in self.banned:  # it may never take the answer, and a send not taken would time out
+            return False
         try:
             reply = torch.tensor([kind, t, staleness, int(self.wait_s * 1000)], dtype=torch.long)
             _wait(self.pg.send([reply], src, TAG_X), self.wait_s)
@@ -321,7 +357,11 @@ class _Server(threading.Thread):
 
     def hold(self, src: int) -> None:
         """During a checkpoint: SAVE to a worker that has not sent its state, else WAIT (it asks again)."""
-        self.reply(src, WAIT if src in self.saving["saved"] else SAVE)
+        if src in self.saving["saved"]:
+            self.reply(src, WAIT)
+        else:
+            self.saving["told"].add(src)
+            self.reply(src, SAVE)
 
     def done_with(self, src: int) -> None:
         """Expect nothing more from `src`: finished, stopped, or lost."""
@@ -329,14 +369,24 @@ class _Server(threading.Thread):
             self.done.add(src)
 
     def gone(self, src: int, e: Exception) -> None:
-        """`src` closed its connection (a RuntimeError from gloo), or sent what cannot be read (a ValueError: a
-        malformed spec or JSON): it is lost. Any other gloo error is a timeout, and gloo has dropped the group."""
-        if isinstance(e, RuntimeError) and not _closed(e):
+        """`src` closed its connection (a RuntimeError from gloo): it is lost; or sent what the server does not
+        accept (Malformed, a ValueError): it is banned. Any other gloo error is a timeout, and gloo has dropped the
+        group."""
+        if isinstance(e, ValueError):
+            self.ban(src, str(e) if isinstance(e, Malformed) else f"what cannot be read ({e})")
+            return
+        if not _closed(e):
             raise RuntimeError(f"worker rank {src} did not answer for {self.wait_s:.0f} s (twice the silence limit "
                                "+ 10 s); gloo gives up on the whole group after such a wait") from None
         self.done_with(src)  # now: a checkpoint in progress must not wait for it
-        why = "its connection closed" if isinstance(e, RuntimeError) else f"it sent what cannot be read ({e})"
-        self.events.put(("lost", src, why))
+        self.events.put(("lost", src, "its connection closed"))
+
+    def ban(self, src: int, sent: str) -> None:
+        """`src` sent what the server does not accept: lost, and nothing more it sends is read or answered."""
+        with self.lock:
+            self.banned.add(src)
+            self.done.add(src)  # now: a checkpoint in progress must not wait for it
+        self.events.put(("lost", src, f"it sent {sent}"))
 
     def unreachable(self) -> bool:
         """Every worker still expected waits at a barrier that only their own commits could reach (a lost worker

@@ -1,9 +1,16 @@
 """The distributed engine's wire: the group every rank joins, the messages its ranks exchange, and what both
 sides agree on (message kinds, timeouts, the store key a waiting worker writes).
 
-Nothing on the wire is a pickle, in either direction, so no rank runs code a peer sends: headers are int64
-tensors; rows, tensor specs and the job are JSON; tensors travel raw, and a receiver makes buffers only of the
-dtypes in DTYPES.
+Nothing on the wire is a pickle, in either direction: headers are int64 tensors; rows, tensor specs and the job
+are JSON; tensors travel raw, and a receiver makes buffers only of the dtypes in DTYPES. So no rank runs code a
+peer sends. What a worker imports is named by the job, and it imports only what its own side allows
+(job.allowed_imports).
+
+Rank 0 holds a worker to what it expects (`Bounds`, built from the job): every size a worker announces is checked
+before a byte is allocated or received, every message's kind against what the worker may send now, every row and
+tensor spec against the schema. A worker that sends anything else is lost, with a reason that says what it sent
+(`Malformed`), and the run goes on with the others. A worker proves the run's secret (`run_secret`,
+`GEM_RUN_SECRET`) before it gets the job or θ (`_proof`).
 
 Every wait has a timeout, and gloo aborts the whole group (closes every connection) when one of its waits times
 out: so rank 0's waits on a worker last well beyond the silence limit (`_patience`), and one expires only when no
@@ -12,9 +19,15 @@ worker can be heard from at all.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import hashlib
+import hmac
 import json
+import math
 import os
+import re
+import secrets
 
 import torch
 import torch.distributed as dist
@@ -28,9 +41,19 @@ ASK, READY, FINISHED, DIVERGED, ERROR, SAVED, PULL = range(7)  # PULL: θ once t
 # server → worker, first word of the reply to an ASK, PULL or FINISHED: [kind, t, τ]
 GO, STOP, BYE, SAVE, WAIT = range(5)
 HEADER = 4  # int64 words: [kind, rows_nbytes, rows_count, extra_nbytes]
+KINDS = {ASK: "ASK", READY: "READY", FINISHED: "FINISHED", DIVERGED: "DIVERGED", ERROR: "ERROR", SAVED: "SAVED",
+         PULL: "PULL"}
 # the dtypes a state or payload may have on the wire
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                                torch.uint8, torch.bool)}
+ROWS_PER_MESSAGE = 16  # a worker sends its commit rows with its ASK once it holds this many (link), with any other
+# header at once: so no message carries more, and no more of its commits than that await their rows but briefly
+
+SECRET_ENV, SECRET_FILE_ENV = "GEM_RUN_SECRET", "GEM_RUN_SECRET_FILE"
+SECRET_MIN_CHARS = 16  # a proof travels in the clear: a short secret could be found from one by trying them all
+NONCE_BYTES = 32  # rank 0's challenge to each worker, fresh for each run: a proof seen once cannot be replayed
+SECRET_HINT = (f'export {SECRET_ENV}=$(python -c "import secrets; print(secrets.token_hex(16))") on every host '
+               f"(the same value), or name a file that holds it in {SECRET_FILE_ENV}")
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -89,12 +112,95 @@ def _group(store, rank: int, world: int, host: str | None, timeout_s: float):
     return dist.ProcessGroupGloo(dist.PrefixStore("gem/", store), rank, world, opts)
 
 
+def single_node() -> bool:
+    """Every rank of the launch runs on this machine (torchrun's LOCAL_WORLD_SIZE is the world's size)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+
+
 def _launched_group(timeout_s: float):
     """(store, group, rank, world) from the launcher's environment (torchrun's, or submitit's exported)."""
     store, rank, world = next(dist.rendezvous("env://", timeout=_td(timeout_s)))
-    single_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
     # one node: loopback; several: each rank's own address, so that the others can reach it
-    return store, _group(store, rank, world, "127.0.0.1" if single_node else None, timeout_s), rank, world
+    return store, _group(store, rank, world, "127.0.0.1" if single_node() else None, timeout_s), rank, world
+
+
+# ------------------------------------------------------------------------------------------ the run's secret
+
+
+def run_secret() -> str | None:
+    """The run's secret from this process's environment: GEM_RUN_SECRET, else the first line of the file that
+    GEM_RUN_SECRET_FILE names; None when neither is set. ValueError, in one line, for a file that cannot be read or
+    a secret too short to keep."""
+    secret, where = os.environ.get(SECRET_ENV, ""), SECRET_ENV
+    path = os.environ.get(SECRET_FILE_ENV, "")
+    if not secret and path:
+        where = f"the file {SECRET_FILE_ENV}={path}"
+        try:
+            with open(path) as f:
+                secret = f.readline().strip()
+        except OSError as e:
+            raise ValueError(f"{SECRET_FILE_ENV}={path} cannot be read ({e.strerror or e}); {SECRET_HINT}") from None
+    if not secret:
+        return None
+    if len(secret) < SECRET_MIN_CHARS:
+        raise ValueError(f"{where} holds a secret of {len(secret)} characters, and the run's secret needs at least "
+                         f"{SECRET_MIN_CHARS}: {SECRET_HINT}")
+    return secret
+
+
+def launched_secret() -> str:
+    """The secret of a rank that a launcher started. Required when the ranks span machines: a worker is then any
+    process that reaches rank 0 over the network. On one machine it is optional ('' proves nothing): gloo's
+    connections are bound to loopback there (_launched_group), so every peer is a process of this machine, as in a
+    local launch (torchrun's store may listen wider, but no process elsewhere can open a gloo connection to a rank
+    bound to loopback); set one all the same where other users share the machine."""
+    secret = run_secret()
+    if secret is None and not single_node():
+        raise ValueError(f"{SECRET_ENV} is not set, and a launch over several machines needs the run's secret so that "
+                         f"only its own workers can join: {SECRET_HINT}")
+    return secret or ""
+
+
+def _proof(secret: str, nonce: bytes, rank: int) -> bytes:
+    """Worker `rank`'s answer to rank 0's nonce: HMAC-SHA256 keyed with the run's secret. It cannot be made without
+    the secret, and, the nonce being fresh, one seen on the wire (gloo's traffic is not encrypted) is of no use
+    to anyone later."""
+    return hmac.new(secret.encode(), f"gem-worker/{rank}/".encode() + nonce, hashlib.sha256).digest()
+
+
+PROOF_BYTES = hashlib.sha256().digest_size
+
+
+def _admit(pg, ranks: list[int], secret: str, timeout_s: float) -> dict[int, str]:
+    """Rank 0, before anything else goes to a worker: a fresh nonce to each, and its proof back. Returns the
+    ranks refused, with why. (A rank that neither answers nor closes its connection holds the start up until
+    the wait expires, which makes gloo drop the group, and the run fails: that much a peer without the secret
+    can still do.)"""
+    nonces = {r: secrets.token_bytes(NONCE_BYTES) for r in ranks}
+    sends = {r: pg.send([torch.frombuffer(bytearray(nonces[r]), dtype=torch.uint8)], r, TAG_JOB) for r in ranks}
+    refused = {}
+    for r in ranks:
+        proof = torch.zeros(PROOF_BYTES, dtype=torch.uint8)
+        try:
+            _wait(sends[r], timeout_s)
+            _wait(pg.recv([proof], r, TAG_JOB), timeout_s)
+        except RuntimeError as e:
+            if not _closed(e):
+                raise RuntimeError(f"worker rank {r} did not answer rank 0's challenge within {timeout_s:.0f} s; "
+                                   "gloo gives up on the whole group after such a wait") from None
+            refused[r] = f"rank {r} refused: its connection closed before it proved the run's secret"
+            continue
+        if not hmac.compare_digest(proof.numpy().tobytes(), _proof(secret, nonces[r], r)):
+            refused[r] = f"rank {r} refused: it did not prove the run's secret ({SECRET_ENV})"
+    return refused
+
+
+def _prove(pg, rank: int, secret: str, timeout_s: float) -> None:
+    """A worker: answer rank 0's nonce (_admit)."""
+    nonce = torch.zeros(NONCE_BYTES, dtype=torch.uint8)
+    _wait(pg.recv([nonce], 0, TAG_JOB), timeout_s)
+    _send_bytes(pg, _proof(secret, nonce.numpy().tobytes(), rank), 0, TAG_JOB, timeout_s)
 
 
 def _wait(work, timeout_s: float) -> None:
@@ -149,6 +255,10 @@ def _unpack(spec: dict, tensors: list[torch.Tensor]) -> dict:
         node = out
         for p in parents:
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise Malformed(f"a tensor spec whose paths collide ({path!r})")
+        if leaf in node:
+            raise Malformed(f"a tensor spec whose paths collide ({path!r})")
         node[leaf] = value
 
     for path, value in spec["numbers"].items():
@@ -158,14 +268,37 @@ def _unpack(spec: dict, tensors: list[torch.Tensor]) -> dict:
     return out
 
 
+def _parse_spec(data: bytes, max_bytes: int) -> dict:
+    """A tensor spec (_pack's) that a worker sent, checked before any buffer is made: JSON of the right form, each
+    tensor named, of a dtype in DTYPES and of a valid shape, max_bytes in all at most, numbers plain. Malformed
+    otherwise."""
+    try:
+        spec = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise Malformed(f"a tensor spec that is not JSON ({e})") from None
+    if not (isinstance(spec, dict) and set(spec) == {"numbers", "tensors"} and isinstance(spec["numbers"], dict)
+            and isinstance(spec["tensors"], list)):
+        raise Malformed("a tensor spec that is not {numbers, tensors}")
+    if len(spec["tensors"]) > SPEC_TENSORS:
+        raise Malformed(f"a tensor spec of {len(spec['tensors'])} tensors (at most {SPEC_TENSORS} allowed)")
+    total = 0
+    for entry in spec["tensors"]:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[1] in DTYPES
+                and isinstance(entry[2], list) and len(entry[2]) <= 8
+                and all(type(d) is int and 0 <= d < INT64 for d in entry[2])):
+            raise Malformed(f"a tensor spec entry that is not [name, dtype, shape] of the wire's ({str(entry)[:80]})")
+        total += math.prod(entry[2]) * DTYPES[entry[1]].itemsize
+    if total > max_bytes:
+        raise Malformed(f"a tensor spec announcing {total} bytes of tensors (at most {max_bytes} allowed)")
+    for path, value in spec["numbers"].items():
+        if not (_number(value) or value is None or value == {}):
+            raise Malformed(f"a tensor spec whose number {path!r} is {str(value)[:40]}")
+    return spec
+
+
 def _empty(spec: dict) -> list[torch.Tensor]:
-    """Buffers for the tensors a spec announces, of allowed dtypes only."""
-    out = []
-    for path, dtype, shape in spec["tensors"]:
-        if dtype not in DTYPES or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise ValueError(f"bad tensor {path!r} on the wire: dtype {dtype}, shape {shape}")
-        out.append(torch.empty(shape, dtype=DTYPES[dtype]))
-    return out
+    """Buffers for the tensors a spec announces (checked by _parse_spec where a worker sent it)."""
+    return [torch.empty(shape, dtype=DTYPES[dtype]) for _, dtype, shape in spec["tensors"]]
 
 
 def _send_packed(pg, d: dict | None, dst: int, tag: int, timeout_s: float) -> None:
@@ -181,8 +314,8 @@ def _send_packed(pg, d: dict | None, dst: int, tag: int, timeout_s: float) -> No
         _wait(w, timeout_s)
 
 
-def _recv_spec_and_tensors(pg, spec_bytes: bytes, src: int, tag: int, timeout_s: float) -> dict:
-    spec = json.loads(spec_bytes)
+def _recv_tensors(pg, spec: dict, src: int, tag: int, timeout_s: float) -> dict:
+    """The tensors a (checked) spec announces, as the nested dict that was packed."""
     tensors = _empty(spec)
     for t in tensors:
         _wait(pg.recv([t], src, tag), timeout_s)
@@ -194,9 +327,163 @@ def _recv_packed(pg, src: int, tag: int, timeout_s: float) -> dict | None:
     _wait(pg.recv([header], src, tag), timeout_s)
     if not int(header[0]):
         return None
-    return _recv_spec_and_tensors(pg, _recv_bytes(pg, int(header[0]), src, tag, timeout_s), src, tag, timeout_s)
+    return _recv_tensors(pg, json.loads(_recv_bytes(pg, int(header[0]), src, tag, timeout_s)), src, tag, timeout_s)
 
 
 def _rows_json(rows: list) -> bytes:
     return json.dumps([[row, tensors] for row, tensors in rows]).encode()
 
+
+
+# ------------------------------------------------------------------------------ what rank 0 accepts from a worker
+
+# Every limit on what a worker sends, each with the reason for its value. Sizes that depend on the run (the model,
+# the algorithm, the data) are worked out from the job in Bounds.of.
+ROWS_PENDING = 4 * ROWS_PER_MESSAGE  # a worker's commits whose rows have not come: ROWS_PER_MESSAGE, and one in
+# flight, for a worker that keeps the protocol; it is lost for holding back more
+ROW_BYTES = 4096  # one row's dict: some twenty keys (step, worker, times, loss, the algorithm's metrics), each a
+# name and a number, under 100 bytes of JSON apiece (its per-tensor lists are counted apart)
+ROW_KEYS = 64  # keys of one row, a column each in metrics.parquet
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # a row's key or a per-tensor statistic's: a column's name
+NAME_BYTES = 72  # such a name in JSON, with its quotes and separators
+NUMBER_BYTES = 32  # a number in JSON with its separator: a float64 takes at most 24 characters
+TENSOR_SERIES = 16  # per-tensor statistics one row may carry (GEM's: 3), a list of one number per tensor each
+TEXT_BYTES = 1 << 16  # a DIVERGED's reason or an ERROR's traceback (a worker cuts it there): the reason of the
+# lost worker keeps its first line
+CLOCK_DIGITS = 19  # a PULL's barrier, a clock value in decimal: an int64
+SPEC_BYTES = 1 << 16  # a tensor spec: a name, a dtype and a shape per tensor, and a saved state's counters
+SPEC_TENSORS = 256  # tensors in one spec: a worker state has its algorithm's few, x and its random streams'
+STATE_SLACK = 1 << 20  # a saved worker state beside x, its algorithm state and its data order: its random states
+INT64 = 1 << 63  # an integer in a row or a spec must fit an int64 column or shape
+# how many bytes may follow a header of each kind (its `extra`): (at least, at most)
+EXTRA = {ASK: (0, 0), READY: (0, 0), FINISHED: (0, 0), DIVERGED: (1, TEXT_BYTES), ERROR: (1, TEXT_BYTES),
+         SAVED: (1, SPEC_BYTES), PULL: (1, CLOCK_DIGITS)}
+# the keys a commit row must have, for the ledger and the recorder, and their types
+ROW_SCHEMA = {"step": int, "worker": int, "worker_step": int, "staleness": int, "loss": float, "time_s": float}
+
+
+class Malformed(ValueError):
+    """A worker sent what rank 0 does not accept: the worker is lost. The message says what it sent, after 'it
+    sent' (the lost worker's reason)."""
+
+
+def _number(v) -> bool:
+    """A JSON number that a parquet column holds: a float (NaN and infinities included), or an int64."""
+    return type(v) is float or (type(v) is int and -INT64 <= v < INT64)
+
+
+def payload_spec(algo, theta: torch.Tensor, hp) -> dict[str, list]:
+    """The payload every commit of the algorithm carries, as name → [dtype, shape], from its record's `payload`
+    (gem.algorithms.Algorithm); {} when it declares none."""
+    declared = algo.payload(theta, hp) if algo.payload is not None else {}
+    return {name: [str(t.dtype), list(t.shape)] for name, t in declared.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """What rank 0 accepts from a worker, worked out from the job: each message is checked against it before
+    anything it announces is allocated, received or applied (Malformed otherwise)."""
+
+    algorithm: str
+    tensors: int  # the model's parameter tensors: a per-tensor statistic has one number for each
+    row_bytes: int  # one row in JSON, its per-tensor statistics included
+    state_bytes: int  # a saved worker state's tensors, in all
+    payload: dict  # a commit's payload, exactly: payload_spec
+
+    @classmethod
+    def of(cls, algo, hp, theta: torch.Tensor, tensors: int, train_examples: int) -> Bounds:
+        # a worker's state is x (θ's size), its algorithm state (measured: init_state on θ), the order of its
+        # examples (one int64 each) and its counters and random states (STATE_SLACK)
+        state = algo.init_state(theta, hp)
+        nbytes = theta.nbytes + sum(v.nbytes for v in state.values()) + 8 * train_examples + STATE_SLACK
+        row = ROW_BYTES + TENSOR_SERIES * (NAME_BYTES + tensors * NUMBER_BYTES)
+        return cls(algo.name, tensors, row, nbytes, payload_spec(algo, theta, hp))
+
+    def header(self, kind: int, rows_nbytes: int, rows_count: int, extra_nbytes: int, pending: int) -> None:
+        """A header's sizes, before anything that follows it is received; `pending`: the worker's commits whose
+        rows have not come."""
+        name = KINDS.get(kind)
+        if name is None:
+            raise Malformed(f"a header of unknown kind {kind}")
+        header = f"{'an' if name[0] in 'AEIOU' else 'a'} {name} header"
+        if min(rows_nbytes, rows_count, extra_nbytes) < 0:
+            raise Malformed(f"{header} with a negative size ({rows_nbytes} bytes of rows, {rows_count} rows, "
+                            f"{extra_nbytes} extra bytes)")
+        if rows_count > pending:
+            raise Malformed(f"{header} announcing the rows of {rows_count} commits, where {pending} of its commits "
+                            "await rows")
+        limit = rows_count * self.row_bytes
+        if rows_nbytes > limit or (rows_nbytes == 0) != (rows_count == 0):
+            raise Malformed(f"{header} announcing {rows_nbytes} bytes of rows for {rows_count} commits (at most "
+                            f"{limit} allowed)")
+        low, high = EXTRA[kind]
+        if not low <= extra_nbytes <= high:
+            raise Malformed(f"{header} announcing {extra_nbytes} bytes after its rows ({low} to {high} allowed)")
+
+    def clock(self, extra: bytes) -> int:
+        """A PULL's barrier: a clock value, a non-negative int64 in decimal."""
+        if not re.fullmatch(rb"[0-9]{1,%d}" % CLOCK_DIGITS, extra) or int(extra) >= INT64:
+            raise Malformed(f"a PULL whose clock is not a non-negative int64 ({extra[:CLOCK_DIGITS]!r})")
+        return int(extra)
+
+    def state(self, data: bytes) -> dict:
+        """A SAVED's spec: no more tensors than a worker state has."""
+        return _parse_spec(data, self.state_bytes)
+
+    def commit(self, spec_nbytes: int) -> None:
+        """A commit's first word: the length of its payload's spec, none where its commits carry no payload."""
+        if not 0 <= spec_nbytes <= (SPEC_BYTES if self.payload else 0):
+            raise Malformed(f"a commit announcing a payload spec of {spec_nbytes} bytes "
+                            f"({f'at most {SPEC_BYTES}' if self.payload else 'none'} allowed: algorithm "
+                            f"{self.algorithm}'s commits carry {self.payload or 'no payload'})")
+
+    def payload_of(self, data: bytes) -> dict:
+        """A commit's payload spec: exactly the tensors the algorithm's commits carry."""
+        spec = _parse_spec(data, INT64)  # nothing is allocated unless it is exactly the payload declared
+        got = {path: [dtype, shape] for path, dtype, shape in spec["tensors"]}
+        if got != self.payload or spec["numbers"]:
+            raise Malformed(f"a commit whose payload is {str(got or spec['numbers'])[:200]}, where algorithm "
+                            f"{self.algorithm}'s commits carry {self.payload}")
+        return spec
+
+    def rows(self, text: bytes, worker: int, steps: list[int]) -> list[tuple[dict, dict | None]]:
+        """A message's rows, [[row, per-tensor statistics or null], ...]: one for each commit in `steps`, which
+        the header announced, in order, each of the schema the ledger and the recorder read."""
+        try:
+            rows = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise Malformed(f"rows that are not JSON ({str(e)[:100]})") from None
+        if not isinstance(rows, list) or len(rows) != len(steps):
+            raise Malformed(f"rows that are not a list of the {len(steps)} its header announced")
+        out = []
+        for entry, step in zip(rows, steps, strict=True):
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], dict)):
+                raise Malformed(f"a row that is not [row, tensors] ({str(entry)[:80]})")
+            row, tensors = entry
+            for key, kind in ROW_SCHEMA.items():
+                if key not in row:
+                    raise Malformed(f"a row without {key!r}")
+                if not (_number(row[key]) and (kind is float or type(row[key]) is int)):
+                    raise Malformed(f"a row whose {key!r} is {str(row[key])[:40]} (a {kind.__name__} is expected)")
+            if (row["step"], row["worker"]) != (step, worker):
+                raise Malformed(f"a row of worker {row['worker']} for commit {row['step']}, where its next row is "
+                                f"worker {worker}'s for commit {step}")
+            if len(row) > ROW_KEYS:
+                raise Malformed(f"a row of {len(row)} keys (at most {ROW_KEYS} allowed)")
+            for key, value in row.items():
+                if not NAME.fullmatch(key) or key == "lost_row" or not (_number(value) or value is None):
+                    raise Malformed(f"a row whose {key[:70]!r} is {str(value)[:40]} (a column name and a number "
+                                    "are expected)")
+            if tensors is not None:
+                self.tensor_statistics(tensors)
+            out.append((row, tensors))
+        return out
+
+    def tensor_statistics(self, tensors) -> None:
+        """A row's per-tensor statistics: {name: [one number per parameter tensor]}."""
+        if not (isinstance(tensors, dict) and 0 < len(tensors) <= TENSOR_SERIES):
+            raise Malformed(f"per-tensor statistics that are not a dict of 1 to {TENSOR_SERIES} lists")
+        for key, values in tensors.items():
+            if not (NAME.fullmatch(key) and isinstance(values, list) and len(values) == self.tensors
+                    and all(_number(v) for v in values)):
+                raise Malformed(f"a per-tensor statistic {key[:70]!r} that is not {self.tensors} numbers")

@@ -1,0 +1,510 @@
+"""A peer cannot break a run (engine=distributed): a worker rank that sends what the protocol does not allow is lost,
+with a reason that names what it sent, and the run completes with the others; a peer without the run's secret is
+refused before it gets the job or θ; a job cannot make a worker import what its own side does not allow.
+
+Rank 0 runs as `launch.run` runs it once the group has formed (`launch._serve`: the handshake, the jobs, the
+coordinator and its server thread); its workers are threads of this process, each with its own gloo group on one
+store: an honest worker (`link._work`, the real one) and a `Peer` that speaks the protocol by hand.
+"""
+
+import dataclasses
+import json
+import re
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gem import algorithms
+from gem.algorithms import gem
+from gem.data import make_synthetic
+from gem.engines import Job
+from gem.engines.coordinator import start_server
+from gem.engines.core import Evaluator, build_flat_model
+from gem.engines.distributed import job as wire_job
+from gem.engines.distributed import launch, link, server, wire
+from gem.engines.distributed.job import _for_workers, _recv_job, decode_job, encode_job
+from gem.engines.distributed.launch import _Coordinator
+from gem.engines.distributed.wire import (
+    ASK,
+    ERROR,
+    FINISHED,
+    GO,
+    PULL,
+    READY,
+    SAVED,
+    TAG_ASK,
+    TAG_JOB,
+    TAG_X,
+    _group,
+    _prove,
+    _recv_packed,
+    _send_bytes,
+    _wait,
+)
+from gem.engines.server import Server
+from gem.metrics import Recorder, read_table
+from gem.models import MnistCNN, ModelSpec
+
+SECRET = "a-test-secret-of-32-characters.."
+WAIT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_synthetic((1, 28, 28), train_size=128, val_size=32, seed=1)
+
+
+@pytest.fixture(autouse=True)
+def worker_threads(monkeypatch):
+    """The honest worker runs in a thread of this process: it must leave the process's signals and heap as they
+    are (setup_process is for a worker process of its own)."""
+    monkeypatch.setattr(link, "setup_process", lambda threads, ignore_sigint=True: None)
+
+
+def job(data, hp=None, model="mnist_cnn", **kw):
+    return Job(algorithm="gem", hp=hp or gem.Params(workers=2), model=model, data=data, workers=2, batch_size=32,
+               epochs=1, seed=0, engine={"name": "distributed", "timeout_s": 60}, eval_every=100,
+               eval_train_size=32, **kw)
+
+
+class Peer:
+    """A worker rank that speaks the protocol by hand, to send what a real worker never would. What it sends
+    that rank 0 will not take is posted and not waited on, and so are the receives of answers that may not come
+    (`posted`)."""
+
+    def __init__(self, pg, rank: int = 2, secret: str = SECRET, allowed=frozenset()):
+        self.pg, self.rank, self.secret, self.allowed = pg, rank, secret, allowed
+        self.posted: list = []  # works kept alive, never waited on
+        self.steps: list[int] = []  # the steps of its commits, from the GO replies
+
+    def join(self) -> None:
+        _prove(self.pg, self.rank, self.secret, WAIT_S)
+        text, tensors = _recv_job(self.pg, WAIT_S)
+        _recv_packed(self.pg, 0, TAG_JOB, WAIT_S)
+        job = decode_job(text, tensors, self.allowed)
+        theta = build_flat_model(job, device="cpu").param.clone()
+        self.server = Server.create(algorithms.get(job.algorithm), job.hp, theta, job.workers)
+
+    def header(self, kind: int, rows_nbytes: int = 0, rows_count: int = 0, extra_nbytes: int = 0) -> None:
+        """A header, which rank 0's receive from any source takes."""
+        h = torch.tensor([kind, rows_nbytes, rows_count, extra_nbytes], dtype=torch.long)
+        _wait(self.pg.send([h], 0, TAG_ASK), WAIT_S)
+
+    def send(self, data: bytes, taken: bool = False) -> None:
+        """Bytes on the exchange's tag, waited on where rank 0 takes them."""
+        if taken:
+            _send_bytes(self.pg, data, 0, TAG_X, WAIT_S)
+        else:
+            self.posted.append(self.pg.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], 0, TAG_X))
+
+    def post_answer(self) -> None:
+        """A receive for an answer that may never come (BYE, or nothing once rank 0 has banned this rank)."""
+        self.posted.append(self.pg.recv([torch.zeros(4, dtype=torch.long)], 0, TAG_X))
+
+    def turn(self) -> None:
+        """ASK, then GO with θ and the server's tensors (once every worker is ready)."""
+        self.header(ASK)
+        reply = torch.zeros(4, dtype=torch.long)
+        _wait(self.pg.recv([reply], 0, TAG_X), WAIT_S)
+        assert int(reply[0]) == GO, reply
+        self.steps.append(int(reply[1]) + 1)  # the clock before this commit
+        for t in (self.server.theta, *self.server.state.values()):
+            _wait(self.pg.recv([t], 0, TAG_X), WAIT_S)
+
+    def commit(self, spec_nbytes: int = 0, refused: bool = False) -> None:
+        """A commit of Δ = 0 announcing a payload spec of `spec_nbytes` bytes; `refused`: rank 0 will not take Δ."""
+        _wait(self.pg.send([torch.tensor([spec_nbytes, 0], dtype=torch.long)], 0, TAG_X), WAIT_S)
+        delta = torch.zeros_like(self.server.theta)
+        if refused:
+            self.posted.append(self.pg.send([delta], 0, TAG_X))
+        else:
+            _wait(self.pg.send([delta], 0, TAG_X), WAIT_S)
+
+    def rows(self, **changes) -> bytes:
+        """The rows a real worker sends for its commits so far (with `changes` to each)."""
+        return json.dumps([[{"step": t, "worker": self.rank - 1, "worker_step": k + 1, "staleness": 1, "loss": 2.3,
+                             "time_s": 0.1 * k, "wait_s": 0.0, **changes}, None]
+                           for k, t in enumerate(self.steps)]).encode()
+
+    def finish(self, rows: bytes) -> None:
+        """Its last word, FINISHED, with `rows` for its commits; rank 0's BYE may never come."""
+        self.header(FINISHED, len(rows), len(self.steps) if rows else 0)
+        if rows:
+            self.send(rows, taken=True)
+        self.post_answer()
+
+
+def _groups(world: int) -> dict:
+    """Every rank's gloo group, on one store, formed at once (each rank's constructor waits for the others)."""
+    store, pgs = dist.HashStore(), {}
+    threads = [threading.Thread(target=lambda r=r: pgs.__setitem__(r, _group(store, r, world, "127.0.0.1", WAIT_S)))
+               for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return pgs
+
+
+def serve(j: Job, run_dir, peer_script, honest_allowed=frozenset(), peer_allowed=frozenset()):
+    """Rank 0 serves `j` to an honest worker (rank 1, worker 0) and to a Peer (rank 2, worker 1) that runs
+    `peer_script`; returns the result and the run's rows. What fails in the Peer's thread is raised here."""
+    pgs = _groups(3)
+    rec = Recorder(run_dir)
+    srv, _ = start_server(j, algorithms.get(j.algorithm), build_flat_model(j, device="cpu").param.clone())
+    coord = _Coordinator(j, rec, srv, Evaluator(j, j.data), None)
+    j = dataclasses.replace(j, engine={**j.engine, "t0_wall": coord.t0_wall, "train_examples": len(j.data.train_y)})
+    coord.job = j
+    peer, failed = Peer(pgs[2], allowed=peer_allowed), []
+
+    def run_peer():
+        try:
+            peer_script(peer)
+        except BaseException as e:  # noqa: BLE001 - raised in the test's thread below
+            failed.append(e)
+
+    honest = threading.Thread(target=link._work, args=(pgs[1], 1, 1, SECRET, honest_allowed),
+                              kwargs={"ignore_sigint": False}, daemon=True)
+    other = threading.Thread(target=run_peer, daemon=True)
+    honest.start()
+    other.start()
+    try:
+        result = launch._serve(coord, pgs[0], SECRET, encode_job(_for_workers(j)), {1: None, 2: None}, [])
+    finally:
+        rec.close()
+    honest.join(WAIT_S)
+    other.join(WAIT_S)
+    assert not honest.is_alive() and not other.is_alive()
+    if failed:
+        raise failed[0]
+    return result, read_table(run_dir)
+
+
+def lost_peer(result, m, sent: str) -> None:
+    """Worker 1 (the Peer) lost for what it sent, and only it; worker 0 did all its work, and the clock in the
+    rows has no gap."""
+    assert result.status == "completed", result
+    assert result.extra["lost_workers"] == [1], result
+    assert result.reason.startswith("worker 1 lost at commit "), result.reason
+    assert f"(it sent {sent}" in result.reason, result.reason
+    assert result.reason.count("lost at commit") == 1, result.reason
+    honest = m[m["worker"] == 0]
+    assert sorted(honest["worker_step"]) == [1, 2, 3, 4]  # 128 examples, batches of 32
+    assert sorted(m["step"]) == list(range(1, len(m) + 1))
+
+
+def ready(p) -> None:
+    p.join()
+    p.header(READY)
+
+
+# --------------------------------------------------------------------------------- faulty messages, one by one
+
+
+def test_rows_of_more_commits_than_it_made_lose_only_that_worker(data, tmp_path):
+    """It was: IndexError (pop from an empty deque) in the server thread; the run failed, and a live worker's
+    rows were marked lost."""
+    def script(p):
+        ready(p)
+        p.turn()
+        p.commit()
+        p.header(ASK, 100, 5)  # the rows of 5 commits: it made 1
+        p.send(b"x" * 100)
+
+    result, m = serve(job(data), tmp_path, script)
+    lost_peer(result, m, "an ASK header announcing the rows of 5 commits, where 1 of its commits await rows)")
+    assert m.loc[m["worker"] == -1, "lost_row"].tolist() == [True]  # the Peer's commit, whose row never came
+    assert m.loc[m["worker"] == 0, "lost_row"].isna().all()
+
+
+@pytest.mark.parametrize("rows, sent", [
+    (b"not json", "rows that are not JSON (Expecting value: line 1 column 1 (char 0))"),
+    (b"[" * 3000 + b"]" * 3000, "rows that are not JSON (maximum recursion depth exceeded"),
+    (b'{"rows": 1}', "rows that are not a list of the 1 its header announced"),
+    (b'[[{"worker": 1}, null]]', "a row without 'step'"),
+    (None, "a row of worker 0 for commit"),  # another worker's row
+    ({"loss": "low"}, "a row whose 'loss' is low (a float is expected)"),
+    ({"lost_row": True}, "a row whose 'lost_row' is True (a column name and a number are expected)"),
+    ({"x" * 65: 1}, "a row whose 'xxxxx"),
+], ids=["not-json", "nested", "not-a-list", "no-step", "another-workers", "a-string", "lost_row", "a-long-key"])
+def test_rows_that_are_not_rows_lose_only_that_worker(data, tmp_path, rows, sent):
+    """It was: JSONDecodeError or KeyError in the coordinator, which decodes the rows, and the run failed. The
+    rows come with the Peer's last word, FINISHED, as a worker's last rows do."""
+    def script(p):
+        ready(p)
+        p.turn()
+        p.commit()
+        if rows is None:
+            text = p.rows(worker=0)
+        elif isinstance(rows, dict):
+            text = p.rows(**rows)
+        else:
+            text = rows
+        p.finish(text)
+
+    result, m = serve(job(data), tmp_path, script)
+    lost_peer(result, m, sent)
+    assert m.loc[m["worker"] == -1, "lost_row"].tolist() == [True]
+
+
+def test_rows_as_a_worker_sends_them_pass(data, tmp_path):
+    """The checks let through what workers send: the honest worker's (GEM's metrics and per-tensor statistics)
+    and the Peer's rows for its own commits."""
+    def script(p):
+        ready(p)
+        for _ in range(4):
+            p.turn()
+            p.commit()
+        p.finish(p.rows())
+
+    result, m = serve(job(data), tmp_path, script)
+    assert result.status == "completed" and result.extra["lost_workers"] == [], result
+    assert sorted(m["worker"]) == [0] * 4 + [1] * 4 and m.loc[m["worker"] == 0, "pi_median"].notna().all()
+    assert len(read_table(tmp_path, "tensors")) == 4 * len(dict(MnistCNN().named_parameters()))
+
+
+def test_a_saved_state_nobody_asked_for_loses_only_that_worker(data, tmp_path):
+    """It was: TypeError ('NoneType' object is not subscriptable) in the server thread, and the run failed."""
+    def script(p):
+        ready(p)
+        p.header(SAVED, extra_nbytes=40)
+        p.send(json.dumps({"numbers": {}, "tensors": []}).encode().ljust(40))
+
+    result, m = serve(job(data), tmp_path, script)
+    lost_peer(result, m, "its state (SAVED) though no checkpoint asked it for its state")
+
+
+@pytest.mark.parametrize("header, sent", [
+    ((ASK, -1, 0, 0), "an ASK header with a negative size (-1 bytes of rows, 0 rows, 0 extra bytes)"),
+    ((ERROR, 0, 0, 1 << 40), "an ERROR header announcing 1099511627776 bytes after its rows (1 to 65536 allowed)"),
+    ((ERROR, 0, 0, 0), "an ERROR header announcing 0 bytes after its rows (1 to 65536 allowed)"),  # no reason
+    ((ASK, 0, 0, 4 << 30), "an ASK header announcing 4294967296 bytes after its rows (0 to 0 allowed)"),
+    ((99, 0, 0, 0), "a header of unknown kind 99"),
+    ((READY, 0, 0, 0), "READY a second time"),
+    ((PULL, 0, 0, 25), "a PULL header announcing 25 bytes after its rows (1 to 19 allowed)"),
+])
+def test_a_header_out_of_bounds_loses_only_that_worker(data, tmp_path, monkeypatch, header, sent):
+    """A negative size, or a terabyte announced, was 'did not answer for 30 s' and the run failed; 4 GiB
+    announced and 10 bytes sent grew rank 0 to 9 GB. Now nothing that follows such a header is received or
+    allocated, and what the banned Peer sends afterwards (three more ASKs) is read and dropped, never answered."""
+    taken = []
+    real = server._recv_bytes
+    monkeypatch.setattr(server, "_recv_bytes", lambda pg, n, *a: taken.append(n) or real(pg, n, *a))
+
+    def script(p):
+        ready(p)
+        p.header(*header)
+        p.send(b"0123456789")
+        for _ in range(3):
+            p.posted.append(p.pg.send([torch.tensor([ASK, 0, 0, 0])], 0, TAG_ASK))
+
+    result, m = serve(job(data), tmp_path, script)
+    lost_peer(result, m, sent)
+    assert max(taken) < 1 << 16  # the honest worker's rows: what rank 0 took from its workers, message by message
+
+
+@pytest.mark.parametrize("clock", [b"-5", b"1e3", b"9" * 19])
+def test_a_pull_whose_clock_is_not_a_clock_loses_only_that_worker(data, tmp_path, clock):
+    def script(p):
+        ready(p)
+        p.header(PULL, extra_nbytes=len(clock))
+        p.send(clock, taken=True)
+
+    result, m = serve(job(data), tmp_path, script)
+    lost_peer(result, m, f"a PULL whose clock is not a non-negative int64 ({clock!r})")
+
+
+def test_a_commit_with_a_payload_its_algorithm_has_not_loses_only_that_worker(data, tmp_path):
+    def script(p):
+        ready(p)
+        p.turn()
+        p.commit(spec_nbytes=1 << 30, refused=True)
+
+    result, m = serve(job(data), tmp_path, script)
+    lost_peer(result, m, "a commit announcing a payload spec of 1073741824 bytes (none allowed: algorithm gem's "
+                         "commits carry no payload)")
+    assert (m["worker"] >= 0).all()  # its commit was not applied: no step waits for its row
+
+
+def test_a_payload_other_than_the_algorithms_is_refused_before_it_is_allocated(data, tmp_path):
+    """GEM's global proxy: each commit carries m, of θ's shape; a spec that announces a billion floats is
+    refused, where it was allocated (4 GB)."""
+    size = build_flat_model(job(data), device="cpu").param.numel()
+
+    def script(p):
+        ready(p)
+        p.turn()
+        spec = json.dumps({"numbers": {}, "tensors": [["m", "torch.float32", [10**9]]]}).encode()
+        p.commit(spec_nbytes=len(spec))
+        p.send(spec, taken=True)
+
+    result, m = serve(job(data, hp=gem.Params(workers=2, proxy="global")), tmp_path, script)
+    lost_peer(result, m, f"a commit whose payload is {{'m': ['torch.float32', [1000000000]]}}, where algorithm "
+                         f"gem's commits carry {{'m': ['torch.float32', [{size}]]}}")
+
+
+def test_a_worker_that_holds_back_its_rows_is_lost(data, tmp_path):
+    """A worker sends its rows at least every ROWS_PER_MESSAGE commits; rank 0 keeps no more than ROWS_PENDING of
+    a worker's commits waiting for their rows (their steps, and every later row, in memory)."""
+    def script(p):
+        ready(p)
+        for _ in range(wire.ROWS_PENDING + 1):
+            p.turn()
+            p.commit()
+
+    result, m = serve(job(data), tmp_path, script)
+    lost_peer(result, m, f"no rows for its last {wire.ROWS_PENDING + 1} commits (at most {wire.ROWS_PENDING} may "
+                         "await rows)")
+    assert (m["worker"] == -1).sum() == wire.ROWS_PENDING + 1
+
+
+# ------------------------------------------------------------------------------------------------ the secret
+
+
+def test_a_peer_without_the_runs_secret_is_refused_and_gets_nothing(data, tmp_path):
+    job_header = torch.zeros(4, dtype=torch.long)
+
+    def script(p):
+        _prove(p.pg, 2, "not-the-secret-but-long-enough", WAIT_S)
+        p.posted.append(p.pg.recv([job_header], 0, TAG_JOB))  # the job's header: it never comes
+
+    result, m = serve(job(data), tmp_path, script)
+    assert result.status == "completed" and result.extra["lost_workers"] == [1], result
+    assert result.reason == ("worker 1 lost at commit 0 (rank 2 refused: it did not prove the run's secret "
+                             "(GEM_RUN_SECRET))")
+    assert job_header.tolist() == [0, 0, 0, 0]  # nothing came: neither the job nor θ
+    assert sorted(m.loc[m["worker"] == 0, "worker_step"]) == [1, 2, 3, 4]
+
+
+def test_the_proof_is_bound_to_the_secret_the_nonce_and_the_rank():
+    nonce = b"n" * wire.NONCE_BYTES
+    proof = wire._proof(SECRET, nonce, 2)
+    assert len(proof) == wire.PROOF_BYTES
+    assert proof == wire._proof(SECRET, nonce, 2)
+    for other in (wire._proof(SECRET + "x", nonce, 2), wire._proof(SECRET, b"m" * wire.NONCE_BYTES, 2),
+                  wire._proof(SECRET, nonce, 3)):
+        assert other != proof
+
+
+@pytest.fixture
+def two_machines(monkeypatch):
+    """This process as a rank of a torchrun launch over two machines of 2 ranks each, without a secret."""
+    for k, v in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    for k in (wire.SECRET_ENV, wire.SECRET_FILE_ENV):
+        monkeypatch.delenv(k, raising=False)
+    return monkeypatch
+
+
+NO_SECRET = ("GEM_RUN_SECRET is not set, and a launch over several machines needs the run's secret so that only its "
+             'own workers can join: export GEM_RUN_SECRET=$(python -c "import secrets; print(secrets.token_hex(16))")'
+             " on every host (the same value), or name a file that holds it in GEM_RUN_SECRET_FILE")
+
+
+def test_a_launch_over_several_machines_without_a_secret_is_refused_in_one_line(two_machines):
+    from experiments.config import ConfigError, check_job
+
+    with pytest.raises(ConfigError) as e:
+        check_job(["engine=distributed", "workers=3"])
+    assert str(e.value) == NO_SECRET
+
+
+def test_a_worker_without_the_secret_says_so_before_it_joins(two_machines, capsys):
+    two_machines.setenv("RANK", "1")
+    assert link.worker_main(timeout_s=1) == 2  # it would otherwise wait for the group to form
+    assert capsys.readouterr().err.splitlines() == [f"error: {NO_SECRET}"]
+
+
+def test_the_secret_comes_from_the_environment_or_a_file(two_machines, tmp_path):
+    two_machines.setenv(wire.SECRET_ENV, SECRET)
+    assert wire.launched_secret() == SECRET
+    two_machines.delenv(wire.SECRET_ENV)
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    two_machines.setenv(wire.SECRET_FILE_ENV, str(path))
+    assert wire.launched_secret() == SECRET
+    path.write_text("short\n")
+    with pytest.raises(ValueError, match=r"holds a secret of 5 characters, and the run's secret needs at least 16"):
+        wire.launched_secret()
+    two_machines.setenv(wire.SECRET_FILE_ENV, str(tmp_path / "none"))
+    with pytest.raises(ValueError, match=r"^GEM_RUN_SECRET_FILE=.*none cannot be read"):
+        wire.launched_secret()
+    two_machines.delenv(wire.SECRET_FILE_ENV)
+    two_machines.setenv("LOCAL_WORLD_SIZE", "4")  # one machine: gloo on loopback, and the secret is optional
+    assert wire.launched_secret() == ""
+
+
+# --------------------------------------------------------------------------- what a job may make a worker import
+
+
+class OutsideNet(MnistCNN):
+    """A model outside gem's own, by import path (this test module's)."""
+
+
+def _naming(data, algorithm=None, model=None) -> tuple[bytes, dict]:
+    """A job as rank 0 sends it, naming `algorithm` or `model` (JSON, as a peer speaking for rank 0 could)."""
+    text, tensors = encode_job(_for_workers(job(data)))
+    fields = json.loads(text)
+    if algorithm is not None:
+        fields["algorithm"] = algorithm
+    if model is not None:
+        fields["model"] = {"spec": dataclasses.asdict(model)}
+    return json.dumps(fields).encode(), tensors
+
+
+def test_a_job_naming_code_outside_the_allowed_set_is_refused_before_any_import(data, monkeypatch):
+    monkeypatch.delenv(wire_job.IMPORTS_ENV, raising=False)
+    module = "email.mime.audio"  # stands for a module that a job must not make a worker import
+    sys.modules.pop(module, None)
+    hydra = {"_target_": "gem.models.MnistCNN", "inner": [{"_target_": f"{module}:MIMEAudio"}]}
+    for named, text in [(f"{module}.MIMEAudio", _naming(data, model=ModelSpec("x", f"{module}.MIMEAudio"))),
+                        (f"{module}:MIMEAudio", _naming(data, model=ModelSpec("x", wire_job.INSTANTIATE,
+                                                                                {"config": hydra}))),
+                        (module, _naming(data, algorithm=module))]:
+        with pytest.raises(ValueError, match=rf"^the job names {named}, which this worker does not import"):
+            decode_job(*text)
+        assert module not in sys.modules
+    # what its own side allows: its command line's paths (given), or GEM_ALLOWED_IMPORTS (a path allows what is
+    # under it); gem's own models by import path need neither
+    text = _naming(data, model=ModelSpec("x", f"{module}.MIMEAudio"))
+    assert decode_job(*text, wire_job.allowed_imports([f"{module}.MIMEAudio"])).model.name == "x"
+    monkeypatch.setenv(wire_job.IMPORTS_ENV, "json, email.mime")
+    assert decode_job(*text, wire_job.allowed_imports()).model.name == "x"
+    own = ModelSpec("m", "gem.models.MnistCNN")
+    assert decode_job(*_naming(data, model=own)).model == own
+
+
+def test_a_worker_refuses_a_job_its_side_does_not_allow_and_the_run_goes_on(data, tmp_path):
+    """Rank 0 runs a model by import path; the honest worker's side does not allow it: it says so to rank 0 (an
+    ERROR), which records it lost; the Peer's side allows it, and it does the work."""
+    def script(p):
+        ready(p)
+        for _ in range(4):
+            p.turn()
+            p.commit()
+        p.finish(p.rows())
+
+    j = job(data, model=ModelSpec("outside", f"{__name__}.OutsideNet"))
+    result, m = serve(j, tmp_path, script, peer_allowed=wire_job.allowed_imports([f"{__name__}.OutsideNet"]))
+    assert result.status == "completed" and result.extra["lost_workers"] == [0], result
+    # (the Peer may have committed once before rank 0 has read the refusal)
+    assert re.fullmatch(rf"worker 0 lost at commit [01] \(raised ValueError: the job names {__name__}\.OutsideNet, "
+                        r"which this worker does not import: a worker imports gem's own algorithms and models, the "
+                        r"import paths of its own command line and model configs, and those listed in "
+                        r"GEM_ALLOWED_IMPORTS \(comma-separated\) on its host\)", result.reason), result.reason
+    assert sorted(m["worker"]) == [1] * 4
+
+
+def test_a_worker_allows_what_its_own_command_names():
+    """Under torchrun a worker rank composes no config; it allows the import paths of its command line, which is
+    every rank's, and of its machine's model configs."""
+    from experiments import instantiate
+
+    got = instantiate.worker_imports(None, ["engine=distributed", "model._target_=my_models.Net",
+                                            "+model.encoder._target_='my_models.Encoder'", "algorithm.name=pkg.algo",
+                                            "lr=0.1", "data._target_=torchvision.datasets.KMNIST"])
+    assert got == {"gem.models.MnistCNN", "gem.models.AlexNetCifar", "gem.models.resnet18_cifar", "my_models.Net",
+                   "my_models.Encoder", "pkg.algo"}
