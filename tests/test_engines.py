@@ -569,7 +569,7 @@ def test_a_frozen_worker_is_lost_and_the_run_completes(data, tmp_path, engine, c
     """SIGSTOP one of three workers mid-run: alive, but it makes no progress. Once it has not committed for
     longer than max(engine.timeout_s, engine.silent_cycles x the median cycle) it is killed and recorded, as a
     killed worker is, and the run completes with the others. (distributed: a worker often freezes with its header
-    on the way, and the server's receive from any source waits for it; the others, waiting, are not to blame.)"""
+    on the way, and the server waits for it; the others, waiting, are not to blame.)"""
     rec = _StoppingRecorder(tmp_path, victim=1, after=10)
     result, _ = _lost_one(job(data, engine, 3, epochs=8, options={"timeout_s": 5, "silent_cycles": 3}), rec, 1)
     assert rec.stopped_at is not None

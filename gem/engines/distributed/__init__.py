@@ -15,7 +15,7 @@ Each worker runs the shared worker cycle (gem.engines.worker); its link makes on
 server, the `process` engine's turn over the wire:
 
     worker                                   server (rank 0, one exchange at a time)
-    ASK [+ its last commit rows]  ─────────▶ takes headers from any source, in arrival order
+    ASK [+ its last commit rows]  ─────────▶ takes headers in arrival order (a thread per rank)
                                   ◀───────── GO t, τ, the live θ and the algorithm's server tensors
     worker_rule(…, view of θ)
     COMMIT Δ [+ payload]          ─────────▶ server.apply: server_rule(θ, Δ, τ), t ← t + 1

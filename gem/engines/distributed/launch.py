@@ -296,10 +296,11 @@ class _Coordinator(Coordinator):
             else:
                 self.lose_rank(w + 1, self.silence.why(silent_for))
         if not ps.open() and not self.server_done:
-            # every worker finished or lost: the server ends by itself, unless it waits for a header from a worker
-            # that died or was lost (gloo's receive from any source does not wake when a peer dies); it gives up at
-            # its own timeout. Wait for it: it holds the group and its store, which must not outlive the run (the
-            # store's listening socket is closed at the end, and its number may be reused by the next run's)
+            # every worker finished or lost: the server ends by itself (`lose` wakes it if it waits for a header),
+            # unless it is inside an exchange with a worker lost as silent, which lasts until that worker's
+            # connection closes or the wait's own timeout. Wait for it: it holds the group and its store, which must
+            # not outlive the run (the store's listening socket is closed at the end, and its number may be reused
+            # by the next run's)
             ps.join(1.0)
             self.closed_at = self.closed_at or now
             self.server_done = not ps.is_alive() or now - self.closed_at > ps.wait_s + BYE_TIMEOUT_S

@@ -5,10 +5,14 @@ through a queue of events.
 For a checkpoint the server stops handing out turns: each worker, when it next asks, is answered SAVE and sends its
 state (the run directory is rank 0's, perhaps on another machine); asking again, it is told to WAIT and asks again
 shortly, until every live worker has sent its state, the coordinator has written the checkpoint, and turns are
-handed out again. (A worker is not left waiting on a reply: gloo's receive from any source does not wake when one
-peer dies, so the server, blocked on it, would never learn that the last worker it waits for is gone.) A worker
-lost mid-exchange (its connection closes) is recorded and the run goes on: its commits whose rows never came are
-marked (`lost_row`).
+handed out again. (A worker is not left waiting on a reply: the server would wait on it while others ask.) A worker
+lost mid-exchange, or between two (its connection closes), is recorded and the run goes on: its commits whose rows
+never came are marked (`lost_row`).
+
+Headers are taken first come, first served by a thread per worker (`_Headers`), each blocked in a receive from its
+own rank, which hands what it gets to the server in arrival order. Not gloo's receive from any source: once a rank
+dies with a header sent and not yet received, that receive fails at every try, offering the dead rank's notice
+first, and the whole run would fail for one lost worker.
 
 A worker is held to what the server expects of it (wire.Bounds): a header's kind must be one it may send now (SAVED
 only while a checkpoint is taken, and only from a worker told SAVE; READY once), and every size it announces must
@@ -61,6 +65,54 @@ from gem.engines.distributed.wire import (
 from gem.engines.server import Server
 from gem.files import WriteError
 
+HEADER_WAIT_S = 30 * 24 * 3600.0  # a header thread's receive: a worker may be silent for long (its evaluation, a
+# checkpoint's wait), and a receive that times out makes gloo drop the whole group; the server's own wait on the
+# queue is what gives up (_patience), and a dead worker's receive fails at once (its connection closes)
+
+
+class _Headers:
+    """Every worker's next header, from a thread per rank blocked in a receive from that rank, in the order they
+    arrive: `get` returns (rank, header), or (rank, the gloo error) once that rank's connection has failed. A
+    thread receives a rank's next header only once the server has acted on its last (`next`), so each worker has
+    one header in hand at most; a banned worker's is never received (`drop`)."""
+
+    def __init__(self, pg, ranks: list[int]):
+        self.pg, self.arrived = pg, queue.Queue()
+        self.go_on = {r: threading.Semaphore(0) for r in ranks}
+        self.dropped: set[int] = set()
+        self.threads = [threading.Thread(target=self._receive, args=(r,), name=f"gem-headers-{r}", daemon=True)
+                        for r in ranks]
+        for t in self.threads:
+            t.start()
+
+    def _receive(self, rank: int) -> None:
+        while rank not in self.dropped:
+            header = torch.zeros(HEADER, dtype=torch.long)
+            try:
+                _wait(self.pg.recv([header], rank, TAG_ASK), HEADER_WAIT_S)
+            except RuntimeError as e:
+                self.arrived.put((rank, e))
+                return
+            self.arrived.put((rank, header))
+            self.go_on[rank].acquire()
+
+    def get(self, timeout_s: float):
+        return self.arrived.get(timeout=timeout_s)
+
+    def next(self, rank: int) -> None:
+        """The server has acted on `rank`'s header: receive its next one."""
+        self.go_on[rank].release()
+
+    def drop(self, rank: int) -> None:
+        """Receive nothing more from `rank` (banned, or the run is over)."""
+        self.dropped.add(rank)
+        self.go_on[rank].release()
+
+    def close(self) -> None:
+        """The run is over: a thread whose worker is still to send exits once it has (or its connection closes)."""
+        for r in list(self.go_on):
+            self.drop(r)
+
 
 class _Server(threading.Thread):
     """Rank 0's exchanges with the workers, one at a time, in the order their headers arrive. Talks to the
@@ -89,6 +141,7 @@ class _Server(threading.Thread):
         self.delta = torch.empty_like(server.theta)
         self.started = time.monotonic()
         self.busy_s, self.served = 0.0, 0  # seconds spent in exchanges that ended in a commit, and how many
+        self.headers: _Headers | None = None  # started with the server thread
 
     def stop(self, why: str) -> None:
         self.stopping = self.stopping or why
@@ -101,7 +154,10 @@ class _Server(threading.Thread):
                 self.banned.add(rank)
             self.lost.add(rank)
             self.done.add(rank)
-            return list(self.pending.pop(rank, ()))
+            pending = list(self.pending.pop(rank, ()))
+        if self.headers is not None:  # the server may wait for a header: it sees at once whether the run is over
+            self.headers.arrived.put((rank, None))
+        return pending
 
     def open(self) -> bool:
         return len(self.done) < len(self.ranks)
@@ -128,7 +184,13 @@ class _Server(threading.Thread):
             self.events.put(("done",))
 
     def serve(self) -> None:
-        header = torch.zeros(HEADER, dtype=torch.long)
+        self.headers = _Headers(self.pg, self.ranks)
+        try:
+            self.serve_headers()
+        finally:
+            self.headers.close()
+
+    def serve_headers(self) -> None:
         while self.open():
             if self.early and (len(self.ready | self.done) == len(self.ranks)
                                or time.monotonic() - self.started > START_TIMEOUT_S):
@@ -137,9 +199,13 @@ class _Server(threading.Thread):
             if self.saving is not None and self.saving["saved"] >= set(self.ranks) - self.done:
                 self.finish_checkpoint()
                 continue
-            src = self.next_header(header)
-            if src is not None:
+            src, header = self.next_header()
+            if header is not None:
                 self.take(src, *(int(v) for v in header))
+            if src in self.banned:
+                self.headers.drop(src)
+            elif header is not None:
+                self.headers.next(src)
 
     def finish_checkpoint(self) -> None:
         """Every live worker has sent its state: hand the checkpoint to the coordinator, and hand out no turn
@@ -150,24 +216,22 @@ class _Server(threading.Thread):
             pass  # the coordinator writes the checkpoint; θ must stay as saved until it is on disk
         self.saving = None  # the waiting workers are served as they ask again
 
-    def next_header(self, header: torch.Tensor) -> int | None:
-        """The next worker's header, first come, first served: gloo keeps the notices of pending sends to a
-        slot in the order they arrive, and a receive from any source takes the first (recvFromAny in gloo's
-        tcp transport). Returns its rank, or None if it died while its header was on the way.
-
-        Not yet handled: a worker that dies with its header sent but not received. gloo offers the dead rank's
-        notice first, and `recv_anysource` fails as it is posted, at every try, so the run fails here (README,
-        the failures table). Receiving per rank instead needs a thread per rank (a gloo receive's is_completed
-        stays False until it is waited on, and a timed-out wait drops the group)."""
-        work = self.pg.recv_anysource([header], TAG_ASK)
-        wait_s = self.wait_s
+    def next_header(self) -> tuple[int, torch.Tensor | None]:
+        """(rank, its header): the next header to arrive, first come, first served; (rank, None) when there is
+        none to act on: that rank's connection closed (it died: lost, unless the server expected nothing more
+        from it), or the coordinator has just lost it (`lose`)."""
         try:
-            _wait(work, wait_s)
-        except RuntimeError as e:
-            if _closed(e):
-                return None  # the coordinator sees it go
-            raise RuntimeError(f"no worker sent anything for {wait_s:.0f} s (twice the silence limit + 10 s)") from None
-        return work._source_rank()
+            src, got = self.headers.get(self.wait_s)
+        except queue.Empty:
+            raise RuntimeError(f"no worker sent anything for {self.wait_s:.0f} s (twice the silence limit + 10 s)") \
+                from None
+        if got is None or isinstance(got, torch.Tensor):
+            return src, got
+        if not _closed(got):
+            raise RuntimeError(f"worker rank {src}'s header: {got}")
+        if src not in self.done:
+            self.gone(src, got)
+        return src, None
 
     # --- a header and what follows it, by kind
 

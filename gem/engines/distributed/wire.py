@@ -35,7 +35,7 @@ import torch.distributed as dist
 START_TIMEOUT_S = 300.0  # a rank imports torch, loads the data and builds its model before it connects
 BYE_TIMEOUT_S = 30.0  # a worker waits this long for the server's last answer
 
-TAG_ASK, TAG_X, TAG_JOB = 1, 2, 3  # worker→server headers (any source); one exchange's messages; the job
+TAG_ASK, TAG_X, TAG_JOB = 1, 2, 3  # worker→server headers; one exchange's messages; the job
 # header kinds, worker → server on TAG_ASK
 ASK, READY, FINISHED, DIVERGED, ERROR, SAVED, PULL = range(7)  # PULL: θ once the clock reaches t (a barrier)
 # server → worker, first word of the reply to an ASK, PULL or FINISHED: [kind, t, τ]
