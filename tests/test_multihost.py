@@ -141,3 +141,30 @@ def test_stale_namespaces_of_dead_processes_are_removed(hosts):
                                                                  text=True).stdout
     assert hosts.hosts[0].ns not in remove_stale()  # this process's own are kept
 
+
+
+@pytest.mark.slow  # a timing: 50 MB at 1 Gbit/s, 0.4 s each way
+def test_a_shaped_link_carries_its_rate(hosts):
+    """tbf on both ends (tests/netns.py): TCP gets the rate less the frames' headers, 1448/1514 of it."""
+    from netns import transfer_s
+
+    assert transfer_s(hosts, 1, 0, 10**7) < 0.4  # unshaped: 10 to 17 Gbit/s here
+    hosts.shape(1000)
+    for src, dst in ((1, 0), (0, 1)):
+        gbit = 5e7 * 8 / transfer_s(hosts, src, dst, 5 * 10**7) / 1e9
+        assert 0.85 < gbit < 1.0, gbit  # 0.96 measured
+
+
+def test_three_hosts_reach_one_another_through_the_hub():
+    from netns import transfer_s
+
+    try:
+        hosts = Hosts(3)
+    except Unavailable as e:
+        pytest.skip(f"no network namespaces here: {e}")
+    with hosts:
+        assert [h.addr for h in hosts.hosts] == ["10.213.0.1", "10.213.0.2", "10.213.0.3"]
+        for src, dst in ((1, 0), (2, 0), (2, 1)):
+            assert transfer_s(hosts, src, dst, 10**6) > 0
+    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                if ns.startswith(hosts.hosts[0].ns[:-2])]
