@@ -280,6 +280,35 @@ def test_a_host_that_is_not_this_machines_is_refused():
         distributed.check_port("192.0.2.1", 0)  # TEST-NET-1: documentation only, never a local address
 
 
+def test_gloo_listens_on_the_interfaces_gloo_socket_ifname_names(monkeypatch):
+    """Across nodes each rank's gloo device is the interface GLOO_SOCKET_IFNAME names (torch's own default device
+    ignores the variable: in tests/test_multihost.py's namespaces, whose host name resolves to 127.0.0.1, every
+    rank then offered the others its loopback address, and the group timed out)."""
+    from gem.engines.distributed import wire
+
+    monkeypatch.setattr(dist.ProcessGroupGloo, "create_device", lambda **kw: kw)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1,ib0")
+    assert wire._devices(None) == [{"interface": "eth1"}, {"interface": "ib0"}]
+    assert wire._devices("127.0.0.1") == [{"hostname": "127.0.0.1"}]  # one node, or a local launch: loopback
+
+
+def test_a_host_name_that_resolves_to_loopback_is_refused_across_nodes(monkeypatch):
+    """Without GLOO_SOCKET_IFNAME a rank offers the address its host name resolves to; loopback (127.0.1.1 in
+    many /etc/hosts) would reach no other node: one line that names the variable, instead of a timeout."""
+    import socket
+
+    from gem.engines.distributed import wire
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **kw: [(2, 1, 6, "", ("127.0.1.1", 0))])
+    with pytest.raises(ValueError, match="resolves to no address other nodes can reach .127.0.1.1.; set "
+                                         "GLOO_SOCKET_IFNAME"):
+        wire._devices(None)
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **kw: [(2, 1, 6, "", ("10.1.2.3", 0))])
+    monkeypatch.setattr(dist.ProcessGroupGloo, "create_default_device", lambda: "default")
+    assert wire._devices(None) == ["default"]
+
+
 @pytest.fixture
 def held_port():
     """A port another program holds (bound, as a run's rank 0 or any server would)."""

@@ -23,11 +23,13 @@ import dataclasses
 import datetime
 import hashlib
 import hmac
+import ipaddress
 import json
 import math
 import os
 import re
 import secrets
+import socket
 
 import torch
 import torch.distributed as dist
@@ -97,18 +99,33 @@ def export_submitit_env() -> None:
         env.export(set_cuda_visible_devices=False)
 
 
-def _device(host: str | None):
-    """gloo's network device: the given address (loopback for a local launch), else, for a multi-node launch,
-    the host's own (GLOO_SOCKET_IFNAME picks the interface)."""
+def _devices(host: str | None) -> list:
+    """gloo's network devices: the given address (loopback for a local launch, or one node), else, for a
+    multi-node launch, the interfaces GLOO_SOCKET_IFNAME names (comma-separated, as torch.distributed reads it),
+    else the address this host's name resolves to. A name that resolves only to loopback (127.0.1.1 in many
+    /etc/hosts) would make every rank tell the others to reach it on their own loopback, and the group would
+    time out: it is refused in one line that names GLOO_SOCKET_IFNAME."""
     if host:
-        return dist.ProcessGroupGloo.create_device(hostname=host)
-    return dist.ProcessGroupGloo.create_default_device()
+        return [dist.ProcessGroupGloo.create_device(hostname=host)]
+    interfaces = [i.strip() for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i.strip()]
+    if interfaces:
+        return [dist.ProcessGroupGloo.create_device(interface=i) for i in interfaces]
+    name = socket.gethostname()
+    try:
+        addresses = {a[4][0] for a in socket.getaddrinfo(name, None)}
+    except OSError:
+        addresses = set()
+    if not [a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_loopback]:
+        raise ValueError(f"this host's name {name!r} resolves to no address other nodes can reach "
+                         f"({', '.join(sorted(addresses)) or 'none'}); set GLOO_SOCKET_IFNAME to the network "
+                         "interface the nodes share (e.g. GLOO_SOCKET_IFNAME=eth0) on every node")
+    return [dist.ProcessGroupGloo.create_default_device()]
 
 
 def _group(store, rank: int, world: int, host: str | None, timeout_s: float):
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = _td(timeout_s)
-    opts._devices = [_device(host)]
+    opts._devices = _devices(host)
     return dist.ProcessGroupGloo(dist.PrefixStore("gem/", store), rank, world, opts)
 
 
