@@ -267,7 +267,8 @@ def check_sweep(config: DictConfig, jobs: list[list[str]], compose_job=None) -> 
     config is composed, Hydra's compose API by default): every job's Spec and data, then its plan (exit 0) for
     plan=true, else its folders: none in use or holding results, unless resume=true, which says what happens to
     each job. Raises on bad input (`refusing` makes it one line); nothing is written."""
-    specs = [checked(composed(job, compose_job)) for job in jobs]
+    here = not _elsewhere(config)
+    specs = [checked(composed(job, compose_job), here) for job in jobs]
     _check_tasks(config, specs)
     _check_data(specs)
     actions = _check_sweep_dir(config, specs)
@@ -275,6 +276,13 @@ def check_sweep(config: DictConfig, jobs: list[list[str]], compose_job=None) -> 
         plan.show(list(zip(jobs, specs, strict=True)), actions=actions, heldout_seeds=heldout_seeds(config))
         sys.exit(0)
     return specs
+
+
+def _elsewhere(config: DictConfig) -> bool:
+    """The sweep's jobs run on other machines: a SLURM launcher (submitit_slurm, distributed_slurm). This machine's
+    GPUs and memory say nothing about theirs; each job checks them where it runs (main())."""
+    target = OmegaConf.select(config, "hydra.launcher._target_") or ""
+    return str(target).rsplit(".", 1)[-1].endswith("SlurmLauncher")
 
 
 def _check_tasks(config: DictConfig, specs: list[Spec]) -> None:

@@ -85,8 +85,10 @@ def algorithm_params(cfg: DictConfig):
         raise ConfigError(str(e).splitlines()[0]) from None
 
 
-def validate(cfg: DictConfig) -> Spec:
-    """The job's Spec; ConfigError with one clear line on the first bad value. Cheap: loads no data."""
+def validate(cfg: DictConfig, here: bool = True) -> Spec:
+    """The job's Spec; ConfigError with one clear line on the first bad value. Cheap: loads no data. `here=False`:
+    the job runs on another machine (a SLURM launcher), whose GPUs and memory this one cannot see: those are
+    checked by the job itself, where it runs."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:  # `???` in a config (data=tensors: data.path, data.num_classes)
         raise ConfigError(f"{missing[0]} must be given: add {missing[0]}=<value> to the command")
@@ -108,7 +110,8 @@ def validate(cfg: DictConfig) -> Spec:
     ):
         if not cond:
             raise ConfigError(f"{key}={cfg[key]} is not allowed; {key} must be {allowed}")
-    _check_device(cfg.device)
+    if here:
+        _check_device(cfg.device)
     if cfg.precision not in models.PRECISIONS:
         raise ConfigError(f"precision={cfg.precision} is not allowed; choose one of: {', '.join(models.PRECISIONS)} "
                           "(bf16: the workers' forward and backward passes; θ and the algorithms stay float32)")
@@ -172,7 +175,8 @@ def validate(cfg: DictConfig) -> Spec:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     workers = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
-    _check_memory(cfg, hp, workers, eng.name, dat, module)
+    if here:
+        _check_memory(cfg, hp, workers, eng.name, dat, module)
     return Spec(cfg=cfg, hp=hp, engine=eng, data=dat, logger=log, model=module, loss=checked["loss"],
                 workers=workers)
 
@@ -436,10 +440,10 @@ def composed(overrides: list[str], compose_fn=None) -> DictConfig:
         raise ConfigError(line) from None
 
 
-def checked(cfg: DictConfig) -> Spec:
+def checked(cfg: DictConfig, here: bool = True) -> Spec:
     """`validate`, with OmegaConf's own errors (an interpolation that fails) as one line too."""
     try:
-        return validate(cfg)
+        return validate(cfg, here)
     except OmegaConfBaseException as e:
         raise ConfigError(one_line(e)) from None
 

@@ -116,6 +116,20 @@ def test_a_sweep_over_several_nodes_needs_the_runs_secret(tmp_path, capsys, monk
     assert len(preflight(argv)) == 1  # checked, and nothing submitted
 
 
+@pytest.mark.parametrize("argv", [
+    ["hydra/launcher=submitit_slurm", "engine=process", "device=cuda"],
+    ["hydra/launcher=distributed_slurm", "engine=distributed", "workers=4", "device=cuda"],
+    ["hydra/launcher=submitit_slurm", "engine=process", "workers=1000000"],
+])
+def test_a_slurm_sweep_is_not_held_to_this_machines_gpus_and_memory(argv, tmp_path):
+    """The jobs of a SLURM sweep run on its nodes: where it is submitted from (a login node without a GPU, say)
+    does not refuse device=cuda or a size that fits a node; each job checks those where it runs."""
+    from experiments.command import preflight
+
+    specs = preflight(["-m", *argv, "epochs=1", "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    assert len(specs) == 2
+
+
 @pytest.mark.slow
 def test_distributed_local_runs_a_sweep_with_one_task_per_rank(tmp_path):
     """`python run.py -m hydra/launcher=distributed_local ...`: two jobs, each of three tasks (rank 0 and two
