@@ -452,6 +452,17 @@ def main(cfg: DictConfig) -> dict | None:
               f"(status failed, rows up to the interruption kept); "
               f"{resume_hint(Path(hc.runtime.output_dir), multirun)}", file=sys.stderr)
         sys.exit(code)
+    except SystemExit as e:
+        if "SUBMITIT_EXECUTOR" not in os.environ:
+            raise
+        # submitit requeues the job (preempted, or out of time with requeues left), from its signal handler: the
+        # run directory is closed (status failed), and the requeued job resumes it (hydra_plugins/gem_launcher's
+        # checkpoint). Leave at once: tearing the interpreter down under the group's threads aborts the process,
+        # and the exit code that asks the local executor for the requeue would be lost
+        print(f"gem: requeued by submitit; the run directory {hc.runtime.output_dir} is closed (status failed), and "
+              "the requeued job resumes it from its last checkpoint", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(e.code if isinstance(e.code, int) else 1)
     print(runner.format_summary(summary), flush=True)
     # A failed job ends a single run with an error code; in a sweep the other jobs go on. A diverged run is a
     # result, not an error.

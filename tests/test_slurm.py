@@ -5,9 +5,16 @@ distributed_slurm's keys are checked against submitit's SLURM executor, which re
 
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
+from conftest import ROOT
 from procs import mentioning
 from test_faults import refused_line, run_py
 from test_run import check_run_dir
@@ -191,3 +198,60 @@ def test_a_jobs_result_is_rank_0s_and_a_dead_worker_is_one_line(tmp_path, capsys
         f"gem: job 7: rank 2 (worker 1) ended without a result (killed?); rank 0 recorded it in the run directory; "
         f"its output: {folder}/{job.job_id}_2_log.err and {folder}/{job.job_id}_2_log.out",
         f"gem: job 7: completed; run directory /r; the ranks' output: {folder}"]
+
+
+def test_a_requeued_job_resumes_its_run(tmp_path):
+    """What submitit requeues (a job preempted, or out of time with requeues left) is the job with resume=true."""
+    launch, _ = launcher("distributed_local", tmp_path)
+    delayed = launch.checkpoint(["workers=4", "resume=false", "seed=1"], "hydra.sweep.dir", 3, "id", {})
+    assert delayed.args == (["workers=4", "seed=1", "resume=true"], "hydra.sweep.dir", 3, "id", {})
+    assert delayed.function is launch
+
+
+def _rank(sweep, rank: int) -> int | None:
+    """The pid of task `rank` of the sweep's running job."""
+    for d in Path("/proc").iterdir():
+        try:
+            cmd, env = (d / "cmdline").read_bytes(), (d / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"submitit.core._submit" in cmd and str(sweep).encode() in cmd and \
+                f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in env:
+            return int(d.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_preempted_job_is_requeued_and_resumes_from_its_checkpoint(tmp_path):
+    """SLURM's warning before it preempts a job or its time runs out (SIGUSR2, which submitit's local executor
+    sends the same way): rank 0 closes the run directory, submitit requeues the job with resume=true, and the
+    requeued job continues the run from its last checkpoint: every commit once in the end."""
+    sweep = tmp_path / "sweep"
+    argv = ["-m", "hydra/launcher=distributed_local", *QUICK, "epochs=20", "engine.checkpoint_every=10",
+            "hydra.launcher.tasks_per_node=3", f"hydra.sweep.dir={sweep}"]
+    p = subprocess.Popen([sys.executable, "run.py", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        pid = None
+        deadline = time.monotonic() + 300
+        while pid is None and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            if (sweep / "0" / "checkpoint").is_dir():
+                pid = _rank(sweep, 0)
+        assert pid is not None, "the run made no checkpoint"
+        os.kill(pid, signal.SIGUSR2)
+        out, err = p.communicate(timeout=600)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err[-3000:]
+    assert not mentioning(str(sweep))
+    d = sweep / "0"
+    summary, m, _ = check_run_dir(d, steps=2 * 20 * (256 // 32))
+    assert summary["status"] == "completed" and summary["lost_workers"] == []
+    for _, rows in m.groupby("worker"):
+        assert rows["worker_step"].sort_values().tolist() == list(range(1, 20 * (256 // 32) + 1))
+    logs = "".join(f.read_text() for f in (sweep / ".submitit").glob("*/*_0_log.*"))
+    assert "gem: requeued by submitit; the run directory" in logs
+    assert "gem: resuming from the checkpoint at commit" in logs
+    assert "resume=true" in (d / ".hydra" / "overrides.yaml").read_text()
+    assert "gem: job 0: completed; run directory" in err

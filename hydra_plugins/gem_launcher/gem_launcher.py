@@ -73,6 +73,17 @@ class _RankZero:
         return [_result(job, idx) for idx, job in enumerate(jobs, start=initial_job_idx)]
 
 
+    def checkpoint(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state):
+        """What submitit requeues when the job is preempted, or runs out of time with requeues left
+        (max_num_timeout): the job with resume=true, so that its rank 0 continues the run from its last checkpoint
+        (or starts it again if it had none, its files kept in .superseded/) instead of refusing the directory that
+        holds it (experiments.command's resume of a sweep's job)."""
+        import submitit
+
+        overrides = [o for o in sweep_overrides if o.split("=", 1)[0].lstrip("+~") != "resume"] + ["resume=true"]
+        return submitit.helpers.DelayedSubmission(self, overrides, job_dir_key, job_num, job_id, singleton_state)
+
+
 def _result(job, num: int):
     """Job `num`'s result: rank 0's (its task 0), once every task has ended. A worker task that ended without a
     result, or with an error, gets one line: rank 0 recorded it (lost_workers), and its output says why."""
