@@ -7,7 +7,8 @@ directory, and the others workers. The plugin's launcher takes a job's result fr
 died (killed, out of memory) made the whole sweep end with a traceback, although rank 0 had recorded it lost and
 finished the run, as a run does when it loses a worker. Here a job's result is rank 0's; a worker task that ended
 without a result gets one line that says where its output is. A job whose rank 0 ended without a result ends the
-sweep with its error, as the plugin's launcher does.
+sweep with its error, as the plugin's launcher does. A job that submitit requeues (SLURM preempted it, or its time
+ran out with requeues left) runs again with resume=true (`checkpoint`), so that it continues its run.
 
 The ranks' output (each task's stdout and stderr) is in the submitit folder, `<sweep>/.submitit/<job id>/`; each
 job gets one line here, with its status and run directory.
