@@ -38,6 +38,7 @@ from experiments.config import (
     ConfigError,
     Spec,
     check_batch_size,
+    check_launch,
     checked,
     compose,
     composed,
@@ -266,13 +267,60 @@ def check_sweep(config: DictConfig, jobs: list[list[str]], compose_job=None) -> 
     config is composed, Hydra's compose API by default): every job's Spec and data, then its plan (exit 0) for
     plan=true, else its folders: none in use or holding results, unless resume=true, which says what happens to
     each job. Raises on bad input (`refusing` makes it one line); nothing is written."""
-    specs = [checked(composed(job, compose_job)) for job in jobs]
+    here = not _elsewhere(config)
+    specs = [checked(composed(job, compose_job), here) for job in jobs]
+    _check_tasks(config, specs)
     _check_data(specs)
     actions = _check_sweep_dir(config, specs)
     if any(spec.cfg.plan for spec in specs):
         plan.show(list(zip(jobs, specs, strict=True)), actions=actions, heldout_seeds=heldout_seeds(config))
         sys.exit(0)
     return specs
+
+
+def _elsewhere(config: DictConfig) -> bool:
+    """The sweep's jobs run on other machines: a SLURM launcher (submitit_slurm, distributed_slurm). This machine's
+    GPUs and memory say nothing about theirs; each job checks them where it runs (main())."""
+    target = OmegaConf.select(config, "hydra.launcher._target_") or ""
+    return str(target).rsplit(".", 1)[-1].endswith("SlurmLauncher")
+
+
+def _check_tasks(config: DictConfig, specs: list[Spec]) -> None:
+    """A submitit launcher that starts several tasks per job (hydra/launcher=distributed_local or
+    distributed_slurm: nodes x tasks_per_node) starts the ranks of one engine=distributed run: every job must be
+    one, with workers + 1 ranks (rank 0 is the parameter server), and a launch over several nodes needs the run's
+    secret. Refused here, before any job starts, rather than by each job's rank 0."""
+    launcher = OmegaConf.select(config, "hydra.launcher")
+    if not isinstance(launcher, DictConfig) or "tasks_per_node" not in launcher:
+        return
+    nodes, per = int(launcher.get("nodes") or 1), int(launcher.tasks_per_node or 1)
+    tasks = nodes * per
+    if tasks == 1:
+        return
+    keys = (f"hydra.launcher.tasks_per_node={per}" if nodes == 1 else
+            f"hydra.launcher.nodes x hydra.launcher.tasks_per_node = {nodes} x {per}")
+    for num, spec in enumerate(specs):
+        if spec.engine.name != "distributed":
+            raise ConfigError(f"{keys} starts {tasks} processes for each job, the ranks of one engine=distributed "
+                              f"run, but job {num} is engine={spec.engine.name}, which runs as one process: pass "
+                              "engine=distributed, or hydra.launcher.tasks_per_node=1")
+        if spec.workers + 1 != tasks:
+            fix = (f"hydra.launcher.tasks_per_node={spec.workers + 1}" if nodes == 1 else
+                   f"hydra.launcher.nodes and hydra.launcher.tasks_per_node whose product is {spec.workers + 1}")
+            raise ConfigError(f"{keys} starts {tasks} processes for each job, but job {num} has workers="
+                              f"{spec.workers}, which needs workers + 1 = {spec.workers + 1} (rank 0 is the parameter "
+                              f"server): pass {fix}, or workers={tasks - 1}; sweep workers with one command per value")
+    if nodes > 1:
+        from gem.engines.distributed.wire import SECRET_ENV, SECRET_HINT, run_secret
+
+        try:
+            secret = run_secret()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        # the jobs inherit this environment (sbatch exports it), or set the secret in their setup lines
+        if secret is None and not any(SECRET_ENV in str(line) for line in launcher.get("setup") or []):
+            raise ConfigError(f"hydra.launcher.nodes={nodes}: {SECRET_ENV} is not set, and a launch over several "
+                              f"machines needs the run's secret so that only its own workers can join: {SECRET_HINT}")
 
 
 def _check_sweep_dir(config: DictConfig, specs: list[Spec]) -> list[str] | None:
@@ -356,13 +404,16 @@ def main(cfg: DictConfig) -> dict | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    if cfg.engine.name == "distributed":  # a SLURM job of several tasks: each task is one rank
-        from gem.engines import distributed
+    from gem.engines import distributed
 
-        distributed.export_submitit_env()
-        if runner.launched_worker():
-            runner.work(cfg)
+    distributed.export_submitit_env()  # a submitit job of several tasks (distributed_*): each task is one rank
+    if runner.launched_worker():
+        try:
+            check_launch(cfg)
+        except ConfigError:  # the wrong number of tasks, or another engine: rank 0 says so, in one line
             return None
+        runner.work(cfg)
+        return None
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
@@ -401,6 +452,17 @@ def main(cfg: DictConfig) -> dict | None:
               f"(status failed, rows up to the interruption kept); "
               f"{resume_hint(Path(hc.runtime.output_dir), multirun)}", file=sys.stderr)
         sys.exit(code)
+    except SystemExit as e:
+        if "SUBMITIT_EXECUTOR" not in os.environ:
+            raise
+        # submitit requeues the job (preempted, or out of time with requeues left), from its signal handler: the
+        # run directory is closed (status failed), and the requeued job resumes it (hydra_plugins/gem_launcher's
+        # checkpoint). Leave at once: tearing the interpreter down under the group's threads aborts the process,
+        # and the exit code that asks the local executor for the requeue would be lost
+        print(f"gem: requeued by submitit; the run directory {hc.runtime.output_dir} is closed (status failed), and "
+              "the requeued job resumes it from its last checkpoint", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(e.code if isinstance(e.code, int) else 1)
     print(runner.format_summary(summary), flush=True)
     # A failed job ends a single run with an error code; in a sweep the other jobs go on. A diverged run is a
     # result, not an error.

@@ -85,8 +85,10 @@ def algorithm_params(cfg: DictConfig):
         raise ConfigError(str(e).splitlines()[0]) from None
 
 
-def validate(cfg: DictConfig) -> Spec:
-    """The job's Spec; ConfigError with one clear line on the first bad value. Cheap: loads no data."""
+def validate(cfg: DictConfig, here: bool = True) -> Spec:
+    """The job's Spec; ConfigError with one clear line on the first bad value. Cheap: loads no data. `here=False`:
+    the job runs on another machine (a SLURM launcher), whose GPUs and memory this one cannot see: those are
+    checked by the job itself, where it runs."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:  # `???` in a config (data=tensors: data.path, data.num_classes)
         raise ConfigError(f"{missing[0]} must be given: add {missing[0]}=<value> to the command")
@@ -108,7 +110,8 @@ def validate(cfg: DictConfig) -> Spec:
     ):
         if not cond:
             raise ConfigError(f"{key}={cfg[key]} is not allowed; {key} must be {allowed}")
-    _check_device(cfg.device)
+    if here:
+        _check_device(cfg.device)
     if cfg.precision not in models.PRECISIONS:
         raise ConfigError(f"precision={cfg.precision} is not allowed; choose one of: {', '.join(models.PRECISIONS)} "
                           "(bf16: the workers' forward and backward passes; θ and the algorithms stay float32)")
@@ -165,14 +168,15 @@ def validate(cfg: DictConfig) -> Spec:
     ):
         if not cond:
             raise ConfigError(f"{key}={value} is not allowed; it must be {allowed}")
-    _check_launch(cfg, eng.name)
+    check_launch(cfg, eng.name)
     if eng.name == "distributed":  # the address a local launch listens on: refused before any run directory exists
         try:
             engines.get(eng.name).check_address(eng.host, eng.port, eng.allow_remote)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     workers = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
-    _check_memory(cfg, hp, workers, eng.name, dat, module)
+    if here:
+        _check_memory(cfg, hp, workers, eng.name, dat, module)
     return Spec(cfg=cfg, hp=hp, engine=eng, data=dat, logger=log, model=module, loss=checked["loss"],
                 workers=workers)
 
@@ -267,22 +271,30 @@ def _check_memory(cfg: DictConfig, hp, n: int, engine: str, dat, module) -> None
                       f"{memory.gib(have)} is available; use at most workers={max(1, (have - once) // each)}")
 
 
-def _check_launch(cfg: DictConfig, engine: str) -> None:
-    """Under torchrun (or SLURM via submitit) the launcher fixes the number of processes: rank 0 is the
-    parameter server and every other rank a worker."""
+def check_launch(cfg: DictConfig, engine: str | None = None) -> None:
+    """Under torchrun (or a submitit job of several tasks: hydra/launcher=distributed_*) the launcher fixes the
+    number of processes: rank 0 is the parameter server and every other rank a worker. Rank 0 checks it with the
+    rest of the config; a worker rank before it joins (experiments.command.main), so that it does not wait for a
+    rank 0 that refused."""
     from gem.engines import distributed
 
+    engine = engine or str(cfg.engine.name)
     if not distributed.launched() or int(os.environ["WORLD_SIZE"]) == 1:
         return
     world = int(os.environ["WORLD_SIZE"])
+    submitit = "SUBMITIT_EXECUTOR" in os.environ  # a job of several tasks (hydra/launcher=distributed_*)
     if engine != "distributed":
-        raise ConfigError(f"engine={engine}: this process is one of {world} started by a launcher (torchrun); "
-                          f"only engine=distributed runs that way; pass engine=distributed, or use python run.py")
+        raise ConfigError(f"engine={engine}: this process is one of {world} started by a launcher "
+                          + ("(hydra.launcher.nodes x hydra.launcher.tasks_per_node); " if submitit else "(torchrun); ")
+                          + "only engine=distributed runs that way; pass engine=distributed, or "
+                          + ("hydra.launcher.tasks_per_node=1" if submitit else "use python run.py"))
     workers = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
     if workers + 1 != world:
         raise ConfigError(f"workers={workers} does not match the {world} processes the launcher started: "
                           f"engine=distributed needs workers + 1 (rank 0 is the parameter server); pass "
-                          f"workers={world - 1} or start {workers + 1} processes (--nproc_per_node)")
+                          f"workers={world - 1} or start {workers + 1} processes "
+                          + ("(hydra.launcher.nodes x hydra.launcher.tasks_per_node)" if submitit
+                             else "(--nproc_per_node)"))
 
 
 def check_batch_size(batch_size: int, data: str, train: int | None) -> None:
@@ -428,10 +440,10 @@ def composed(overrides: list[str], compose_fn=None) -> DictConfig:
         raise ConfigError(line) from None
 
 
-def checked(cfg: DictConfig) -> Spec:
+def checked(cfg: DictConfig, here: bool = True) -> Spec:
     """`validate`, with OmegaConf's own errors (an interpolation that fails) as one line too."""
     try:
-        return validate(cfg)
+        return validate(cfg, here)
     except OmegaConfBaseException as e:
         raise ConfigError(one_line(e)) from None
 

@@ -149,7 +149,8 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
     except Exception as e:
         interrupt = _interrupt_behind(e)
         if interrupt is not None:  # Ctrl-C or SIGTERM inside compiled code (numba): the interruption, not an error
-            why = "SIGTERM" if isinstance(interrupt, Terminated) else "Ctrl-C"
+            why = ("SIGTERM" if isinstance(interrupt, Terminated) else "Ctrl-C"
+                   if isinstance(interrupt, KeyboardInterrupt) else "exit")
             result = Result("failed", recorder.commits if recorder else 0, reason=f"interrupted ({why})")
             raise interrupt from None
         result = Result("failed", recorder.commits if recorder else 0, reason=f"{type(e).__name__}: {e}")
@@ -183,13 +184,13 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
     return summary
 
 
-def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
-    """The KeyboardInterrupt (Ctrl-C, or SIGTERM as Terminated) that an error stands for: a signal handled while a
-    numba-compiled loop runs comes out as `SystemError: ... returned a result with an exception set`, caused by the
-    interruption."""
+def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | SystemExit | None:
+    """The KeyboardInterrupt (Ctrl-C, or SIGTERM as Terminated) or SystemExit (submitit's requeue, from its signal
+    handler) that an error stands for: a signal handled while a numba-compiled loop runs comes out as
+    `SystemError: ... returned a result with an exception set`, caused by the interruption."""
     seen = set()
     while e is not None and id(e) not in seen:
-        if isinstance(e, KeyboardInterrupt):
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
             return e
         seen.add(id(e))
         e = e.__cause__ or e.__context__

@@ -44,3 +44,21 @@ def is_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def mentioning(text: str) -> list[int]:
+    """Every live process whose command line or environment holds `text` (a folder, say): what a launcher started
+    for it, and what those started, which inherit the environment."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if not is_alive(int(d.name)):
+                continue
+            found = text.encode() in (d / "cmdline").read_bytes() or text.encode() in (d / "environ").read_bytes()
+        except OSError:  # gone, or another user's
+            continue
+        if found:
+            out.append(int(d.name))
+    return sorted(out)

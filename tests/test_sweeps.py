@@ -68,6 +68,23 @@ def test_missing_launcher_extra_names_the_install_command(capsys):
                     'install it with pip install -e ".[slurm]" (in this project\'s folder)')
 
 
+@pytest.mark.parametrize("launcher, plugin, extra", [
+    ("submitit_slurm", "hydra_plugins.hydra_submitit_launcher", "slurm"),
+    ("distributed_local", "hydra_plugins.hydra_submitit_launcher", "slurm"),
+    ("joblib", "hydra_plugins.hydra_joblib_launcher", "joblib"),
+])
+def test_a_launcher_whose_plugin_is_missing_is_refused_installed_or_not(launcher, plugin, extra, capsys, monkeypatch):
+    """The refusal above wherever the plugins are installed (the dev extra installs the submitit one): the plugin's
+    module made unfindable, as it is where it is not installed."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == plugin else find_spec(name, *a))
+    line = refused_line(capsys, "-m", f"hydra/launcher={launcher}", *QUICK)
+    assert line == (f'error: hydra/launcher={launcher} needs a Hydra launcher plugin that is not installed; '
+                    f'install it with pip install -e ".[{extra}]" (in this project\'s folder)')
+
+
 def _status(d):
     return json.loads((d / "summary.json").read_text())["status"]
 

@@ -88,15 +88,20 @@ def launched_rank() -> int:
 
 
 def export_submitit_env() -> None:
-    """Inside a SLURM job started by Hydra's submitit launcher, set RANK, WORLD_SIZE, MASTER_ADDR, ... from the
-    job's environment, as torchrun would. Does nothing elsewhere."""
+    """Inside a job of several tasks started by Hydra's submitit launcher (SLURM, or submitit's local executor),
+    set RANK, WORLD_SIZE, MASTER_ADDR, ... from the job's environment, as torchrun would: submitit's
+    TorchDistributedEnvironment (rank 0's store on the job's first node, at a port drawn from the job's id unless
+    MASTER_PORT is set). The local executor's tasks all run here: rank 0's store is reached on loopback. A
+    MASTER_ADDR inherited from the shell that started the sweep is replaced. Does nothing elsewhere."""
     if launched() or "SUBMITIT_EXECUTOR" not in os.environ:
         return
     from submitit.helpers import TorchDistributedEnvironment
 
     env = TorchDistributedEnvironment()
     if env.world_size > 1:
-        env.export(set_cuda_visible_devices=False)
+        if os.environ["SUBMITIT_EXECUTOR"] == "local":
+            env.master_addr = "127.0.0.1"
+        env.export(set_cuda_visible_devices=False, overwrite=True)
 
 
 def _devices(host: str | None) -> list:
