@@ -173,9 +173,9 @@ import experiments.config as config
 
 calls = []
 validate = config.validate
-def counted(cfg):
+def counted(cfg, *args, **kw):
     calls.append(cfg.seed)
-    return validate(cfg)
+    return validate(cfg, *args, **kw)
 config.validate = counted
 atexit.register(lambda: print(f"validations: {sorted(calls)}", file=sys.stderr))
 sys.argv = ["run.py", *sys.argv[1:]]
