@@ -221,13 +221,16 @@ def _rank(sweep, rank: int) -> int | None:
     return None
 
 
+EPOCHS = 8  # the preempted run: 128 commits, a checkpoint every 10, the signal after the first
+
+
 @pytest.mark.slow
 def test_a_preempted_job_is_requeued_and_resumes_from_its_checkpoint(tmp_path):
     """SLURM's warning before it preempts a job or its time runs out (SIGUSR2, which submitit's local executor
     sends the same way): rank 0 closes the run directory, submitit requeues the job with resume=true, and the
     requeued job continues the run from its last checkpoint: every commit once in the end."""
     sweep = tmp_path / "sweep"
-    argv = ["-m", "hydra/launcher=distributed_local", *QUICK, "epochs=20", "engine.checkpoint_every=10",
+    argv = ["-m", "hydra/launcher=distributed_local", *QUICK, f"epochs={EPOCHS}", "engine.checkpoint_every=10",
             "hydra.launcher.tasks_per_node=3", f"hydra.sweep.dir={sweep}"]
     p = subprocess.Popen([sys.executable, "run.py", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
@@ -246,10 +249,10 @@ def test_a_preempted_job_is_requeued_and_resumes_from_its_checkpoint(tmp_path):
     assert p.returncode == 0, err[-3000:]
     assert not mentioning(str(sweep))
     d = sweep / "0"
-    summary, m, _ = check_run_dir(d, steps=2 * 20 * (256 // 32))
+    summary, m, _ = check_run_dir(d, steps=2 * EPOCHS * (256 // 32))
     assert summary["status"] == "completed" and summary["lost_workers"] == []
     for _, rows in m.groupby("worker"):
-        assert rows["worker_step"].sort_values().tolist() == list(range(1, 20 * (256 // 32) + 1))
+        assert rows["worker_step"].sort_values().tolist() == list(range(1, EPOCHS * (256 // 32) + 1))
     logs = "".join(f.read_text() for f in (sweep / ".submitit").glob("*/*_0_log.*"))
     assert "gem: requeued by submitit; the run directory" in logs
     assert "gem: resuming from the checkpoint at commit" in logs

@@ -62,11 +62,14 @@ def test_gamma_is_deterministic_for_a_seed(data, tmp_path):
     assert a["worker"].tolist() != c["worker"].tolist()
 
 
+SMALL = ["data=synthetic", "data.synthetic.train_size=384", "data.synthetic.val_size=64"]  # 12 batches of 32
+
+
 @pytest.fixture(scope="module")
 def process_run(tmp_path_factory):
-    """A tiny real run: 3 process workers on the embedded digits."""
+    """A tiny real run: 3 process workers, 12 commits each (a trace's statistics need no more)."""
     d = tmp_path_factory.mktemp("trace") / "process"
-    r = subprocess.run([sys.executable, "run.py", "workers=3", "epochs=1", "batch_size=32",
+    r = subprocess.run([sys.executable, "run.py", "workers=3", "epochs=1", "batch_size=32", *SMALL,
                         "logger.wandb.mode=disabled", f"hydra.run.dir={d}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -96,7 +99,7 @@ def test_a_trace_replays_a_process_run(process_run, tmp_path):
 
     def replay(workers, seed, d):
         cfg = compose(["engine=sim", "engine.staleness=trace", f"engine.trace={process_run}", f"workers={workers}",
-                       f"seed={seed}", "epochs=1", "batch_size=32"])
+                       f"seed={seed}", "epochs=1", "batch_size=32", *SMALL])
         rec = Recorder(d)
         result = sim.run(build_job(validate(cfg), log=lambda *_: None), rec)
         rec.close()
