@@ -221,7 +221,7 @@ def _rank(sweep, rank: int) -> int | None:
     return None
 
 
-EPOCHS = 8  # the preempted run: 128 commits, a checkpoint every 10, the signal after the first
+EPOCHS = 20  # the preempted run: 320 commits, a checkpoint every 10, the signal after the first
 
 
 @pytest.mark.slow
