@@ -110,13 +110,9 @@ def worker_imports(cfg: DictConfig | None, argv: list[str]) -> set[str]:
 
 def _all_targets(node) -> set[str]:
     """Every `_target_` of a config, nested ones included."""
-    container = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else node
-    if isinstance(container, dict):
-        here = {str(container["_target_"])} if "_target_" in container else set()
-        return here.union(*(_all_targets(v) for v in container.values()))
-    if isinstance(container, list):
-        return set().union(*(_all_targets(v) for v in container))
-    return set()
+    from gem.engines.distributed.job import import_targets
+
+    return import_targets(OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else node)
 
 
 def _given_by_default(node: DictConfig, key: str) -> bool:

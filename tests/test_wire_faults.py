@@ -149,15 +149,24 @@ def _groups(world: int) -> dict:
     return pgs
 
 
+def rank0(j: Job, run_dir, pg):
+    """Rank 0 as launch.run runs it once its group (`pg`) has formed, serving `j` to ranks 1 and 2 until the run
+    ends; returns its result."""
+    rec = Recorder(run_dir)
+    srv, _ = start_server(j, algorithms.get(j.algorithm), build_flat_model(j, device="cpu").param.clone())
+    coord = _Coordinator(j, rec, srv, Evaluator(j, j.data), None)
+    coord.job = j = dataclasses.replace(j, engine={**j.engine, "t0_wall": coord.t0_wall,
+                                                   "train_examples": len(j.data.train_y)})
+    try:
+        return launch._serve(coord, pg, SECRET, encode_job(_for_workers(j)), {1: None, 2: None}, [])
+    finally:
+        rec.close()
+
+
 def serve(j: Job, run_dir, peer_script, honest_allowed=frozenset(), peer_allowed=frozenset()):
     """Rank 0 serves `j` to an honest worker (rank 1, worker 0) and to a Peer (rank 2, worker 1) that runs
     `peer_script`; returns the result and the run's rows. What fails in the Peer's thread is raised here."""
     pgs = _groups(3)
-    rec = Recorder(run_dir)
-    srv, _ = start_server(j, algorithms.get(j.algorithm), build_flat_model(j, device="cpu").param.clone())
-    coord = _Coordinator(j, rec, srv, Evaluator(j, j.data), None)
-    j = dataclasses.replace(j, engine={**j.engine, "t0_wall": coord.t0_wall, "train_examples": len(j.data.train_y)})
-    coord.job = j
     peer, failed = Peer(pgs[2], allowed=peer_allowed), []
 
     def run_peer():
@@ -171,10 +180,7 @@ def serve(j: Job, run_dir, peer_script, honest_allowed=frozenset(), peer_allowed
     other = threading.Thread(target=run_peer, daemon=True)
     honest.start()
     other.start()
-    try:
-        result = launch._serve(coord, pgs[0], SECRET, encode_job(_for_workers(j)), {1: None, 2: None}, [])
-    finally:
-        rec.close()
+    result = rank0(j, run_dir, pgs[0])
     honest.join(WAIT_S)
     other.join(WAIT_S)
     assert not honest.is_alive() and not other.is_alive()
@@ -545,12 +551,6 @@ def test_a_worker_that_dies_with_its_request_on_the_way_is_lost_and_the_run_goes
         t.start()
     for t in threads:
         t.join()
-    j = job(data)
-    rec = Recorder(tmp_path)
-    srv, _ = start_server(j, algorithms.get(j.algorithm), build_flat_model(j, device="cpu").param.clone())
-    coord = _Coordinator(j, rec, srv, Evaluator(j, j.data), None)
-    coord.job = j = dataclasses.replace(j, engine={**j.engine, "t0_wall": coord.t0_wall,
-                                                   "train_examples": len(j.data.train_y)})
     peer, failed = Peer(pgs[1], rank=1), []
 
     def script():
@@ -570,9 +570,8 @@ def test_a_worker_that_dies_with_its_request_on_the_way_is_lost_and_the_run_goes
     th = threading.Thread(target=script, daemon=True)
     th.start()
     try:
-        result = launch._serve(coord, pgs[0], SECRET, encode_job(_for_workers(j)), {1: None, 2: None}, [])
+        result = rank0(job(data), tmp_path, pgs[0])
     finally:
-        rec.close()
         dying.join(WAIT_S)
     th.join(WAIT_S)
     if failed:

@@ -104,16 +104,17 @@ def named_imports(algorithm, model) -> set[str]:
     if algorithm not in algorithms.ALGORITHMS:  # algorithms.get imports a dotted name as a module
         out.add(str(algorithm))
     if isinstance(model, ModelSpec):
-        out |= _targets(model.kwargs) if model.factory == INSTANTIATE else {str(model.factory)}
+        out |= import_targets(model.kwargs) if model.factory == INSTANTIATE else {str(model.factory)}
     return out
 
 
-def _targets(node) -> set[str]:
+def import_targets(node) -> set[str]:
+    """Every `_target_` in a nest of dicts and lists (a model config's, say), nested ones included."""
     if isinstance(node, dict):
         here = {str(node["_target_"])} if "_target_" in node else set()
-        return here.union(*(_targets(v) for v in node.values()))
+        return here.union(*(import_targets(v) for v in node.values()))
     if isinstance(node, list):
-        return set().union(*(_targets(v) for v in node))
+        return set().union(*(import_targets(v) for v in node))
     return set()
 
 
