@@ -207,6 +207,16 @@ def ready(p) -> None:
     p.header(READY)
 
 
+def works(p) -> None:
+    """A Peer that does what a worker does: its 4 commits (128 examples, batches of 32), then FINISHED with their
+    rows."""
+    ready(p)
+    for _ in range(4):
+        p.turn()
+        p.commit()
+    p.finish(p.rows())
+
+
 # --------------------------------------------------------------------------------- faulty messages, one by one
 
 
@@ -259,14 +269,7 @@ def test_rows_that_are_not_rows_lose_only_that_worker(data, tmp_path, rows, sent
 def test_rows_as_a_worker_sends_them_pass(data, tmp_path):
     """The checks let through what workers send: the honest worker's (GEM's metrics and per-tensor statistics)
     and the Peer's rows for its own commits."""
-    def script(p):
-        ready(p)
-        for _ in range(4):
-            p.turn()
-            p.commit()
-        p.finish(p.rows())
-
-    result, m = serve(job(data), tmp_path, script)
+    result, m = serve(job(data), tmp_path, works)
     assert result.status == "completed" and result.extra["lost_workers"] == [], result
     assert sorted(m["worker"]) == [0] * 4 + [1] * 4 and m.loc[m["worker"] == 0, "pi_median"].notna().all()
     assert len(read_table(tmp_path, "tensors")) == 4 * len(dict(MnistCNN().named_parameters()))
@@ -486,15 +489,8 @@ def test_a_job_naming_code_outside_the_allowed_set_is_refused_before_any_import(
 def test_a_worker_refuses_a_job_its_side_does_not_allow_and_the_run_goes_on(data, tmp_path):
     """Rank 0 runs a model by import path; the honest worker's side does not allow it: it says so to rank 0 (an
     ERROR), which records it lost; the Peer's side allows it, and it does the work."""
-    def script(p):
-        ready(p)
-        for _ in range(4):
-            p.turn()
-            p.commit()
-        p.finish(p.rows())
-
     j = job(data, model=ModelSpec("outside", f"{__name__}.OutsideNet"))
-    result, m = serve(j, tmp_path, script, peer_allowed=wire_job.allowed_imports([f"{__name__}.OutsideNet"]))
+    result, m = serve(j, tmp_path, works, peer_allowed=wire_job.allowed_imports([f"{__name__}.OutsideNet"]))
     assert result.status == "completed" and result.extra["lost_workers"] == [0], result
     # (the Peer may have made any of its 4 commits before rank 0 has read the refusal: seen loaded, at commit 3)
     assert re.fullmatch(rf"worker 0 lost at commit [0-4] \(raised ValueError: the job names {__name__}\.OutsideNet, "
