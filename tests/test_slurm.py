@@ -239,7 +239,9 @@ def test_a_preempted_job_is_requeued_and_resumes_from_its_checkpoint(tmp_path):
         deadline = time.monotonic() + 300
         while pid is None and p.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-            if (sweep / "0" / "checkpoint").is_dir():
+            # the manifest, not the folder: the folder appears with the first checkpoint's `pending/`, and a
+            # signal before the manifest is written leaves nothing to resume from (the requeued job reruns)
+            if (sweep / "0" / "checkpoint" / "manifest.json").is_file():
                 pid = _rank(sweep, 0)
         assert pid is not None, "the run made no checkpoint"
         os.kill(pid, signal.SIGUSR2)
