@@ -9,8 +9,11 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+import pandas as pd
 import pytest
+import torch
 import torch.distributed as dist
 from conftest import ROOT
 from test_run import check_run_dir
@@ -21,7 +24,7 @@ from gem.data import make_synthetic
 from gem.engines import Job, distributed
 from gem.engines.coordinator import start_server
 from gem.engines.core import Evaluator, build_flat_model
-from gem.engines.distributed import address, launch
+from gem.engines.distributed import address, launch, window
 from gem.engines.distributed import job as wire_job
 from gem.engines.distributed.address import _listener
 from gem.engines.distributed.job import _for_workers
@@ -29,6 +32,7 @@ from gem.engines.distributed.launch import _Coordinator
 from gem.engines.distributed.link import _Waiting
 from gem.engines.distributed.server import _Server
 from gem.engines.distributed.wire import _patience, _waiting_key
+from gem.engines.server import Server
 from gem.metrics import Recorder, read_table
 
 
@@ -78,6 +82,60 @@ def test_the_global_proxy_travels_with_the_commit(data, tmp_path):
     hp = gem.Params(workers=3, proxy="global")
     result, m, _ = run(job(data, 3, hp=hp, epochs=1), tmp_path)
     assert result.status == "completed" and m["pi_median"].notna().all()
+
+
+def test_workers_on_rank_0s_host_read_theta_from_shared_memory_with_the_same_rows(data, tmp_path):
+    """engine.shared_memory (on by default): the workers of a local launch read θ from rank 0's window and leave Δ
+    in it; only headers travel. The exchanges are the wire's: at n = 1 every row and evaluation is the same, bit
+    for bit, as with shared_memory=false. The window's file is gone once the run ends."""
+    frames = {}
+    for shared in (True, False):
+        j = dataclasses.replace(job(data, 1, "downpour", downpour.Params(), epochs=2),
+                                engine={"name": "distributed", "timeout_s": 60, "shared_memory": shared})
+        result, m, _ = run(j, tmp_path / str(shared))
+        assert result.status == "completed"
+        assert result.extra["shared_memory_workers"] == ([0] if shared else [])
+        frames[shared] = (m.drop(columns=["time_s", "wait_s", "apply_s"]),
+                          read_table(tmp_path / str(shared), "eval").drop(columns="time_s"))
+    for a, b in zip(frames[True], frames[False], strict=True):
+        pd.testing.assert_frame_equal(a, b, check_exact=True)
+    assert not list(window.SHM.glob(f"{window.PREFIX}{os.getpid()}-*"))
+
+
+def test_several_workers_share_the_window_and_every_commit_is_applied_once(data, tmp_path):
+    result, m, _ = run(job(data, 3, epochs=2), tmp_path)
+    assert result.status == "completed" and result.extra["shared_memory_workers"] == [0, 1, 2]
+    assert m["step"].tolist() == list(range(1, 3 * 2 * 256 // 32 + 1))
+    assert m.groupby("worker")["worker_step"].apply(list).tolist() == [list(range(1, 17))] * 3
+
+
+def test_a_worker_opens_only_a_window_of_rank_0s_making(data, tmp_path):
+    """The job names the window; a worker opens it only in /dev/shm, by this module's name pattern, owned by its
+    user, of the size its own replica needs, holding the nonce the job names. Anything else: None (the wire)."""
+    j = job(data, 2)
+    srv, _ = start_server(j, algorithms.get("gem"), build_flat_model(j, device="cpu").param.clone())
+    win = window.Window.create(srv, 2)
+    if win is None:
+        pytest.skip(f"no shared memory in {window.SHM} here")
+    try:
+        said = win.described()
+        assert window.Window.open(said, 1, srv) is not None
+        other = tmp_path / Path(said["path"]).name
+        other.write_bytes(Path(said["path"]).read_bytes())
+        replica = Server.create(algorithms.get("gem"), j.hp, torch.zeros(10), 2)  # another model's
+        for changed, w, rep in [({}, 2, srv),  # no slot for worker 2
+                                ({"path": str(other)}, 0, srv),  # not in /dev/shm
+                                ({"path": str(window.SHM / "gem-theta-1-x")}, 0, srv),  # not the name pattern
+                                ({"path": str(window.SHM / "passwd")}, 0, srv),
+                                ({"nonce": "00" * 32}, 0, srv),  # another window
+                                ({"nonce": "not hex"}, 0, srv),
+                                ({}, 0, replica),  # of another size
+                                ({"slots": "2"}, 0, srv)]:
+            assert window.Window.open({**said, **changed}, w, rep) is None, changed
+        win.unlink()
+        assert window.Window.open(said, 0, srv) is None  # removed: no process can open it any more
+    finally:
+        win.unlink()
 
 
 def _torchrun():

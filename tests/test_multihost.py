@@ -83,6 +83,8 @@ def test_a_run_across_two_hosts_is_the_run_of_one(hosts, tmp_path):
     assert summary["lost_workers"] == [] and summary["reason"] == ""
     assert summary["commit_shares"] == {"0": 0.3333, "1": 0.3333, "2": 0.3333}
     assert sorted(m["worker"].unique()) == [0, 1, 2]
+    # worker 0 (rank 1) shares rank 0's host and reads θ from shared memory; host 1's workers use the link
+    assert summary["shared_memory_workers"] == [0]
     # rank 0 ran on host 0: its summary is in host 0's output only
     assert f"run directory   {d}" in log(tmp_path, 0) and "run directory" not in log(tmp_path, 1)
     # host 1 holds ranks 2 and 3, workers 1 and 2: every θ they pulled and every Δ they committed crossed the veth

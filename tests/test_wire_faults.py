@@ -27,6 +27,7 @@ from gem.engines.distributed import job as wire_job
 from gem.engines.distributed import launch, link, server, wire
 from gem.engines.distributed.job import _for_workers, _recv_job, decode_job, encode_job
 from gem.engines.distributed.launch import _Coordinator
+from gem.engines.distributed.window import Window
 from gem.engines.distributed.wire import (
     ASK,
     ERROR,
@@ -149,21 +150,27 @@ def _groups(world: int) -> dict:
     return pgs
 
 
-def rank0(j: Job, run_dir, pg):
+def rank0(j: Job, run_dir, pg, slots: int = 0):
     """Rank 0 as launch.run runs it once its group (`pg`) has formed, serving `j` to ranks 1 and 2 until the run
-    ends; returns its result."""
+    ends; returns its result. `slots`: θ in shared memory (window.py) for workers 0 .. slots - 1; 0: none."""
     rec = Recorder(run_dir)
     srv, _ = start_server(j, algorithms.get(j.algorithm), build_flat_model(j, device="cpu").param.clone())
+    window = Window.create(srv, slots) if slots else None
+    if window is not None:
+        srv = window.adopt(srv)
     coord = _Coordinator(j, rec, srv, Evaluator(j, j.data), None)
     coord.job = j = dataclasses.replace(j, engine={**j.engine, "t0_wall": coord.t0_wall,
-                                                   "train_examples": len(j.data.train_y)})
+                                                   "train_examples": len(j.data.train_y),
+                                                   "window": window and window.described()})
     try:
-        return launch._serve(coord, pg, SECRET, encode_job(_for_workers(j)), {1: None, 2: None}, [])
+        return launch._serve(coord, pg, SECRET, encode_job(_for_workers(j)), {1: None, 2: None}, [], None, window)
     finally:
         rec.close()
+        if window is not None:
+            window.unlink()
 
 
-def serve(j: Job, run_dir, peer_script, honest_allowed=frozenset(), peer_allowed=frozenset()):
+def serve(j: Job, run_dir, peer_script, honest_allowed=frozenset(), peer_allowed=frozenset(), slots: int = 0):
     """Rank 0 serves `j` to an honest worker (rank 1, worker 0) and to a Peer (rank 2, worker 1) that runs
     `peer_script`; returns the result and the run's rows. What fails in the Peer's thread is raised here."""
     pgs = _groups(3)
@@ -180,7 +187,7 @@ def serve(j: Job, run_dir, peer_script, honest_allowed=frozenset(), peer_allowed
     other = threading.Thread(target=run_peer, daemon=True)
     honest.start()
     other.start()
-    result = rank0(j, run_dir, pgs[0])
+    result = rank0(j, run_dir, pgs[0], slots)
     honest.join(WAIT_S)
     other.join(WAIT_S)
     assert not honest.is_alive() and not other.is_alive()
@@ -313,6 +320,24 @@ def test_a_header_out_of_bounds_loses_only_that_worker(data, tmp_path, monkeypat
     result, m = serve(job(data), tmp_path, script)
     lost_peer(result, m, sent)
     assert max(taken) < 1 << 16  # the honest worker's rows: what rank 0 took from its workers, message by message
+
+
+@pytest.mark.parametrize("slots, extra, sent", [
+    (0, b"1", "a READY header saying that it maps θ from shared memory, where rank 0 keeps none"),
+    (1, b"1", "a READY header saying that it maps θ from shared memory, where only workers 0 to 0 have a slot"),
+    (2, b"x", "a READY header followed by b'x' (b'1', that it maps θ from shared memory, or nothing)"),
+])
+def test_a_ready_claiming_a_slot_it_has_not_loses_only_that_worker(data, tmp_path, slots, extra, sent):
+    """Only a worker that rank 0's window gives a slot may say it maps θ (it would commit a Δ nobody sent);
+    the honest worker beside it maps the window where it has a slot, and works as over the wire."""
+    def script(p):
+        p.join()
+        p.header(READY, extra_nbytes=len(extra))
+        p.send(extra, taken=True)
+
+    result, m = serve(job(data), tmp_path, script, slots=slots)
+    lost_peer(result, m, sent)
+    assert result.extra["shared_memory_workers"] == ([0] if slots else [])
 
 
 @pytest.mark.parametrize("clock", [b"-5", b"1e3", b"9" * 19])

@@ -36,6 +36,7 @@ from gem.engines.distributed.address import _listener, _local_address, _warn_onc
 from gem.engines.distributed.job import DONE, _for_workers, _send_job, encode_job, named_imports
 from gem.engines.distributed.link import _local_worker
 from gem.engines.distributed.server import _Server
+from gem.engines.distributed.window import Window
 from gem.engines.distributed.wire import (
     BYE_TIMEOUT_S,
     START_TIMEOUT_S,
@@ -64,6 +65,13 @@ def run(job: Job, recorder) -> Result:
     algo = algorithms.get(job.algorithm)
     # θ on rank 0's host: gloo moves CPU tensors. A GPU worker stages θ on its device at its commits.
     server, resumed = start_server(job, algo, build_flat_model(job, device="cpu").param.clone())
+    # the workers on this host read θ from shared memory, not the wire (window.py): with a local launch all of
+    # them; under torchrun, the ranks after 0 on its node (static rendezvous puts ranks 0 .. LOCAL_WORLD_SIZE - 1
+    # there); a worker that cannot open the window uses the wire
+    slots = min(n, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1) if launched() else n
+    window = Window.create(server, slots) if eng.get("shared_memory", True) else None
+    if window is not None:
+        server = window.adopt(server)
     children: list = []
     listener = None
     coord = None
@@ -71,7 +79,8 @@ def run(job: Job, recorder) -> Result:
         coord = _Coordinator(job, recorder, server, Evaluator(job, job.data), resumed)
         saved = {w: ckpt.load_worker(job.resume, w) for w in coord.pending_workers()} if resumed else {}
         job = dataclasses.replace(job, engine={**eng, "timeout_s": timeout_s, "t0_wall": coord.t0_wall,
-                                               "train_examples": len(job.data.train_y)})
+                                               "train_examples": len(job.data.train_y),
+                                               "window": window.described() if window is not None else None})
         coord.job = job
         encoded = encode_job(_for_workers(job))  # before any worker starts: a field that JSON cannot carry fails here
         if launched():
@@ -108,14 +117,17 @@ def run(job: Job, recorder) -> Result:
                 children.append(p)
             pg = _connect(lambda: _group(store, 0, n + 1, local, START_TIMEOUT_S), children)
         states = {r: saved.get(r - 1, DONE if resumed else None) for r in range(1, n + 1)}
-        return _serve(coord, pg, secret, encoded, states, children, store)
+        return _serve(coord, pg, secret, encoded, states, children, store, window)
     finally:
         _stop(children)
+        if window is not None:
+            window.unlink()
         if listener is not None:
             listener.close()
 
 
-def _serve(coord: _Coordinator, pg, secret: str, encoded, states: dict, children: list, store=None) -> Result:
+def _serve(coord: _Coordinator, pg, secret: str, encoded, states: dict, children: list, store=None,
+           window: Window | None = None) -> Result:
     """The run, once the group has formed: each worker proves the run's secret (wire._admit); each that did gets
     its job and its saved state (`states`, by rank); one that did not gets nothing and is recorded lost. Then the
     coordinator serves the run to its end."""
@@ -124,7 +136,7 @@ def _serve(coord: _Coordinator, pg, secret: str, encoded, states: dict, children
         if r not in refused:
             _send_job(pg, encoded, r, START_TIMEOUT_S)
             _send_packed(pg, state, r, TAG_JOB, START_TIMEOUT_S)
-    coord.attach(pg, children, store, refused)
+    coord.attach(pg, children, store, refused, window)
     return coord.serve()
 
 
@@ -186,13 +198,14 @@ class _Coordinator(Coordinator):
         self.waited: dict[int, int] = {}  # each rank's count on it when the coordinator last looked
         self.closed_at: float | None = None  # when every worker had finished or was lost
 
-    def attach(self, pg, children: list, store=None, refused: dict[int, str] | None = None) -> None:
+    def attach(self, pg, children: list, store=None, refused: dict[int, str] | None = None,
+               window: Window | None = None) -> None:
         """Start the server thread; `refused`: ranks that did not prove the run's secret, lost from the start."""
         ranks = [w + 1 for w in range(self.job.workers)]
         job, server = self.job, self.server
         bounds = Bounds.of(server.algo, job.hp, server.theta, len(self.ledger.tensor_names),
                            int(job.engine.get("train_examples", len(job.data.train_y))))
-        self.ps = _Server(pg, job, server, ranks, self.events, bounds)
+        self.ps = _Server(pg, job, server, ranks, self.events, bounds, window)
         self.children, self.store = children, store
         for w in set(range(self.job.workers)) - set(self.pending_workers()):  # done before the checkpoint
             self.ps.done.add(w + 1)
@@ -355,7 +368,8 @@ class _Coordinator(Coordinator):
         # how loaded the parameter server was: its exchanges take server_commit_s each; busy close to 1 means
         # the server, not the workers, set the pace
         extra = {"server_commit_s": round(ps.busy_s / ps.served, 6) if ps.served else None,
-                 "server_busy": round(ps.busy_s / wall, 4) if wall > 0 else None}
+                 "server_busy": round(ps.busy_s / wall, 4) if wall > 0 else None,
+                 "shared_memory_workers": sorted(r - 1 for r in ps.mapped)}
         if self.write_error:  # every process has stopped and the rows are recorded: the runner says it, once
             raise WriteError(self.write_error)
         if self.fatal and not self.diverged:

@@ -28,6 +28,7 @@ from gem.algorithms import Commit
 from gem.data import load_dataset
 from gem.engines import Job
 from gem.engines.distributed.job import DONE, _recv_job, allowed_imports, decode_job
+from gem.engines.distributed.window import Window
 from gem.engines.distributed.wire import (
     ASK,
     BYE_TIMEOUT_S,
@@ -162,6 +163,7 @@ class _RemoteLink:
         self.extra: dict = {}
         self.worker: Worker | None = None
         self.server: Server | None = None
+        self.window: Window | None = None  # rank 0's θ in shared memory, where this worker is on its host
 
     # --- messages to the server; any failure means it is gone
     def header(self, kind: int, extra: bytes = b"") -> None:
@@ -229,8 +231,13 @@ class _RemoteLink:
 
     def _receive_view(self, w: int, t: int, pulled_at: int):
         """θ and the server's tensors as the GO that follows sends them, into this worker's replica."""
-        server = self.server
-        self._recv([server.theta, *server.state.values()], self.wait_s)
+        server, window = self.server, self.window
+        if window is not None:  # rank 0 writes θ only at commits, and none but ours until we commit
+            server.theta.copy_(window.theta)
+            for k, v in server.state.items():
+                v.copy_(window.state[k])
+        else:
+            self._recv([server.theta, *server.state.values()], self.wait_s)
         server.clock.fill_(t)
         server.pulled_at[w] = pulled_at
         return server.view(w)
@@ -244,7 +251,11 @@ class _RemoteLink:
     def submit(self, view, commit: Commit) -> None:
         spec, payload = _pack(commit.payload)
         spec = json.dumps(spec).encode() if commit.payload else b""
-        tensors = [torch.tensor([len(spec), 0], dtype=torch.long), commit.delta.contiguous()]
+        tensors = [torch.tensor([len(spec), 0], dtype=torch.long)]
+        if self.window is not None:  # Δ into our slot, which rank 0 reads once the header has come
+            self.window.slot(self.w).copy_(commit.delta)
+        else:
+            tensors.append(commit.delta.contiguous())
         if spec:
             tensors += [torch.frombuffer(bytearray(spec), dtype=torch.uint8), *payload]
         self._send(tensors)
@@ -272,7 +283,9 @@ class _RemoteLink:
             self.server = Server.create(algo, job.hp, worker.x.detach().to("cpu", copy=True), job.workers)
             if saved is not None:
                 worker.load_state_dict(saved)
-            self.header(READY)
+            if job.engine.get("window"):
+                self.window = Window.open(job.engine["window"], self.w, self.server)
+            self.header(READY, b"1" if self.window is not None else b"")
             while worker.cycle(self):
                 pass
         except Diverged as e:

@@ -36,6 +36,7 @@ from gem.algorithms import Commit
 from gem.engines import Job
 from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S
+from gem.engines.distributed.window import Window
 from gem.engines.distributed.wire import (
     ASK,
     BYE,
@@ -124,7 +125,8 @@ class _Server(threading.Thread):
     """Rank 0's exchanges with the workers, one at a time, in the order their headers arrive. Talks to the
     coordinator (the main thread) through `events`; `lock` guards the server's state and the bookkeeping."""
 
-    def __init__(self, pg, job: Job, server: Server, workers: list[int], events: queue.Queue, bounds: Bounds):
+    def __init__(self, pg, job: Job, server: Server, workers: list[int], events: queue.Queue, bounds: Bounds,
+                 window: Window | None = None):
         super().__init__(name="gem-parameter-server", daemon=True)
         self.pg, self.job, self.server, self.events, self.bounds = pg, job, server, events, bounds
         # how long a wait on one worker may last (the coordinator keeps it at _patience of the silence limit)
@@ -145,6 +147,8 @@ class _Server(threading.Thread):
         self.saving: dict | None = None
         self.written = threading.Event()
         self.delta = torch.empty_like(server.theta)
+        # θ in shared memory (window.py): the ranks that said at READY that they map it exchange only headers
+        self.window, self.mapped = window, set()
         self.started = time.monotonic()
         self.busy_s, self.served = 0.0, 0  # seconds spent in exchanges that ended in a commit, and how many
         self.headers: _Headers | None = None  # started with the server thread
@@ -267,7 +271,7 @@ class _Server(threading.Thread):
         if rows:
             self.events.put(("rows", src, rows, steps))
         if kind == READY:
-            self.ready.add(src)
+            self.on_ready(src, extra)
         elif kind == ASK:
             self.on_ask(src)
         elif kind == PULL:
@@ -298,6 +302,24 @@ class _Server(threading.Thread):
             if src in self.lost:
                 return None
             return [self.pending[src].popleft() for _ in range(count)]
+
+    def on_ready(self, src: int, extra: bytes) -> None:
+        """A worker is ready; b"1": it maps θ from the window, which it may only where the window gives it a slot.
+        Once every worker is ready, no other process needs to open the window's file: it is removed."""
+        if extra:
+            window = self.window
+            if extra != b"1":
+                self.ban(src, f"a READY header followed by {extra!r} (b'1', that it maps θ from shared memory, or "
+                              "nothing)")
+                return
+            if window is None or not 0 <= src - 1 < window.slots:
+                self.ban(src, "a READY header saying that it maps θ from shared memory, where " + (
+                    "rank 0 keeps none" if window is None else f"only workers 0 to {window.slots - 1} have a slot"))
+                return
+            self.mapped.add(src)
+        self.ready.add(src)
+        if self.window is not None and len(self.ready | self.done) == len(self.ranks):
+            self.window.unlink()
 
     def on_ask(self, src: int) -> None:
         """A worker asks for its turn: during a checkpoint it is told to SAVE or WAIT; before every worker is
@@ -360,37 +382,43 @@ class _Server(threading.Thread):
         began = time.perf_counter()
         view = self.server.view(src - 1)
         try:
-            payload = self.go_and_commit(src, view)
+            delta, payload = self.go_and_commit(src, view)
         except (RuntimeError, ValueError) as e:
             self.gone(src, e)
             return
-        self.apply(src, view, payload)
+        self.apply(src, view, delta, payload)
         self.busy_s += time.perf_counter() - began
         self.served += 1
 
-    def go_and_commit(self, src: int, view) -> dict:
-        """GO with the clock and τ, the live θ and the server's tensors, all in flight at once; then the commit:
-        Δ into self.delta, and the payload it returns."""
-        server = self.server
+    def go_and_commit(self, src: int, view) -> tuple[torch.Tensor, dict]:
+        """GO with the clock and τ, the live θ and the server's tensors, all in flight at once; then the commit: Δ
+        and its payload. A worker that maps the window gets only GO (θ is where it reads it), and leaves Δ in its
+        slot there."""
+        server, mapped = self.server, src in self.mapped
         header = torch.zeros(2, dtype=torch.long)
         wait_s = self.wait_s
         go = torch.tensor([GO, view.t, view.staleness, int(wait_s * 1000)], dtype=torch.long)
-        sends = [self.pg.send([v], src, TAG_X) for v in (go, server.theta, *server.state.values())]
+        sends = [self.pg.send([v], src, TAG_X) for v in (go, *(() if mapped else (server.theta,
+                                                                                   *server.state.values())))]
         for s in sends:
             _wait(s, wait_s)
         _wait(self.pg.recv([header], src, TAG_X), wait_s)
         spec_nbytes = int(header[0])
         self.bounds.commit(spec_nbytes)
-        _wait(self.pg.recv([self.delta], src, TAG_X), wait_s)  # Δ: θ's size, always
+        if mapped:
+            delta = self.window.slot(src - 1)
+        else:
+            delta = self.delta
+            _wait(self.pg.recv([delta], src, TAG_X), wait_s)  # Δ: θ's size, always
         if not spec_nbytes:
-            return {}
+            return delta, {}
         spec = self.bounds.payload_of(_recv_bytes(self.pg, spec_nbytes, src, TAG_X, wait_s))
-        return _recv_tensors(self.pg, spec, src, TAG_X, wait_s)
+        return delta, _recv_tensors(self.pg, spec, src, TAG_X, wait_s)
 
-    def apply(self, src: int, view, payload: dict) -> None:
+    def apply(self, src: int, view, delta: torch.Tensor, payload: dict) -> None:
         """The server rule on θ; the commit is pending until `src`'s row for it comes."""
         with self.lock:
-            t = self.server.apply(view, Commit(delta=self.delta, payload=payload))
+            t = self.server.apply(view, Commit(delta=delta, payload=payload))
             self.commits.append((src - 1, time.monotonic()))  # progress, for the coordinator's Silence
             pending = self.pending.get(src)
             if pending is not None:
@@ -406,7 +434,8 @@ class _Server(threading.Thread):
             view = self.server.pull(src - 1)
         try:
             go = torch.tensor([GO, view.t, 0, int(self.wait_s * 1000)], dtype=torch.long)
-            sends = [self.pg.send([v], src, TAG_X) for v in (go, self.server.theta, *self.server.state.values())]
+            tensors = () if src in self.mapped else (self.server.theta, *self.server.state.values())
+            sends = [self.pg.send([v], src, TAG_X) for v in (go, *tensors)]
             for s in sends:
                 _wait(s, self.wait_s)
         except RuntimeError as e:

@@ -377,8 +377,9 @@ SPEC_BYTES = 1 << 16  # a tensor spec: a name, a dtype and a shape per tensor, a
 SPEC_TENSORS = 256  # tensors in one spec: a worker state has its algorithm's few, x and its random streams'
 STATE_SLACK = 1 << 20  # a saved worker state beside x, its algorithm state and its data order: its random states
 INT64 = 1 << 63  # an integer in a row or a spec must fit an int64 column or shape
-# how many bytes may follow a header of each kind (its `extra`): (at least, at most)
-EXTRA = {ASK: (0, 0), READY: (0, 0), FINISHED: (0, 0), DIVERGED: (1, TEXT_BYTES), ERROR: (1, TEXT_BYTES),
+# how many bytes may follow a header of each kind (its `extra`): (at least, at most); READY's is b"1" from a worker
+# that maps θ from shared memory (window.py)
+EXTRA = {ASK: (0, 0), READY: (0, 1), FINISHED: (0, 0), DIVERGED: (1, TEXT_BYTES), ERROR: (1, TEXT_BYTES),
          SAVED: (1, SPEC_BYTES), PULL: (1, CLOCK_DIGITS)}
 # the keys a commit row must have, for the ledger and the recorder, and their types
 ROW_SCHEMA = {"step": int, "worker": int, "worker_step": int, "staleness": int, "loss": float, "time_s": float}

@@ -1,0 +1,164 @@
+"""θ in shared memory for the workers on rank 0's own host (`engine.shared_memory`, on by default).
+
+Over the wire a commit moves θ and the server's tensors out and Δ back, two model-sized messages under the server's
+turn, which holds every other worker meanwhile: on one machine that copying through loopback TCP was most of what
+made `distributed` slower than `process` (BENCHMARKS.md). A worker on rank 0's host need not copy through a socket.
+Rank 0 keeps θ and the server's tensors in a file in /dev/shm that such a worker maps, with one slot there per
+worker for its Δ. Under its turn the worker copies θ and the tensors from the window into its replica and writes Δ
+into its slot; only the headers (and a payload, for the algorithms that have one) travel. So the exchange, the
+server step, τ and every row are those of the wire; only where the bytes lie differs.
+
+Rank 0 stays the only writer of θ: a worker harms no more through its slot than it could with the Δ it sends over
+the wire, and a worker lost while frozen, woken later, writes only into its own slot, which rank 0 no longer reads.
+
+Which workers share rank 0's host: those that can open the file the job names and find in it the nonce the job
+names. A worker opens only a file of this module's name pattern in /dev/shm, owned by its own user: the job cannot
+make it write anywhere else. The space is reserved when the file is made (a write to a full /dev/shm would kill
+the writer with SIGBUS); where it cannot be, every worker uses the wire. The file is removed once every worker has
+said READY (the mappings stay), and when rank 0 ends; one left by a rank 0 that was killed before is removed by the
+next run on the host (its pid is in its name).
+"""
+
+from __future__ import annotations
+
+import hmac
+import mmap
+import os
+import re
+import secrets
+import sys
+from pathlib import Path
+
+import torch
+
+from gem.engines.server import Server
+
+SHM = Path("/dev/shm")
+PREFIX = "gem-theta-"
+NAME = re.compile(rf"{PREFIX}(\d+)-[0-9a-f]{{16}}")  # gem-theta-<rank 0's pid>-<random>
+NONCE_BYTES = 32
+ALIGN = 64
+
+
+def _layout(server: Server, slots: int) -> tuple[list[tuple[str, int, torch.Tensor]], int]:
+    """(name, byte offset, a tensor of its dtype and shape) for θ, each server tensor and each slot, and the size
+    in all: the same on rank 0 and on a worker, from the same algorithm and model."""
+    items = [("theta", server.theta), *((f"state.{k}", v) for k, v in server.state.items()),
+             *((f"slot.{w}", server.theta) for w in range(slots))]
+    out, at = [], ALIGN  # the nonce first
+    for name, like in items:
+        out.append((name, at, like))
+        at += -(-like.nbytes // ALIGN) * ALIGN
+    return out, at
+
+
+def _views(mm, layout) -> dict[str, torch.Tensor]:
+    return {name: torch.frombuffer(mm, dtype=like.dtype, count=like.numel(), offset=at).view(like.shape)
+            for name, at, like in layout}
+
+
+class Window:
+    """The mapped file: `theta`, `state` (the server's tensors, by name) and `slot(w)`, worker w's Δ."""
+
+    def __init__(self, path: Path, views: dict[str, torch.Tensor], nonce: bytes, slots: int, owner: bool):
+        self.path, self.nonce, self.slots, self.owner = path, nonce, slots, owner
+        self.theta = views["theta"]
+        self.state = {k.removeprefix("state."): v for k, v in views.items() if k.startswith("state.")}
+        self._slots = [views[f"slot.{w}"] for w in range(slots)]
+
+    def slot(self, w: int) -> torch.Tensor:
+        return self._slots[w]
+
+    # --- rank 0
+
+    @classmethod
+    def create(cls, server: Server, slots: int) -> Window | None:
+        """A window holding the server's θ and tensors (their values copied in), with `slots` Δ slots: workers 0 to
+        slots − 1 may map it. None where there is no /dev/shm, or no room in it (every worker then uses the wire)."""
+        if slots < 1 or server.theta.device.type != "cpu" or not SHM.is_dir():
+            return None
+        _remove_stale()
+        layout, size = _layout(server, slots)
+        path = SHM / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return None
+        try:
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size)
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            print(f"gem: no room for θ in {SHM} ({size / 2**20:.0f} MiB: {e.strerror}); the workers on this host "
+                  "use the wire", file=sys.stderr)
+            return None
+        finally:
+            os.close(fd)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        mm[:NONCE_BYTES] = nonce
+        window = cls(path, _views(mm, layout), nonce, slots, owner=True)
+        window.theta.copy_(server.theta)
+        for k, v in server.state.items():
+            window.state[k].copy_(v)
+        return window
+
+    def adopt(self, server: Server) -> Server:
+        """The same server, its θ and tensors now the window's."""
+        return Server(server.algo, server.hp, self.theta, self.state, server.clock, server.pulled_at)
+
+    def described(self) -> dict:
+        """What the job tells the workers: where the window is, how to know it is rank 0's, who has a slot."""
+        return {"path": str(self.path), "nonce": self.nonce.hex(), "slots": self.slots}
+
+    def unlink(self) -> None:
+        """Remove the file: the mappings stay, no one else can open it."""
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+
+    # --- a worker
+
+    @classmethod
+    def open(cls, described: dict | None, w: int, replica: Server) -> Window | None:
+        """Worker w's view of rank 0's window, or None where it cannot have one (another host, no slot for it, the
+        file gone or not what the job says): it then uses the wire."""
+        if not isinstance(described, dict) or not isinstance(described.get("slots"), int) or \
+                not 0 <= w < described["slots"]:
+            return None
+        path, nonce = Path(str(described.get("path", ""))), str(described.get("nonce", ""))
+        if path.parent != SHM or not NAME.fullmatch(path.name) or not re.fullmatch(f"[0-9a-f]{{{2 * NONCE_BYTES}}}",
+                                                                                    nonce):
+            return None
+        nonce = bytes.fromhex(nonce)
+        layout, size = _layout(replica, described["slots"])
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            return None  # not on rank 0's host (or removed already: a worker that came too late)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or st.st_size != size or not (st.st_mode & 0o170000) == 0o100000:
+                return None
+            mm = mmap.mmap(fd, size)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        if not hmac.compare_digest(bytes(mm[:NONCE_BYTES]), nonce):
+            return None
+        return cls(path, _views(mm, layout), nonce, described["slots"], owner=False)
+
+
+def _remove_stale() -> None:
+    """Windows left by a rank 0 that is gone (killed before it could remove its own)."""
+    try:
+        names = [p for p in SHM.iterdir() if NAME.fullmatch(p.name)]
+    except OSError:
+        return
+    for p in names:
+        pid = int(NAME.fullmatch(p.name).group(1))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            p.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # another user's rank 0, alive
