@@ -1,14 +1,16 @@
 """The `distributed` engine against the `process` engine, ratios measured side by side in one run.
 
-1. Throughput: aggregate worker steps per second of `engine=distributed` (gloo over loopback TCP, rank 0 the
-   parameter server, workers spawned by the local launch) over that of `engine=process` (θ in shared memory),
-   same algorithm, n, model (`mnist_cnn`), batch (64) and budget, run one after the other; each also over
-   plain sequential 1-thread SGD timed around it (benchmarks/process_engine.py's yardstick). Timed from the
-   first to the last commit row, and "while all run", as in the process benchmark.
+1. Throughput: aggregate worker steps per second of `engine=distributed` (rank 0 the parameter server, workers
+   spawned by the local launch: headers over loopback TCP, θ and Δ in shared memory) over that of
+   `engine=process` (θ in shared memory), same algorithm, n, model (`mnist_cnn`), batch (64) and budget, run
+   one after the other; also `engine.shared_memory=false` (θ and Δ over loopback TCP too, as for a worker on
+   another host); each also over plain sequential 1-thread SGD timed around it (benchmarks/process_engine.py's
+   yardstick). Timed from the first to the last commit row, and "while all run", as in the process benchmark.
 2. Parameter-server capacity for `alexnet_cifar` (7.5M parameters, 30 MB per message): the server's time per
    exchange (GO, θ out, commit in, server rule; `server_commit_s` in summary.json), from a real run with 4
-   workers, turned into commits per second and divided by the steps per second of one plain SGD step of
-   AlexNet at batch 64 on 1 thread: how many workers' worth of commits one server can absorb.
+   workers, with and without shared memory, turned into commits per second and divided by the steps per second
+   of one plain SGD step of AlexNet at batch 64 on 1 thread: how many workers' worth of commits one server can
+   absorb.
 
     python benchmarks/distributed_engine.py --root ../shared/data [--rounds 3] [--workers 4]
 
@@ -34,6 +36,11 @@ from transport import sgd_step_seconds  # noqa: E402
 from gem.data import load_dataset, make_synthetic  # noqa: E402
 from gem.engines import distributed, process  # noqa: E402
 from gem.engines.worker import threads_per_process  # noqa: E402
+
+# (label, engine, options): `distributed` as a user runs it (θ in shared memory for its local workers), and over
+# the wire (engine.shared_memory=false), as every worker on another host
+ENGINES = [("process", process, None), ("distributed", distributed, {"timeout_s": 120}),
+           ("wire", distributed, {"timeout_s": 120, "shared_memory": False})]
 
 
 def main() -> int:
@@ -65,43 +72,46 @@ def main() -> int:
             for n in args.workers:
                 got = rows.setdefault((algo, n), {})
                 rates = {}
-                for eng in (process, distributed):
+                for label, eng, options in ENGINES:
                     before = sequential_steps_per_s(data, steps)
-                    whole, full = throughput(data, algo, n, args.epochs, engine=eng,
-                                             options={"timeout_s": 120} if eng is distributed else None)
+                    whole, full = throughput(data, algo, n, args.epochs, engine=eng, options=options)
                     ref = (before + sequential_steps_per_s(data, steps)) / 2
-                    label = eng.__name__.rsplit(".", 1)[1]
                     rates[label] = (whole, full)
                     got.setdefault(f"{label} / sequential", []).append(whole / ref)
-                got.setdefault("distributed / process", []).append(rates["distributed"][0] / rates["process"][0])
+                for label in ("distributed", "wire"):
+                    got.setdefault(f"{label} / process", []).append(rates[label][0] / rates["process"][0])
                 got.setdefault("distributed / process, while all run", []).append(
                     rates["distributed"][1] / rates["process"][1])
                 print(f"round {r + 1}: {algo} n={n}: process {rates['process'][0]:.1f}, distributed "
-                      f"{rates['distributed'][0]:.1f} worker steps/s: "
-                      f"{rates['distributed'][0] / rates['process'][0]:.2f}x", flush=True)
-    print(f"\n| n | algorithm | distributed / process | while all run | process / sequential | "
-          f"distributed / sequential |  (median [range] over {args.rounds} rounds)")
-    print("|---|---|---|---|---|---|")
+                      f"{rates['distributed'][0]:.1f} ({rates['wire'][0]:.1f} over the wire) worker steps/s: "
+                      f"{rates['distributed'][0] / rates['process'][0]:.2f}x "
+                      f"({rates['wire'][0] / rates['process'][0]:.2f}x)", flush=True)
+    print(f"\n| n | algorithm | distributed / process | while all run | shared_memory=false / process | "
+          f"process / sequential | distributed / sequential |  (median [range] over {args.rounds} rounds)")
+    print("|---|---|---|---|---|---|---|")
 
     def cell(v):
         return f"**{statistics.median(v):.2f}x** [{min(v):.2f}-{max(v):.2f}]"
 
     for (algo, n), got in rows.items():
         print(f"| {n} | {algo} | {cell(got['distributed / process'])} | "
-              f"{cell(got['distributed / process, while all run'])} | {cell(got['process / sequential'])} | "
-              f"{cell(got['distributed / sequential'])} |")
+              f"{cell(got['distributed / process, while all run'])} | {cell(got['wire / process'])} | "
+              f"{cell(got['process / sequential'])} | {cell(got['distributed / sequential'])} |")
 
     # 2. parameter-server capacity, alexnet_cifar
     syn = make_synthetic((3, 32, 32), num_classes=10, train_size=64, val_size=16, seed=0)
     for r in range(args.rounds):
         step = sgd_step_seconds("alexnet_cifar", reps=1 if args.smoke else 5, warmup=1 if args.smoke else 3)
-        m, result = engine_run(syn, "downpour", 2 if args.smoke else 4, epochs=1 if args.smoke else 4,
-                               model="alexnet_cifar", batch_size=16, engine=distributed, options={"timeout_s": 300},
-                               with_result=True, lr=ALEXNET_LR)
-        commit_s = result.extra["server_commit_s"]
-        print(f"alexnet_cifar round {r + 1}: server {commit_s * 1e3:.1f} ms per commit ({1 / commit_s:.1f} commits/s, "
-              f"busy {result.extra['server_busy']:.2f}), one SGD step at b=64 on 1 thread {step * 1e3:.0f} ms: "
-              f"**{step / commit_s:.1f} commits per SGD step**", flush=True)
+        for shared in (True, False):
+            m, result = engine_run(syn, "downpour", 2 if args.smoke else 4, epochs=1 if args.smoke else 4,
+                                   model="alexnet_cifar", batch_size=16, engine=distributed,
+                                   options={"timeout_s": 300, "shared_memory": shared}, with_result=True,
+                                   lr=ALEXNET_LR)
+            commit_s = result.extra["server_commit_s"]
+            print(f"alexnet_cifar round {r + 1}, shared_memory={str(shared).lower()}: server {commit_s * 1e3:.1f} ms "
+                  f"per commit ({1 / commit_s:.1f} commits/s, busy {result.extra['server_busy']:.2f}), one SGD step "
+                  f"at b=64 on 1 thread {step * 1e3:.0f} ms: **{step / commit_s:.1f} commits per SGD step**",
+                  flush=True)
     return 0
 
 
