@@ -138,6 +138,23 @@ def test_a_worker_opens_only_a_window_of_rank_0s_making(data, tmp_path):
         win.unlink()
 
 
+def test_no_room_in_dev_shm_is_one_line_and_the_wire(data, tmp_path, monkeypatch, capsys):
+    """A write past a full /dev/shm would kill the writer (SIGBUS): the window reserves its space when it is made,
+    and where it cannot, says so in one line and leaves no file; the run's workers then use the wire."""
+    import errno
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(window.os, "posix_fallocate", full)
+    result, m, _ = run(job(data, 2), tmp_path)
+    assert result.status == "completed" and result.extra["shared_memory_workers"] == []
+    lines = capsys.readouterr().err.splitlines()
+    assert [line for line in lines if "/dev/shm" in line] == [
+        "gem: no room for θ in /dev/shm (2 MiB: No space left on device); the workers on this host use the wire"]
+    assert not list(window.SHM.glob(f"{window.PREFIX}{os.getpid()}-*"))
+
+
 def _torchrun():
     exe = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     if exe is None:

@@ -23,7 +23,9 @@ server, the `process` engine's turn over the wire:
 
 So a commit costs two model-sized messages, and the algorithms run unchanged: the worker rule sees the live θ
 and the server state, exactly as in the process engine, and staleness is measured on the server's clock. A
-windowed algorithm talks to the server only when it commits.
+windowed algorithm talks to the server only when it commits. A worker on rank 0's own host takes θ from shared
+memory instead and leaves its Δ there (window.py, `engine.shared_memory`): the same exchange, with only its
+headers on the wire.
 
 The engine by concern, each file read top to bottom; each imports only those above it:
 
@@ -33,7 +35,9 @@ The engine by concern, each file read top to bottom; each imports only those abo
                  only what its own side allows
     address.py   a local launch's address: loopback unless engine.allow_remote=true; the port and, for a
                  launch over several machines, the secret checked
-    link.py      a worker rank: the worker cycle's Link to the server, over the wire
+    window.py    θ and the server's tensors in shared memory, for the workers on rank 0's host, with a slot
+                 for each one's Δ
+    link.py      a worker rank: the worker cycle's Link to the server, over the wire (or the window)
     server.py    rank 0's server thread: the exchanges, one at a time, and the checkpoint barrier
     launch.py    rank 0: the run (the group, the local workers, the job) and the coordinator
 """
