@@ -130,12 +130,39 @@ def test_a_worker_opens_only_a_window_of_rank_0s_making(data, tmp_path):
                                 ({"nonce": "00" * 32}, 0, srv),  # another window
                                 ({"nonce": "not hex"}, 0, srv),
                                 ({}, 0, replica),  # of another size
-                                ({"slots": "2"}, 0, srv)]:
+                                ({"slots": "2"}, 0, srv),
+                                ({"slots": 3}, 0, srv)]:  # more slots than the job has workers
             assert window.Window.open({**said, **changed}, w, rep) is None, changed
         win.unlink()
         assert window.Window.open(said, 0, srv) is None  # removed: no process can open it any more
     finally:
         win.unlink()
+
+
+def test_a_window_left_by_a_dead_rank_0_is_removed_and_nothing_else():
+    """A rank 0 killed before it removed its window leaves the file: the next run removes it (its pid is dead).
+    Another user's window, a directory of the same name, and a live rank 0's window are left as they are."""
+    if not window.SHM.is_dir():
+        pytest.skip(f"no {window.SHM} here")
+    dead = window.SHM / f"{window.PREFIX}4194304-{'a' * 16}"  # above Linux's largest pid: no such process
+    alive = window.SHM / f"{window.PREFIX}{os.getpid()}-{'b' * 16}"
+    folder = window.SHM / f"{window.PREFIX}4194304-{'c' * 16}"
+    foreign = window.SHM / f"{window.PREFIX}4194304-{'d' * 16}"
+    try:
+        dead.write_bytes(b"x")
+        alive.write_bytes(b"x")
+        folder.mkdir()
+        foreign.write_bytes(b"x")
+        if os.getuid() == 0:
+            os.chown(foreign, 12345, 12345)
+        window._remove_stale()
+        assert not dead.exists() and alive.exists() and folder.is_dir()
+        assert foreign.exists() == (os.getuid() == 0)  # (not root: it is this user's, and removed)
+    finally:
+        for p in (dead, alive, foreign):
+            p.unlink(missing_ok=True)
+        if folder.is_dir():
+            folder.rmdir()
 
 
 def test_no_room_in_dev_shm_is_one_line_and_the_wire(data, tmp_path, monkeypatch, capsys):

@@ -202,7 +202,7 @@ class _RemoteLink:
         """A barrier: PULL until the server's clock has reached t; the server then sends θ and its tensors (no
         turn is held: nothing is committed) and marks the pull."""
         clock, _ = self._request(PULL, str(t).encode(), barrier_pauses())
-        return self._receive_view(w, clock, clock)
+        return self._receive_view(w, clock, clock, wire=True)
 
     def _request(self, kind: int, extra: bytes, pauses) -> tuple[int, int]:
         """Ask (ASK or PULL) until the server answers GO; returns its (t, τ). Meanwhile a SAVE is answered with our
@@ -229,10 +229,11 @@ class _RemoteLink:
             if self.waiting is not None:
                 self.waiting.waiting = False
 
-    def _receive_view(self, w: int, t: int, pulled_at: int):
-        """θ and the server's tensors as the GO that follows sends them, into this worker's replica."""
+    def _receive_view(self, w: int, t: int, pulled_at: int, wire: bool = False):
+        """θ and the server's tensors as the GO that follows sends them (`wire`: always, as after a PULL), into this
+        worker's replica."""
         server, window = self.server, self.window
-        if window is not None:  # rank 0 writes θ only at commits, and none but ours until we commit
+        if window is not None and not wire:  # our turn: rank 0 applies no other commit until ours has come
             server.theta.copy_(window.theta)
             for k, v in server.state.items():
                 v.copy_(window.state[k])

@@ -392,8 +392,8 @@ class _Server(threading.Thread):
 
     def go_and_commit(self, src: int, view) -> tuple[torch.Tensor, dict]:
         """GO with the clock and τ, the live θ and the server's tensors, all in flight at once; then the commit: Δ
-        and its payload. A worker that maps the window gets only GO (θ is where it reads it), and leaves Δ in its
-        slot there."""
+        (in self.delta) and its payload. A worker that maps the window gets only GO (θ is where it reads it: nothing
+        changes θ until this exchange ends), and leaves Δ in its slot there."""
         server, mapped = self.server, src in self.mapped
         header = torch.zeros(2, dtype=torch.long)
         wait_s = self.wait_s
@@ -405,15 +405,14 @@ class _Server(threading.Thread):
         _wait(self.pg.recv([header], src, TAG_X), wait_s)
         spec_nbytes = int(header[0])
         self.bounds.commit(spec_nbytes)
-        if mapped:
-            delta = self.window.slot(src - 1)
+        if mapped:  # into rank 0's own memory: the worker can no more change Δ while the server rule reads it
+            self.delta.copy_(self.window.slot(src - 1))
         else:
-            delta = self.delta
-            _wait(self.pg.recv([delta], src, TAG_X), wait_s)  # Δ: θ's size, always
+            _wait(self.pg.recv([self.delta], src, TAG_X), wait_s)  # Δ: θ's size, always
         if not spec_nbytes:
-            return delta, {}
+            return self.delta, {}
         spec = self.bounds.payload_of(_recv_bytes(self.pg, spec_nbytes, src, TAG_X, wait_s))
-        return delta, _recv_tensors(self.pg, spec, src, TAG_X, wait_s)
+        return self.delta, _recv_tensors(self.pg, spec, src, TAG_X, wait_s)
 
     def apply(self, src: int, view, delta: torch.Tensor, payload: dict) -> None:
         """The server rule on θ; the commit is pending until `src`'s row for it comes."""
@@ -433,9 +432,10 @@ class _Server(threading.Thread):
         with self.lock:
             view = self.server.pull(src - 1)
         try:
+            # over the wire even to a worker that maps the window: no commit follows, and the others' commits go
+            # on, so θ must be taken as of this clock, which the sends' completion ensures
             go = torch.tensor([GO, view.t, 0, int(self.wait_s * 1000)], dtype=torch.long)
-            tensors = () if src in self.mapped else (self.server.theta, *self.server.state.values())
-            sends = [self.pg.send([v], src, TAG_X) for v in (go, *tensors)]
+            sends = [self.pg.send([v], src, TAG_X) for v in (go, self.server.theta, *self.server.state.values())]
             for s in sends:
                 _wait(s, self.wait_s)
         except RuntimeError as e:

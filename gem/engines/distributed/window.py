@@ -8,8 +8,11 @@ worker for its Δ. Under its turn the worker copies θ and the tensors from the 
 into its slot; only the headers (and a payload, for the algorithms that have one) travel. So the exchange, the
 server step, τ and every row are those of the wire; only where the bytes lie differs.
 
-Rank 0 stays the only writer of θ: a worker harms no more through its slot than it could with the Δ it sends over
-the wire, and a worker lost while frozen, woken later, writes only into its own slot, which rank 0 no longer reads.
+Rank 0 stays the only writer of θ: a worker maps θ and the server's tensors read-only and only its own slot
+writable, and rank 0 copies a slot into memory of its own before it applies it. So a worker harms no more through
+its slot than with the Δ it sends over the wire, and a worker lost while frozen, woken later, writes only into its
+own slot. A PULL at a barrier (no commit follows, and rank 0 goes on serving the others) still sends θ over the
+wire: θ as of the clock the worker is told.
 
 Which workers share rank 0's host: those that can open the file the job names and find in it the nonce the job
 names. A worker opens only a file of this module's name pattern in /dev/shm, owned by its own user: the job cannot
@@ -26,7 +29,9 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -35,36 +40,39 @@ from gem.engines.server import Server
 
 SHM = Path("/dev/shm")
 PREFIX = "gem-theta-"
-NAME = re.compile(rf"{PREFIX}(\d+)-[0-9a-f]{{16}}")  # gem-theta-<rank 0's pid>-<random>
+NAME = re.compile(rf"{PREFIX}(\d{{1,10}})-[0-9a-f]{{16}}")  # gem-theta-<rank 0's pid>-<random>
 NONCE_BYTES = 32
-ALIGN = 64
+PAGE = mmap.ALLOCATIONGRANULARITY  # every part starts on a page: a worker maps its own slot alone, writable
 
 
 def _layout(server: Server, slots: int) -> tuple[list[tuple[str, int, torch.Tensor]], int]:
     """(name, byte offset, a tensor of its dtype and shape) for θ, each server tensor and each slot, and the size
-    in all: the same on rank 0 and on a worker, from the same algorithm and model."""
+    in all: the same on rank 0 and on a worker, from the same algorithm and model. The nonce is on the first page."""
     items = [("theta", server.theta), *((f"state.{k}", v) for k, v in server.state.items()),
              *((f"slot.{w}", server.theta) for w in range(slots))]
-    out, at = [], ALIGN  # the nonce first
+    out, at = [], PAGE
     for name, like in items:
         out.append((name, at, like))
-        at += -(-like.nbytes // ALIGN) * ALIGN
+        at += -(-like.nbytes // PAGE) * PAGE
     return out, at
 
 
-def _views(mm, layout) -> dict[str, torch.Tensor]:
-    return {name: torch.frombuffer(mm, dtype=like.dtype, count=like.numel(), offset=at).view(like.shape)
-            for name, at, like in layout}
+def _view(mm, like: torch.Tensor, at: int) -> torch.Tensor:
+    if not like.numel():  # nothing to share (frombuffer refuses an empty view)
+        return torch.empty_like(like, device="cpu")
+    with warnings.catch_warnings():  # a worker's θ is a read-only mapping: it only ever reads it
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mm, dtype=like.dtype, count=like.numel(), offset=at).view(like.shape)
 
 
 class Window:
-    """The mapped file: `theta`, `state` (the server's tensors, by name) and `slot(w)`, worker w's Δ."""
+    """The mapped file: `theta`, `state` (the server's tensors, by name) and `slot(w)`, worker w's Δ (a worker
+    has only its own)."""
 
-    def __init__(self, path: Path, views: dict[str, torch.Tensor], nonce: bytes, slots: int, owner: bool):
-        self.path, self.nonce, self.slots, self.owner = path, nonce, slots, owner
-        self.theta = views["theta"]
-        self.state = {k.removeprefix("state."): v for k, v in views.items() if k.startswith("state.")}
-        self._slots = [views[f"slot.{w}"] for w in range(slots)]
+    def __init__(self, path: Path, theta: torch.Tensor, state: dict[str, torch.Tensor],
+                 slots: dict[int, torch.Tensor], nonce: bytes, count: int, owner: bool):
+        self.path, self.nonce, self.slots, self.owner = path, nonce, count, owner
+        self.theta, self.state, self._slots = theta, state, slots
 
     def slot(self, w: int) -> torch.Tensor:
         return self._slots[w]
@@ -82,21 +90,23 @@ class Window:
         path = SHM / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except OSError:
-            return None
-        try:
-            os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size)
         except OSError as e:
+            return _no_window(f"cannot make {path} ({e.strerror})")
+        try:
+            os.posix_fallocate(fd, 0, size)  # the space now or never: a write past a full /dev/shm is SIGBUS
+            mm = mmap.mmap(fd, size)
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            mm[:NONCE_BYTES] = nonce
+            views = {name: _view(mm, like, at) for name, at, like in layout}
+        except (OSError, ValueError, RuntimeError) as e:
             path.unlink(missing_ok=True)
-            print(f"gem: no room for θ in {SHM} ({size / 2**20:.0f} MiB: {e.strerror}); the workers on this host "
-                  "use the wire", file=sys.stderr)
-            return None
+            why = f"{size / 2**20:.0f} MiB: {e.strerror}" if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+            return _no_window(f"no room for θ in {SHM} ({why})")
         finally:
             os.close(fd)
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        mm[:NONCE_BYTES] = nonce
-        window = cls(path, _views(mm, layout), nonce, slots, owner=True)
+        window = cls(path, views["theta"], {k.removeprefix("state."): v for k, v in views.items()
+                                            if k.startswith("state.")},
+                     {w: views[f"slot.{w}"] for w in range(slots)}, nonce, slots, owner=True)
         window.theta.copy_(server.theta)
         for k, v in server.state.items():
             window.state[k].copy_(v)
@@ -119,46 +129,65 @@ class Window:
 
     @classmethod
     def open(cls, described: dict | None, w: int, replica: Server) -> Window | None:
-        """Worker w's view of rank 0's window, or None where it cannot have one (another host, no slot for it, the
-        file gone or not what the job says): it then uses the wire."""
-        if not isinstance(described, dict) or not isinstance(described.get("slots"), int) or \
-                not 0 <= w < described["slots"]:
+        """Worker w's view of rank 0's window: θ and the server's tensors read-only, its own slot writable. None
+        where it cannot have one (another host, no slot for it, the file gone or not what the job says): it then
+        uses the wire."""
+        workers = replica.pulled_at.numel()
+        if not isinstance(described, dict) or type(described.get("slots")) is not int or \
+                not 0 <= w < described["slots"] <= workers:
             return None
         path, nonce = Path(str(described.get("path", ""))), str(described.get("nonce", ""))
-        if path.parent != SHM or not NAME.fullmatch(path.name) or not re.fullmatch(f"[0-9a-f]{{{2 * NONCE_BYTES}}}",
-                                                                                    nonce):
+        if path.parent != SHM or not NAME.fullmatch(path.name) or \
+                not re.fullmatch(f"[0-9a-f]{{{2 * NONCE_BYTES}}}", nonce):
             return None
-        nonce = bytes.fromhex(nonce)
         layout, size = _layout(replica, described["slots"])
+        parts = {name: (at, like) for name, at, like in layout}
+        at, like = parts[f"slot.{w}"]
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
             return None  # not on rank 0's host (or removed already: a worker that came too late)
         try:
             st = os.fstat(fd)
-            if st.st_uid != os.getuid() or st.st_size != size or not (st.st_mode & 0o170000) == 0o100000:
+            if st.st_uid != os.getuid() or st.st_size != size or not stat.S_ISREG(st.st_mode):
                 return None
-            mm = mmap.mmap(fd, size)
+            shared_end = parts["slot.0"][0]  # θ and the server's tensors: read-only
+            ro = mmap.mmap(fd, shared_end, prot=mmap.PROT_READ)
+            rw = mmap.mmap(fd, -(-like.nbytes // PAGE) * PAGE, offset=at)
         except OSError:
             return None
         finally:
             os.close(fd)
-        if not hmac.compare_digest(bytes(mm[:NONCE_BYTES]), nonce):
+        if not hmac.compare_digest(bytes(ro[:NONCE_BYTES]), bytes.fromhex(nonce)):
             return None
-        return cls(path, _views(mm, layout), nonce, described["slots"], owner=False)
+        views = {name: _view(ro, lk, a) for name, (a, lk) in parts.items() if not name.startswith("slot.")}
+        state = {k.removeprefix("state."): v for k, v in views.items() if k.startswith("state.")}
+        return cls(path, views["theta"], state, {w: _view(rw, like, 0)}, bytes.fromhex(nonce), described["slots"],
+                   owner=False)
+
+
+def _no_window(why: str) -> None:
+    print(f"gem: {why}; the workers on this host use the wire", file=sys.stderr)
+    return None
 
 
 def _remove_stale() -> None:
-    """Windows left by a rank 0 that is gone (killed before it could remove its own)."""
+    """Windows of this user left by a rank 0 that is gone (killed before it could remove its own). Another user's,
+    and anything that is not a plain file, are left as they are."""
     try:
         names = [p for p in SHM.iterdir() if NAME.fullmatch(p.name)]
     except OSError:
         return
     for p in names:
-        pid = int(NAME.fullmatch(p.name).group(1))
         try:
-            os.kill(pid, 0)
+            st = p.lstat()
+            if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+                continue
+            os.kill(int(NAME.fullmatch(p.name).group(1)), 0)
         except ProcessLookupError:
-            p.unlink(missing_ok=True)
-        except PermissionError:
-            pass  # another user's rank 0, alive
+            try:
+                p.unlink()
+            except OSError:
+                pass
+        except (OSError, OverflowError, ValueError):
+            continue  # alive (another user's process), or gone meanwhile
