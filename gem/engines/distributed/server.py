@@ -382,24 +382,24 @@ class _Server(threading.Thread):
         began = time.perf_counter()
         view = self.server.view(src - 1)
         try:
-            delta, payload = self.go_and_commit(src, view)
+            payload = self.go_and_commit(src, view)
         except (RuntimeError, ValueError) as e:
             self.gone(src, e)
             return
-        self.apply(src, view, delta, payload)
+        self.apply(src, view, payload)
         self.busy_s += time.perf_counter() - began
         self.served += 1
 
-    def go_and_commit(self, src: int, view) -> tuple[torch.Tensor, dict]:
-        """GO with the clock and τ, the live θ and the server's tensors, all in flight at once; then the commit: Δ
-        (in self.delta) and its payload. A worker that maps the window gets only GO (θ is where it reads it: nothing
-        changes θ until this exchange ends), and leaves Δ in its slot there."""
+    def go_and_commit(self, src: int, view) -> dict:
+        """GO with the clock and τ, the live θ and the server's tensors, all in flight at once; then the commit:
+        Δ into self.delta, and the payload it returns. A worker that maps the window gets only GO (θ is where it
+        reads it: nothing changes θ until this exchange ends), and leaves Δ in its slot there."""
         server, mapped = self.server, src in self.mapped
+        state = () if mapped else (server.theta, *server.state.values())
         header = torch.zeros(2, dtype=torch.long)
         wait_s = self.wait_s
         go = torch.tensor([GO, view.t, view.staleness, int(wait_s * 1000)], dtype=torch.long)
-        sends = [self.pg.send([v], src, TAG_X) for v in (go, *(() if mapped else (server.theta,
-                                                                                   *server.state.values())))]
+        sends = [self.pg.send([v], src, TAG_X) for v in (go, *state)]
         for s in sends:
             _wait(s, wait_s)
         _wait(self.pg.recv([header], src, TAG_X), wait_s)
@@ -410,14 +410,14 @@ class _Server(threading.Thread):
         else:
             _wait(self.pg.recv([self.delta], src, TAG_X), wait_s)  # Δ: θ's size, always
         if not spec_nbytes:
-            return self.delta, {}
+            return {}
         spec = self.bounds.payload_of(_recv_bytes(self.pg, spec_nbytes, src, TAG_X, wait_s))
-        return self.delta, _recv_tensors(self.pg, spec, src, TAG_X, wait_s)
+        return _recv_tensors(self.pg, spec, src, TAG_X, wait_s)
 
-    def apply(self, src: int, view, delta: torch.Tensor, payload: dict) -> None:
+    def apply(self, src: int, view, payload: dict) -> None:
         """The server rule on θ; the commit is pending until `src`'s row for it comes."""
         with self.lock:
-            t = self.server.apply(view, Commit(delta=delta, payload=payload))
+            t = self.server.apply(view, Commit(delta=self.delta, payload=payload))
             self.commits.append((src - 1, time.monotonic()))  # progress, for the coordinator's Silence
             pending = self.pending.get(src)
             if pending is not None:

@@ -1,9 +1,9 @@
 """θ in shared memory for the workers on rank 0's own host (`engine.shared_memory`, on by default).
 
 Over the wire a commit moves θ and the server's tensors out and Δ back, two model-sized messages under the server's
-turn, which holds every other worker meanwhile: on one machine that copying through loopback TCP was most of what
-made `distributed` slower than `process` (BENCHMARKS.md). A worker on rank 0's host need not copy through a socket.
-Rank 0 keeps θ and the server's tensors in a file in /dev/shm that such a worker maps, with one slot there per
+turn, which holds every other worker meanwhile: on one machine that copying through loopback TCP was a large part
+of what made `distributed` slower than `process` (BENCHMARKS.md). A worker on rank 0's host need not copy through a
+socket. Rank 0 keeps θ and the server's tensors in a file in /dev/shm that such a worker maps, with one slot there per
 worker for its Δ. Under its turn the worker copies θ and the tensors from the window into its replica and writes Δ
 into its slot; only the headers (and a payload, for the algorithms that have one) travel. So the exchange, the
 server step, τ and every row are those of the wire; only where the bytes lie differs.
