@@ -7,6 +7,7 @@ this file's time. A script that measures its own process runs in a process of it
 script starts (engine runs, `python run.py`) is still its own processes."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -56,6 +57,18 @@ for script, args in json.loads(sys.argv[1]).items():
 def test_every_benchmark_script_is_listed():
     assert sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "__init__.py") == \
         sorted(SCRIPTS)
+
+
+@pytest.mark.xdist_group("benchmarks")
+def test_tests_of_one_xdist_group_share_one_test_process(request):
+    """The suite's costly fixtures (this file's scripts, the figures' sweep, ...) are shared by the tests of an
+    xdist_group, which `--dist loadgroup` sends to one test process. pytest 9.2 broke that silently
+    (pytest-xdist issue 1386): each fixture then ran once per process, and the suite took a third longer."""
+    # a test process of `--dist loadgroup` (xdist sets this option there, and reads it to group)
+    if os.environ.get("PYTEST_XDIST_WORKER") and getattr(request.config.option, "loadgroup", False):
+        assert request.node.nodeid.endswith("@benchmarks"), (
+            f"pytest-xdist's loadgroup did not group {request.node.nodeid} (pytest {pytest.__version__}): see the "
+            "pin of pytest in pyproject.toml")
 
 
 @pytest.fixture(scope="module")
