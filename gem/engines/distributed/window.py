@@ -67,12 +67,13 @@ def _view(mm, like: torch.Tensor, at: int) -> torch.Tensor:
 
 class Window:
     """The mapped file: `theta`, `state` (the server's tensors, by name) and `slot(w)`, worker w's Δ (a worker
-    has only its own)."""
+    has only its own); `slots`, how many workers have one. `views`: name → tensor, named as in _layout."""
 
-    def __init__(self, path: Path, theta: torch.Tensor, state: dict[str, torch.Tensor],
-                 slots: dict[int, torch.Tensor], nonce: bytes, count: int, owner: bool):
-        self.path, self.nonce, self.slots, self.owner = path, nonce, count, owner
-        self.theta, self.state, self._slots = theta, state, slots
+    def __init__(self, path: Path, views: dict[str, torch.Tensor], nonce: bytes, slots: int, owner: bool):
+        self.path, self.nonce, self.slots, self.owner = path, nonce, slots, owner
+        self.theta = views["theta"]
+        self.state = {k.removeprefix("state."): v for k, v in views.items() if k.startswith("state.")}
+        self._slots = {int(k.removeprefix("slot.")): v for k, v in views.items() if k.startswith("slot.")}
 
     def slot(self, w: int) -> torch.Tensor:
         return self._slots[w]
@@ -100,13 +101,12 @@ class Window:
             views = {name: _view(mm, like, at) for name, at, like in layout}
         except (OSError, ValueError, RuntimeError) as e:
             path.unlink(missing_ok=True)
-            why = f"{size / 2**20:.0f} MiB: {e.strerror}" if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
-            return _no_window(f"no room for θ in {SHM} ({why})")
+            if isinstance(e, OSError):
+                return _no_window(f"no room for θ in {SHM} ({size / 2**20:.0f} MiB: {e.strerror})")
+            return _no_window(f"cannot keep θ in {SHM} ({type(e).__name__}: {e})")
         finally:
             os.close(fd)
-        window = cls(path, views["theta"], {k.removeprefix("state."): v for k, v in views.items()
-                                            if k.startswith("state.")},
-                     {w: views[f"slot.{w}"] for w in range(slots)}, nonce, slots, owner=True)
+        window = cls(path, views, nonce, slots, owner=True)
         window.theta.copy_(server.theta)
         for k, v in server.state.items():
             window.state[k].copy_(v)
@@ -161,8 +161,7 @@ class Window:
         if not hmac.compare_digest(bytes(ro[:NONCE_BYTES]), bytes.fromhex(nonce)):
             return None
         views = {name: _view(ro, lk, a) for name, (a, lk) in parts.items() if not name.startswith("slot.")}
-        state = {k.removeprefix("state."): v for k, v in views.items() if k.startswith("state.")}
-        return cls(path, views["theta"], state, {w: _view(rw, like, 0)}, bytes.fromhex(nonce), described["slots"],
+        return cls(path, {**views, f"slot.{w}": _view(rw, like, 0)}, bytes.fromhex(nonce), described["slots"],
                    owner=False)
 
 
