@@ -2,7 +2,7 @@
 # The GPU checklist of DEVELOPERS.md ("When a GPU machine is lent") as one script, for the device machine whose
 # time is short: every step under its own time limit, one log, one line per step in steps.txt.
 #
-#   bash benchmarks/gpu_checklist.sh [run|speed|tests|all]     (default all; OUT=<folder> for the log)
+#   bash benchmarks/gpu_checklist.sh [run|theta|speed|fig7|tests|all]     (default all; OUT=<folder> for the log)
 #
 # `all` runs the test suite beside the run checks (they only ask whether things work: the machine has cores to
 # spare), then the speed checks alone on a quiet machine.
@@ -75,8 +75,39 @@ torch.cuda.is_available() and torch.cuda.get_device_name(0))'; nproc"
         END {for (p in most) print "    pid " p ": " most[p] " MiB"}' "$OUT/smi_16_workers.txt"
 }
 
+theta_checks() {
+    # θ on the workers' GPU (engine.theta_on_gpu, shared by CUDA IPC): one worker gives the losses of sim, which
+    # computes everything on the GPU too; a run killed after a checkpoint resumes
+    for engine in process sim; do
+        step "n1-$engine" 60 $PY run.py device=$DEV workers=1 engine=$engine hydra.run.dir=$RUNS/n1_$engine "${MORE[@]}"
+    done
+    $PY - "$RUNS" <<'EOF'
+import json, sys
+import pandas as pd
+runs = sys.argv[1]
+p, s = (pd.read_parquet(f"{runs}/n1_{e}/metrics.parquet") for e in ("process", "sim"))
+where = json.load(open(f"{runs}/n1_process/summary.json")).get("central_device")
+same = len(p) == len(s) and (p["loss"].to_numpy() == s["loss"].to_numpy()).all()
+gap = (p["loss"] - s["loss"]).abs().max() if len(p) == len(s) else float("nan")
+print(f"    n = 1, θ on {where}: process and sim losses {'bit-identical' if same else 'differ'} over {len(p)} and "
+      f"{len(s)} commits (largest difference {gap:.3g})")
+EOF
+    local killed=$RUNS/killed args=(device=$DEV engine=process epochs=8 engine.checkpoint_every=100 "${MORE[@]}")
+    setsid $PY run.py "${args[@]}" hydra.run.dir="$killed" >"$OUT/killed.txt" 2>&1 &
+    local pid=$! i
+    for i in $(seq 240); do [ -f "$killed/checkpoint/manifest.json" ] && break; sleep 0.25; done
+    kill -9 -- "-$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+    echo "    killed after the checkpoint at $(grep -o "\"step\": [0-9]*" "$killed/checkpoint/manifest.json" | head -1)"
+    step resume 90 $PY run.py "${args[@]}" resume=true hydra.run.dir="$killed"
+    trend "$killed"
+}
+
 speed_checks() {
     step gpu-benchmark 150 $PY benchmarks/gpu.py --device $DEV --steps 300
+}
+
+fig7_checks() {
     # Fig. 7 on the synthetic stand-in for CIFAR-10 (50,000 training images, as CIFAR's), seed 0 only
     local fig7=(experiment=fig7 device=$DEV data=synthetic data.synthetic.task=prototypes
         data.synthetic.train_size=50000 seed=0 hydra.sweep.dir=$RUNS/fig7 "${MORE[@]}")
@@ -87,7 +118,7 @@ speed_checks() {
 
 test_checks() {
     # tests never need a GPU, and must not break where one is visible
-    step pytest 330 $PY -m pytest -q -n 6 -p no:cacheprovider
+    step pytest 330 $PY -m pytest -q -n 6 -p no:cacheprovider ${TESTS:-}  # TESTS: a subset, where time is short
 }
 
 what=${1:-all}
@@ -95,11 +126,13 @@ what=${1:-all}
     echo "gem GPU checklist: $what on $DEV, $(date -u +%FT%TZ)"
     case $what in
         run) run_checks ;;
+        theta) theta_checks ;;
         speed) speed_checks ;;
+        fig7) fig7_checks ;;
         tests) test_checks ;;
         all) test_checks >"$OUT/pytest.txt" 2>&1 &
-             run_checks; wait; tail -30 "$OUT/pytest.txt"; speed_checks ;;
-        *) echo "usage: $0 [run|speed|tests|all]"; exit 2 ;;
+             run_checks; theta_checks; wait; tail -30 "$OUT/pytest.txt"; speed_checks; fig7_checks ;;
+        *) echo "usage: $0 [run|theta|speed|fig7|tests|all]"; exit 2 ;;
     esac
     echo "--- steps"
     cat "$OUT/steps.txt"

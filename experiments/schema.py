@@ -58,6 +58,7 @@ class EngineConfig:
     allow_remote: bool = False  # ... an address other than loopback needs this opt-in
     port: int = 0  # ... and its port; 0: a free one
     shared_memory: bool = True  # engine=distributed: the workers on rank 0's host read θ from shared memory
+    theta_on_gpu: bool = True  # engine=process: θ on the workers' GPU when they all compute on one (CUDA IPC)
     # process, distributed: a worker that has not committed for silent_cycles x the median time between commits
     # of a worker, and for at least timeout_s, is lost (killed, recorded; the run goes on with the others)
     timeout_s: float = 60.0

@@ -191,8 +191,10 @@ def _torchrun():
 
 @pytest.mark.slow
 def test_torchrun_launches_the_server_and_workers(tmp_path):
+    # README's one-machine torchrun command. --standalone: a free rendezvous port (torchrun's default 29500 was
+    # taken by the other torchrun test, run at the same time, on the GPU machine)
     d = tmp_path / "run"
-    p = subprocess.run([_torchrun(), "--nnodes=1", "--nproc_per_node=4", "run.py", "engine=distributed",
+    p = subprocess.run([_torchrun(), "--standalone", "--nproc_per_node=4", "run.py", "engine=distributed",
                         "workers=3", "epochs=2", "logger.wandb.mode=disabled", f"hydra.run.dir={d}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -205,7 +207,7 @@ def test_torchrun_launches_the_server_and_workers(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_with_the_wrong_number_of_processes_says_so_in_one_line(tmp_path):
-    p = subprocess.run([_torchrun(), "--nnodes=1", "--nproc_per_node=3", "run.py", "engine=distributed",
+    p = subprocess.run([_torchrun(), "--standalone", "--nproc_per_node=3", "run.py", "engine=distributed",
                         "workers=3", "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0

@@ -76,6 +76,8 @@ def test_every_commit_once_and_every_worker_step_once(data, tmp_path, engine):
     assert m["pi_median"].notna().all() and m["central_energy"].notna().all()  # GEM's diagnostics came back
     assert len(pd.read_parquet(tmp_path / "tensors.parquet")) == 10 * len(m)
     assert result.extra["lost_workers"] == []
+    if engine == "process":  # on the CPU θ lives in shared host memory (on one GPU: there, `central_device`)
+        assert result.extra["central_device"] == "cpu"
     ev = read_table(tmp_path, "eval")["step"]
     if engine == "sim":  # every eval_every commits, and at the end
         assert ev.tolist() == [0, 16, 32, 48]

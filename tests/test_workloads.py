@@ -319,6 +319,26 @@ def test_device_of_spreads_workers_over_gpus_or_pins_them(monkeypatch):
     assert str(core.device_of(Job(**{**job.__dict__, "device": "cpu"}), 3)) == "cpu"
 
 
+def test_theta_lives_on_the_workers_gpu_only_when_every_worker_computes_on_that_one(monkeypatch):
+    """engine=process: θ on the GPU (shared by CUDA IPC) needs every worker on it; else shared host memory."""
+    from gem.engines.process import central_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    base = _bn_job(gdata.make_synthetic(train_size=8, val_size=4), model="resnet18_cifar")
+
+    def where(device, workers, **engine):
+        job = Job(**{**base.__dict__, "device": device, "workers": workers, "engine": {"name": "process", **engine}})
+        return str(central_device(job))
+
+    assert where("cuda:1", 4) == "cuda:1" and where("cuda", 1) == "cuda:0"
+    assert where("cuda", 2) == "cpu"  # the workers spread over the two GPUs
+    assert where("cuda:1", 4, theta_on_gpu=False) == "cpu"
+    assert where("cpu", 4) == "cpu"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert where("cuda", 4) == "cuda:0"
+
+
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_gpu_request_without_a_gpu_is_one_line(device, capsys, tmp_path):
     if torch.cuda.is_available():

@@ -4,7 +4,8 @@ Workers are OS processes forked from a forkserver that has imported torch and ge
 `worker_context`), so each holds only what it computes with, and 100 of them fit on a laptop. Each runs the shared
 worker cycle (gem.engines.worker). The parameter server's state (gem.engines.server: θ, the algorithm's server
 tensors, the clock, every worker's pull time) and the training set live in shared memory, so no worker holds a
-copy of the data.
+copy of the data. When every worker computes on one GPU, θ and the server's tensors live on that GPU instead,
+shared by CUDA IPC (`central_device`), and a commit moves nothing between host and GPU.
 
 The parameter server is a turn that the workers pass among themselves, first in, first out (`Turn`): a worker at
 its commit boundary takes the turn, runs its worker rule against the live θ and the server step in place in
@@ -43,7 +44,7 @@ from gem import algorithms
 from gem.engines import Job, Result
 from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, Coordinator, start_server
-from gem.engines.core import Evaluator, build_flat_model
+from gem.engines.core import Evaluator, build_flat_model, device_of
 from gem.engines.server import Server
 from gem.engines.worker import Diverged, Worker, barrier_pauses, setup_process, threads_per_process, worker_context
 from gem.files import WriteError
@@ -75,7 +76,8 @@ class Turn:
     `waiting()` is called about once a second and may raise to give up.
     """
 
-    def __init__(self, ctx, participants: int):
+    def __init__(self, ctx, participants: int, device: torch.device | None = None):
+        self.device = device  # θ's GPU, where it lives on one (`central_device`): see `release`
         self.meta = ctx.Lock()
         self.sems = [ctx.Semaphore(0) for _ in range(participants)]
         # [holder, head, count, ring...]: holder −1 when free
@@ -155,6 +157,10 @@ class Turn:
             return True  # GO: the turn is ours
 
     def release(self, waiting=None) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            # what this process queued on θ's GPU is done before anyone else holds the turn: the next holder is
+            # another process, whose GPU stream is not ordered after this one's
+            torch.cuda.synchronize(self.device)
         self._lock_meta(waiting)
         try:
             self._hand_over()
@@ -338,22 +344,37 @@ def _share(job: Job) -> Job:
     return dataclasses.replace(job, data=data)
 
 
+def central_device(job: Job) -> torch.device:
+    """Where θ and the server's tensors live. On the workers' GPU when every worker computes on one and the same
+    GPU (and `engine.theta_on_gpu`, the default): the worker processes share them by CUDA IPC, so a commit moves
+    nothing between host and GPU, and the turn's holder runs the server step there. Else in shared host memory,
+    which every worker process maps, a GPU worker staging them on its device at its commits (Worker.staged):
+    workers spread over several GPUs, or on the CPU."""
+    devices = {device_of(job, w) for w in range(job.workers)}
+    if job.engine.get("theta_on_gpu", True) and len(devices) == 1:
+        (device,) = devices
+        if device.type == "cuda":
+            return device
+    return torch.device("cpu")
+
+
 def run(job: Job, recorder) -> Result:
     algo = algorithms.get(job.algorithm)
     n = job.workers
     threads = threads_per_process(n)
     torch.set_num_threads(threads)  # the coordinator evaluates while the workers train
-    # θ and the server's tensors in shared host memory, whatever device the workers compute on: every worker
-    # process maps them, and a GPU worker stages them on its device at its commits (Worker.staged)
     server, resumed = start_server(job, algo, build_flat_model(job, device="cpu").param.clone())
     server.share_memory_()
+    central = central_device(job)
+    if central.type == "cuda":
+        server = server.to(central)  # the worker processes receive it as CUDA IPC handles (torch.multiprocessing)
     coord = _Coordinator(job, recorder, server, Evaluator(job, job.data), resumed, n)
     if resumed is not None:  # a worker file that cannot be read: say so now, before any process starts
         for w in coord.pending_workers():
             ckpt.load_worker(job.resume, w)
     shared = _share(job)
     ctx = worker_context(job)
-    turn = coord.turn = Turn(ctx, n + 1)
+    turn = coord.turn = Turn(ctx, n + 1, central)
     turn.state[0] = n  # the coordinator holds the turn until every worker is ready: all start from one θ
     tensors = server.tensors()
     alive, here = ctx.Pipe(duplex=False)  # `here` stays open in this process alone until the end of the run
@@ -538,7 +559,7 @@ class _Coordinator(Coordinator):
         for c in self.children:  # what the last workers sent before they exited
             self.drain(c)
         self.ledger.fill_gaps(self.server.t)
-        return self.conclude()
+        return self.conclude({"central_device": str(self.server.theta.device)})
 
     # --- the turn, from the coordinator's side
 

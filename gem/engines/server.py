@@ -44,6 +44,12 @@ class Server:
             x.share_memory_()
         return self
 
+    def to(self, device) -> Server:
+        """θ and the algorithm's server tensors on `device`; the clock and the pull times stay where they are (read
+        on the host at every turn)."""
+        return Server(self.algo, self.hp, self.theta.to(device), {k: v.to(device) for k, v in self.state.items()},
+                      self.clock, self.pulled_at)
+
     def view(self, worker: int) -> View:
         t = int(self.clock)
         return View(self.theta, self.state, t, t - int(self.pulled_at[worker]), worker)
