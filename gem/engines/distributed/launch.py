@@ -75,6 +75,7 @@ def run(job: Job, recorder) -> Result:
     children: list = []
     listener = None
     coord = None
+    ended = False
     try:
         coord = _Coordinator(job, recorder, server, Evaluator(job, job.data), resumed)
         saved = {w: ckpt.load_worker(job.resume, w) for w in coord.pending_workers()} if resumed else {}
@@ -117,9 +118,14 @@ def run(job: Job, recorder) -> Result:
                 children.append(p)
             pg = _connect(lambda: _group(store, 0, n + 1, local, START_TIMEOUT_S), children)
         states = {r: saved.get(r - 1, DONE if resumed else None) for r in range(1, n + 1)}
-        return _serve(coord, pg, secret, encoded, states, children, store, window)
+        result = _serve(coord, pg, secret, encoded, states, children, store, window)
+        ended = True
+        return result
     finally:
-        _stop(children)
+        # at the run's end every worker has had its answer and exits by itself; interrupted (Ctrl-C, SIGTERM) or
+        # failed, nobody will answer them, and the server would go on applying commits whose rows are no longer
+        # recorded: they are stopped at once
+        _stop(children, grace_s=5.0 if ended else 0.0)
         if window is not None:
             window.unlink()
         if listener is not None:
