@@ -370,9 +370,10 @@ def warm() -> None:
     """Compile the loops now (or load them from numba's cache), in this process: the forkserver that worker
     processes are forked from calls it, so that no worker compiles them again."""
     x = torch.ones(4)
-    state = init_state(x, Params())
-    prepare(state, x, x, Params())
-    commit = worker_rule(state, x, x, View(x.clone(), {}, 0, 0, 0), Params())
+    for hp in (Params(), Params(proxy="global")):  # the rule's loop is compiled once for each kind of proxy
+        state = init_state(x, hp)
+        prepare(state, x, x, hp)
+        commit = worker_rule(state, x, x, View(x.clone(), init_server(x, hp, 1), 0, 0, 0), hp)
     diagnostics(commit, [("a", slice(0, 2)), ("b", slice(2, 4))], Params())
 
 
