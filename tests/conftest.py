@@ -16,19 +16,6 @@ sys.path.insert(0, str(ROOT))
 SHARED_DATA = Path(os.environ.get("GEM_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
 
-def pytest_configure(config):
-    """Once, in the process that starts the test processes (xdist's controller, or the only one), before any of them
-    starts: GEM's numba loops compiled into numba's on-disk cache (beside gem/algorithms/gem.py). In a fresh clone,
-    as in CI, the cache is empty, and every process that reached the loops before one had written it compiled them
-    itself: 8 s of CPU each, for the test processes, their forkservers and the first runs, all at once at the start
-    of the suite. Loading them once cached takes 0.4 s."""
-    if hasattr(config, "workerinput"):  # a test process: the controller has done it
-        return
-    from gem.algorithms import gem
-
-    gem.warm()
-
-
 @pytest.fixture
 def mnist_root():
     if not (SHARED_DATA / "MNIST" / "raw" / "train-images-idx3-ubyte").is_file():
