@@ -321,7 +321,7 @@ def test_device_of_spreads_workers_over_gpus_or_pins_them(monkeypatch):
 
 def test_theta_lives_on_the_workers_gpu_only_when_every_worker_computes_on_that_one(monkeypatch):
     """engine=process: θ on the GPU (shared by CUDA IPC) needs every worker on it; else shared host memory."""
-    from gem.engines.process import central_device
+    from gem.engines.core import central_device
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("LOCAL_RANK", raising=False)

@@ -38,6 +38,20 @@ def device_of(job, worker: int) -> torch.device:
     return resolve_device(job.device)
 
 
+def central_device(job) -> torch.device:
+    """Where the `process` engine keeps θ and the server's tensors. On the workers' GPU when every worker computes
+    on one and the same GPU (and `engine.theta_on_gpu`, the default): the worker processes share them by CUDA IPC,
+    so a commit moves nothing between host and GPU, and the turn's holder runs the server step there. Else in
+    shared host memory, which every worker process maps, a GPU worker staging them on its device at its commits
+    (Worker.staged): workers spread over several GPUs, or on the CPU."""
+    devices = {device_of(job, w) for w in range(job.workers)}
+    if job.engine.get("theta_on_gpu", True) and len(devices) == 1:
+        (device,) = devices
+        if device.type == "cuda":
+            return device
+    return torch.device("cpu")
+
+
 def worker_steps(job) -> int:
     """Local gradient steps per worker: `epochs` full passes over the training set, as in the paper."""
     return job.epochs * (len(job.data.train_y) // job.batch_size)

@@ -4,8 +4,7 @@ Workers are OS processes forked from a forkserver that has imported torch and ge
 `worker_context`), so each holds only what it computes with, and 100 of them fit on a laptop. Each runs the shared
 worker cycle (gem.engines.worker). The parameter server's state (gem.engines.server: θ, the algorithm's server
 tensors, the clock, every worker's pull time) and the training set live in shared memory, so no worker holds a
-copy of the data. When every worker computes on one GPU, θ and the server's tensors live on that GPU instead,
-shared by CUDA IPC (`central_device`), and a commit moves nothing between host and GPU.
+copy of the data. With every worker on one GPU, θ and the server's tensors live there instead (CUDA IPC).
 
 The parameter server is a turn that the workers pass among themselves, first in, first out (`Turn`): a worker at
 its commit boundary takes the turn, runs its worker rule against the live θ and the server step in place in
@@ -44,7 +43,7 @@ from gem import algorithms
 from gem.engines import Job, Result
 from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, Coordinator, start_server
-from gem.engines.core import Evaluator, build_flat_model, device_of
+from gem.engines.core import Evaluator, build_flat_model, central_device
 from gem.engines.server import Server
 from gem.engines.worker import Diverged, Worker, barrier_pauses, setup_process, threads_per_process, worker_context
 from gem.files import WriteError
@@ -157,10 +156,8 @@ class Turn:
             return True  # GO: the turn is ours
 
     def release(self, waiting=None) -> None:
-        if self.device is not None and self.device.type == "cuda":
-            # what this process queued on θ's GPU is done before anyone else holds the turn: the next holder is
-            # another process, whose GPU stream is not ordered after this one's
-            torch.cuda.synchronize(self.device)
+        if self.device is not None and self.device.type == "cuda":  # what this process queued on θ's GPU is done
+            torch.cuda.synchronize(self.device)  # before the next holder, whose stream is not ordered after ours
         self._lock_meta(waiting)
         try:
             self._hand_over()
@@ -342,20 +339,6 @@ def _share(job: Job) -> Job:
     # workers never evaluate: send them no validation split
     data.val_x, data.val_y = data.val_x[:0].clone(), data.val_y[:0].clone()
     return dataclasses.replace(job, data=data)
-
-
-def central_device(job: Job) -> torch.device:
-    """Where θ and the server's tensors live. On the workers' GPU when every worker computes on one and the same
-    GPU (and `engine.theta_on_gpu`, the default): the worker processes share them by CUDA IPC, so a commit moves
-    nothing between host and GPU, and the turn's holder runs the server step there. Else in shared host memory,
-    which every worker process maps, a GPU worker staging them on its device at its commits (Worker.staged):
-    workers spread over several GPUs, or on the CPU."""
-    devices = {device_of(job, w) for w in range(job.workers)}
-    if job.engine.get("theta_on_gpu", True) and len(devices) == 1:
-        (device,) = devices
-        if device.type == "cuda":
-            return device
-    return torch.device("cpu")
 
 
 def run(job: Job, recorder) -> Result:
