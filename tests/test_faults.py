@@ -216,6 +216,23 @@ def test_too_many_workers_for_this_machine_is_refused(tmp_path, args, figure, ca
     assert not (tmp_path / "x").exists()
 
 
+def test_the_memory_check_counts_a_distributed_workers_slot_in_shared_memory(tmp_path, capsys, monkeypatch):
+    """engine=distributed with shared_memory=true: each worker also has a Δ slot, θ-sized, in /dev/shm."""
+    from gem.engines import memory
+    from gem.models import build_model
+
+    monkeypatch.setattr(memory, "available", lambda: 2**20)  # 1 MB: any run is refused, and says what it needs
+    each = {}
+    for shared in ("true", "false"):
+        line = refused_line(capsys, "logger.wandb.mode=disabled", "engine=distributed", "workers=4",
+                            "model=alexnet_cifar", "data=synthetic", f"engine.shared_memory={shared}",
+                            f"hydra.run.dir={tmp_path / 'x'}")
+        each[shared] = float(line.split(" worker processes of ")[1].split(" MB each")[0])
+    slot = sum(p.numel() for p in build_model("alexnet_cifar", num_classes=10).parameters()) * memory.FLOAT
+    assert abs((each["true"] - each["false"]) * 2**20 - slot) <= 2**20  # the message rounds to the MB
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.slow  # real `python run.py` processes: 5 s
 def test_an_unknown_key_is_refused_plus_included(tmp_path, capsys):
     line = one_line(run_py(*QUICK, "+foo=1", f"hydra.run.dir={tmp_path / 'x'}"))  # as typed, once
