@@ -196,13 +196,13 @@ def serve(j: Job, run_dir, peer_script, honest_allowed=frozenset(), peer_allowed
     return result, read_table(run_dir)
 
 
-def lost_peer(result, m, sent: str) -> None:
-    """Worker 1 (the Peer) lost for what it sent, and only it; worker 0 did all its work, and the clock in the
-    rows has no gap."""
+def lost_peer(result, m, sent: str | tuple[str, ...]) -> None:
+    """Worker 1 (the Peer) lost for what it sent (`sent`, or one of them), and only it; worker 0 did all its work,
+    and the clock in the rows has no gap."""
     assert result.status == "completed", result
     assert result.extra["lost_workers"] == [1], result
     assert result.reason.startswith("worker 1 lost at commit "), result.reason
-    assert f"(it sent {sent}" in result.reason, result.reason
+    assert any(f"(it sent {s}" in result.reason for s in ((sent,) if isinstance(sent, str) else sent)), result.reason
     assert result.reason.count("lost at commit") == 1, result.reason
     honest = m[m["worker"] == 0]
     assert sorted(honest["worker_step"]) == [1, 2, 3, 4]  # 128 examples, batches of 32
@@ -245,7 +245,10 @@ def test_rows_of_more_commits_than_it_made_lose_only_that_worker(data, tmp_path)
 
 @pytest.mark.parametrize("rows, sent", [
     (b"not json", "rows that are not JSON (Expecting value: line 1 column 1 (char 0))"),
-    (b"[" * 3000 + b"]" * 3000, "rows that are not JSON (maximum recursion depth exceeded"),
+    # nested past Python 3.11's recursion limit; 3.12's json decoder reads it (seen on the GPU machine's 3.12), and
+    # the row check refuses it: either way only that worker is lost, for what it sent
+    (b"[" * 3000 + b"]" * 3000, ("rows that are not JSON (maximum recursion depth exceeded",
+                                 "a row that is not [row, tensors] ([[[[")),
     (b'{"rows": 1}', "rows that are not a list of the 1 its header announced"),
     (b'[[{"worker": 1}, null]]', "a row without 'step'"),
     (None, "a row of worker 0 for commit"),  # another worker's row
