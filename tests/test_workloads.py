@@ -323,6 +323,7 @@ def test_theta_lives_on_the_workers_gpu_only_when_every_worker_computes_on_that_
     """engine=process: θ on the GPU (shared by CUDA IPC) needs every worker on it; else shared host memory."""
     from gem.engines.core import central_device
 
+    monkeypatch.setattr(core, "cuda_ipc", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     base = _bn_job(gdata.make_synthetic(train_size=8, val_size=4), model="resnet18_cifar")
@@ -336,7 +337,13 @@ def test_theta_lives_on_the_workers_gpu_only_when_every_worker_computes_on_that_
     assert where("cuda:1", 4, theta_on_gpu=False) == "cpu"
     assert where("cpu", 4) == "cpu"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(core, "cuda_ipc", lambda: True)  # this machine's platform aside
     assert where("cuda", 4) == "cuda:0"
+    monkeypatch.setattr(core, "cuda_ipc", lambda: False)  # WSL2, a Jetson, Windows: no CUDA IPC
+    assert where("cuda", 4) == "cpu"
+    monkeypatch.undo()
+    monkeypatch.setattr(core.sys, "platform", "win32")
+    assert not core.cuda_ipc()
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])

@@ -4,6 +4,7 @@ variable."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
@@ -38,14 +39,26 @@ def device_of(job, worker: int) -> torch.device:
     return resolve_device(job.device)
 
 
+def cuda_ipc() -> bool:
+    """Whether this platform shares GPU memory between processes (CUDA IPC): Linux, but not WSL2 and not a Jetson
+    (NVIDIA's documentation for both); not Windows or macOS."""
+    if not sys.platform.startswith("linux") or os.path.exists("/etc/nv_tegra_release"):
+        return False
+    try:
+        with open("/proc/sys/kernel/osrelease") as f:
+            return "microsoft" not in f.read().lower()
+    except OSError:
+        return True
+
+
 def central_device(job) -> torch.device:
     """Where the `process` engine keeps θ and the server's tensors. On the workers' GPU when every worker computes
     on one and the same GPU (and `engine.theta_on_gpu`, the default): the worker processes share them by CUDA IPC,
     so a commit moves nothing between host and GPU, and the turn's holder runs the server step there. Else in
     shared host memory, which every worker process maps, a GPU worker staging them on its device at its commits
-    (Worker.staged): workers spread over several GPUs, or on the CPU."""
+    (Worker.staged): workers spread over several GPUs, on the CPU, or a platform without CUDA IPC (`cuda_ipc`)."""
     devices = {device_of(job, w) for w in range(job.workers)}
-    if job.engine.get("theta_on_gpu", True) and len(devices) == 1:
+    if job.engine.get("theta_on_gpu", True) and len(devices) == 1 and cuda_ipc():
         (device,) = devices
         if device.type == "cuda":
             return device

@@ -1,0 +1,171 @@
+"""The `process` engine's parameter server lock: a turn the workers pass among themselves, first in, first out
+(gem.engines.process says how the engine uses it)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from gem.engines.coordinator import POLL_S
+
+GO, SAVE, STOP, FLUSH = 0, 1, 2, 3  # what a worker woken on its semaphore is asked to do
+
+
+class Gone(Exception):
+    """The coordinator has died, or asked this worker to stop."""
+
+
+class Turn:
+    """The parameter server's lock, handed over first in, first out.
+
+    Participants 0..n−1 are the workers and n is the coordinator. `meta` guards a ring buffer of waiting
+    participants and the current holder; it is held for a few instructions only. Each participant sleeps on
+    its own semaphore, which the releaser posts when the turn is handed to it, or the coordinator posts with
+    `action` set to SAVE (write a checkpoint), FLUSH (send your rows) or STOP. A lock held by a process that
+    died is taken back by the coordinator (`recover`), so a SIGKILL cannot hang the others. Every wait polls:
+    `waiting()` is called about once a second and may raise to give up.
+    """
+
+    def __init__(self, ctx, participants: int, device: torch.device | None = None):
+        self.device = device  # θ's GPU, where it lives on one (`central_device`): see `release`
+        self.meta = ctx.Lock()
+        self.sems = [ctx.Semaphore(0) for _ in range(participants)]
+        # [holder, head, count, ring...]: holder −1 when free
+        self.state = torch.zeros(3 + participants, dtype=torch.long).share_memory_()
+        self.state[0] = -1
+        self.action = torch.zeros(participants, dtype=torch.long).share_memory_()
+        self.size = participants
+
+    def _lock_meta(self, waiting=None) -> None:
+        while not self.meta.acquire(timeout=POLL_S):
+            if waiting is not None:
+                waiting()
+
+    def _line(self) -> list[int]:
+        s = self.state
+        return [int(s[3 + (int(s[1]) + i) % self.size]) for i in range(int(s[2]))]
+
+    def _enqueue(self, who: int) -> None:
+        s = self.state
+        s[3 + (int(s[1]) + int(s[2])) % self.size] = who
+        s[2] += 1
+
+    def _hand_over(self) -> None:
+        """Give the turn to the oldest waiter, or free it. Call with meta held."""
+        s = self.state
+        if int(s[2]) == 0:
+            s[0] = -1
+            return
+        nxt = int(s[3 + int(s[1])])
+        s[1] = (int(s[1]) + 1) % self.size
+        s[2] -= 1
+        s[0] = nxt
+        if int(self.action[nxt]) != STOP:
+            self.action[nxt] = GO
+        self.sems[nxt].release()
+
+    def acquire(self, who: int, waiting=None, on_request=None, timeout: float | None = None,
+                on_queued=None) -> bool:
+        """Wait for the turn. `on_request(action)`: do what the coordinator asks (SAVE, FLUSH) meanwhile.
+        With a `timeout`, give up after it, out of line again, and return False. `on_queued()` runs at the
+        moment `who` takes its place (under `meta`): what is measured from then is the line's doing alone."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._lock_meta(waiting)
+        try:
+            act = int(self.action[who])
+            if act == STOP:
+                raise Gone()
+            if on_queued is not None:
+                on_queued()
+            if int(self.state[0]) == -1:
+                self.state[0] = who
+                return True
+            self._enqueue(who)
+        finally:
+            self.meta.release()
+        if act in (SAVE, FLUSH) and on_request is not None:  # asked before we queued: nobody will wake us
+            self.action[who] = GO
+            on_request(act)
+        while True:
+            if not self.sems[who].acquire(timeout=POLL_S):
+                if waiting is not None:
+                    waiting()
+                if deadline is not None and time.monotonic() > deadline:
+                    self.recover(who)  # out of line, or the turn handed on if it came just now
+                    while self.sems[who].acquire(block=False):
+                        pass  # a hand-over that came just now: recover passed the turn on, drop its permit
+                    return False
+                continue
+            act = int(self.action[who])
+            if act == STOP:
+                raise Gone()
+            if act in (SAVE, FLUSH):
+                self.action[who] = GO
+                if on_request is not None:
+                    on_request(act)
+                continue
+            return True  # GO: the turn is ours
+
+    def release(self, waiting=None) -> None:
+        if self.device is not None and self.device.type == "cuda":  # what this process queued on θ's GPU is done
+            torch.cuda.synchronize(self.device)  # before the next holder, whose stream is not ordered after ours
+        self._lock_meta(waiting)
+        try:
+            self._hand_over()
+        finally:
+            self.meta.release()
+
+    def ask(self, workers: set[int], action: int, waiting=None) -> None:
+        """(coordinator, holding the turn) Ask these workers to SAVE or FLUSH: at once if they wait in line,
+        else as soon as they queue."""
+        self._lock_meta(waiting)
+        try:
+            line = set(self._line())
+            for w in workers:
+                self.action[w] = action
+                if w in line:
+                    self.sems[w].release()
+        finally:
+            self.meta.release()
+
+    def peek(self) -> list[int]:
+        """(coordinator) Who waits in line for the turn now. Read under `meta` if it can be had soon (it is held
+        for a few instructions only), else as it stands."""
+        locked = self.meta.acquire(timeout=POLL_S)
+        try:
+            return self._line()
+        finally:
+            if locked:
+                self.meta.release()
+
+    def stop(self, who: int) -> None:
+        if self.meta.acquire(timeout=2.0):
+            try:
+                self.action[who] = STOP
+            finally:
+                self.meta.release()
+        else:
+            self.action[who] = STOP
+        self.sems[who].release()
+
+    def recover(self, gone: int) -> None:
+        """(coordinator) Take the turn, and any place in line, back from a participant that died, or from the
+        coordinator itself when it gives up waiting."""
+        if not self.meta.acquire(timeout=2.0):
+            # meta is held for a few instructions only: after 2 s its holder is the process that died
+            self.meta.release()
+            if not self.meta.acquire(timeout=2.0):
+                return
+        try:
+            s = self.state
+            line = self._line()
+            if gone in line:
+                line.remove(gone)
+                s[1], s[2] = 0, 0
+                for w in line:
+                    self._enqueue(w)
+            if int(s[0]) == gone:
+                self._hand_over()
+        finally:
+            self.meta.release()
