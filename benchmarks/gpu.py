@@ -10,7 +10,7 @@
 4. The physical limit of 1b.: a `downpour` commit of a GPU worker moves θ host to device (the staged view), its
    commit device to host, and θ host to device again (the pull), 3 × 4 bytes per parameter, over the copy speed
    measured here between θ's pageable shared host memory and the device. The limit is the plain loop's step
-   time over that step time plus the copies: what 1. could reach if the server's step and the turn cost nothing.
+   time over that step time plus the copies: what 1b. could reach if the server's step and the turn cost nothing.
 
 The engine is timed between its first and last commit rows (`time_s`), so start-up and CUDA initialisation are
 left out. Runs on the CPU as well (`--device cpu`), which only checks that the script works: the numbers that

@@ -321,23 +321,20 @@ def test_device_of_spreads_workers_over_gpus_or_pins_them(monkeypatch):
 
 def test_theta_lives_on_the_workers_gpu_only_when_every_worker_computes_on_that_one(monkeypatch):
     """engine=process: θ on the GPU (shared by CUDA IPC) needs every worker on it; else shared host memory."""
-    from gem.engines.core import central_device
-
-    monkeypatch.setattr(core, "cuda_ipc", lambda: True)
+    monkeypatch.setattr(core, "cuda_ipc", lambda: True)  # this machine's platform aside
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     base = _bn_job(gdata.make_synthetic(train_size=8, val_size=4), model="resnet18_cifar")
 
     def where(device, workers, **engine):
         job = Job(**{**base.__dict__, "device": device, "workers": workers, "engine": {"name": "process", **engine}})
-        return str(central_device(job))
+        return str(core.central_device(job))
 
     assert where("cuda:1", 4) == "cuda:1" and where("cuda", 1) == "cuda:0"
     assert where("cuda", 2) == "cpu"  # the workers spread over the two GPUs
     assert where("cuda:1", 4, theta_on_gpu=False) == "cpu"
     assert where("cpu", 4) == "cpu"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(core, "cuda_ipc", lambda: True)  # this machine's platform aside
     assert where("cuda", 4) == "cuda:0"
     monkeypatch.setattr(core, "cuda_ipc", lambda: False)  # WSL2, a Jetson, Windows: no CUDA IPC
     assert where("cuda", 4) == "cpu"

@@ -27,8 +27,8 @@ class Turn:
     `waiting()` is called about once a second and may raise to give up.
     """
 
-    def __init__(self, ctx, participants: int, device: torch.device | None = None):
-        self.device = device  # θ's GPU, where it lives on one (`central_device`): see `release`
+    def __init__(self, ctx, participants: int, device: torch.device):
+        self.device = device  # where θ lives (`central_device`): on a GPU, see `release`
         self.meta = ctx.Lock()
         self.sems = [ctx.Semaphore(0) for _ in range(participants)]
         # [holder, head, count, ring...]: holder −1 when free
@@ -108,7 +108,7 @@ class Turn:
             return True  # GO: the turn is ours
 
     def release(self, waiting=None) -> None:
-        if self.device is not None and self.device.type == "cuda":  # what this process queued on θ's GPU is done
+        if self.device.type == "cuda":  # what this process queued on θ's GPU is done
             torch.cuda.synchronize(self.device)  # before the next holder, whose stream is not ordered after ours
         self._lock_meta(waiting)
         try:
