@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
+import warm_run
 from conftest import ROOT
 from test_run import check_run_dir
 
@@ -465,9 +466,8 @@ def test_the_port_of_a_run_just_ended_is_not_refused(data, tmp_path):
 @pytest.mark.slow
 def test_run_py_refuses_a_port_in_use_before_a_run_directory_exists(held_port, tmp_path):
     d = tmp_path / "x"
-    p = subprocess.run([sys.executable, "run.py", "engine=distributed", f"engine.port={held_port}",
-                        "logger.wandb.mode=disabled", f"hydra.run.dir={d}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = warm_run.run_py("engine=distributed", f"engine.port={held_port}", "logger.wandb.mode=disabled",
+                        f"hydra.run.dir={d}", timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
     assert p.stderr.splitlines() == [f"error: {_in_use(held_port)}"]
     assert not d.exists()
@@ -476,11 +476,9 @@ def test_run_py_refuses_a_port_in_use_before_a_run_directory_exists(held_port, t
 @pytest.mark.slow
 def test_run_py_with_allow_remote_warns_once_and_runs(tmp_path):
     d = tmp_path / "x"
-    p = subprocess.run([sys.executable, "run.py", "engine=distributed", "engine.host=0.0.0.0",
-                        "engine.allow_remote=true", "workers=1", "data=synthetic", "data.synthetic.train_size=64",
-                        "data.synthetic.val_size=32", "batch_size=32", "logger.wandb.mode=disabled",
-                        f"hydra.run.dir={d}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = warm_run.run_py("engine=distributed", "engine.host=0.0.0.0", "engine.allow_remote=true", "workers=1",
+                        "data=synthetic", "data.synthetic.train_size=64", "data.synthetic.val_size=32",
+                        "batch_size=32", "logger.wandb.mode=disabled", f"hydra.run.dir={d}", timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     warnings = [line for line in p.stderr.splitlines() if line.startswith("gem: warning:")]
     assert warnings == [ALLOW_REMOTE_WARNING], p.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+import warm_run
 from conftest import ROOT
 from procs import descendants, is_alive, workers_of
 from test_run import check_run_dir
@@ -414,9 +415,8 @@ def test_resume_after_the_main_process_is_killed(tmp_path, engine):
     step = json.loads((d / "checkpoint" / "manifest.json").read_text())["step"]
     assert len(read_table(d)) >= step  # rows up to the checkpoint are on disk (and perhaps some after it)
 
-    r = subprocess.run([sys.executable, "run.py", f"engine={engine}", "workers=3", "algorithm=gem",
-                        "logger.wandb.mode=disabled", "logger.flush_every=5", f"hydra.run.dir={d}", *args,
-                        "resume=true"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = warm_run.run_py(f"engine={engine}", "workers=3", "algorithm=gem", "logger.wandb.mode=disabled",
+                        "logger.flush_every=5", f"hydra.run.dir={d}", *args, "resume=true", timeout=300)
     assert r.returncode == 0, r.stderr
     assert f"resuming from the checkpoint at commit {step}" in r.stdout
     budget = 3 * (1500 // 64)
@@ -445,11 +445,10 @@ def test_resume_refuses_a_missing_or_foreign_checkpoint_with_one_line(tmp_path, 
         check_resumable(manifest, job(data, "process", 2))
     with pytest.raises(CheckpointError, match="made with engine=process, this command has engine=sim"):
         check_resumable(manifest, job(data, "sim", 3))
-    r = subprocess.run([sys.executable, "run.py", "engine=process", "workers=3", "algorithm=gem", "epochs=1",
-                        "batch_size=32", "data=synthetic", "data.synthetic.train_size=256",
-                        "data.synthetic.val_size=64", "data.synthetic.seed=1", "logger.wandb.mode=disabled",
-                        f"hydra.run.dir={tmp_path}", "resume=true"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = warm_run.run_py("engine=process", "workers=3", "algorithm=gem", "epochs=1", "batch_size=32",
+                        "data=synthetic", "data.synthetic.train_size=256", "data.synthetic.val_size=64",
+                        "data.synthetic.seed=1", "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path}",
+                        "resume=true", timeout=300)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr  # a refusal: one line, exit code 2
     assert lines[0].startswith("error: resume=true: checkpoint file") and "central.pt cannot be read" in lines[0]

@@ -1,8 +1,9 @@
 """Faults and bad input, as a user meets them (issue 14's table): a refused command changes nothing, a run
 directory has one owner, and every fault ends with one clear line and a summary that says what happened.
 
-Most commands here go through `python run.py` in a subprocess, as a user types them, on the `sim` engine and
-the embedded digits (fast); generous timeouts because CI machines are shared.
+Most commands here go through `python run.py` in a process of its own, as a user types them (forked from
+tests/warm_run.py's server, which has imported torch once), on the `sim` engine and the embedded digits (fast);
+generous timeouts because CI machines are shared.
 """
 
 import hashlib
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import warm_run
 from conftest import ROOT
 from procs import workers_of
 
@@ -29,8 +31,12 @@ KILLED = [*QUICK, "epochs=10", "engine.checkpoint_every=40"]  # the run that `ki
 
 
 def run_py(*args, timeout=300, **kw):
-    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, **kw)
+    """`python run.py <args>` from the warm server (tests/warm_run.py); a fresh interpreter where a test gives
+    subprocess.run's own arguments (preexec_fn)."""
+    if kw:
+        return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout, **kw)
+    return warm_run.run_py(*args, timeout=timeout)
 
 
 def snapshot(d: Path) -> dict:

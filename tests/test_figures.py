@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import warm_run
 from omegaconf import OmegaConf
 
 from analysis import from_wandb, load, plots, report
@@ -677,9 +678,9 @@ def test_a_quick_experiment_runs_end_to_end_and_its_figure_is_drawn(tmp_path):
     # epochs=1, 3 of its 10 workers and two of its four κ: the end-to-end path is the point (the sweep, its run
     # directories, `paper_figures all`), not the curves; the experiment's own sweep is checked by
     # test_experiment_composes_and_every_job_is_valid
-    env_cmd = [sys.executable, "run.py", "-m", "experiment=fig8_quick", "epochs=1", "workers=3", "algorithm.kappa=1,4",
-               "logger.wandb.mode=disabled", "logger.progress=false", f"hydra.sweep.dir={sweep}"]
-    done = subprocess.run(env_cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    done = warm_run.run_py("-m", "experiment=fig8_quick", "epochs=1", "workers=3", "algorithm.kappa=1,4",
+                           "logger.wandb.mode=disabled", "logger.progress=false", f"hydra.sweep.dir={sweep}",
+                           timeout=420)
     assert done.returncode == 0, done.stderr[-2000:]
     r = load.runs(sweep)
     assert len(r) == 2 and set(r["status"]) == {"completed"} and set(r["experiment"]) == {"fig8_quick"}

@@ -2,12 +2,10 @@
 hangs or fails a run."""
 
 import json
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
-from conftest import ROOT
+import warm_run
 
 from experiments.config import compose
 from experiments.runner import run
@@ -17,8 +15,7 @@ SUMMARY_KEYS = {"status", "algorithm", "engine", "workers", "steps", "final_trai
 
 
 def run_py(*args, timeout=300):
-    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return warm_run.run_py(*args, timeout=timeout)
 
 
 def check_run_dir(d, steps=None):

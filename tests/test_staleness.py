@@ -2,13 +2,12 @@
 asynchrony a real run recorded, replayed)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import warm_run
 
 from gem.data import make_synthetic
 from gem.engines import Job, sim
@@ -69,9 +68,8 @@ SMALL = ["data=synthetic", "data.synthetic.train_size=384", "data.synthetic.val_
 def process_run(tmp_path_factory):
     """A tiny real run: 3 process workers, 12 commits each (a trace's statistics need no more)."""
     d = tmp_path_factory.mktemp("trace") / "process"
-    r = subprocess.run([sys.executable, "run.py", "workers=3", "epochs=1", "batch_size=32", *SMALL,
-                        "logger.wandb.mode=disabled", f"hydra.run.dir={d}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = warm_run.run_py("workers=3", "epochs=1", "batch_size=32", *SMALL, "logger.wandb.mode=disabled",
+                        f"hydra.run.dir={d}", timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     return d
 

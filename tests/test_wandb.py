@@ -4,14 +4,12 @@ is named by what its command sets, and the config logged has every key with its 
 import json
 import os
 import re
-import subprocess
-import sys
 from datetime import datetime
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ROOT
+import warm_run
 from omegaconf import OmegaConf
 
 from experiments import wandb_logger
@@ -165,10 +163,9 @@ def wandb_records(path: Path):
 
 @pytest.mark.slow
 def test_a_sweep_logs_its_group_name_and_full_config_offline(tmp_path):
-    p = subprocess.run([sys.executable, "run.py", "-m", "experiment=fig1_quick", "algorithm=gem", "workers=2",
-                        "seed=0", "algorithm.kappa=2", "epochs=1", "logger.wandb.mode=offline",
-                        "logger.progress=false", f"hydra.sweep.dir={tmp_path}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = warm_run.run_py("-m", "experiment=fig1_quick", "algorithm=gem", "workers=2", "seed=0", "algorithm.kappa=2",
+                        "epochs=1", "logger.wandb.mode=offline", "logger.progress=false",
+                        f"hydra.sweep.dir={tmp_path}", timeout=300)
     assert p.returncode == 0, p.stderr
     (offline,) = (tmp_path / "0" / "wandb").glob("offline-run-*/run-*.wandb")
     (header,) = [r.run for r in wandb_records(offline) if r.WhichOneof("record_type") == "run"]
