@@ -7,8 +7,6 @@ import json
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -17,7 +15,6 @@ import pandas as pd
 import pytest
 import torch
 import warm_run
-from conftest import ROOT
 from procs import descendants, is_alive, workers_of
 from test_run import check_run_dir
 
@@ -624,10 +621,8 @@ def test_ctrl_c_and_sigterm_leave_no_child_behind(tmp_path, sig, code, engine):
 def _start(tmp_path, *args, engine="process", workers=3):
     """`python run.py` with `workers` workers, returned once they are committing."""
     d = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "run.py", f"engine={engine}", f"workers={workers}", "algorithm=gem",
-                          "logger.wandb.mode=disabled", "logger.flush_every=5", f"hydra.run.dir={d}", *args],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    p = warm_run.Popen([f"engine={engine}", f"workers={workers}", "algorithm=gem", "logger.wandb.mode=disabled",
+                        "logger.flush_every=5", f"hydra.run.dir={d}", *args], start_new_session=True)
     processes = workers if engine in REAL else 0
     deadline = time.monotonic() + 180
     while not (d / "metrics.parts").exists() or len(workers_of(p.pid)) < processes:  # the workers are committing

@@ -69,8 +69,7 @@ def refused_line(capsys, *argv) -> str:
 def killed_run(tmp_path_factory) -> Path:
     """A sim run killed with SIGKILL after it wrote a checkpoint: what `resume=true` is for."""
     d = tmp_path_factory.mktemp("killed") / "run"
-    p = subprocess.Popen([sys.executable, "run.py", *KILLED, f"hydra.run.dir={d}"], cwd=ROOT,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = warm_run.Popen([*KILLED, f"hydra.run.dir={d}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     try:
         while not (d / "checkpoint" / "manifest.json").exists():
@@ -192,8 +191,7 @@ def test_a_directory_in_use_is_refused_in_one_line(tmp_path):
 def test_two_runs_started_together_on_one_directory(tmp_path):
     # whichever checks second is refused: "in use" while the other runs, "already holds" once it has finished
     d = tmp_path / "same"
-    procs = [subprocess.Popen([sys.executable, "run.py", *QUICK, f"seed={s}", f"hydra.run.dir={d}"],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in (1, 2)]
+    procs = [warm_run.Popen([*QUICK, f"seed={s}", f"hydra.run.dir={d}"]) for s in (1, 2)]
     out = [p.communicate(timeout=600) for p in procs]
     codes = sorted(p.returncode for p in procs)
     assert codes == [0, 2], out
@@ -325,9 +323,8 @@ def test_lost_workers_is_a_list_on_every_status(tmp_path):
 @pytest.mark.slow
 def test_every_worker_killed_fails_with_every_worker_lost(tmp_path):
     d = tmp_path / "x"
-    p = subprocess.Popen([sys.executable, "run.py", "engine=process", "workers=2", "epochs=200",
-                          "logger.wandb.mode=disabled", "logger.flush_every=5", f"hydra.run.dir={d}"], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = warm_run.Popen(["engine=process", "workers=2", "epochs=200", "logger.wandb.mode=disabled",
+                        "logger.flush_every=5", f"hydra.run.dir={d}"])
     try:
         deadline = time.monotonic() + 240
         while not (d / "metrics.parts").exists():  # the race is on: rows are on disk

@@ -7,14 +7,12 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ROOT
+import warm_run
 from procs import mentioning
 from test_faults import refused_line, run_py
 from test_run import check_run_dir
@@ -232,8 +230,7 @@ def test_a_preempted_job_is_requeued_and_resumes_from_its_checkpoint(tmp_path):
     sweep = tmp_path / "sweep"
     argv = ["-m", "hydra/launcher=distributed_local", *QUICK, f"epochs={EPOCHS}", "engine.checkpoint_every=10",
             "hydra.launcher.tasks_per_node=3", f"hydra.sweep.dir={sweep}"]
-    p = subprocess.Popen([sys.executable, "run.py", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = warm_run.Popen(argv)
     try:
         pid = None
         deadline = time.monotonic() + 300

@@ -1,22 +1,22 @@
-"""`python run.py <args>` for the tests, started without importing torch again: `run_py` below.
+"""`python run.py <args>` for the tests, started without importing torch again: `run_py` and `Popen` below.
 
 Every new Python process that imports torch spends about 2.4 s of CPU on it, and the suite is CPU-bound on its 2
-cores: a third of its CPU went to interpreters importing torch. So a test process starts one server (this file, run
-as a script) that imports torch, numpy, Hydra and gem once, and forks a process for each `run_py`. That process
-becomes `python run.py <args>` as typed: its own pid, working directory, environment, argv, stdin from /dev/null and
-stdout and stderr to files; run.py runs as `__main__` (its worker processes import it by path, as they do under a
-fresh interpreter); it ends as an interpreter ends (atexit handlers, exit code, a traceback and 1 on an uncaught
-exception).
+cores: close to half of its CPU went to the 150 interpreters it started importing torch. So a test process starts
+one server (this file, run as a script) that imports torch, numpy, Hydra and gem once, and forks a process for each
+`run_py` or `Popen`. That process becomes `python run.py <args>` as typed: its own pid (a new session if asked),
+working directory, environment, argv, stdin from /dev/null and stdout and stderr to files; run.py runs as `__main__`
+(its worker processes import it by path, as they do under a fresh interpreter); it ends as an interpreter ends
+(atexit handlers, exit code, a traceback and 1 on an uncaught exception). A signal sent to its pid (or its group, in
+a new session) reaches it as it would reach `python run.py`.
 
-What differs from a fresh interpreter (the tests that send a run a signal, kill it, limit its files or launch it
-under torchrun start a fresh one, and test_config checks that both answer a refused command alike):
+What differs from a fresh interpreter (test_config checks that both answer a refused command alike; the tests that
+limit a run's file sizes, and those under torchrun, start a fresh one):
 - the modules above are imported before run.py runs (run.py imports them itself, in its `__main__` guard);
 - numpy's OpenBLAS has one thread, as in gem's worker processes (gem.engines.preload);
 - Python's hash seed is the server's, the same for every run it starts.
 
 The server forks as gem's forkserver does: it has imported nothing that starts a thread (no pandas, no pyarrow:
-run.py imports those), and checks that it runs one thread before it serves.
-"""
+run.py imports those), and checks that it runs one thread before it serves."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ import atexit
 import json
 import os
 import select
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,105 +34,199 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-_server: subprocess.Popen | None = None
-_pending = b""  # what the server wrote beyond the last line read
+PIPE, DEVNULL = subprocess.PIPE, subprocess.DEVNULL
 
 
-def _start() -> subprocess.Popen:
-    global _server, _pending
-    if _server is None or _server.poll() is not None:
-        _server, _pending = subprocess.Popen([sys.executable, __file__], cwd=ROOT, stdin=subprocess.PIPE,
-                                             stdout=subprocess.PIPE), b""
-        atexit.register(_stop, _server)
-        ready = _reply(_server, 300)
-        if ready != {"ready": 1}:
-            raise RuntimeError(f"the warm run.py server did not start: {ready}")
+class _Server:
+    """This test process's server: requests on its stdin; on its stdout `started` (each request's pid, in order)
+    and `exited` (a pid and its exit code, as they end)."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, __file__], cwd=ROOT, stdin=PIPE, stdout=PIPE)
+        self.pending = b""  # read from the pipe beyond the last whole line
+        self.started: list[int] = []
+        self.exits: dict[int, int] = {}
+        self.files = tempfile.mkdtemp(prefix="warm_run_")  # the runs' stdout and stderr
+        atexit.register(self.stop)
+        deadline = time.monotonic() + 300
+        while not self.ready:
+            if not self.read(deadline - time.monotonic()):
+                self.proc.kill()
+                raise RuntimeError("the warm run.py server did not start within 300 s")
+
+    ready = False
+
+    def read(self, timeout: float) -> bool:
+        """Take in what the server says within `timeout` seconds; False if it said nothing. Read from the pipe's
+        descriptor itself: a buffered reader could hold a line where select() cannot see it."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], max(timeout, 0))
+        if not ready:
+            return False
+        chunk = os.read(self.proc.stdout.fileno(), 65536)
+        if not chunk:
+            raise RuntimeError(f"the warm run.py server exited (code {self.proc.wait()})")
+        self.pending += chunk
+        *lines, self.pending = self.pending.split(b"\n")
+        for line in lines:
+            said = json.loads(line)
+            if "error" in said:
+                raise RuntimeError(f"the warm run.py server: {said['error']}")
+            self.ready = self.ready or "ready" in said
+            if "started" in said:
+                self.started.append(said["started"])
+            if "exited" in said:
+                self.exits[said["exited"]] = said["rc"]
+        return True
+
+    def start(self, request: dict) -> int:
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + 60
+        while not self.started:
+            if not self.read(deadline - time.monotonic()):
+                raise RuntimeError("the warm run.py server did not fork within 60 s")
+        return self.started.pop(0)
+
+    def stop(self) -> None:
+        """The server ends at the end of its input; killed if it has not within 10 s."""
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.files, ignore_errors=True)
+
+
+_server: _Server | None = None
+
+
+def _the_server() -> _Server:
+    global _server
+    if _server is None or _server.proc.poll() is not None:
+        _server = _Server()
     return _server
 
 
-def _stop(server: subprocess.Popen) -> None:
-    """The server ends at end of input; killed if it has not within 10 s."""
-    server.stdin.close()
-    try:
-        server.wait(10)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
+class Popen:
+    """`subprocess.Popen([sys.executable, script, *args], cwd=cwd, env=env, stdout=..., stderr=..., text=True,
+    start_new_session=...)` for a process forked from the warm server: pid, poll, wait, send_signal, terminate,
+    kill, communicate and returncode as subprocess's. stdout and stderr are PIPE (read by communicate) or
+    DEVNULL."""
 
+    def __init__(self, args, cwd: Path | str = ROOT, env: dict | None = None, stdout=PIPE, stderr=PIPE,
+                 start_new_session: bool = False, script: str = "run.py"):
+        self.server = _the_server()
+        self.args = [sys.executable, script, *args]
+        self.returncode: int | None = None
+        names = {}
+        for stream, how in (("stdout", stdout), ("stderr", stderr)):
+            names[stream] = (tempfile.mktemp(prefix=f"{stream}_", dir=self.server.files) if how == PIPE
+                             else os.devnull)
+        self._out, self._err = names["stdout"], names["stderr"]
+        self.pid = self.server.start({"script": script, "argv": list(args), "cwd": str(cwd),
+                                      "env": dict(os.environ if env is None else env), "session": start_new_session,
+                                      **names})
 
-def _reply(server: subprocess.Popen, timeout: float) -> dict | None:
-    """The server's next line, or None if none came within `timeout` seconds. Read from the pipe's descriptor
-    itself: a buffered reader could hold the next line where select() cannot see it."""
-    global _pending
-    deadline = time.monotonic() + timeout
-    while b"\n" not in _pending:
-        ready, _, _ = select.select([server.stdout], [], [], max(deadline - time.monotonic(), 0))
-        if not ready:
-            return None
-        chunk = os.read(server.stdout.fileno(), 4096)
-        if not chunk:
-            raise RuntimeError(f"the warm run.py server exited (code {server.wait()})")
-        _pending += chunk
-    line, _pending = _pending.split(b"\n", 1)
-    return json.loads(line)
+    def poll(self) -> int | None:
+        while self.returncode is None and self.server.read(0):
+            pass
+        if self.returncode is None and self.pid in self.server.exits:
+            self.returncode = self.server.exits.pop(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = 1.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.server.read(min(left, 1.0))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        self.wait(timeout)
+        return tuple(None if name == os.devnull else Path(name).read_text(errors="replace")
+                     for name in (self._out, self._err))
 
 
 def run_py(*args: str, timeout: float = 300, env: dict | None = None, cwd: Path | str = ROOT,
            script: str = "run.py") -> subprocess.CompletedProcess:
     """`subprocess.run([sys.executable, script, *args], cwd=cwd, env=env, capture_output=True, text=True,
-    timeout=timeout)`, in a process forked from the warm server. On timeout the run is killed, and
-    subprocess.TimeoutExpired raised, as subprocess.run does."""
-    server = _start()
-    with tempfile.TemporaryDirectory(prefix="warm_run_") as tmp:
-        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        server.stdin.write(json.dumps({"script": script, "argv": list(args), "cwd": str(cwd),
-                                       "env": dict(os.environ if env is None else env), "stdout": str(out),
-                                       "stderr": str(err)}).encode() + b"\n")
-        server.stdin.flush()
-        pid = _reply(server, 60)["pid"]
-        done = _reply(server, timeout)
-        if done is None:  # too long: kill it, as subprocess.run does, and collect its exit
-            os.kill(pid, 9)
-            _reply(server, 60)
-        argv = [sys.executable, script, *args]
-        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-        if done is None:
-            raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
-        return subprocess.CompletedProcess(argv, done["rc"], stdout, stderr)
+    timeout=timeout)` from the warm server. On timeout the run is killed, and subprocess.TimeoutExpired raised,
+    as subprocess.run does."""
+    p = Popen(args, cwd=cwd, env=env, script=script)
+    try:
+        out, err = p.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(60)
+        out, err = p.communicate()
+        raise subprocess.TimeoutExpired(p.args, timeout, out, err) from None
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _say(what: dict) -> None:
+    print(json.dumps(what), flush=True)
 
 
 def _serve() -> dict:
-    """Fork a process for each request on stdin; in the server, reply its pid, then its exit code. Returns (in the
-    forked process only) the request that process runs."""
+    """Fork a process for each request on stdin; in the server, say its pid, then its exit code when it ends.
+    Returns (in the forked process only) the request that process runs."""
+    pending, running = b"", set()
     while True:
-        line = sys.stdin.readline()
-        if not line:
+        # a run's end is seen within 50 ms: the server polls while any runs
+        readable, _, _ = select.select([0], [], [], 0.05 if running else None)
+        for pid in list(running):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                running.discard(pid)
+                _say({"exited": pid, "rc": os.waitstatus_to_exitcode(status)})
+        if not readable:
+            continue
+        chunk = os.read(0, 65536)
+        if not chunk:  # the test process is done
             sys.exit(0)
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            return request
-        print(json.dumps({"pid": pid}), flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                return request
+            running.add(pid)
+            _say({"started": pid})
 
 
 if __name__ == "__main__":
     sys.path[0] = str(ROOT)  # as for `python run.py` in ROOT: gem and experiments import from the checkout
+    import gem.engines.preload  # noqa: F401 - first: torch, numpy (one OpenBLAS thread), gem's engines, algorithms
+
+    # isort: split
     import hydra  # noqa: F401
     import hydra.main  # noqa: F401
 
     import experiments.config  # noqa: F401 - the schema and validation (not experiments.command: it imports pandas)
     import experiments.plan  # noqa: F401
     import experiments.rundir  # noqa: F401
-    import gem.engines.preload  # noqa: F401 - torch, numpy (one OpenBLAS thread), gem's engines and algorithms
 
     if len(os.listdir("/proc/self/task")) != 1:
-        print(json.dumps({"error": f"{len(os.listdir('/proc/self/task'))} threads after the imports"}), flush=True)
+        _say({"error": f"{len(os.listdir('/proc/self/task'))} threads after the imports; a fork could hang"})
         sys.exit(1)
-    print(json.dumps({"ready": 1}), flush=True)
+    _say({"ready": 1})
     request = _serve()
     # this is now the forked process: become `python <script> <argv>`
+    if request["session"]:
+        os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
