@@ -58,6 +58,42 @@ def run(job_, d):
     return result, read_table(d), rec
 
 
+def test_a_run_closes_each_of_its_descriptors_once(data, tmp_path, monkeypatch):
+    """The job store owns rank 0's listening socket: TCPStore closes the descriptor it is given when it goes. The
+    engine closed it as well, so its number went back to the system while the store still held it: a file opened
+    next got that number, and the store closed that file under its reader when it was collected (`Bad file
+    descriptor` while a test merged parquet parts, 2 suites in 3)."""
+    import gc
+
+    stores = []  # the run's store, kept past the run's end as a reference cycle may keep it
+
+    def kept(*args, **kw):
+        stores.append(real(*args, **kw))
+        return stores[-1]
+
+    def sockets() -> set[str]:
+        fds = Path("/proc/self/fd")
+        return {link for fd in fds.iterdir() if (link := _readlink(fd)).startswith("socket:")}
+
+    real = dist.TCPStore
+    monkeypatch.setattr(dist, "TCPStore", kept)
+    before = sockets()
+    result, _, _ = run(job(data, 1, epochs=1), tmp_path / "run")
+    assert result.status == "completed" and len(stores) == 1
+    with open(tmp_path / "next-file", "w") as f:  # the lowest free number: the socket's, if the engine closed it
+        stores.clear()
+        gc.collect()  # the store goes, and closes its socket
+        os.fstat(f.fileno())  # EBADF where that was this file
+    assert sockets() <= before  # and the store closed it
+
+
+def _readlink(path: Path) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # closed meanwhile (the listing's own descriptor)
+        return ""
+
+
 @pytest.mark.slow  # a run of 4 distributed workers: 6 s
 def test_commits_are_served_first_come_first_served(data, tmp_path):
     """Every worker has the same budget, so the final shares are 1/n whatever the order: fairness shows while

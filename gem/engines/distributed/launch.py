@@ -100,6 +100,10 @@ def run(job: Job, recorder) -> Result:
             port = listener.getsockname()[1]
             store = dist.TCPStore(host, port, n + 1, True, timeout=_td(START_TIMEOUT_S), wait_for_workers=False,
                                   master_listen_fd=listener.fileno())
+            # the store owns the listening socket now and closes it when it goes. Closed here as well, its number
+            # could belong to another file by then (a parquet part being read, seen as EBADF in the tests)
+            listener.detach()
+            listener = None
             local = _local_address(host)  # where this machine's ranks reach rank 0 and one another
             # as on the process engine, the workers share the cores and the coordinating rank is not counted: it
             # mostly waits on the wire. The same threads as the other engines: the same arithmetic at n = 1.
