@@ -141,14 +141,19 @@ def test_stale_namespaces_of_dead_processes_are_removed(hosts):
 
 @pytest.mark.slow  # a timing: 50 MB at 1 Gbit/s, 0.4 s each way
 def test_a_shaped_link_carries_its_rate(hosts):
-    """tbf on both ends (tests/netns.py): TCP gets the rate less the frames' headers, 1448/1514 of it."""
+    """tbf on both ends (tests/netns.py): TCP gets the rate less the frames' headers, 1448/1514 of it. Never more
+    than the rate; at least 0.85 of it in the best of three transfers (the sender and receiver are processes that
+    need a core: with the suite keeping both busy, one transfer in CI got 0.68 Gbit/s)."""
     from netns import transfer_s
 
     assert transfer_s(hosts, 1, 0, 10**7) < 0.4  # unshaped: 10 to 17 Gbit/s here
     hosts.shape(1000)
     for src, dst in ((1, 0), (0, 1)):
-        gbit = 5e7 * 8 / transfer_s(hosts, src, dst, 5 * 10**7) / 1e9
-        assert 0.85 < gbit < 1.0, gbit  # 0.96 measured
+        rates = []
+        while len(rates) < 3 and not (rates and rates[-1] > 0.85):
+            rates.append(5e7 * 8 / transfer_s(hosts, src, dst, 5 * 10**7) / 1e9)
+            assert rates[-1] < 1.0, rates
+        assert max(rates) > 0.85, rates  # 0.96 measured
 
 
 def test_three_hosts_reach_one_another_through_the_hub():
