@@ -46,6 +46,7 @@ class _Server:
         self.pending = b""  # read from the pipe beyond the last whole line
         self.started: list[int] = []
         self.exits: dict[int, int] = {}
+        self.ready = False
         self.files = tempfile.mkdtemp(prefix="warm_run_")  # the runs' stdout and stderr
         atexit.register(self.stop)
         deadline = time.monotonic() + 300
@@ -53,8 +54,6 @@ class _Server:
             if not self.read(deadline - time.monotonic()):
                 self.proc.kill()
                 raise RuntimeError("the warm run.py server did not start within 300 s")
-
-    ready = False
 
     def read(self, timeout: float) -> bool:
         """Take in what the server says within `timeout` seconds; False if it said nothing. Read from the pipe's
@@ -121,15 +120,17 @@ class Popen:
         self.returncode: int | None = None
         names = {}
         for stream, how in (("stdout", stdout), ("stderr", stderr)):
-            names[stream] = (tempfile.mktemp(prefix=f"{stream}_", dir=self.server.files) if how == PIPE
-                             else os.devnull)
+            names[stream] = os.devnull
+            if how == PIPE:
+                fd, names[stream] = tempfile.mkstemp(prefix=f"{stream}_", dir=self.server.files)
+                os.close(fd)
         self._out, self._err = names["stdout"], names["stderr"]
         self.pid = self.server.start({"script": script, "argv": list(args), "cwd": str(cwd),
                                       "env": dict(os.environ if env is None else env), "session": start_new_session,
                                       **names})
 
     def poll(self) -> int | None:
-        while self.returncode is None and self.server.read(0):
+        while self.server.read(0):  # everything the server has said so far
             pass
         if self.returncode is None and self.pid in self.server.exits:
             self.returncode = self.server.exits.pop(self.pid)
