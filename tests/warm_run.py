@@ -2,7 +2,7 @@
 
 Every new Python process that imports torch spends about 2.4 s of CPU on it, and the suite is CPU-bound on its 2
 cores: close to half of its CPU went to the 150 interpreters it started importing torch. So a test process starts
-one server (this file, run as a script) that imports torch, numpy, Hydra and gem once, and forks a process for each
+one server (this file, run as a script) that imports torch, Hydra, pandas and gem once, and forks a process for each
 `run_py` or `Popen`. That process becomes `python run.py <args>` as typed: its own pid (a new session if asked),
 working directory, environment, argv, stdin from /dev/null and stdout and stderr to files; run.py runs as `__main__`
 (its worker processes import it by path, as they do under a fresh interpreter); it ends as an interpreter ends
@@ -12,11 +12,12 @@ a new session) reaches it as it would reach `python run.py`.
 What differs from a fresh interpreter (test_config checks that both answer a refused command alike; the tests that
 limit a run's file sizes, and those under torchrun, start a fresh one):
 - the modules above are imported before run.py runs (run.py imports them itself, in its `__main__` guard);
-- numpy's OpenBLAS has one thread, as in gem's worker processes (gem.engines.preload);
+- numpy's OpenBLAS has one thread, as in gem's worker processes (gem.engines.preload), and pyarrow's allocator
+  returns freed memory as it goes rather than on a thread of its own;
 - Python's hash seed is the server's, the same for every run it starts.
 
-The server forks as gem's forkserver does: it has imported nothing that starts a thread (no pandas, no pyarrow:
-run.py imports those), and checks that it runs one thread before it serves."""
+The server forks as gem's forkserver does: it has imported nothing that starts a thread, and checks that it runs
+one thread before it serves."""
 
 from __future__ import annotations
 
@@ -210,15 +211,16 @@ def _serve() -> dict:
 
 if __name__ == "__main__":
     sys.path[0] = str(ROOT)  # as for `python run.py` in ROOT: gem and experiments import from the checkout
+    # pyarrow's allocator (jemalloc) starts a thread to return freed memory in the background, unless told not to
+    os.environ["JE_ARROW_MALLOC_CONF"] = "background_thread:false"
     import gem.engines.preload  # noqa: F401 - first: torch, numpy (one OpenBLAS thread), gem's engines, algorithms
 
     # isort: split
     import hydra  # noqa: F401
     import hydra.main  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
 
-    import experiments.config  # noqa: F401 - the schema and validation (not experiments.command: it imports pandas)
-    import experiments.plan  # noqa: F401
-    import experiments.rundir  # noqa: F401
+    import experiments.command  # noqa: F401 - everything run.py imports: the checks, the runner, pandas
 
     if len(os.listdir("/proc/self/task")) != 1:
         _say({"error": f"{len(os.listdir('/proc/self/task'))} threads after the imports; a fork could hang"})
