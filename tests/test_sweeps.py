@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+import warm_run
 from conftest import ROOT
 from test_faults import refused_line, run_py, snapshot
 
@@ -169,6 +170,7 @@ def test_the_jobs_a_sweep_has_not_reached_are_counted(tmp_path):
 
 COUNT_VALIDATIONS = """
 import atexit, runpy, sys
+sys.path[0] = ""  # the working directory, the checkout, as for python run.py: Hydra finds gem's sweeper there
 import experiments.config as config
 
 calls = []
@@ -188,13 +190,11 @@ runpy.run_path("run.py", run_name="__main__")
 def test_each_jobs_config_is_validated_once(tmp_path, multirun):
     """A command flows one way: each job's config is checked once, into the Spec that the job then runs (the
     callback or the sweeper checks it before anything starts; the task function takes it back)."""
-    import subprocess
-    import sys
-
     where = f"hydra.sweep.dir={tmp_path / 'sweep'}" if multirun else f"hydra.run.dir={tmp_path / 'run'}"
     argv = ["-m", "seed=0,1"] if multirun else ["seed=1"]
-    p = subprocess.run([sys.executable, "-c", COUNT_VALIDATIONS, *argv, *QUICK, "workers=2", where], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    script = tmp_path / "count_validations.py"
+    script.write_text(COUNT_VALIDATIONS)
+    p = warm_run.run_py(*argv, *QUICK, "workers=2", where, script=str(script), timeout=300)
     assert p.returncode == 0, p.stderr
     assert p.stderr.splitlines()[-1] == ("validations: [0, 1]" if multirun else "validations: [1]"), p.stderr
     assert p.stdout.count("status          completed") == (2 if multirun else 1)
