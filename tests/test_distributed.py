@@ -75,11 +75,20 @@ def test_a_run_closes_each_of_its_descriptors_once(data, tmp_path, monkeypatch):
         fds = Path("/proc/self/fd")
         return {link for fd in fds.iterdir() if (link := _readlink(fd)).startswith("socket:")}
 
-    real = dist.TCPStore
+    numbers = []  # the listening socket's descriptor
+
+    def listener(*args):
+        numbers.append((s := real_listener(*args)).fileno())
+        return s
+
+    real, real_listener = dist.TCPStore, launch._listener
     monkeypatch.setattr(dist, "TCPStore", kept)
+    monkeypatch.setattr(launch, "_listener", listener)
     before = sockets()
     result, _, _ = run(job(data, 1, epochs=1), tmp_path / "run")
     assert result.status == "completed" and len(stores) == 1
+    (number,) = numbers
+    assert _readlink(Path(f"/proc/self/fd/{number}")).startswith("socket:")  # still the store's, as long as it is
     with open(tmp_path / "next-file", "w") as f:  # the lowest free number: the socket's, if the engine closed it
         stores.clear()
         gc.collect()  # the store goes, and closes its socket

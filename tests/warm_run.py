@@ -11,7 +11,13 @@ a new session) reaches it as it would reach `python run.py`.
 
 What differs from a fresh interpreter (test_config checks that both answer a refused command alike; the tests that
 limit a run's file sizes, and those under torchrun, start a fresh one):
-- the modules above are imported before run.py runs (run.py imports them itself, in its `__main__` guard);
+- the modules above are imported before run.py runs (run.py imports them itself, in its `__main__` guard), with
+  what gem.engines.preload does on import (every algorithm loaded, GEM's loops compiled, the collector frozen);
+- what an interpreter or a module reads from the environment when it starts (PYTHONPATH, PYTHONWARNINGS,
+  OMP_NUM_THREADS, NUMBA_*) is the server's: the environment of the test that started it. Each run gets the test's
+  own environment in os.environ;
+- warnings shown while the server imported are not shown again, and a traceback has runpy's frames on top;
+- /proc/<pid>/cmdline of the run reads `python tests/warm_run.py`, not its arguments;
 - numpy's OpenBLAS has one thread, as in gem's worker processes (gem.engines.preload), and pyarrow's allocator
   returns freed memory as it goes rather than on a thread of its own;
 - Python's hash seed is the server's, the same for every run it starts.
@@ -22,6 +28,7 @@ one thread before it serves."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -72,7 +79,8 @@ class _Server:
             if "error" in said:
                 raise RuntimeError(f"the warm run.py server: {said['error']}")
             self.ready = self.ready or "ready" in said
-            if "started" in said:
+            if "started" in said:  # a new process: an exit recorded under the same pid was an earlier one's
+                self.exits.pop(said["started"], None)
                 self.started.append(said["started"])
             if "exited" in said:
                 self.exits[said["exited"]] = said["rc"]
@@ -119,13 +127,17 @@ class Popen:
         self.server = _the_server()
         self.args = [sys.executable, script, *args]
         self.returncode: int | None = None
-        names = {}
+        # PIPE: a named pipe, read to its end as subprocess reads a pipe: until every process that holds it (the
+        # run, and the forkserver and resource tracker it starts) has closed it
+        names, self._pipes, self._read = {}, {}, {}
         for stream, how in (("stdout", stdout), ("stderr", stderr)):
             names[stream] = os.devnull
             if how == PIPE:
-                fd, names[stream] = tempfile.mkstemp(prefix=f"{stream}_", dir=self.server.files)
-                os.close(fd)
-        self._out, self._err = names["stdout"], names["stderr"]
+                names[stream] = tempfile.mktemp(prefix=f"{stream}_", dir=self.server.files)  # in our own folder
+                os.mkfifo(names[stream])
+                self._pipes[stream] = os.open(names[stream], os.O_RDONLY | os.O_NONBLOCK)
+                self._read[stream] = []
+        self._names = names
         self.pid = self.server.start({"script": script, "argv": list(args), "cwd": str(cwd),
                                       "env": dict(os.environ if env is None else env), "session": start_new_session,
                                       **names})
@@ -147,8 +159,15 @@ class Popen:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
+        try:
+            self.poll()
+        except RuntimeError:  # the server is gone (Ctrl-C): signal the run all the same
+            pass
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # ended, and reaped by the server, a moment ago
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -157,9 +176,26 @@ class Popen:
         self.send_signal(signal.SIGKILL)
 
     def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
-        self.wait(timeout)
-        return tuple(None if name == os.devnull else Path(name).read_text(errors="replace")
-                     for name in (self._out, self._err))
+        """What the run wrote, once every holder of its pipes has closed them, and the run has exited."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._pipes:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            ready, _, _ = select.select(list(self._pipes.values()), [], [], left)
+            for stream, fd in list(self._pipes.items()):
+                if fd in ready:
+                    chunk = os.read(fd, 65536)
+                    self._read[stream].append(chunk)
+                    if not chunk:  # no writer left
+                        os.close(self._pipes.pop(stream))
+                        os.unlink(self._names[stream])
+        self.wait(None if deadline is None else max(deadline - time.monotonic(), 0))
+        return tuple(b"".join(self._read[s]).decode() if s in self._read else None for s in ("stdout", "stderr"))
+
+    def __del__(self):  # a run whose output nobody read (killed, say): its pipes' ends here
+        for fd in getattr(self, "_pipes", {}).values():
+            os.close(fd)
 
 
 def run_py(*args: str, timeout: float = 300, env: dict | None = None, cwd: Path | str = ROOT,
@@ -185,27 +221,35 @@ def _say(what: dict) -> None:
 def _serve() -> dict:
     """Fork a process for each request on stdin; in the server, say its pid, then its exit code when it ends.
     Returns (in the forked process only) the request that process runs."""
-    pending, running = b"", set()
+    pending, running = b"", {}  # pid: whether it leads a session of its own
     while True:
         # a run's end is seen within 50 ms: the server polls while any runs
         readable, _, _ = select.select([0], [], [], 0.05 if running else None)
         for pid in list(running):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                running.discard(pid)
+                del running[pid]
                 _say({"exited": pid, "rc": os.waitstatus_to_exitcode(status)})
         if not readable:
             continue
         chunk = os.read(0, 65536)
-        if not chunk:  # the test process is done
+        if not chunk:  # the test process is gone (ended, or interrupted): so are the runs it started
+            for pid, session in running.items():
+                with contextlib.suppress(ProcessLookupError):
+                    (os.killpg if session else os.kill)(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
             sys.exit(0)
         *lines, pending = (pending + chunk).split(b"\n")
         for line in lines:
             request = json.loads(line)
+            # the run's stdout and stderr, opened here so that they are open when the test reads them
+            request["fds"] = [os.open(request[s], os.O_WRONLY) for s in ("stdout", "stderr")]
             pid = os.fork()
             if pid == 0:
                 return request
-            running.add(pid)
+            for fd in request["fds"]:
+                os.close(fd)
+            running[pid] = request["session"]
             _say({"started": pid})
 
 
@@ -222,19 +266,21 @@ if __name__ == "__main__":
 
     import experiments.command  # noqa: F401 - everything run.py imports: the checks, the runner, pandas
 
-    if len(os.listdir("/proc/self/task")) != 1:
-        _say({"error": f"{len(os.listdir('/proc/self/task'))} threads after the imports; a fork could hang"})
+    if gem.engines.preload.threads() != 1:
+        _say({"error": f"{gem.engines.preload.threads()} threads after the imports; a fork could hang"})
         sys.exit(1)
+    # Ctrl-C in the terminal reaches the server too: it outlives the test process by a moment, to end the runs
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
     _say({"ready": 1})
     request = _serve()
     # this is now the forked process: become `python <script> <argv>`
+    signal.signal(signal.SIGINT, interrupt)  # what an interpreter started by the test process has
     if request["session"]:
         os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    for fd, path in ((0, os.devnull), (1, request["stdout"]), (2, request["stderr"])):
-        f = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for fd, f in zip((0, 1, 2), (os.open(os.devnull, os.O_RDONLY), *request["fds"]), strict=True):
         os.dup2(f, fd)
         os.close(f)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fd 0 lives as long as the process
