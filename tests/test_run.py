@@ -5,17 +5,13 @@ import json
 
 import pandas as pd
 import pytest
-import warm_run
+from warm_run import run_py
 
 from experiments.config import compose
 from experiments.runner import run
 
 SUMMARY_KEYS = {"status", "algorithm", "engine", "workers", "steps", "final_train_loss", "val_loss",
                 "val_accuracy", "mean_staleness", "wall_time_s"}
-
-
-def run_py(*args, timeout=300):
-    return warm_run.run_py(*args, timeout=timeout)
 
 
 def check_run_dir(d, steps=None):
