@@ -260,8 +260,8 @@ def _check_memory(cfg: DictConfig, hp, n: int, engine: str, dat, module) -> None
     server_each = server if engine == "distributed" else 0
     train = gdata.train_size(dat.name, data_root(dat.root), dat.synthetic.train_size) or 0
     each = memory.per_worker(engine, params, state, train) + server_each
-    if engine == "distributed" and cfg.engine.get("shared_memory", True):
-        each += params * memory.FLOAT  # its Δ slot in the shared-memory window (/dev/shm, which is memory)
+    # (a local launch's workers have no Δ slot in shared memory: they apply their commits to θ in rank 0's window,
+    # which is the server's θ, counted once)
     once = server + memory.once(engine)
     have = memory.available()
     if have is None or n * each + once <= have:

@@ -57,7 +57,8 @@ class EngineConfig:
     host: str = "127.0.0.1"  # engine=distributed, local launch: the address rank 0 listens on
     allow_remote: bool = False  # ... an address other than loopback needs this opt-in
     port: int = 0  # ... and its port; 0: a free one
-    shared_memory: bool = True  # engine=distributed: the workers on rank 0's host read θ from shared memory
+    shared_memory: bool = True  # engine=distributed: the workers on rank 0's host read θ from shared memory (and,
+    # launched locally, pass the server's turn among themselves there, as on engine=process)
     theta_on_gpu: bool = True  # engine=process: θ on the workers' GPU when they all compute on one (CUDA IPC)
     # process, distributed: a worker that has not committed for silent_cycles x the median time between commits
     # of a worker, and for at least timeout_s, is lost (killed, recorded; the run goes on with the others)

@@ -220,10 +220,11 @@ def test_too_many_workers_for_this_machine_is_refused(tmp_path, args, figure, ca
     assert not (tmp_path / "x").exists()
 
 
-def test_the_memory_check_counts_a_distributed_workers_slot_in_shared_memory(tmp_path, capsys, monkeypatch):
-    """engine=distributed with shared_memory=true: each worker also has a Δ slot, θ-sized, in /dev/shm."""
+def test_the_memory_check_counts_no_slot_for_a_local_launchs_workers(tmp_path, capsys, monkeypatch):
+    """engine=distributed with shared_memory=true, launched locally: the workers apply their commits to θ in rank
+    0's window, the server's own θ, and have no Δ slot there (a torchrun worker's slot is not checked: the launcher
+    places the ranks)."""
     from gem.engines import memory
-    from gem.models import build_model
 
     monkeypatch.setattr(memory, "available", lambda: 2**20)  # 1 MB: any run is refused, and says what it needs
     each = {}
@@ -232,8 +233,7 @@ def test_the_memory_check_counts_a_distributed_workers_slot_in_shared_memory(tmp
                             "model=alexnet_cifar", "data=synthetic", f"engine.shared_memory={shared}",
                             f"hydra.run.dir={tmp_path / 'x'}")
         each[shared] = float(line.split(" worker processes of ")[1].split(" MB each")[0])
-    slot = sum(p.numel() for p in build_model("alexnet_cifar", num_classes=10).parameters()) * memory.FLOAT
-    assert abs((each["true"] - each["false"]) * 2**20 - slot) <= 2**20  # the message rounds to the MB
+    assert each["true"] == each["false"] > 0
     assert not (tmp_path / "x").exists()
 
 

@@ -36,3 +36,28 @@ def test_threads_per_process_is_cores_over_processes_capped_by_omp_num_threads(m
     assert threads_per_process(1) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "junk")
     assert threads_per_process(1) == cores
+
+
+def test_a_participant_asked_to_stop_is_never_handed_the_turn():
+    """Stopped while in line, a participant is woken to stop (Gone) and the turn goes to the next one: handed the
+    turn, it would stop holding it, and everyone behind it would wait for good (the distributed engine's server
+    thread takes the turn after stopping its local workers)."""
+    import multiprocessing
+
+    import torch
+
+    from gem.engines.turn import Gone, Turn
+
+    turn = Turn(multiprocessing.get_context("spawn"), 3, torch.device("cpu"))
+    assert turn.acquire(0)
+    turn._lock_meta()
+    turn._enqueue(1)  # 1 and then 2 wait in line behind 0
+    turn._enqueue(2)
+    turn.meta.release()
+    turn.stop(1)
+    turn.release()
+    assert int(turn.state[0]) == 2 and turn.peek() == []  # handed to 2; 1 is out of line
+    with pytest.raises(Gone):
+        turn.acquire(1, timeout=1.0)  # woken: it stops
+    turn.release()
+    assert int(turn.state[0]) == -1

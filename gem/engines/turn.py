@@ -52,18 +52,19 @@ class Turn:
         s[2] += 1
 
     def _hand_over(self) -> None:
-        """Give the turn to the oldest waiter, or free it. Call with meta held."""
+        """Give the turn to the oldest waiter that is not asked to stop, or free it. Call with meta held. (A
+        participant asked to stop is woken to stop, and out of line: given the turn, it would stop holding it.)"""
         s = self.state
-        if int(s[2]) == 0:
-            s[0] = -1
-            return
-        nxt = int(s[3 + int(s[1])])
-        s[1] = (int(s[1]) + 1) % self.size
-        s[2] -= 1
-        s[0] = nxt
-        if int(self.action[nxt]) != STOP:
-            self.action[nxt] = GO
-        self.sems[nxt].release()
+        while int(s[2]):
+            nxt = int(s[3 + int(s[1])])
+            s[1] = (int(s[1]) + 1) % self.size
+            s[2] -= 1
+            self.sems[nxt].release()
+            if int(self.action[nxt]) != STOP:
+                self.action[nxt] = GO
+                s[0] = nxt
+                return
+        s[0] = -1
 
     def acquire(self, who: int, waiting=None, on_request=None, timeout: float | None = None,
                 on_queued=None) -> bool:
@@ -126,6 +127,15 @@ class Turn:
                 self.action[w] = action
                 if w in line:
                     self.sems[w].release()
+        finally:
+            self.meta.release()
+
+    def answered(self, who: int, action: int) -> None:
+        """(coordinator) `who` has done what `ask` asked of it by another way: ask it no more."""
+        self._lock_meta()
+        try:
+            if int(self.action[who]) == action:
+                self.action[who] = GO
         finally:
             self.meta.release()
 

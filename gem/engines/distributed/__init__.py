@@ -25,20 +25,26 @@ So a commit costs two model-sized messages, and the algorithms run unchanged: th
 and the server state, exactly as in the process engine, and staleness is measured on the server's clock. A
 windowed algorithm talks to the server only when it commits. A worker on rank 0's own host takes θ from shared
 memory instead and leaves its Δ there (window.py, `engine.shared_memory`): the same exchange, with only its
-headers on the wire.
+headers on the wire. The workers of a local launch, all on rank 0's host, do without the exchange: they pass the
+turn among themselves and apply their commits to θ in shared memory, as on the process engine (gem.engines.turn),
+and send only their rows; rank 0 learns who made each commit from the window's log. On one machine that is what
+brings `distributed` to the speed of `process` (BENCHMARKS.md): an exchange wakes a thread of another process at
+each of its steps, and on a machine whose cores the workers keep busy each wake-up waits for a core.
 
 The engine by concern, each file read top to bottom; each imports only those above it:
 
     wire.py      the group, the messages (kinds, headers, tensors as JSON specs and raw bytes), the timeouts,
-                 the run's secret and its proof, and what rank 0 accepts from a worker (Bounds)
+                 the run's secret and its proof, rank 0's threads that take the headers (Headers), and what
+                 rank 0 accepts from a worker (Bounds)
     job.py       the job on the wire: JSON and raw tensors, rebuilt field for field by the worker, which imports
                  only what its own side allows
     address.py   a local launch's address: loopback unless engine.allow_remote=true; the port and, for a
                  launch over several machines, the secret checked
     window.py    θ and the server's tensors in shared memory, for the workers on rank 0's host, with a slot
-                 for each one's Δ
+                 for each one's Δ (or, for a local launch's workers, the clock and the commit log)
     link.py      a worker rank: the worker cycle's Link to the server, over the wire (or the window)
-    server.py    rank 0's server thread: the exchanges, one at a time, and the checkpoint barrier
+    server.py    rank 0's server thread: the exchanges, one at a time (or the local turn's log), and the
+                 checkpoint barrier
     launch.py    rank 0: the run (the group, the local workers, the job) and the coordinator
 """
 

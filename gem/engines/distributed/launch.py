@@ -6,7 +6,10 @@ its own secret and hands it to its workers as they start; a launched run takes i
 
 The server's exchanges run on a thread of rank 0 (gem.engines.distributed.server); its main thread, the
 coordinator (`_Coordinator`, on gem.engines.coordinator's loop), records rows in clock order, evaluates θ, writes
-checkpoints and watches the workers. A worker lost (its connection closes, its process dies) or silent is
+checkpoints and watches the workers. A local launch with θ in shared memory hands its workers the server's turn
+(`Turn`), which they pass among themselves: the coordinator then takes it to read θ for an evaluation, counts a
+worker waiting in line as not silent, and, losing a worker, kills it and takes its turn back before it reads the
+worker's last commits from the window's log. A worker lost (its connection closes, its process dies) or silent is
 recorded and the run goes on. Silent is the `process` engine's rule, written once (gem.engines.coordinator's
 `Silence`): no progress for longer than max(engine.timeout_s, engine.silent_cycles x the median time between two
 commits of a worker), where rank 0 times every commit it applies; a worker that says on the job's store that it
@@ -54,6 +57,7 @@ from gem.engines.distributed.wire import (
     launched_secret,
     run_secret,
 )
+from gem.engines.turn import Turn
 from gem.engines.worker import threads_per_process, worker_context
 from gem.files import WriteError
 
@@ -67,14 +71,16 @@ def run(job: Job, recorder) -> Result:
     server, resumed = start_server(job, algo, build_flat_model(job, device="cpu").param.clone())
     # the workers on this host read θ from shared memory, not the wire (window.py): with a local launch all of
     # them; under torchrun, the ranks after 0 on its node (static rendezvous puts ranks 0 .. LOCAL_WORLD_SIZE - 1
-    # there); a worker that cannot open the window uses the wire
+    # there); a worker that cannot open the window uses the wire. The workers of a local launch also pass the
+    # server's turn among themselves there, as on engine=process (`turn`, below)
     slots = min(n, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1) if launched() else n
-    window = Window.create(server, slots) if eng.get("shared_memory", True) else None
+    window = Window.create(server, slots, turn=not launched()) if eng.get("shared_memory", True) else None
     if window is not None:
         server = window.adopt(server)
     children: list = []
     listener = None
     coord = None
+    turn = None
     ended = False
     try:
         coord = _Coordinator(job, recorder, server, Evaluator(job, job.data), resumed)
@@ -115,14 +121,20 @@ def run(job: Job, recorder) -> Result:
             # the workers import what the job names, as this process does: it is this user's command
             imports = tuple(sorted(named_imports(job.algorithm, job.model)))
             ctx = worker_context(job)
+            if window is not None:
+                # every worker is on this host, with θ in the window: they pass the server's turn among themselves,
+                # as on engine=process (the server thread is participant n, the coordinator n + 1), and the server
+                # thread holds it until every worker is ready
+                turn = Turn(ctx, n + 2, torch.device("cpu"))
+                turn.state[0] = n
             for r in range(1, n + 1):
                 p = ctx.Process(target=_local_worker, name=f"gem-worker-{r - 1}", daemon=True,
-                                args=(r, n + 1, local, port, START_TIMEOUT_S, threads, secret, imports))
+                                args=(r, n + 1, local, port, START_TIMEOUT_S, threads, secret, imports, turn))
                 p.start()
                 children.append(p)
             pg = _connect(lambda: _group(store, 0, n + 1, local, START_TIMEOUT_S), children)
         states = {r: saved.get(r - 1, DONE if resumed else None) for r in range(1, n + 1)}
-        result = _serve(coord, pg, secret, encoded, states, children, store, window)
+        result = _serve(coord, pg, secret, encoded, states, children, store, window, turn)
         ended = True
         return result
     finally:
@@ -137,7 +149,7 @@ def run(job: Job, recorder) -> Result:
 
 
 def _serve(coord: _Coordinator, pg, secret: str, encoded, states: dict, children: list, store=None,
-           window: Window | None = None) -> Result:
+           window: Window | None = None, turn: Turn | None = None) -> Result:
     """The run, once the group has formed: each worker proves the run's secret (wire._admit); each that did gets
     its job and its saved state (`states`, by rank); one that did not gets nothing and is recorded lost. Then the
     coordinator serves the run to its end."""
@@ -146,7 +158,7 @@ def _serve(coord: _Coordinator, pg, secret: str, encoded, states: dict, children
         if r not in refused:
             _send_job(pg, encoded, r, START_TIMEOUT_S)
             _send_packed(pg, state, r, TAG_JOB, START_TIMEOUT_S)
-    coord.attach(pg, children, store, refused, window)
+    coord.attach(pg, children, store, refused, window, turn)
     return coord.serve()
 
 
@@ -207,16 +219,17 @@ class _Coordinator(Coordinator):
         self.store = None  # the job's store, on which a worker waiting for the server says so
         self.waited: dict[int, int] = {}  # each rank's count on it when the coordinator last looked
         self.closed_at: float | None = None  # when every worker had finished or was lost
+        self.turn: Turn | None = None  # the workers of a local launch pass the turn among themselves
 
     def attach(self, pg, children: list, store=None, refused: dict[int, str] | None = None,
-               window: Window | None = None) -> None:
+               window: Window | None = None, turn: Turn | None = None) -> None:
         """Start the server thread; `refused`: ranks that did not prove the run's secret, lost from the start."""
         ranks = [w + 1 for w in range(self.job.workers)]
         job, server = self.job, self.server
         bounds = Bounds.of(server.algo, job.hp, server.theta, len(self.ledger.tensor_names),
                            int(job.engine.get("train_examples", len(job.data.train_y))))
-        self.ps = _Server(pg, job, server, ranks, self.events, bounds, window)
-        self.children, self.store = children, store
+        self.ps = _Server(pg, job, server, ranks, self.events, bounds, window, turn)
+        self.children, self.store, self.turn = children, store, turn
         for w in set(range(self.job.workers)) - set(self.pending_workers()):  # done before the checkpoint
             self.ps.done.add(w + 1)
             self.ps.ready.add(w + 1)
@@ -229,12 +242,15 @@ class _Coordinator(Coordinator):
         server reads nothing more from it."""
         if not self.lose(rank - 1, why):
             return
-        for s in self.ps.lose(rank, banned):
-            self.ledger.lost(s)
         if self.children:
             p = self.children[rank - 1]
             if p.is_alive():
                 p.kill()
+            if self.turn is not None:  # gone before its commits are read from the log, and its turn handed on
+                p.join(2.0)
+                self.turn.recover(rank - 1)
+        for s in self.ps.lose(rank, banned):
+            self.ledger.lost(s)
 
     def handle(self, ev) -> None:
         kind = ev[0]
@@ -299,15 +315,17 @@ class _Coordinator(Coordinator):
             return
         self.last_watch = now
         ps = self.ps
+        ps.sync_log()
         with ps.lock:
             commits, ps.commits = ps.commits, []
         if not self.racing:
             self.start_race(now)
         for w, at in commits:
             self.silence.progress(w, at)
+        line = set(self.turn.peek()) if self.turn is not None else set()
         for r in ps.ranks:
             self.silence.seen(r - 1, ps.heard[r])
-            if self.waited_since_last_look(r):
+            if self.waited_since_last_look(r) or r - 1 in line:
                 self.silence.seen(r - 1, now)
         ps.wait_s = _patience(self.silence.limit())
         for r in ps.ranks:
@@ -355,8 +373,22 @@ class _Coordinator(Coordinator):
         pass  # the server knows which commits a lost worker made: they are marked when it is lost
 
     def snapshot(self):
-        with self.ps.lock:
+        if self.turn is None:
+            with self.ps.lock:
+                return self.server.t, self.server.theta.clone()
+        me = self.ps.me + 1
+        if not self.turn.acquire(me, self._waiting, timeout=self.silence.limit() + self.ps.wait_s):
+            return None
+        try:
             return self.server.t, self.server.theta.clone()
+        finally:
+            self.turn.release(self._waiting)
+
+    def _waiting(self) -> None:
+        """In line for the turn: go on reading rows and watching (a frozen holder is lost, and its turn handed on)."""
+        self.poll(0)
+        self.ledger.record()
+        self.watch()
 
     def checkpoint(self) -> None:
         self.ps.request_save(self.job.run_dir)
@@ -371,15 +403,19 @@ class _Coordinator(Coordinator):
         self.ps.written.set()  # a checkpoint cut short by the end: the server need not wait for it
         self.ps.join(BYE_TIMEOUT_S)
         self.poll(0)  # what came with the last messages
+        self.ps.sync_log()
         with self.ps.lock:
             final = self.server.t
         self.ledger.fill_gaps(final)
         ps, wall = self.ps, time.monotonic() - self.ps.started
         # how loaded the parameter server was: its exchanges take server_commit_s each; busy close to 1 means
         # the server, not the workers, set the pace
-        extra = {"server_commit_s": round(ps.busy_s / ps.served, 6) if ps.served else None,
-                 "server_busy": round(ps.busy_s / wall, 4) if wall > 0 else None,
-                 "shared_memory_workers": sorted(r - 1 for r in ps.mapped)}
+        # (none with a local turn: the workers apply their own commits)
+        served = ps.served and ps.turn is None
+        extra = {"server_commit_s": round(ps.busy_s / ps.served, 6) if served else None,
+                 "server_busy": round(ps.busy_s / wall, 4) if served and wall > 0 else None,
+                 "shared_memory_workers": sorted(r - 1 for r in ps.mapped),
+                 "local_turn": ps.turn is not None}
         if self.write_error:  # every process has stopped and the rows are recorded: the runner says it, once
             raise WriteError(self.write_error)
         if self.fatal and not self.diverged:

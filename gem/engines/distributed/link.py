@@ -28,7 +28,7 @@ from gem.algorithms import Commit
 from gem.data import load_dataset
 from gem.engines import Job
 from gem.engines.distributed.job import DONE, _recv_job, allowed_imports, decode_job
-from gem.engines.distributed.window import Window
+from gem.engines.distributed.window import Window, log_entry
 from gem.engines.distributed.wire import (
     ASK,
     BYE_TIMEOUT_S,
@@ -38,6 +38,7 @@ from gem.engines.distributed.wire import (
     GO,
     PULL,
     READY,
+    ROWS,
     ROWS_PER_MESSAGE,
     SAVE,
     SAVED,
@@ -62,6 +63,8 @@ from gem.engines.distributed.wire import (
     launched_secret,
 )
 from gem.engines.server import Server
+from gem.engines.turn import SAVE as TURN_SAVE
+from gem.engines.turn import Gone, Turn
 from gem.engines.worker import Diverged, Worker, barrier_pauses, setup_process, threads_per_process
 
 ROWS_SECONDS = 0.25  # a worker sends its commit rows in batches (as in the process engine): ROWS_PER_MESSAGE, or
@@ -85,16 +88,17 @@ def worker_main(timeout_s: float = START_TIMEOUT_S, allowed=()) -> int:
 
 
 def _local_worker(rank: int, world: int, host: str, port: int, timeout_s: float, threads: int, secret: str,
-                  allowed: tuple[str, ...]) -> None:
+                  allowed: tuple[str, ...], turn: Turn | None = None) -> None:
     """A worker of a local launch (`python run.py engine=distributed`): rank 0, its parent, hands it the run's
-    secret and the import paths of its job as arguments, never over the network."""
+    secret and the import paths of its job as arguments, never over the network; and, where θ is in shared
+    memory, the server's turn, which the workers then pass among themselves (window.py)."""
     store = dist.TCPStore(host, port, world, False, timeout=_td(timeout_s))
     pg = _group(store, rank, world, host, timeout_s)
-    _work(pg, rank, threads, secret, allowed_imports(allowed), store=store)
+    _work(pg, rank, threads, secret, allowed_imports(allowed), store=store, turn=turn)
 
 
 def _work(pg, rank: int, threads: int, secret: str, allowed: frozenset[str], ignore_sigint: bool = True,
-          store=None) -> int:
+          store=None, turn: Turn | None = None) -> int:
     setup_process(threads, ignore_sigint)
     try:
         _prove(pg, rank, secret, START_TIMEOUT_S)
@@ -116,7 +120,7 @@ def _work(pg, rank: int, threads: int, secret: str, allowed: frozenset[str], ign
         return 1
     if saved == DONE:  # a resumed run whose checkpoint has this worker finished, or lost: nothing to do
         return 0
-    link = _RemoteLink(pg, rank, job, store)
+    link = _RemoteLink(pg, rank, job, store, turn)
     try:
         link.run(saved)
     except _ServerGone:
@@ -144,10 +148,17 @@ class _Stopped(Exception):
 
 class _RemoteLink:
     """A worker rank's way to the server: ASK, GO with θ, COMMIT, all over gloo; a replica of the server's state
-    that the worker brings up to date by replaying the server step."""
+    that the worker brings up to date by replaying the server step.
 
-    def __init__(self, pg, rank: int, job: Job, store=None):
-        self.pg, self.rank, self.job = pg, rank, job
+    With a `turn` (a worker of a local launch, θ in shared memory: window.py) it commits as a `process` worker
+    does: it takes the turn from the worker before it, runs its worker rule against the live θ in the window and
+    the server step in place, notes the commit in the window's log, and hands the turn on; only its rows, a
+    checkpoint's state and the barriers' pulls go over the wire."""
+
+    def __init__(self, pg, rank: int, job: Job, store=None, turn: Turn | None = None):
+        self.pg, self.rank, self.job, self.turn = pg, rank, job, turn
+        self.holding = False  # this worker holds the turn (`turn` only)
+        self.parent = os.getppid()  # a local worker's forkserver: gone once rank 0 is
         self.w = rank - 1  # the worker's index in metrics.parquet, as in the other engines
         self.waiting = _Waiting(store, rank) if store is not None else None
         if self.waiting is not None:
@@ -162,14 +173,16 @@ class _RemoteLink:
         self.reply = torch.zeros(4, dtype=torch.long)  # [kind, t, τ, the server's patience in ms]
         self.extra: dict = {}
         self.worker: Worker | None = None
-        self.server: Server | None = None
+        self.server: Server | None = None  # the server's state this worker commits to: its replica, or the window's
+        self.replica: Server | None = None  # its own copy, which a PULL fills (the replica itself, without a turn)
         self.window: Window | None = None  # rank 0's θ in shared memory, where this worker is on its host
 
     # --- messages to the server; any failure means it is gone
-    def header(self, kind: int, extra: bytes = b"") -> None:
-        """A header to the server, with the commit rows not yet sent: always with the last word, else in
-        batches, so that most ASKs are one small message."""
-        batch = kind != ASK or len(self.buffer) >= ROWS_PER_MESSAGE or time.monotonic() - self.sent_at > ROWS_SECONDS
+    def header(self, kind: int, extra: bytes = b"", rows: bool = False) -> None:
+        """A header to the server, with the commit rows not yet sent: always with the last word (or `rows`), else
+        in batches, so that most ASKs are one small message."""
+        batch = rows or kind != ASK or len(self.buffer) >= ROWS_PER_MESSAGE or \
+            time.monotonic() - self.sent_at > ROWS_SECONDS
         rows = _rows_json(self.buffer) if batch and self.buffer else b""
         try:
             _header(self.pg, kind, rows, len(self.buffer) if rows else 0, extra, self.wait_s)
@@ -195,8 +208,42 @@ class _RemoteLink:
 
     # --- the Link of the worker cycle
     def acquire(self, w: int):
+        if self.turn is not None:
+            return self._take_turn(w)
         t, staleness = self._request(ASK, b"", itertools.repeat(WAIT_S))
         return self._receive_view(w, t, t - staleness)
+
+    def _take_turn(self, w: int):
+        """The turn, from the worker before this one (never while this worker sends on the wire: rank 0's server
+        thread may wait for the turn, and then takes no message). A run that ends stops the turn (Gone): the rows
+        this worker holds go with one last ASK, which the server answers STOP."""
+        if self.waiting is not None:
+            self.waiting.waiting = True
+        asked: list[int] = []  # the clock when it took its place in line (as the process engine's rows say)
+        try:
+            self.turn.acquire(w, self._turn_waiting, self._turn_request,
+                              on_queued=lambda: asked.append(int(self.server.clock)))
+        except Gone:
+            self._request(ASK, b"", itertools.repeat(WAIT_S), rows=True)
+            raise RuntimeError("the server answered GO to a worker that takes its turn in shared memory") from None
+        finally:
+            if self.waiting is not None:
+                self.waiting.waiting = False
+        self.holding = True
+        view = self.server.view(w)
+        self.extra = {"wait_commits": view.t - asked[0]}  # commits by others between taking its place and the turn
+        return view
+
+    def _turn_waiting(self) -> None:
+        """About once a second while in line: rank 0 is gone once this worker's parent (the forkserver rank 0
+        started) is."""
+        if os.getppid() != self.parent:
+            raise _ServerGone()
+
+    def _turn_request(self, action: int) -> None:
+        """Rank 0 holds the turn and asks for a checkpoint: our state, over the wire, while we wait in line."""
+        if action == TURN_SAVE:
+            self._save()
 
     def await_clock(self, w: int, t: int):
         """A barrier: PULL until the server's clock has reached t; the server then sends θ and its tensors (no
@@ -204,7 +251,7 @@ class _RemoteLink:
         clock, _ = self._request(PULL, str(t).encode(), barrier_pauses())
         return self._receive_view(w, clock, clock, wire=True)
 
-    def _request(self, kind: int, extra: bytes, pauses) -> tuple[int, int]:
+    def _request(self, kind: int, extra: bytes, pauses, rows: bool = False) -> tuple[int, int]:
         """Ask (ASK or PULL) until the server answers GO; returns its (t, τ). Meanwhile a SAVE is answered with our
         state, and a WAIT (a checkpoint is being taken, or the barrier not reached) with the next of `pauses` before
         asking again: asking keeps the server awake, so that it notices when a worker it waits for has died
@@ -213,7 +260,7 @@ class _RemoteLink:
             self.waiting.waiting = True
         try:
             while True:
-                self.header(kind, extra)
+                self.header(kind, extra, rows)
                 self._recv([self.reply], self.wait_s)
                 answer, t, staleness, patience_ms = (int(v) for v in self.reply)
                 self.wait_s = 2.0 * max(patience_ms / 1000, _patience(self.timeout))
@@ -232,7 +279,7 @@ class _RemoteLink:
     def _receive_view(self, w: int, t: int, pulled_at: int, wire: bool = False):
         """θ and the server's tensors as the GO that follows sends them (`wire`: always, as after a PULL), into this
         worker's replica."""
-        server, window = self.server, self.window
+        server, window = self.replica, self.window
         if window is not None and not wire:  # our turn: rank 0 applies no other commit until ours has come
             server.theta.copy_(window.theta)
             for k, v in server.state.items():
@@ -250,6 +297,10 @@ class _RemoteLink:
         self._send(tensors)
 
     def submit(self, view, commit: Commit) -> None:
+        if self.turn is not None:  # the server step follows here, in place: rank 0 reads who made it in the log
+            log = self.window.log
+            log[view.t % log.numel()] = log_entry(view.t, self.w)
+            return
         spec, payload = _pack(commit.payload)
         spec = json.dumps(spec).encode() if commit.payload else b""
         tensors = [torch.tensor([len(spec), 0], dtype=torch.long)]
@@ -262,13 +313,18 @@ class _RemoteLink:
         self._send(tensors)
 
     def release(self) -> None:
-        pass
+        if self.holding:
+            self.holding = False
+            self.turn.release(self._turn_waiting)
 
     def now(self) -> float:
         return time.time() - self.t0_wall
 
     def rows(self, row: dict, tensors) -> None:
         self.buffer.append((row, tensors))
+        if self.turn is not None and (len(self.buffer) >= ROWS_PER_MESSAGE
+                                      or time.monotonic() - self.sent_at > ROWS_SECONDS):
+            self.header(ROWS)  # no ASK to carry them: the turn is not rank 0's
 
     def run(self, saved: dict | None) -> None:
         try:
@@ -281,11 +337,17 @@ class _RemoteLink:
             algo = algorithms.get(job.algorithm)
             worker = self.worker = Worker(self.w, job, algo)  # its model: θ₀ from the seed, as on every rank
             # the replica of the server's state stays on the host, where gloo sends and receives it
-            self.server = Server.create(algo, job.hp, worker.x.detach().to("cpu", copy=True), job.workers)
+            self.server = self.replica = Server.create(algo, job.hp, worker.x.detach().to("cpu", copy=True),
+                                                       job.workers)
             if saved is not None:
                 worker.load_state_dict(saved)
             if job.engine.get("window"):
-                self.window = Window.open(job.engine["window"], self.w, self.server)
+                self.window = Window.open(job.engine["window"], self.w, self.server, writable=self.turn is not None)
+            if self.turn is not None:
+                if self.window is None:
+                    raise RuntimeError(f"cannot map rank 0's window {job.engine.get('window')}, where the workers of "
+                                       "a local launch take their turn")
+                self.server = self.window.adopt(self.replica)
             self.header(READY, b"1" if self.window is not None else b"")
             while worker.cycle(self):
                 pass

@@ -9,10 +9,15 @@ handed out again. (A worker is not left waiting on a reply: the server would wai
 lost mid-exchange, or between two (its connection closes), is recorded and the run goes on: its commits whose rows
 never came are marked (`lost_row`).
 
-Headers are taken first come, first served by a thread per worker (`_Headers`), each blocked in a receive from its
-own rank, which hands what it gets to the server in arrival order. Not gloo's receive from any source: once a rank
-dies with a header sent and not yet received, that receive fails at every try, offering the dead rank's notice
-first, and the whole run would fail for one lost worker.
+Headers are taken first come, first served by a thread per worker (wire.Headers), each blocked in a receive from
+its own rank, which hands what it gets to the server in arrival order.
+
+The workers of a local launch take no exchange (`turn`): they pass the turn among themselves and commit to θ in
+rank 0's window (window.py), and send only rows (ROWS), a checkpoint's state and a barrier's PULL. This thread is
+then one participant in the turn's line: it holds the turn until every worker is ready (all start from one θ),
+takes it for a checkpoint (the workers are asked SAVE through the turn, and send their state while they wait in
+line) and to pull θ for a barrier, and reads who made each commit from the window's log (`sync_log`). Stopping the
+run stops the workers' turns; each sends its last rows with one ASK, answered STOP.
 
 A worker is held to what the server expects of it (wire.Bounds): a header's kind must be one it may send now (SAVED
 only while a checkpoint is taken, and only from a worker told SAVE; READY once), and every size it announces must
@@ -36,7 +41,7 @@ from gem.algorithms import Commit
 from gem.engines import Job
 from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S
-from gem.engines.distributed.window import Window
+from gem.engines.distributed.window import LOG_WORKERS, Window
 from gem.engines.distributed.wire import (
     ASK,
     BYE,
@@ -44,7 +49,6 @@ from gem.engines.distributed.wire import (
     ERROR,
     FINISHED,
     GO,
-    HEADER,
     PULL,
     READY,
     ROWS_PENDING,
@@ -52,10 +56,10 @@ from gem.engines.distributed.wire import (
     SAVED,
     START_TIMEOUT_S,
     STOP,
-    TAG_ASK,
     TAG_X,
     WAIT,
     Bounds,
+    Headers,
     Malformed,
     _closed,
     _patience,
@@ -64,61 +68,9 @@ from gem.engines.distributed.wire import (
     _wait,
 )
 from gem.engines.server import Server
+from gem.engines.turn import SAVE as TURN_SAVE
+from gem.engines.turn import Turn
 from gem.files import WriteError
-
-HEADER_WAIT_S = 30 * 24 * 3600.0  # a header thread's receive: a worker may be silent for long (its evaluation, a
-# checkpoint's wait), and a receive that times out makes gloo drop the whole group; the server's own wait on the
-# queue is what gives up (_patience), and a dead worker's receive fails at once (its connection closes)
-
-
-class _Headers:
-    """Every worker's next header, from a thread per rank blocked in a receive from that rank, in the order they
-    arrive: `get` returns (rank, header), or (rank, the gloo error) once that rank's connection has failed. A
-    thread receives a rank's next header only once the server has acted on its last (`next`), so each worker has
-    one header in hand at most; a banned worker's is never received (`drop`)."""
-
-    def __init__(self, pg, ranks: list[int]):
-        self.pg, self.arrived = pg, queue.Queue()
-        self.go_on = {r: threading.Semaphore(0) for r in ranks}
-        self.dropped: set[int] = set()
-        self.threads = [threading.Thread(target=self._receive, args=(r,), name=f"gem-headers-{r}", daemon=True)
-                        for r in ranks]
-        for t in self.threads:
-            t.start()
-
-    def _receive(self, rank: int) -> None:
-        while rank not in self.dropped:
-            header = torch.zeros(HEADER, dtype=torch.long)
-            try:
-                _wait(self.pg.recv([header], rank, TAG_ASK), HEADER_WAIT_S)
-            except RuntimeError as e:
-                # its text only: the error's traceback holds the failed receive and, through this frame, the group,
-                # in a cycle that the garbage collector frees at some later time; freed that way, in the middle of
-                # the next run of the process, they aborted it (SIGABRT, seen in the test suite, 3 times in 3)
-                why = str(e)
-            else:
-                self.arrived.put((rank, header))
-                self.go_on[rank].acquire()
-                continue
-            self.arrived.put((rank, RuntimeError(why)))
-            return
-
-    def get(self, timeout_s: float):
-        return self.arrived.get(timeout=timeout_s)
-
-    def next(self, rank: int) -> None:
-        """The server has acted on `rank`'s header: receive its next one."""
-        self.go_on[rank].release()
-
-    def drop(self, rank: int) -> None:
-        """Receive nothing more from `rank` (banned, or the run is over)."""
-        self.dropped.add(rank)
-        self.go_on[rank].release()
-
-    def close(self) -> None:
-        """The run is over: a thread whose worker is still to send exits once it has (or its connection closes)."""
-        for r in list(self.go_on):
-            self.drop(r)
 
 
 class _Server(threading.Thread):
@@ -126,7 +78,7 @@ class _Server(threading.Thread):
     coordinator (the main thread) through `events`; `lock` guards the server's state and the bookkeeping."""
 
     def __init__(self, pg, job: Job, server: Server, workers: list[int], events: queue.Queue, bounds: Bounds,
-                 window: Window | None = None):
+                 window: Window | None = None, turn: Turn | None = None):
         super().__init__(name="gem-parameter-server", daemon=True)
         self.pg, self.job, self.server, self.events, self.bounds = pg, job, server, events, bounds
         # how long a wait on one worker may last (the coordinator keeps it at _patience of the silence limit)
@@ -151,15 +103,60 @@ class _Server(threading.Thread):
         self.window, self.mapped = window, set()
         self.started = time.monotonic()
         self.busy_s, self.served = 0.0, 0  # seconds spent in exchanges that ended in a commit, and how many
-        self.headers: _Headers | None = None  # started with the server thread
+        self.headers: Headers | None = None  # started with the server thread
+        # a local launch with θ in shared memory: the workers pass the turn among themselves (`turn`), and this
+        # thread is participant `me` in its line (the coordinator, me + 1); it holds the turn from the start until
+        # every worker is ready, and while a checkpoint is taken. The workers' commits are read from the window's
+        # log (`sync_log`): `logged`, the clock up to which they have been
+        self.turn, self.me, self.holding = turn, len(workers), turn is not None
+        self.logged = server.t
+        self.last_header = time.monotonic()
 
     def stop(self, why: str) -> None:
         self.stopping = self.stopping or why
+        if self.turn is not None:  # a worker stopped in line sends its rows with one last ASK, answered STOP
+            for r in self.ranks:
+                if r not in self.done:
+                    self.turn.stop(r - 1)
+
+    def sync_log(self) -> None:
+        """(turn) The commits the workers made since the last look, from the window's log: pending until their
+        rows come, and progress for the coordinator's Silence."""
+        if self.turn is not None:
+            with self.lock:
+                self._sync_log()
+
+    def _sync_log(self) -> None:
+        t, log = self.server.t, self.window.log
+        if t - self.logged > log.numel():
+            raise RuntimeError(f"{t - self.logged} commits since rank 0 last read the commit log, which holds "
+                               f"{log.numel()}")
+        if t <= self.logged:
+            return
+        now = time.monotonic()
+        lost = []
+        for i, entry in zip(range(self.logged, t), log[torch.arange(self.logged, t) % log.numel()].tolist(),
+                            strict=True):
+            if entry // LOG_WORKERS != i:  # not yet visible here: read it at the next look (its rows come after it)
+                t = i
+                break
+            w = entry % LOG_WORKERS
+            pending = self.pending.get(w + 1)
+            if pending is not None:
+                pending.append(i + 1)
+            else:  # lost: its row will never come
+                lost.append(i + 1)
+            self.commits.append((w, now))
+        self.logged = t
+        if lost:
+            self.events.put(("lost_steps", lost))
 
     def lose(self, rank: int, banned: bool = False) -> list[int]:
         """(coordinator) Expect nothing more from `rank` (`banned`: nor read anything it sends); returns its commits
         whose rows will never come."""
         with self.lock:
+            if self.turn is not None:  # its process is gone (launch: lose_rank): its last commits are logged
+                self._sync_log()
             if banned:
                 self.banned.add(rank)
             self.lost.add(rank)
@@ -180,7 +177,9 @@ class _Server(threading.Thread):
                 return False
             self.written.clear()
             self.saving = {"folder": ckpt.pending(run_dir), "told": set(), "saved": set()}
-            return True
+        if self.headers is not None:  # wake the server thread: with a turn, it takes it now
+            self.headers.arrived.put((None, None))
+        return True
 
     def run(self) -> None:
         try:
@@ -194,7 +193,7 @@ class _Server(threading.Thread):
             self.events.put(("done",))
 
     def serve(self) -> None:
-        self.headers = _Headers(self.pg, self.ranks)
+        self.headers = Headers(self.pg, self.ranks)
         try:
             self.serve_headers()
         finally:
@@ -202,14 +201,22 @@ class _Server(threading.Thread):
 
     def serve_headers(self) -> None:
         while self.open():
-            if self.early and (len(self.ready | self.done) == len(self.ranks)
-                               or time.monotonic() - self.started > START_TIMEOUT_S):
+            started = len(self.ready | self.done) == len(self.ranks) or \
+                time.monotonic() - self.started > START_TIMEOUT_S
+            if self.early and started:
                 self.exchange(self.early.popleft())
+                continue
+            if self.holding and started and self.saving is None:  # the race begins: all start from one θ
+                self.release_turn()
+            if self.saving is not None and self.turn is not None and not self.holding:
+                self.take_turn_for_checkpoint()
                 continue
             if self.saving is not None and self.saving["saved"] >= set(self.ranks) - self.done:
                 self.finish_checkpoint()
                 continue
             src, header = self.next_header()
+            if src is None:
+                continue
             if header is not None:
                 self.take(src, *(int(v) for v in header))
             if src in self.banned:
@@ -225,16 +232,45 @@ class _Server(threading.Thread):
         while not self.written.wait(POLL_S) and threading.main_thread().is_alive():
             pass  # the coordinator writes the checkpoint; θ must stay as saved until it is on disk
         self.saving = None  # the waiting workers are served as they ask again
+        if self.holding and len(self.ready | self.done) == len(self.ranks):
+            self.release_turn()
+
+    # --- the turn, with the workers of a local launch
+
+    def take_turn(self) -> None:
+        """Wait in line for the turn (a frozen holder is lost, killed and its turn handed on by the coordinator)."""
+        if not self.turn.acquire(self.me, self._turn_waiting, timeout=self.wait_s):
+            raise RuntimeError(f"the server's turn did not come within {self.wait_s:.0f} s")
+        self.holding = True
+
+    def _turn_waiting(self) -> None:
+        if not threading.main_thread().is_alive():
+            raise RuntimeError("rank 0's main thread has ended")
+
+    def release_turn(self) -> None:
+        self.holding = False
+        self.turn.release()
+
+    def take_turn_for_checkpoint(self) -> None:
+        """Hold the turn, so that θ stays as saved, and ask every live worker for its state: one in line sends it
+        at once, one computing when it next asks for the turn (link._turn_request)."""
+        self.take_turn()
+        live = {r for r in self.ranks if r not in self.done}
+        self.saving["told"] |= live
+        self.turn.ask({r - 1 for r in live}, TURN_SAVE)
 
     def next_header(self) -> tuple[int, torch.Tensor | None]:
         """(rank, its header): the next header to arrive, first come, first served; (rank, None) when there is
         none to act on: that rank's connection closed (it died: lost, unless the server expected nothing more
         from it), or the coordinator has just lost it (`lose`)."""
         try:
-            src, got = self.headers.get(self.wait_s)
+            src, got = self.headers.get(POLL_S)
         except queue.Empty:
-            raise RuntimeError(f"no worker sent anything for {self.wait_s:.0f} s (twice the silence limit + 10 s)") \
-                from None
+            if time.monotonic() - self.last_header > self.wait_s:
+                raise RuntimeError(f"no worker sent anything for {self.wait_s:.0f} s (twice the silence limit + "
+                                   "10 s)") from None
+            return None, None  # look again at what the loop waits for (a start, a checkpoint)
+        self.last_header = time.monotonic()
         if got is None or isinstance(got, torch.Tensor):
             return src, got
         if not _closed(got):
@@ -292,6 +328,8 @@ class _Server(threading.Thread):
         if kind == SAVED and (saving is None or src not in saving["told"] or src in saving["saved"]):
             raise Malformed("its state (SAVED) though no checkpoint asked it for its state")
         with self.lock:
+            if self.turn is not None:  # its commits are in the log, written before their rows were sent
+                self._sync_log()
             pending = len(self.pending[src]) if src in self.pending else ROWS_PENDING
         self.bounds.header(kind, rows_nbytes, rows_count, extra_nbytes, pending)
 
@@ -306,6 +344,10 @@ class _Server(threading.Thread):
     def on_ready(self, src: int, extra: bytes) -> None:
         """A worker is ready; b"1": it maps θ from the window, which it may only where the window gives it a slot.
         Once every worker is ready, no other process needs to open the window's file: it is removed."""
+        if self.turn is not None and extra != b"1":
+            self.ban(src, f"a READY header followed by {extra!r}, where every worker takes its turn in shared memory "
+                          "(b'1')")
+            return
         if extra:
             window = self.window
             if extra != b"1":
@@ -324,9 +366,11 @@ class _Server(threading.Thread):
     def on_ask(self, src: int) -> None:
         """A worker asks for its turn: during a checkpoint it is told to SAVE or WAIT; before every worker is
         ready it waits for them (all start from one θ); else its exchange, now."""
-        if self.saving is not None:
+        if self.turn is not None and not self.stopping and src not in self.lost:
+            self.ban(src, "an ASK, where every worker takes its turn in shared memory")
+        elif self.saving is not None and not self.stopping:
             self.hold(src)
-        elif len(self.ready | self.done) < len(self.ranks):
+        elif len(self.ready | self.done) < len(self.ranks) and self.turn is None:
             self.early.append(src)
         else:
             self.exchange(src)
@@ -354,6 +398,8 @@ class _Server(threading.Thread):
         """A worker's state for the checkpoint being taken: into the checkpoint's folder at once."""
         ckpt.save_atomic(state, ckpt.worker_file(self.saving["folder"], src - 1))
         self.saving["saved"].add(src)
+        if self.turn is not None:  # saved at a barrier (`hold`): the turn's request is answered too
+            self.turn.answered(src - 1, TURN_SAVE)
 
     def on_finished(self, src: int) -> None:
         self.done_with(src)
@@ -429,13 +475,29 @@ class _Server(threading.Thread):
 
     def pull(self, src: int) -> None:
         """A worker at a barrier that the clock has reached: θ and the server's tensors; no commit follows."""
+        if self.turn is not None:  # θ as of a clock, under the turn; sent once the turn is handed on
+            held = self.holding
+            if not held:
+                self.take_turn()
+            try:
+                with self.lock:
+                    view = self.server.pull(src - 1)
+                theta, state = self.server.theta.clone(), {k: v.clone() for k, v in self.server.state.items()}
+            finally:
+                if not held:
+                    self.release_turn()
+            self.send_pulled(src, view, theta, state)
+            return
         with self.lock:
             view = self.server.pull(src - 1)
+        self.send_pulled(src, view, self.server.theta, self.server.state)
+
+    def send_pulled(self, src: int, view, theta: torch.Tensor, state: dict) -> None:
         try:
             # over the wire even to a worker that maps the window: no commit follows, and the others' commits go
             # on, so θ must be taken as of this clock, which the sends' completion ensures
             go = torch.tensor([GO, view.t, 0, int(self.wait_s * 1000)], dtype=torch.long)
-            sends = [self.pg.send([v], src, TAG_X) for v in (go, self.server.theta, *self.server.state.values())]
+            sends = [self.pg.send([v], src, TAG_X) for v in (go, theta, *state.values())]
             for s in sends:
                 _wait(s, self.wait_s)
         except RuntimeError as e:

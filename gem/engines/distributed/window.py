@@ -11,8 +11,16 @@ server step, τ and every row are those of the wire; only where the bytes lie di
 Rank 0 stays the only writer of θ: a worker maps θ and the server's tensors read-only and only its own slot
 writable, and rank 0 copies a slot into memory of its own before it applies it. So a worker harms no more through
 its slot than with the Δ it sends over the wire, and a worker lost while frozen, woken later, writes only into its
-own slot. A PULL at a barrier (no commit follows, and rank 0 goes on serving the others) still sends θ over the
-wire: θ as of the clock the worker is told.
+own slot.
+
+A local launch's workers (rank 0's own children, trusted as a `process` engine's workers are) go further: they pass
+the server's turn among themselves (gem.engines.turn) and run the server step in place on θ here, so no thread of
+another process needs waking inside a commit. Their window (`turn`) has no slots: the clock and the pull times are
+here too, every worker maps it all writable, and the holder of the turn notes in the commit log who made commit t
+(`log[t % len(log)]`, with t), which rank 0 reads to know whose rows to expect (server.sync_log).
+
+A PULL at a barrier (no commit follows, and rank 0 goes on serving the others) still sends θ over the wire: θ as of
+the clock the worker is told.
 
 Which workers share rank 0's host: those that can open the file the job names and find in it the nonce the job
 names. A worker opens only a file of this module's name pattern in /dev/shm, owned by its own user: the job cannot
@@ -43,13 +51,28 @@ PREFIX = "gem-theta-"
 NAME = re.compile(rf"{PREFIX}(\d{{1,10}})-[0-9a-f]{{16}}")  # gem-theta-<rank 0's pid>-<random>
 NONCE_BYTES = 32
 PAGE = mmap.ALLOCATIONGRANULARITY  # every part starts on a page: a worker maps its own slot alone, writable
+LOG = 1 << 17  # the commit log's entries (at least; 64 per worker), a ring. Rank 0 reads it at each ROWS header,
+# and a worker whose rows rank 0 has not taken waits for it after 16 more commits: at most about 33 x n commits come
+# between two reads.
+# An entry is t x LOG_WORKERS + w (`log_entry`): rank 0 reads commit t's only once it says t, whatever order
+# another core makes the worker's stores visible in
+LOG_WORKERS = 1 << 24
 
 
-def _layout(server: Server, slots: int) -> tuple[list[tuple[str, int, torch.Tensor]], int]:
-    """(name, byte offset, a tensor of its dtype and shape) for θ, each server tensor and each slot, and the size
-    in all: the same on rank 0 and on a worker, from the same algorithm and model. The nonce is on the first page."""
+def log_entry(t: int, w: int) -> int:
+    return t * LOG_WORKERS + w
+
+
+def _layout(server: Server, slots: int, turn: bool) -> tuple[list[tuple[str, int, torch.Tensor]], int]:
+    """(name, byte offset, a tensor of its dtype and shape) for θ, each server tensor, the clock and the pull times,
+    then (`turn`) the commit log or each worker's slot, and the size in all: the same on rank 0 and on a worker, from
+    the same algorithm and model. The nonce is on the first page."""
     items = [("theta", server.theta), *((f"state.{k}", v) for k, v in server.state.items()),
-             *((f"slot.{w}", server.theta) for w in range(slots))]
+             ("clock", server.clock), ("pulled_at", server.pulled_at)]
+    if turn:
+        items.append(("log", torch.empty(max(LOG, 64 * slots), dtype=torch.int64)))
+    else:
+        items += [(f"slot.{w}", server.theta) for w in range(slots)]
     out, at = [], PAGE
     for name, like in items:
         out.append((name, at, like))
@@ -69,9 +92,11 @@ class Window:
     """The mapped file: `theta`, `state` (the server's tensors, by name) and `slot(w)`, worker w's Δ (a worker
     has only its own); `slots`, how many workers have one. `views`: name → tensor, named as in _layout."""
 
-    def __init__(self, path: Path, views: dict[str, torch.Tensor], nonce: bytes, slots: int, owner: bool):
-        self.path, self.nonce, self.slots, self.owner = path, nonce, slots, owner
-        self.theta = views["theta"]
+    def __init__(self, path: Path, views: dict[str, torch.Tensor], nonce: bytes, slots: int, owner: bool,
+                 turn: bool = False):
+        self.path, self.nonce, self.slots, self.owner, self.turn = path, nonce, slots, owner, turn
+        self.theta, self.clock, self.pulled_at = views["theta"], views["clock"], views["pulled_at"]
+        self.log = views.get("log")  # (turn) who made each commit, by its clock: log[t % len(log)]
         self.state = {k.removeprefix("state."): v for k, v in views.items() if k.startswith("state.")}
         self._slots = {int(k.removeprefix("slot.")): v for k, v in views.items() if k.startswith("slot.")}
 
@@ -81,13 +106,14 @@ class Window:
     # --- rank 0
 
     @classmethod
-    def create(cls, server: Server, slots: int) -> Window | None:
+    def create(cls, server: Server, slots: int, turn: bool = False) -> Window | None:
         """A window holding the server's θ and tensors (their values copied in), with `slots` Δ slots: workers 0 to
-        slots − 1 may map it. None where there is no /dev/shm, or no room in it (every worker then uses the wire)."""
+        slots − 1 may map it; or (`turn`: a local launch) with the commit log instead, every worker mapping it all
+        writable. None where there is no /dev/shm, or no room in it (every worker then uses the wire)."""
         if slots < 1 or server.theta.device.type != "cpu" or not SHM.is_dir():
             return None
         _remove_stale()
-        layout, size = _layout(server, slots)
+        layout, size = _layout(server, slots, turn)
         path = SHM / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -106,19 +132,23 @@ class Window:
             return _no_window(f"cannot keep θ in {SHM} ({type(e).__name__}: {e})")
         finally:
             os.close(fd)
-        window = cls(path, views, nonce, slots, owner=True)
+        window = cls(path, views, nonce, slots, owner=True, turn=turn)
         window.theta.copy_(server.theta)
         for k, v in server.state.items():
             window.state[k].copy_(v)
+        window.clock.copy_(server.clock)
+        window.pulled_at.copy_(server.pulled_at)
+        if window.log is not None:
+            window.log.fill_(-1)  # no commit's entry (a zero would be commit 0's, by worker 0)
         return window
 
     def adopt(self, server: Server) -> Server:
-        """The same server, its θ and tensors now the window's."""
-        return Server(server.algo, server.hp, self.theta, self.state, server.clock, server.pulled_at)
+        """The same server, its θ, tensors, clock and pull times now the window's."""
+        return Server(server.algo, server.hp, self.theta, self.state, self.clock, self.pulled_at)
 
     def described(self) -> dict:
         """What the job tells the workers: where the window is, how to know it is rank 0's, who has a slot."""
-        return {"path": str(self.path), "nonce": self.nonce.hex(), "slots": self.slots}
+        return {"path": str(self.path), "nonce": self.nonce.hex(), "slots": self.slots, "turn": self.turn}
 
     def unlink(self) -> None:
         """Remove the file: the mappings stay, no one else can open it."""
@@ -128,21 +158,22 @@ class Window:
     # --- a worker
 
     @classmethod
-    def open(cls, described: dict | None, w: int, replica: Server) -> Window | None:
-        """Worker w's view of rank 0's window: θ and the server's tensors read-only, its own slot writable. None
-        where it cannot have one (another host, no slot for it, the file gone or not what the job says): it then
-        uses the wire."""
+    def open(cls, described: dict | None, w: int, replica: Server, writable: bool = False) -> Window | None:
+        """Worker w's view of rank 0's window: θ and the server's tensors read-only (`writable`: a worker of a local
+        launch, which takes its turn here and applies its own commits), its own slot writable. None where it cannot
+        have one (another host, no slot for it, the file gone or not what the job says): it then uses the wire."""
         workers = replica.pulled_at.numel()
         if not isinstance(described, dict) or type(described.get("slots")) is not int or \
                 not 0 <= w < described["slots"] <= workers:
             return None
         path, nonce = Path(str(described.get("path", ""))), str(described.get("nonce", ""))
         if path.parent != SHM or not NAME.fullmatch(path.name) or \
-                not re.fullmatch(f"[0-9a-f]{{{2 * NONCE_BYTES}}}", nonce):
+                not re.fullmatch(f"[0-9a-f]{{{2 * NONCE_BYTES}}}", nonce) or \
+                (described.get("turn") is True) != writable:
             return None
-        layout, size = _layout(replica, described["slots"])
+        layout, size = _layout(replica, described["slots"], writable)
         parts = {name: (at, like) for name, at, like in layout}
-        at, like = parts[f"slot.{w}"]
+        at, like = parts.get(f"slot.{w}", (0, None))  # its slot (none with the turn: it writes θ itself)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
@@ -151,9 +182,9 @@ class Window:
             st = os.fstat(fd)
             if st.st_uid != os.getuid() or st.st_size != size or not stat.S_ISREG(st.st_mode):
                 return None
-            shared_end = parts["slot.0"][0]  # θ and the server's tensors: read-only
-            ro = mmap.mmap(fd, shared_end, prot=mmap.PROT_READ)
-            rw = mmap.mmap(fd, -(-like.nbytes // PAGE) * PAGE, offset=at)
+            shared_end = size if writable else parts["slot.0"][0]  # θ and the server's tensors: read-only
+            ro = mmap.mmap(fd, shared_end, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+            rw = None if writable else mmap.mmap(fd, -(-like.nbytes // PAGE) * PAGE, offset=at)
         except OSError:
             return None
         finally:
@@ -161,8 +192,9 @@ class Window:
         if not hmac.compare_digest(bytes(ro[:NONCE_BYTES]), bytes.fromhex(nonce)):
             return None
         views = {name: _view(ro, lk, a) for name, (a, lk) in parts.items() if not name.startswith("slot.")}
-        return cls(path, {**views, f"slot.{w}": _view(rw, like, 0)}, bytes.fromhex(nonce), described["slots"],
-                   owner=False)
+        if rw is not None:
+            views[f"slot.{w}"] = _view(rw, like, 0)
+        return cls(path, views, bytes.fromhex(nonce), described["slots"], owner=False, turn=writable)
 
 
 def _no_window(why: str) -> None:

@@ -27,9 +27,11 @@ import ipaddress
 import json
 import math
 import os
+import queue
 import re
 import secrets
 import socket
+import threading
 
 import torch
 import torch.distributed as dist
@@ -39,12 +41,14 @@ BYE_TIMEOUT_S = 30.0  # a worker waits this long for the server's last answer
 
 TAG_ASK, TAG_X, TAG_JOB = 1, 2, 3  # worker→server headers; one exchange's messages; the job
 # header kinds, worker → server on TAG_ASK
-ASK, READY, FINISHED, DIVERGED, ERROR, SAVED, PULL = range(7)  # PULL: θ once the clock reaches t (a barrier)
+# PULL: θ once the clock reaches t (a barrier); ROWS: commit rows alone, from a worker that takes its turn in shared
+# memory (a local launch: window.py)
+ASK, READY, FINISHED, DIVERGED, ERROR, SAVED, PULL, ROWS = range(8)
 # server → worker, first word of the reply to an ASK, PULL or FINISHED: [kind, t, τ]
 GO, STOP, BYE, SAVE, WAIT = range(5)
 HEADER = 4  # int64 words: [kind, rows_nbytes, rows_count, extra_nbytes]
 KINDS = {ASK: "ASK", READY: "READY", FINISHED: "FINISHED", DIVERGED: "DIVERGED", ERROR: "ERROR", SAVED: "SAVED",
-         PULL: "PULL"}
+         PULL: "PULL", ROWS: "ROWS"}
 # the dtypes a state or payload may have on the wire
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                                torch.uint8, torch.bool)}
@@ -357,6 +361,65 @@ def _rows_json(rows: list) -> bytes:
 
 
 
+# ------------------------------------------------------------------------------ the headers, at rank 0
+
+HEADER_WAIT_S = 30 * 24 * 3600.0  # a header thread's receive: a worker may be silent for long (its evaluation, a
+# checkpoint's wait), and a receive that times out makes gloo drop the whole group; the server's own wait on the
+# queue is what gives up (_patience), and a dead worker's receive fails at once (its connection closes)
+
+
+class Headers:
+    """(rank 0) Every worker's next header, from a thread per rank blocked in a receive from that rank, in the
+    order they arrive (not gloo's receive from any source: once a rank dies with a header sent and not yet received,
+    that receive fails at every try, offering the dead rank's notice first, and the whole run would fail for one
+    lost worker): `get` returns (rank, header), or (rank, the gloo error) once that rank's connection has failed. A
+    thread receives a rank's next header only once the server has acted on its last (`next`), so each worker has
+    one header in hand at most; a banned worker's is never received (`drop`)."""
+
+    def __init__(self, pg, ranks: list[int]):
+        self.pg, self.arrived = pg, queue.Queue()
+        self.go_on = {r: threading.Semaphore(0) for r in ranks}
+        self.dropped: set[int] = set()
+        self.threads = [threading.Thread(target=self._receive, args=(r,), name=f"gem-headers-{r}", daemon=True)
+                        for r in ranks]
+        for t in self.threads:
+            t.start()
+
+    def _receive(self, rank: int) -> None:
+        while rank not in self.dropped:
+            header = torch.zeros(HEADER, dtype=torch.long)
+            try:
+                _wait(self.pg.recv([header], rank, TAG_ASK), HEADER_WAIT_S)
+            except RuntimeError as e:
+                # its text only: the error's traceback holds the failed receive and, through this frame, the group,
+                # in a cycle that the garbage collector frees at some later time; freed that way, in the middle of
+                # the next run of the process, they aborted it (SIGABRT, seen in the test suite, 3 times in 3)
+                why = str(e)
+            else:
+                self.arrived.put((rank, header))
+                self.go_on[rank].acquire()
+                continue
+            self.arrived.put((rank, RuntimeError(why)))
+            return
+
+    def get(self, timeout_s: float):
+        return self.arrived.get(timeout=timeout_s)
+
+    def next(self, rank: int) -> None:
+        """The server has acted on `rank`'s header: receive its next one."""
+        self.go_on[rank].release()
+
+    def drop(self, rank: int) -> None:
+        """Receive nothing more from `rank` (banned, or the run is over)."""
+        self.dropped.add(rank)
+        self.go_on[rank].release()
+
+    def close(self) -> None:
+        """The run is over: a thread whose worker is still to send exits once it has (or its connection closes)."""
+        for r in list(self.go_on):
+            self.drop(r)
+
+
 # ------------------------------------------------------------------------------ what rank 0 accepts from a worker
 
 # Every limit on what a worker sends, each with the reason for its value. Sizes that depend on the run (the model,
@@ -380,7 +443,7 @@ INT64 = 1 << 63  # an integer in a row or a spec must fit an int64 column or sha
 # how many bytes may follow a header of each kind (its `extra`): (at least, at most); READY's is b"1" from a worker
 # that maps θ from shared memory (window.py)
 EXTRA = {ASK: (0, 0), READY: (0, 1), FINISHED: (0, 0), DIVERGED: (1, TEXT_BYTES), ERROR: (1, TEXT_BYTES),
-         SAVED: (1, SPEC_BYTES), PULL: (1, CLOCK_DIGITS)}
+         SAVED: (1, SPEC_BYTES), PULL: (1, CLOCK_DIGITS), ROWS: (0, 0)}
 # the keys a commit row must have, for the ledger and the recorder, and their types
 ROW_SCHEMA = {"step": int, "worker": int, "worker_step": int, "staleness": int, "loss": float, "time_s": float}
 
@@ -435,6 +498,8 @@ class Bounds:
         if rows_count > pending:
             raise Malformed(f"{header} announcing the rows of {rows_count} commits, where {pending} of its commits "
                             "await rows")
+        if kind == ROWS and not rows_count:
+            raise Malformed(f"{header} with no rows")
         limit = rows_count * self.row_bytes
         if rows_nbytes > limit or (rows_nbytes == 0) != (rows_count == 0):
             raise Malformed(f"{header} announcing {rows_nbytes} bytes of rows for {rows_count} commits (at most "
