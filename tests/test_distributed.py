@@ -555,6 +555,7 @@ class _ServerThreadSeen:
         self.ranks, self.ready, self.done, self.lost = ranks, set(ranks), set(), []
         self.heard = dict.fromkeys(ranks, now - 10.0)
         self.commits, self.started, self.wait_s = [], now - 10.0, None
+        self.saving = None  # a checkpoint being taken: {"told": ranks asked for their state, "saved": ...}
 
     def open(self):
         return len(self.done) < len(self.ranks)
@@ -592,6 +593,70 @@ def test_the_coordinator_loses_a_silent_worker_by_the_shared_rule(data, tmp_path
     assert coord.lost[0].startswith("worker 2 lost at commit 0 (silent for 10."), coord.lost
     assert coord.lost[0].endswith("limit 2.0 s = max(engine.timeout_s, 4 x median cycle 0.1 s))"), coord.lost
     assert coord.ps.wait_s == _patience(2.0)  # gloo's waits on a worker outlast the limit
+
+
+def test_with_a_local_turn_a_worker_in_line_is_to_blame_only_for_ignoring_a_checkpoint(data, tmp_path):
+    """A local launch's workers wait for the server's turn in line, which rank 0 sees (Turn.peek): they are not
+    silent through their own fault. One asked for its state for a checkpoint that does not answer (frozen in line)
+    is: otherwise the checkpoint would wait for it until the whole run failed."""
+    import multiprocessing
+
+    from gem.engines.turn import Turn
+
+    j = dataclasses.replace(job(data, 3), engine={"name": "distributed", "timeout_s": 2, "silent_cycles": 4})
+    server, _ = start_server(j, algorithms.get(j.algorithm), build_flat_model(j).param.clone())
+    rec = Recorder(tmp_path)
+    coord = _Coordinator(j, rec, server, Evaluator(j, data), None)
+    now = time.monotonic()
+    coord.ps, coord.store = _ServerThreadSeen([1, 2, 3], now), dist.HashStore()
+    coord.turn = Turn(multiprocessing.get_context("spawn"), 5, torch.device("cpu"))
+    coord.turn.state[0] = 3  # rank 0's server thread holds the turn (a checkpoint); workers 0 and 1 wait in line
+    coord.turn._lock_meta()
+    coord.turn._enqueue(0)
+    coord.turn._enqueue(1)
+    coord.turn.meta.release()
+    coord.watch()  # every worker is ready: the race, and the timers, start
+    coord.silence.since = dict.fromkeys([0, 1, 2], now - 10.0)  # ten seconds on, and nobody has committed
+    coord.ps.saving = {"told": {1, 2, 3}, "saved": {1}}  # worker 0 has sent its state; 1 (in line) and 2 have not
+    coord.last_watch = 0.0
+    coord.watch()
+    rec.close()
+    assert coord.ps.lost == [2, 3] and coord.lost_workers == [1, 2]
+
+
+def test_a_local_worker_waiting_in_line_exits_once_rank_0_is_gone():
+    """Rank 0 holds the turn (its server thread: a checkpoint, a barrier's pull) and dies: a worker in line behind
+    it never gets the turn, and no wire wait wakes it. It polls the pipe only rank 0 writes to, and exits on its
+    end of file (its parent, the forkserver, outlives rank 0 while any worker lives: no use watching that)."""
+    import multiprocessing
+    import types
+
+    from gem.engines.distributed import link
+    from gem.engines.turn import Turn
+
+    ctx = multiprocessing.get_context("spawn")
+    turn = Turn(ctx, 4, torch.device("cpu"))
+    turn.state[0] = 2  # held by rank 0's server thread
+    alive, here = ctx.Pipe(duplex=False)
+    worker = link._RemoteLink.__new__(link._RemoteLink)
+    worker.turn, worker.alive, worker.waiting = turn, alive, None
+    worker.server = types.SimpleNamespace(clock=torch.zeros((), dtype=torch.long))
+    out = []
+
+    def wait_in_line():
+        try:
+            worker._take_turn(0)
+            out.append("turn")
+        except link._ServerGone:
+            out.append("gone")
+
+    th = threading.Thread(target=wait_in_line, daemon=True)
+    th.start()
+    time.sleep(1.0)
+    assert out == [] and turn.peek() == [0]
+    here.close()  # rank 0 is gone
+    th.join(10)
+    assert out == ["gone"]
 
 
 def test_a_worker_waiting_for_the_server_says_so_on_the_store():

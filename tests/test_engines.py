@@ -566,8 +566,8 @@ def _lost_one(job_, rec, lost):
 def test_a_frozen_worker_is_lost_and_the_run_completes(data, tmp_path, engine, capsys):
     """SIGSTOP one of three workers mid-run: alive, but it makes no progress. Once it has not committed for
     longer than max(engine.timeout_s, engine.silent_cycles x the median cycle) it is killed and recorded, as a
-    killed worker is, and the run completes with the others. (distributed: a worker often freezes with its header
-    on the way, and the server waits for it; the others, waiting, are not to blame.)"""
+    killed worker is, and the run completes with the others. (distributed, launched locally: a worker often freezes
+    holding the turn, as on process, and the others wait in line; they are not to blame.)"""
     rec = _StoppingRecorder(tmp_path, victim=1, after=10)
     result, _ = _lost_one(job(data, engine, 3, epochs=8, options={"timeout_s": 5, "silent_cycles": 3}), rec, 1)
     assert rec.stopped_at is not None
@@ -581,7 +581,7 @@ def test_a_frozen_worker_is_lost_and_the_run_completes(data, tmp_path, engine, c
 @pytest.mark.parametrize("engine", REAL)
 def test_a_worker_hung_holding_the_server_is_lost_and_the_others_go_on(data, tmp_path, engine):
     """Worker 1 hangs inside its worker rule at its 5th commit (tests/gem_test_algos/hang_at_turn.py), that is
-    while it holds the server's turn (process) or is mid-exchange (distributed), so every other worker waits for
+    while it holds the server's turn (process, and distributed launched locally), so every other worker waits for
     it. They are not to blame; it is killed, the server goes on, and the run completes."""
     j = job(data, engine, 3, "gem_test_algos.hang_at_turn", downpour.Params(), epochs=8,
             options={"timeout_s": 5, "silent_cycles": 3})

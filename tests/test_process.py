@@ -46,7 +46,7 @@ def test_a_participant_asked_to_stop_is_never_handed_the_turn():
 
     import torch
 
-    from gem.engines.turn import Gone, Turn
+    from gem.engines.turn import SAVE, STOP, Gone, Turn
 
     turn = Turn(multiprocessing.get_context("spawn"), 3, torch.device("cpu"))
     assert turn.acquire(0)
@@ -61,3 +61,5 @@ def test_a_participant_asked_to_stop_is_never_handed_the_turn():
         turn.acquire(1, timeout=1.0)  # woken: it stops
     turn.release()
     assert int(turn.state[0]) == -1
+    turn.ask({1}, SAVE)  # a checkpoint asked after the stop does not undo it
+    assert int(turn.action[1]) == STOP

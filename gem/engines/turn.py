@@ -19,12 +19,13 @@ class Gone(Exception):
 class Turn:
     """The parameter server's lock, handed over first in, first out.
 
-    Participants 0..n−1 are the workers and n is the coordinator. `meta` guards a ring buffer of waiting
-    participants and the current holder; it is held for a few instructions only. Each participant sleeps on
-    its own semaphore, which the releaser posts when the turn is handed to it, or the coordinator posts with
-    `action` set to SAVE (write a checkpoint), FLUSH (send your rows) or STOP. A lock held by a process that
-    died is taken back by the coordinator (`recover`), so a SIGKILL cannot hang the others. Every wait polls:
-    `waiting()` is called about once a second and may raise to give up.
+    Participants 0..n−1 are the workers and n is the coordinator (on the distributed engine's local launch, n is
+    rank 0's server thread and n + 1 its coordinator, and the server thread asks for checkpoints). `meta` guards
+    a ring buffer of waiting participants and the current holder; it is held for a few instructions only. Each
+    participant sleeps on its own semaphore, which the releaser posts when the turn is handed to it, or the
+    coordinator posts with `action` set to SAVE (write a checkpoint), FLUSH (send your rows) or STOP. A lock held
+    by a process that died is taken back by the coordinator (`recover`), so a SIGKILL cannot hang the others. Every
+    wait polls: `waiting()` is called about once a second and may raise to give up.
     """
 
     def __init__(self, ctx, participants: int, device: torch.device):
@@ -86,7 +87,7 @@ class Turn:
         finally:
             self.meta.release()
         if act in (SAVE, FLUSH) and on_request is not None:  # asked before we queued: nobody will wake us
-            self.action[who] = GO
+            self.answered(who, act)
             on_request(act)
         while True:
             if not self.sems[who].acquire(timeout=POLL_S):
@@ -102,7 +103,7 @@ class Turn:
             if act == STOP:
                 raise Gone()
             if act in (SAVE, FLUSH):
-                self.action[who] = GO
+                self.answered(who, act)  # (not a STOP that came meanwhile: its permit wakes us next)
                 if on_request is not None:
                     on_request(act)
                 continue
@@ -124,6 +125,8 @@ class Turn:
         try:
             line = set(self._line())
             for w in workers:
+                if int(self.action[w]) == STOP:
+                    continue  # stopping already: asked nothing more
                 self.action[w] = action
                 if w in line:
                     self.sems[w].release()
@@ -131,7 +134,7 @@ class Turn:
             self.meta.release()
 
     def answered(self, who: int, action: int) -> None:
-        """(coordinator) `who` has done what `ask` asked of it by another way: ask it no more."""
+        """`who` has done what `ask` asked of it (or by another way): ask it no more, unless asked to stop since."""
         self._lock_meta()
         try:
             if int(self.action[who]) == action:

@@ -57,7 +57,7 @@ from gem.engines.distributed.wire import (
     launched_secret,
     run_secret,
 )
-from gem.engines.turn import Turn
+from gem.engines.turn import Gone, Turn
 from gem.engines.worker import threads_per_process, worker_context
 from gem.files import WriteError
 
@@ -72,7 +72,8 @@ def run(job: Job, recorder) -> Result:
     # the workers on this host read θ from shared memory, not the wire (window.py): with a local launch all of
     # them; under torchrun, the ranks after 0 on its node (static rendezvous puts ranks 0 .. LOCAL_WORLD_SIZE - 1
     # there); a worker that cannot open the window uses the wire. The workers of a local launch also pass the
-    # server's turn among themselves there, as on engine=process (`turn`, below)
+    # server's turn among themselves there, as on engine=process (`turn`, below): one of them that cannot map the
+    # window says why and is lost
     slots = min(n, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1) if launched() else n
     window = Window.create(server, slots, turn=not launched()) if eng.get("shared_memory", True) else None
     if window is not None:
@@ -80,7 +81,7 @@ def run(job: Job, recorder) -> Result:
     children: list = []
     listener = None
     coord = None
-    turn = None
+    turn = alive = here = None
     ended = False
     try:
         coord = _Coordinator(job, recorder, server, Evaluator(job, job.data), resumed)
@@ -124,14 +125,18 @@ def run(job: Job, recorder) -> Result:
             if window is not None:
                 # every worker is on this host, with θ in the window: they pass the server's turn among themselves,
                 # as on engine=process (the server thread is participant n, the coordinator n + 1), and the server
-                # thread holds it until every worker is ready
+                # thread holds it until every worker is ready. `here` stays open in this process alone: a worker
+                # waiting in line sees end of file on `alive` once rank 0 is gone
                 turn = Turn(ctx, n + 2, torch.device("cpu"))
                 turn.state[0] = n
+                alive, here = ctx.Pipe(duplex=False)
             for r in range(1, n + 1):
                 p = ctx.Process(target=_local_worker, name=f"gem-worker-{r - 1}", daemon=True,
-                                args=(r, n + 1, local, port, START_TIMEOUT_S, threads, secret, imports, turn))
+                                args=(r, n + 1, local, port, START_TIMEOUT_S, threads, secret, imports, turn, alive))
                 p.start()
                 children.append(p)
+            if alive is not None:
+                alive.close()
             pg = _connect(lambda: _group(store, 0, n + 1, local, START_TIMEOUT_S), children)
         states = {r: saved.get(r - 1, DONE if resumed else None) for r in range(1, n + 1)}
         result = _serve(coord, pg, secret, encoded, states, children, store, window, turn)
@@ -142,6 +147,8 @@ def run(job: Job, recorder) -> Result:
         # failed, nobody will answer them, and the server would go on applying commits whose rows are no longer
         # recorded: they are stopped at once
         _stop(children, grace_s=5.0 if ended else 0.0)
+        if here is not None:
+            here.close()
         if window is not None:
             window.unlink()
         if listener is not None:
@@ -220,6 +227,7 @@ class _Coordinator(Coordinator):
         self.waited: dict[int, int] = {}  # each rank's count on it when the coordinator last looked
         self.closed_at: float | None = None  # when every worker had finished or was lost
         self.turn: Turn | None = None  # the workers of a local launch pass the turn among themselves
+        self.to_monotonic = self.t0_wall - time.time() + time.monotonic()  # a row's time_s, on time.monotonic
 
     def attach(self, pg, children: list, store=None, refused: dict[int, str] | None = None,
                window: Window | None = None, turn: Turn | None = None) -> None:
@@ -264,6 +272,8 @@ class _Coordinator(Coordinator):
                 return
             for row, tensors in rows:
                 self.ledger.add(row, tensors)
+                if self.turn is not None:  # (else the server times each commit it applies)
+                    self.silence.progress(ev[1] - 1, row["time_s"] + self.to_monotonic)
         elif kind == "finished":
             if ev[1] - 1 not in self.lost_workers:  # lost meanwhile for the rows that came with its last word
                 self.finish(ev[1] - 1)
@@ -323,6 +333,9 @@ class _Coordinator(Coordinator):
         for w, at in commits:
             self.silence.progress(w, at)
         line = set(self.turn.peek()) if self.turn is not None else set()
+        saving = ps.saving
+        if saving is not None:  # asked for its state, in line but not answering (frozen there): to blame
+            line -= {r - 1 for r in saving["told"] - saving["saved"]}
         for r in ps.ranks:
             self.silence.seen(r - 1, ps.heard[r])
             if self.waited_since_last_look(r) or r - 1 in line:
@@ -377,18 +390,27 @@ class _Coordinator(Coordinator):
             with self.ps.lock:
                 return self.server.t, self.server.theta.clone()
         me = self.ps.me + 1
-        if not self.turn.acquire(me, self._waiting, timeout=self.silence.limit() + self.ps.wait_s):
+        try:
+            if not self.turn.acquire(me, self._waiting, timeout=self.silence.limit() + self.ps.wait_s):
+                return None
+        except Gone:  # the server thread has ended: the run ends, with no evaluation here
+            self.turn.recover(me)  # out of line, or the turn handed on if it came just now
+            while self.turn.sems[me].acquire(block=False):
+                pass  # (and the permit of a hand-over that came just now)
             return None
         try:
             return self.server.t, self.server.theta.clone()
         finally:
-            self.turn.release(self._waiting)
+            self.turn.release()
 
     def _waiting(self) -> None:
-        """In line for the turn: go on reading rows and watching (a frozen holder is lost, and its turn handed on)."""
+        """In line for the turn: go on reading rows and watching (a frozen holder is lost, and its turn handed on);
+        give up once the server thread has ended."""
         self.poll(0)
         self.ledger.record()
         self.watch()
+        if self.server_done:
+            raise Gone()
 
     def checkpoint(self) -> None:
         self.ps.request_save(self.job.run_dir)

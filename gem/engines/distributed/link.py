@@ -1,12 +1,15 @@
 """A worker rank: it joins the group, proves the run's secret, takes the job from rank 0 (importing only what its
 own side allows: job.allowed_imports) and runs the shared worker cycle
 (gem.engines.worker), whose Link, `_RemoteLink`, makes each commit one exchange with the server (ASK, GO with θ,
-COMMIT) and keeps a replica of the server's state, brought up to date by replaying the server step.
+COMMIT) and keeps a replica of the server's state, brought up to date by replaying the server step. A worker of
+a local launch instead takes the server's turn from the other workers and commits to θ in rank 0's shared-memory
+window, as on the process engine, and sends only its rows (`_RemoteLink`'s `turn`).
 
 A worker waiting for the server (for its turn, or behind a worker that holds the server up) is not silent through
 its own fault, and says so on the job's store while it waits (`_Waiting`): the server, stuck on a frozen worker,
-cannot hear the others. It waits for the server twice the server's own patience with a worker, which each reply
-tells it, and exits when the server is gone (`_ServerGone`) or answers BYE or STOP.
+cannot hear the others (with a turn, rank 0 also sees it in line). It waits for the server twice the server's own
+patience with a worker, which each reply tells it, and exits when the server is gone (`_ServerGone`) or answers
+BYE or STOP.
 """
 
 from __future__ import annotations
@@ -88,17 +91,18 @@ def worker_main(timeout_s: float = START_TIMEOUT_S, allowed=()) -> int:
 
 
 def _local_worker(rank: int, world: int, host: str, port: int, timeout_s: float, threads: int, secret: str,
-                  allowed: tuple[str, ...], turn: Turn | None = None) -> None:
+                  allowed: tuple[str, ...], turn: Turn | None = None, alive=None) -> None:
     """A worker of a local launch (`python run.py engine=distributed`): rank 0, its parent, hands it the run's
     secret and the import paths of its job as arguments, never over the network; and, where θ is in shared
-    memory, the server's turn, which the workers then pass among themselves (window.py)."""
+    memory, the server's turn, which the workers then pass among themselves (window.py), with `alive`, the read
+    end of a pipe only rank 0 writes to (end of file once rank 0 is gone: a worker waiting in line exits)."""
     store = dist.TCPStore(host, port, world, False, timeout=_td(timeout_s))
     pg = _group(store, rank, world, host, timeout_s)
-    _work(pg, rank, threads, secret, allowed_imports(allowed), store=store, turn=turn)
+    _work(pg, rank, threads, secret, allowed_imports(allowed), store=store, turn=turn, alive=alive)
 
 
 def _work(pg, rank: int, threads: int, secret: str, allowed: frozenset[str], ignore_sigint: bool = True,
-          store=None, turn: Turn | None = None) -> int:
+          store=None, turn: Turn | None = None, alive=None) -> int:
     setup_process(threads, ignore_sigint)
     try:
         _prove(pg, rank, secret, START_TIMEOUT_S)
@@ -120,7 +124,7 @@ def _work(pg, rank: int, threads: int, secret: str, allowed: frozenset[str], ign
         return 1
     if saved == DONE:  # a resumed run whose checkpoint has this worker finished, or lost: nothing to do
         return 0
-    link = _RemoteLink(pg, rank, job, store, turn)
+    link = _RemoteLink(pg, rank, job, store, turn, alive)
     try:
         link.run(saved)
     except _ServerGone:
@@ -155,10 +159,9 @@ class _RemoteLink:
     the server step in place, notes the commit in the window's log, and hands the turn on; only its rows, a
     checkpoint's state and the barriers' pulls go over the wire."""
 
-    def __init__(self, pg, rank: int, job: Job, store=None, turn: Turn | None = None):
-        self.pg, self.rank, self.job, self.turn = pg, rank, job, turn
+    def __init__(self, pg, rank: int, job: Job, store=None, turn: Turn | None = None, alive=None):
+        self.pg, self.rank, self.job, self.turn, self.alive = pg, rank, job, turn, alive
         self.holding = False  # this worker holds the turn (`turn` only)
-        self.parent = os.getppid()  # a local worker's forkserver: gone once rank 0 is
         self.w = rank - 1  # the worker's index in metrics.parquet, as in the other engines
         self.waiting = _Waiting(store, rank) if store is not None else None
         if self.waiting is not None:
@@ -235,15 +238,21 @@ class _RemoteLink:
         return view
 
     def _turn_waiting(self) -> None:
-        """About once a second while in line: rank 0 is gone once this worker's parent (the forkserver rank 0
-        started) is."""
-        if os.getppid() != self.parent:
+        """About once a second while in line: rank 0 is gone once its end of the `alive` pipe is closed."""
+        if self.alive is not None and self.alive.poll():
             raise _ServerGone()
 
     def _turn_request(self, action: int) -> None:
-        """Rank 0 holds the turn and asks for a checkpoint: our state, over the wire, while we wait in line."""
+        """Rank 0 holds the turn and asks for a checkpoint: our state, over the wire, while we wait in line (and
+        not said to be waiting meanwhile: a worker hung here is to blame)."""
         if action == TURN_SAVE:
-            self._save()
+            if self.waiting is not None:
+                self.waiting.waiting = False
+            try:
+                self._save()
+            finally:
+                if self.waiting is not None:
+                    self.waiting.waiting = True
 
     def await_clock(self, w: int, t: int):
         """A barrier: PULL until the server's clock has reached t; the server then sends θ and its tensors (no

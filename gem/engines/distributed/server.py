@@ -121,7 +121,7 @@ class _Server(threading.Thread):
 
     def sync_log(self) -> None:
         """(turn) The commits the workers made since the last look, from the window's log: pending until their
-        rows come, and progress for the coordinator's Silence."""
+        rows come (whose times are the coordinator's progress)."""
         if self.turn is not None:
             with self.lock:
                 self._sync_log()
@@ -133,7 +133,6 @@ class _Server(threading.Thread):
                                f"{log.numel()}")
         if t <= self.logged:
             return
-        now = time.monotonic()
         lost = []
         for i, entry in zip(range(self.logged, t), log[torch.arange(self.logged, t) % log.numel()].tolist(),
                             strict=True):
@@ -146,7 +145,6 @@ class _Server(threading.Thread):
                 pending.append(i + 1)
             else:  # lost: its row will never come
                 lost.append(i + 1)
-            self.commits.append((w, now))
         self.logged = t
         if lost:
             self.events.put(("lost_steps", lost))
@@ -190,6 +188,8 @@ class _Server(threading.Thread):
             if self.open():  # (else every worker had finished or was lost: nobody waited on what failed)
                 self.events.put(("fatal", f"parameter server: {type(e).__name__}: {e}"))
         finally:
+            if self.holding:  # (failed) the coordinator may wait for the turn
+                self.release_turn()
             self.events.put(("done",))
 
     def serve(self) -> None:

@@ -161,7 +161,8 @@ class Window:
     def open(cls, described: dict | None, w: int, replica: Server, writable: bool = False) -> Window | None:
         """Worker w's view of rank 0's window: θ and the server's tensors read-only (`writable`: a worker of a local
         launch, which takes its turn here and applies its own commits), its own slot writable. None where it cannot
-        have one (another host, no slot for it, the file gone or not what the job says): it then uses the wire."""
+        have one (another host, no slot for it, the file gone or not what the job says): it then uses the wire (a
+        local launch's worker, which has no exchange to fall back on, says why and is lost)."""
         workers = replica.pulled_at.numel()
         if not isinstance(described, dict) or type(described.get("slots")) is not int or \
                 not 0 <= w < described["slots"] <= workers:
