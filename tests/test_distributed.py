@@ -104,8 +104,7 @@ def _readlink(path: Path) -> str:
 
 
 @pytest.mark.slow  # a run of 4 distributed workers: 6 s
-@pytest.mark.parametrize("shared", [False, True], ids=["rank-0-serves", "local-turn"])
-def test_commits_are_served_first_come_first_served(data, tmp_path, shared):
+def test_commits_are_served_first_come_first_served(data, tmp_path):
     """Every worker has the same budget, so the final shares are 1/n whatever the order: fairness shows while
     they all run. At b = 4 a worker's step is shorter than the server's exchange, so the workers queue at the
     server and are of equal speed as far as it can tell, where an unfair order would show most. Served in rank
@@ -113,20 +112,15 @@ def test_commits_are_served_first_come_first_served(data, tmp_path, shared):
     them and large for the others; first come, first served gives each of the 4 workers 1/n ± 20% of each half of
     the run, and τ = n - 1 for most commits (round robin). The bound, measured: a fair server on a loaded machine
     (this suite on 2 cores; a 16-core machine running GPU jobs beside it) gave shares from 0.22 to 0.29 (±16%);
-    the unfair server below starves its last rank to 0.14 (-44%). With θ in shared memory, the workers of a local
-    launch pass the turn among themselves instead and rank 0 serves no commit: a worker's step is then short
-    enough that the turn is mostly free and the shares are the workers' own speeds. There the turn's own bound is
-    checked, as on engine=process: while a worker waits, each other worker commits at most once."""
+    the unfair server below starves its last rank to 0.14 (-44%). Rank 0 serves every commit here (θ over the
+    wire): with θ in shared memory a local launch's workers pass the turn among themselves, and its own bound is
+    checked below (test_several_workers_share_the_window_...)."""
     n = 4
     j = dataclasses.replace(job(data, n, algorithm="downpour", hp=downpour.Params(), batch_size=4),
-                            engine={"name": "distributed", "timeout_s": 60, "shared_memory": shared})
+                            engine={"name": "distributed", "timeout_s": 60, "shared_memory": False})
     result, m, _ = run(j, tmp_path)
     assert result.status == "completed" and len(m) == n * 256 // 4
-    assert result.extra["local_turn"] == shared
-    if shared:
-        assert m["wait_commits"].max() <= n - 1, m["wait_commits"].value_counts().to_dict()
-        assert sorted(m["worker"].unique()) == list(range(n))
-        return
+    assert not result.extra["local_turn"]
     for half in (m[m["step"] <= len(m) // 2], m[m["step"] > len(m) // 2]):
         shares = half["worker"].value_counts(normalize=True)
         assert sorted(shares.index) == list(range(n))
@@ -162,8 +156,11 @@ def test_workers_on_rank_0s_host_read_theta_from_shared_memory_with_the_same_row
 
 
 def test_several_workers_share_the_window_and_every_commit_is_applied_once(data, tmp_path):
+    """A local launch's workers pass the server's turn among themselves in the window, first in, first out, as on
+    engine=process: while a worker waits, each other worker commits at most once (`wait_commits`)."""
     result, m, _ = run(job(data, 3, epochs=2), tmp_path)
     assert result.status == "completed" and result.extra["shared_memory_workers"] == [0, 1, 2]
+    assert result.extra["local_turn"] and m["wait_commits"].max() <= 3 - 1, m["wait_commits"].value_counts()
     assert m["step"].tolist() == list(range(1, 3 * 2 * 256 // 32 + 1))
     assert m.groupby("worker")["worker_step"].apply(list).tolist() == [list(range(1, 17))] * 3
 
@@ -301,7 +298,7 @@ def test_the_fairness_test_catches_an_unfair_server(data, tmp_path, monkeypatch)
     """The test above is not vacuous: a server that lets the highest rank wait fails it."""
     monkeypatch.setattr(launch, "_Server", _HighRankWaits)
     with pytest.raises(AssertionError, match=r"0\.2 / 4"):
-        test_commits_are_served_first_come_first_served(data, tmp_path, shared=False)
+        test_commits_are_served_first_come_first_served(data, tmp_path)
 
 
 # ------------------------------------------------------------------------------------------ the wire is safe
@@ -652,7 +649,7 @@ def test_a_local_worker_waiting_in_line_exits_once_rank_0_is_gone():
 
     th = threading.Thread(target=wait_in_line, daemon=True)
     th.start()
-    time.sleep(1.0)
+    time.sleep(0.6)
     assert out == [] and turn.peek() == [0]
     here.close()  # rank 0 is gone
     th.join(10)
