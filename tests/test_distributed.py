@@ -553,6 +553,7 @@ class _ServerThreadSeen:
         self.heard = dict.fromkeys(ranks, now - 10.0)
         self.commits, self.started, self.wait_s = [], now - 10.0, None
         self.saving = None  # a checkpoint being taken: {"told": ranks asked for their state, "saved": ...}
+        self.headers = None  # not started: no header has come
 
     def open(self):
         return len(self.done) < len(self.ranks)

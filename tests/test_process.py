@@ -63,3 +63,27 @@ def test_a_participant_asked_to_stop_is_never_handed_the_turn():
     assert int(turn.state[0]) == -1
     turn.ask({1}, SAVE)  # a checkpoint asked after the stop does not undo it
     assert int(turn.action[1]) == STOP
+
+
+def test_a_requests_left_over_permit_is_not_taken_for_the_turn():
+    """A checkpoint asks a worker in line (its semaphore posted), and the turn is handed to it before it wakes (the
+    hand-over overwrites the request): two permits, one turn. The second permit, found at its next wait, must not
+    make it a second holder beside the one that holds the turn then."""
+    import multiprocessing
+
+    import torch
+
+    from gem.engines.turn import SAVE, Turn
+
+    turn = Turn(multiprocessing.get_context("spawn"), 2, torch.device("cpu"))
+    assert turn.acquire(0)
+    turn._lock_meta()
+    turn._enqueue(1)
+    turn.meta.release()
+    turn.ask({1}, SAVE)
+    turn.release()  # handed to 1, which has not woken yet
+    assert int(turn.state[0]) == 1 and turn.sems[1].acquire(timeout=5.0)  # 1 wakes in its wait: the turn is its
+    turn.release()
+    assert turn.acquire(0) and int(turn.state[0]) == 0
+    assert not turn.acquire(1, timeout=1.5)  # the left-over permit is not the turn: 0 holds it
+    assert int(turn.state[0]) == 0

@@ -87,7 +87,7 @@ class Turn:
         finally:
             self.meta.release()
         if act in (SAVE, FLUSH) and on_request is not None:  # asked before we queued: nobody will wake us
-            self.answered(who, act)
+            self.answered(who, act, waiting)
             on_request(act)
         while True:
             if not self.sems[who].acquire(timeout=POLL_S):
@@ -103,11 +103,20 @@ class Turn:
             if act == STOP:
                 raise Gone()
             if act in (SAVE, FLUSH):
-                self.answered(who, act)  # (not a STOP that came meanwhile: its permit wakes us next)
+                self.answered(who, act, waiting)  # (not a STOP that came meanwhile: its permit wakes us next)
                 if on_request is not None:
                     on_request(act)
                 continue
-            return True  # GO: the turn is ours
+            if self._holder(waiting) == who:
+                return True  # GO: the turn is ours
+            # a request's permit left over (a hand-over overwrote its action before we woke): not the turn
+
+    def _holder(self, waiting=None) -> int:
+        self._lock_meta(waiting)
+        try:
+            return int(self.state[0])
+        finally:
+            self.meta.release()
 
     def release(self, waiting=None) -> None:
         if self.device.type == "cuda":  # what this process queued on θ's GPU is done
@@ -133,9 +142,9 @@ class Turn:
         finally:
             self.meta.release()
 
-    def answered(self, who: int, action: int) -> None:
+    def answered(self, who: int, action: int, waiting=None) -> None:
         """`who` has done what `ask` asked of it (or by another way): ask it no more, unless asked to stop since."""
-        self._lock_meta()
+        self._lock_meta(waiting)
         try:
             if int(self.action[who]) == action:
                 self.action[who] = GO

@@ -336,8 +336,10 @@ class _Coordinator(Coordinator):
         saving = ps.saving
         if saving is not None:  # asked for its state, in line but not answering (frozen there): to blame
             line -= {r - 1 for r in saving["told"] - saving["saved"]}
+        arrived = ps.headers.arrived_at if ps.headers is not None else {}
         for r in ps.ranks:
-            self.silence.seen(r - 1, ps.heard[r])
+            # a header taken, or one that came and waits for the server thread: the worker waits for the server
+            self.silence.seen(r - 1, max(ps.heard[r], arrived.get(r, 0.0)))
             if self.waited_since_last_look(r) or r - 1 in line:
                 self.silence.seen(r - 1, now)
         ps.wait_s = _patience(self.silence.limit())
@@ -401,14 +403,17 @@ class _Coordinator(Coordinator):
         try:
             return self.server.t, self.server.theta.clone()
         finally:
-            self.turn.release()
+            self.turn.release(self._watching)
 
-    def _waiting(self) -> None:
-        """In line for the turn: go on reading rows and watching (a frozen holder is lost, and its turn handed on);
-        give up once the server thread has ended."""
+    def _watching(self) -> None:
+        """Waiting on the turn: go on reading rows and watching (a frozen holder is lost, and its turn handed on)."""
         self.poll(0)
         self.ledger.record()
         self.watch()
+
+    def _waiting(self) -> None:
+        """In line for the turn: as `_watching`; give up once the server thread has ended."""
+        self._watching()
         if self.server_done:
             raise Gone()
 
@@ -423,6 +428,8 @@ class _Coordinator(Coordinator):
                 self.poll(POLL_S)
                 self.watch()
         self.ps.written.set()  # a checkpoint cut short by the end: the server need not wait for it
+        if self.fatal:  # the server thread has failed: a local turn's workers commit nothing more unrecorded
+            self.ps.stop(self.fatal)
         self.ps.join(BYE_TIMEOUT_S)
         self.poll(0)  # what came with the last messages
         self.ps.sync_log()

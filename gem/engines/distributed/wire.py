@@ -32,6 +32,7 @@ import re
 import secrets
 import socket
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -378,6 +379,7 @@ class Headers:
 
     def __init__(self, pg, ranks: list[int]):
         self.pg, self.arrived = pg, queue.Queue()
+        self.arrived_at: dict[int, float] = {}  # when each rank's last header came (time.monotonic)
         self.go_on = {r: threading.Semaphore(0) for r in ranks}
         self.dropped: set[int] = set()
         self.threads = [threading.Thread(target=self._receive, args=(r,), name=f"gem-headers-{r}", daemon=True)
@@ -396,6 +398,7 @@ class Headers:
                 # the next run of the process, they aborted it (SIGABRT, seen in the test suite, 3 times in 3)
                 why = str(e)
             else:
+                self.arrived_at[rank] = time.monotonic()
                 self.arrived.put((rank, header))
                 self.go_on[rank].acquire()
                 continue
