@@ -354,8 +354,9 @@ class _RemoteLink:
                 self.window = Window.open(job.engine["window"], self.w, self.server, writable=self.turn is not None)
             if self.turn is not None:
                 if self.window is None:
-                    raise RuntimeError(f"cannot map rank 0's window {job.engine.get('window')}, where the workers of "
-                                       "a local launch take their turn")
+                    where = (job.engine.get("window") or {}).get("path")
+                    raise RuntimeError(f"cannot map rank 0's window {where}, where the workers of a local launch "
+                                       "take their turn")
                 self.server = self.window.adopt(self.replica)
             self.header(READY, b"1" if self.window is not None else b"")
             while worker.cycle(self):
