@@ -94,9 +94,7 @@ class Turn:
                 if waiting is not None:
                     waiting()
                 if deadline is not None and time.monotonic() > deadline:
-                    self.recover(who)  # out of line, or the turn handed on if it came just now
-                    while self.sems[who].acquire(block=False):
-                        pass  # a hand-over that came just now: recover passed the turn on, drop its permit
+                    self.leave(who)
                     return False
                 continue
             act = int(self.action[who])
@@ -170,6 +168,13 @@ class Turn:
         else:
             self.action[who] = STOP
         self.sems[who].release()
+
+    def leave(self, who: int) -> None:
+        """`who` gives up waiting: out of line, or the turn handed on if it came just now (and that hand-over's
+        permit dropped)."""
+        self.recover(who)
+        while self.sems[who].acquire(block=False):
+            pass
 
     def recover(self, gone: int) -> None:
         """(coordinator) Take the turn, and any place in line, back from a participant that died, or from the

@@ -396,9 +396,7 @@ class _Coordinator(Coordinator):
             if not self.turn.acquire(me, self._waiting, timeout=self.silence.limit() + self.ps.wait_s):
                 return None
         except Gone:  # the server thread has ended: the run ends, with no evaluation here
-            self.turn.recover(me)  # out of line, or the turn handed on if it came just now
-            while self.turn.sems[me].acquire(block=False):
-                pass  # (and the permit of a hand-over that came just now)
+            self.turn.leave(me)
             return None
         try:
             return self.server.t, self.server.theta.clone()

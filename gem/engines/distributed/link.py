@@ -7,9 +7,9 @@ window, as on the process engine, and sends only its rows (`_RemoteLink`'s `turn
 
 A worker waiting for the server (for its turn, or behind a worker that holds the server up) is not silent through
 its own fault, and says so on the job's store while it waits (`_Waiting`): the server, stuck on a frozen worker,
-cannot hear the others (with a turn, rank 0 also sees it in line). It waits for the server twice the server's own
-patience with a worker, which each reply tells it, and exits when the server is gone (`_ServerGone`) or answers
-BYE or STOP.
+cannot hear the others (a worker waiting in line for a local turn need not: rank 0 sees it there). It waits for
+the server twice the server's own patience with a worker, which each reply tells it, and exits when the server is
+gone (`_ServerGone`) or answers BYE or STOP.
 """
 
 from __future__ import annotations
@@ -219,9 +219,8 @@ class _RemoteLink:
     def _take_turn(self, w: int):
         """The turn, from the worker before this one (never while this worker sends on the wire: rank 0's server
         thread may wait for the turn, and then takes no message). A run that ends stops the turn (Gone): the rows
-        this worker holds go with one last ASK, which the server answers STOP."""
-        if self.waiting is not None:
-            self.waiting.waiting = True
+        this worker holds go with one last ASK, which the server answers STOP. (Rank 0 sees it in line: it need not
+        say on the store that it waits.)"""
         asked: list[int] = []  # the clock when it took its place in line (as the process engine's rows say)
         try:
             self.turn.acquire(w, self._turn_waiting, self._turn_request,
@@ -229,9 +228,6 @@ class _RemoteLink:
         except Gone:
             self._request(ASK, b"", itertools.repeat(WAIT_S), rows=True)
             raise RuntimeError("the server answered GO to a worker that takes its turn in shared memory") from None
-        finally:
-            if self.waiting is not None:
-                self.waiting.waiting = False
         self.holding = True
         view = self.server.view(w)
         self.extra = {"wait_commits": view.t - asked[0]}  # commits by others between taking its place and the turn
@@ -243,16 +239,10 @@ class _RemoteLink:
             raise _ServerGone()
 
     def _turn_request(self, action: int) -> None:
-        """Rank 0 holds the turn and asks for a checkpoint: our state, over the wire, while we wait in line (and
-        not said to be waiting meanwhile: a worker hung here is to blame)."""
+        """Rank 0 holds the turn and asks for a checkpoint: our state, over the wire, while we wait in line (a
+        worker in line that does not answer is to blame: launch._Coordinator.watch)."""
         if action == TURN_SAVE:
-            if self.waiting is not None:
-                self.waiting.waiting = False
-            try:
-                self._save()
-            finally:
-                if self.waiting is not None:
-                    self.waiting.waiting = True
+            self._save()
 
     def await_clock(self, w: int, t: int):
         """A barrier: PULL until the server's clock has reached t; the server then sends θ and its tensors (no
