@@ -4,7 +4,9 @@ over TCP; first come, first served at the server, payloads on the wire, torchrun
 
 import dataclasses
 import os
+import select
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -94,6 +96,93 @@ def test_a_run_closes_each_of_its_descriptors_once(data, tmp_path, monkeypatch):
         gc.collect()  # the store goes, and closes its socket
         os.fstat(f.fileno())  # EBADF where that was this file
     assert sockets() <= before  # and the store closed it
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on (/proc: its sockets' inodes in the LISTEN rows of its namespace)."""
+    inodes = {link[8:-1] for fd in Path(f"/proc/{pid}/fd").iterdir() if (link := _readlink(fd)).startswith("socket:")}
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            f = row.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+STRANGER = """import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+print("{}:{}".format(*s.getsockname()), flush=True)
+print("end of file" if s.recv(1) == b"" else "data", flush=True)
+"""
+
+
+def _completed_connections(ports: set[int], tries: int = 50) -> int:
+    """Of `tries` connections opened at once to each port, how many the far side completes within half a second."""
+    done = 0
+    for port in ports:
+        socks = [socket.socket() for _ in range(tries)]
+        for s in socks:
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+        _, writable, _ = select.select([], socks, [], 0.5)
+        done += sum(s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0 for s in writable)
+        for s in socks:
+            s.close()
+    return done
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="doors.py works on Linux only (/proc, socket filters)")
+def test_once_the_group_has_formed_nobody_new_reaches_a_rank(data, tmp_path, monkeypatch):
+    """torch's two holes (doors.py): a connection to a gloo listener that closes before gloo's handshake costs the
+    rank a descriptor for good, and the job's store keeps what anyone connected stores. Once every worker has
+    proved the secret: no listener of rank 0 (the store's, gloo's) or of a worker completes a new connection, and
+    none costs a descriptor; a store connection made before the group formed, by no worker, has been cut."""
+    before, seen, stranger = _listening_ports(os.getpid()), {}, []
+
+    def listener(*args):  # a stranger (another process) connects to the store as it listens, before any worker
+        s = real_listener(*args)
+        stranger.append(subprocess.Popen([sys.executable, "-c", STRANGER, str(s.getsockname()[1])],
+                                         stdout=subprocess.PIPE, text=True))
+        seen["stranger"] = stranger[0].stdout.readline().strip()
+        return s
+
+    def admit(pg, ranks, *args):
+        out = real_admit(pg, ranks, *args)  # every worker has refused newcomers before it sent its proof
+        ports = {0: _listening_ports(os.getpid()) - before}
+        ports.update({r: _listening_ports(p.pid) for r, p in enumerate(seen["children"], 1)})
+        descriptors = len(os.listdir("/proc/self/fd"))
+        seen["completed"] = _completed_connections(set().union(*ports.values()))
+        seen["ports"], seen["descriptors"] = ports, (descriptors, len(os.listdir("/proc/self/fd")))
+        return out
+
+    def cut(port, keep):
+        seen["cut"] = real_cut(port, keep)
+        ready, _, _ = select.select([stranger[0].stdout], [], [], 5.0)
+        seen["stranger read"] = stranger[0].stdout.readline().strip() if ready else "nothing yet"
+        return seen["cut"]
+
+    def serve(coord, pg, secret, encoded, states, children, *args):
+        seen["children"] = children
+        return real_serve(coord, pg, secret, encoded, states, children, *args)
+
+    real_listener, real_admit, real_serve = launch._listener, launch._admit, launch._serve
+    real_cut = launch.cut_strangers
+    monkeypatch.setattr(launch, "_listener", listener)
+    monkeypatch.setattr(launch, "_admit", admit)
+    monkeypatch.setattr(launch, "cut_strangers", cut)
+    monkeypatch.setattr(launch, "_serve", serve)
+    try:
+        result, m, _ = run(job(data, 2), tmp_path / "run")
+    finally:
+        stranger[0].kill()
+        stranger[0].wait()
+    assert result.status == "completed" and len(m) == 16, result
+    assert [len(seen["ports"][r]) for r in (0, 1, 2)] == [2, 1, 1], seen["ports"]  # store, gloo; gloo; gloo
+    assert seen["completed"] == 0
+    assert seen["descriptors"][1] == seen["descriptors"][0]
+    assert seen["cut"] == [seen["stranger"]]
+    assert seen["stranger read"] == "end of file"
 
 
 def _readlink(path: Path) -> str:

@@ -162,6 +162,9 @@ def test_distributed_local_runs_a_sweep_with_one_task_per_rank(tmp_path):
         # workers pass the turn among themselves, as on engine=process, where a launched rank asks rank 0
         assert list(m.columns) == [c for c in pd.read_parquet(local / "metrics.parquet").columns if c != "wait_commits"]
         assert f"gem: job {job}: completed; run directory {d}; the ranks' output: {sweep}/.submitit/" in p.stderr
+    # rank 0 holds the job's store here (env:// rendezvous): it kept its workers' connections (doors.cut_strangers)
+    logs = list(sweep.glob(".submitit/*/*_0_log.err"))
+    assert len(logs) == 2 and not [f for f in logs if "connection(s) to the job's store" in f.read_text()]
 
 
 def test_a_jobs_result_is_rank_0s_and_a_dead_worker_is_one_line(tmp_path, capsys):

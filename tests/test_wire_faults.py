@@ -23,8 +23,8 @@ from gem.data import make_synthetic
 from gem.engines import Job
 from gem.engines.coordinator import start_server
 from gem.engines.core import Evaluator, build_flat_model
+from gem.engines.distributed import doors, launch, link, server, wire
 from gem.engines.distributed import job as wire_job
-from gem.engines.distributed import launch, link, server, wire
 from gem.engines.distributed.job import _for_workers, _recv_job, decode_job, encode_job
 from gem.engines.distributed.launch import _Coordinator
 from gem.engines.distributed.window import Window
@@ -424,6 +424,22 @@ def test_the_proof_is_bound_to_the_secret_the_nonce_and_the_rank():
     for other in (wire._proof(SECRET + "x", nonce, 2), wire._proof(SECRET, b"m" * wire.NONCE_BYTES, 2),
                   wire._proof(SECRET, nonce, 3)):
         assert other != proof
+
+
+@pytest.mark.parametrize("sent", [b"\xff\xfe", b"not json", b"{}", b'"127.0.0.1"', b"[[1, 2]]", b'[["x", 80]]',
+                                  b'[["127.0.0.1", 0]]', b'[["127.0.0.1", 70000]]', b'[["127.0.0.1", "80"]]',
+                                  json.dumps([["127.0.0.1", p] for p in range(1, 7)]).encode()])
+def test_the_store_endpoints_a_worker_names_are_a_peers_bytes(sent):
+    """What a worker sends with its proof (doors.cut_strangers keeps its store connections): anything but a short
+    list of [address, port] names nothing, and a worker that sends it keeps no store connection, and nothing else
+    changes."""
+    assert doors.parse_endpoints(sent.ljust(doors.ENDPOINTS_BYTES)) == set()
+
+
+def test_a_store_endpoint_is_one_socket_end_however_its_family_shows_it():
+    sent = json.dumps([["::ffff:10.0.0.2", 5000], ["10.0.0.3", 5001], ["fe80::1%eth0", 5002]]).encode()
+    assert doors.parse_endpoints(sent.ljust(doors.ENDPOINTS_BYTES)) == {("10.0.0.2", 5000), ("10.0.0.3", 5001),
+                                                                         ("fe80::1", 5002)}
 
 
 @pytest.fixture

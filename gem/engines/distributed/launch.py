@@ -24,6 +24,7 @@ import dataclasses
 import os
 import queue
 import secrets
+import sys
 import threading
 import time
 
@@ -36,6 +37,7 @@ from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, TIMEOUT_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.distributed.address import _listener, _local_address, _warn_once, check_host
+from gem.engines.distributed.doors import cut_strangers, listening, refuse_newcomers
 from gem.engines.distributed.job import DONE, _for_workers, _send_job, encode_job, named_imports
 from gem.engines.distributed.link import _local_worker
 from gem.engines.distributed.server import _Server
@@ -103,6 +105,7 @@ def run(job: Job, recorder) -> Result:
             host, port = str(eng.get("host", "127.0.0.1")), int(eng.get("port", 0))
             # the config's validation has checked the address; again here for a caller of the engine itself
             _warn_once(check_host(host, bool(eng.get("allow_remote", False))))
+            before = listening()
             listener = _listener(host, port)
             port = listener.getsockname()[1]
             store = dist.TCPStore(host, port, n + 1, True, timeout=_td(START_TIMEOUT_S), wait_for_workers=False,
@@ -138,6 +141,7 @@ def run(job: Job, recorder) -> Result:
             if alive is not None:
                 alive.close()
             pg = _connect(lambda: _group(store, 0, n + 1, local, START_TIMEOUT_S), children)
+            refuse_newcomers(before)  # the store's and gloo's listeners: nobody is left to connect (doors.py)
         states = {r: saved.get(r - 1, DONE if resumed else None) for r in range(1, n + 1)}
         result = _serve(coord, pg, secret, encoded, states, children, store, window, turn)
         ended = True
@@ -160,7 +164,12 @@ def _serve(coord: _Coordinator, pg, secret: str, encoded, states: dict, children
     """The run, once the group has formed: each worker proves the run's secret (wire._admit); each that did gets
     its job and its saved state (`states`, by rank); one that did not gets nothing and is recorded lost. Then the
     coordinator serves the run to its end."""
-    refused = _admit(pg, sorted(states), secret, START_TIMEOUT_S)
+    refused, held = _admit(pg, sorted(states), secret, START_TIMEOUT_S)
+    # the job's store, when this process holds it, keeps only its own and the admitted workers' connections
+    cut = cut_strangers(getattr(store, "port", None), held)
+    if cut:
+        print(f"gem: rank 0 closed {len(cut)} connection(s) to the job's store that no admitted worker holds "
+              f"(from {', '.join(cut[:5])}{', ...' if len(cut) > 5 else ''})", file=sys.stderr, flush=True)
     for r, state in states.items():
         if r not in refused:
             _send_job(pg, encoded, r, START_TIMEOUT_S)

@@ -30,6 +30,7 @@ from gem import algorithms
 from gem.algorithms import Commit
 from gem.data import load_dataset
 from gem.engines import Job
+from gem.engines.distributed.doors import listening, refuse_newcomers
 from gem.engines.distributed.job import DONE, _recv_job, allowed_imports, decode_job
 from gem.engines.distributed.window import Window, log_entry
 from gem.engines.distributed.wire import (
@@ -96,8 +97,10 @@ def _local_worker(rank: int, world: int, host: str, port: int, timeout_s: float,
     secret and the import paths of its job as arguments, never over the network; and, where θ is in shared
     memory, the server's turn, which the workers then pass among themselves (window.py), with `alive`, the read
     end of a pipe only rank 0 writes to (end of file once rank 0 is gone: a worker waiting in line exits)."""
+    before = listening()
     store = dist.TCPStore(host, port, world, False, timeout=_td(timeout_s))
     pg = _group(store, rank, world, host, timeout_s)
+    refuse_newcomers(before)  # gloo's listener: nobody is left to connect to it (doors.py)
     _work(pg, rank, threads, secret, allowed_imports(allowed), store=store, turn=turn, alive=alive)
 
 
@@ -105,7 +108,7 @@ def _work(pg, rank: int, threads: int, secret: str, allowed: frozenset[str], ign
           store=None, turn: Turn | None = None, alive=None) -> int:
     setup_process(threads, ignore_sigint)
     try:
-        _prove(pg, rank, secret, START_TIMEOUT_S)
+        _prove(pg, rank, secret, START_TIMEOUT_S, getattr(store, "port", None))
         text, tensors = _recv_job(pg, START_TIMEOUT_S)
         saved = _recv_packed(pg, 0, TAG_JOB, START_TIMEOUT_S)  # this worker's state, when the run resumes
     except RuntimeError as e:

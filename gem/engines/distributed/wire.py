@@ -37,6 +37,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from gem.engines.distributed.doors import ENDPOINTS_BYTES, held_endpoints, listening, parse_endpoints, refuse_newcomers
+
 START_TIMEOUT_S = 300.0  # a rank imports torch, loads the data and builds its model before it connects
 BYE_TIMEOUT_S = 30.0  # a worker waits this long for the server's last answer
 
@@ -146,10 +148,15 @@ def single_node() -> bool:
 
 
 def _launched_group(timeout_s: float):
-    """(store, group, rank, world) from the launcher's environment (torchrun's, or submitit's exported)."""
+    """(store, group, rank, world) from the launcher's environment (torchrun's, or submitit's exported). Once
+    the group has formed, what this rank listens on (gloo's port, and the store's if it holds it) takes nobody
+    new (doors.py)."""
+    before = listening()
     store, rank, world = next(dist.rendezvous("env://", timeout=_td(timeout_s)))
     # one node: loopback; several: each rank's own address, so that the others can reach it
-    return store, _group(store, rank, world, "127.0.0.1" if single_node() else None, timeout_s), rank, world
+    pg = _group(store, rank, world, "127.0.0.1" if single_node() else None, timeout_s)
+    refuse_newcomers(before)
+    return store, pg, rank, world
 
 
 # ------------------------------------------------------------------------------------------ the run's secret
@@ -199,19 +206,21 @@ def _proof(secret: str, nonce: bytes, rank: int) -> bytes:
 PROOF_BYTES = hashlib.sha256().digest_size
 
 
-def _admit(pg, ranks: list[int], secret: str, timeout_s: float) -> dict[int, str]:
-    """Rank 0, before anything else goes to a worker: a fresh nonce to each, and its proof back. Returns the
-    ranks refused, with why. (A rank that neither answers nor closes its connection holds the start up until
-    the wait expires, which makes gloo drop the group, and the run fails: that much a peer without the secret
-    can still do.)"""
+def _admit(pg, ranks: list[int], secret: str, timeout_s: float) -> tuple[dict[int, str], set[tuple[str, int]]]:
+    """Rank 0, before anything else goes to a worker: a fresh nonce to each, and its proof back, with the
+    endpoints of its connections to the job's store. Returns the ranks refused, with why, and the store endpoints
+    of those admitted (doors.cut_strangers). (A rank that neither answers nor closes its connection holds the
+    start up until the wait expires, which makes gloo drop the group, and the run fails: that much a peer without
+    the secret can still do.)"""
     nonces = {r: secrets.token_bytes(NONCE_BYTES) for r in ranks}
     sends = {r: pg.send([torch.frombuffer(bytearray(nonces[r]), dtype=torch.uint8)], r, TAG_JOB) for r in ranks}
-    refused = {}
+    refused, held = {}, set()
     for r in ranks:
         proof = torch.zeros(PROOF_BYTES, dtype=torch.uint8)
         try:
             _wait(sends[r], timeout_s)
             _wait(pg.recv([proof], r, TAG_JOB), timeout_s)
+            ends = _recv_bytes(pg, ENDPOINTS_BYTES, r, TAG_JOB, timeout_s)
         except RuntimeError as e:
             if not _closed(e):
                 raise RuntimeError(f"worker rank {r} did not answer rank 0's challenge within {timeout_s:.0f} s; "
@@ -220,14 +229,17 @@ def _admit(pg, ranks: list[int], secret: str, timeout_s: float) -> dict[int, str
             continue
         if not hmac.compare_digest(proof.numpy().tobytes(), _proof(secret, nonces[r], r)):
             refused[r] = f"rank {r} refused: it did not prove the run's secret ({SECRET_ENV})"
-    return refused
+        else:
+            held |= parse_endpoints(ends)
+    return refused, held
 
 
-def _prove(pg, rank: int, secret: str, timeout_s: float) -> None:
-    """A worker: answer rank 0's nonce (_admit)."""
+def _prove(pg, rank: int, secret: str, timeout_s: float, store_port: int | None = None) -> None:
+    """A worker: answer rank 0's nonce (_admit), and name its connections to the job's store at `store_port`."""
     nonce = torch.zeros(NONCE_BYTES, dtype=torch.uint8)
     _wait(pg.recv([nonce], 0, TAG_JOB), timeout_s)
     _send_bytes(pg, _proof(secret, nonce.numpy().tobytes(), rank), 0, TAG_JOB, timeout_s)
+    _send_bytes(pg, held_endpoints(store_port), 0, TAG_JOB, timeout_s)
 
 
 def _wait(work, timeout_s: float) -> None:
