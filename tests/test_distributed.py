@@ -4,7 +4,7 @@ over TCP; first come, first served at the server, payloads on the wire, torchrun
 
 import dataclasses
 import os
-import select
+import selectors
 import shutil
 import socket
 import subprocess
@@ -121,15 +121,27 @@ def _completed_connections(ports: set[int], tries: int = 50) -> int:
     """Of `tries` connections opened at once to each port, how many the far side completes within half a second."""
     done = 0
     for port in ports:
-        socks = [socket.socket() for _ in range(tries)]
-        for s in socks:
-            s.setblocking(False)
-            s.connect_ex(("127.0.0.1", port))
-        _, writable, _ = select.select([], socks, [], 0.5)
-        done += sum(s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0 for s in writable)
-        for s in socks:
-            s.close()
+        with selectors.DefaultSelector() as sel:
+            socks = [socket.socket() for _ in range(tries)]
+            for s in socks:
+                s.setblocking(False)
+                s.connect_ex(("127.0.0.1", port))
+                sel.register(s, selectors.EVENT_WRITE)
+            deadline, connected = time.monotonic() + 0.5, set()
+            while time.monotonic() < deadline:
+                for key, _ in sel.select(deadline - time.monotonic()):
+                    sel.unregister(key.fileobj)
+                    if key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                        connected.add(key.fileobj)
+            done += len(connected)
+            for s in socks:
+                s.close()
     return done
+
+
+def _sockets() -> int:
+    """How many sockets this process holds."""
+    return sum(_readlink(fd).startswith("socket:") for fd in Path("/proc/self/fd").iterdir())
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="doors.py works on Linux only (/proc, socket filters)")
@@ -151,14 +163,17 @@ def test_once_the_group_has_formed_nobody_new_reaches_a_rank(data, tmp_path, mon
         out = real_admit(pg, ranks, *args)  # every worker has refused newcomers before it sent its proof
         ports = {0: _listening_ports(os.getpid()) - before}
         ports.update({r: _listening_ports(p.pid) for r, p in enumerate(seen["children"], 1)})
-        descriptors = len(os.listdir("/proc/self/fd"))
+        sockets = _sockets()
         seen["completed"] = _completed_connections(set().union(*ports.values()))
-        seen["ports"], seen["descriptors"] = ports, (descriptors, len(os.listdir("/proc/self/fd")))
+        time.sleep(0.2)  # a connection that got through would be taken by gloo or the store by now
+        seen["ports"], seen["sockets"] = ports, (sockets, _sockets())
         return out
 
     def cut(port, keep):
         seen["cut"] = real_cut(port, keep)
-        ready, _, _ = select.select([stranger[0].stdout], [], [], 5.0)
+        with selectors.DefaultSelector() as sel:
+            sel.register(stranger[0].stdout, selectors.EVENT_READ)
+            ready = sel.select(5.0)
         seen["stranger read"] = stranger[0].stdout.readline().strip() if ready else "nothing yet"
         return seen["cut"]
 
@@ -180,7 +195,7 @@ def test_once_the_group_has_formed_nobody_new_reaches_a_rank(data, tmp_path, mon
     assert result.status == "completed" and len(m) == 16, result
     assert [len(seen["ports"][r]) for r in (0, 1, 2)] == [2, 1, 1], seen["ports"]  # store, gloo; gloo; gloo
     assert seen["completed"] == 0
-    assert seen["descriptors"][1] == seen["descriptors"][0]
+    assert seen["sockets"][1] == seen["sockets"][0]
     assert seen["cut"] == [seen["stranger"]]
     assert seen["stranger read"] == "end of file"
 

@@ -9,7 +9,11 @@ store: an honest worker (`link._work`, the real one) and a `Peer` that speaks th
 
 import dataclasses
 import json
+import os
 import re
+import selectors
+import socket
+import subprocess
 import sys
 import threading
 
@@ -43,6 +47,7 @@ from gem.engines.distributed.wire import (
     _prove,
     _recv_packed,
     _send_bytes,
+    _td,
     _wait,
 )
 from gem.engines.server import Server
@@ -428,7 +433,8 @@ def test_the_proof_is_bound_to_the_secret_the_nonce_and_the_rank():
 
 @pytest.mark.parametrize("sent", [b"\xff\xfe", b"not json", b"{}", b'"127.0.0.1"', b"[[1, 2]]", b'[["x", 80]]',
                                   b'[["127.0.0.1", 0]]', b'[["127.0.0.1", 70000]]', b'[["127.0.0.1", "80"]]',
-                                  json.dumps([["127.0.0.1", p] for p in range(1, 7)]).encode()])
+                                  json.dumps([["127.0.0.1", p] for p in range(1, doors.MAX_ENDPOINTS + 2)]).encode(),
+                                  b'[["127.0.0.1", true]]', b"[" * 300])
 def test_the_store_endpoints_a_worker_names_are_a_peers_bytes(sent):
     """What a worker sends with its proof (doors.cut_strangers keeps its store connections): anything but a short
     list of [address, port] names nothing, and a worker that sends it keeps no store connection, and nothing else
@@ -440,6 +446,119 @@ def test_a_store_endpoint_is_one_socket_end_however_its_family_shows_it():
     sent = json.dumps([["::ffff:10.0.0.2", 5000], ["10.0.0.3", 5001], ["fe80::1%eth0", 5002]]).encode()
     assert doors.parse_endpoints(sent.ljust(doors.ENDPOINTS_BYTES)) == {("10.0.0.2", 5000), ("10.0.0.3", 5001),
                                                                          ("fe80::1", 5002)}
+
+
+# ------------------------------------------------------- once the group has formed, nobody new reaches a rank
+
+linux_only = pytest.mark.skipif(not doors.LINUX, reason="doors.py works on Linux only (/proc, socket filters)")
+
+STRANGER = """import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+print("{}:{}".format(*s.getsockname()), flush=True)
+print("end of file" if s.recv(1) == b"" else "data", flush=True)
+"""
+
+
+def _connects(port: int) -> bool:
+    """Whether a connection to `port` completes within half a second."""
+    s = socket.socket()
+    s.settimeout(0.5)
+    try:
+        s.connect(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _stranger(port: int) -> tuple[subprocess.Popen, str]:
+    """Another process connected to `port`, and its end as it sees it; it prints "end of file" once cut."""
+    p = subprocess.Popen([sys.executable, "-c", STRANGER, str(port)], stdout=subprocess.PIPE, text=True)
+    return p, p.stdout.readline().strip()
+
+
+def _cut(p: subprocess.Popen) -> bool:
+    with selectors.DefaultSelector() as sel:
+        sel.register(p.stdout, selectors.EVENT_READ)
+        return bool(sel.select(5.0)) and p.stdout.readline().strip() == "end of file"
+
+
+@linux_only
+def test_a_launched_rank_refuses_newcomers_once_its_group_has_formed(monkeypatch):
+    """torchrun's or SLURM's rank (`_launched_group`, here a group of one holding its env:// store): its listeners,
+    the store's and gloo's, complete no new connection; a listener it had before is left alone."""
+    free = socket.create_server(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    kept = socket.create_server(("127.0.0.1", 0))
+    try:
+        store, pg, _, _ = wire._launched_group(WAIT_S)
+        assert store.port == port and not _connects(port)
+        gloo = [q for q in _ports_listening() if q != kept.getsockname()[1]]
+        assert gloo and not any(_connects(q) for q in gloo if q != port)
+        assert _connects(kept.getsockname()[1])
+    finally:
+        kept.close()
+
+
+def _ports_listening() -> set[int]:
+    """The ports this process listens on now."""
+    return {local[1] for _, _, listens, local, _ in doors._tcp_sockets() if listens}
+
+
+@linux_only
+def test_rank_0_cuts_the_store_connections_no_admitted_worker_holds():
+    """A store that torch made (listening on IPv6's any address: IPv4 peers show as ::ffff:...): a connection
+    from another process is cut unless an admitted worker named its end (as that process sees it); rank 0's own
+    connection to its store goes on working."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=_td(WAIT_S), wait_for_workers=False)
+    admitted, its_end = _stranger(store.port)
+    stranger, stranger_end = _stranger(store.port)
+    try:
+        address, port = its_end.rsplit(":", 1)
+        keep = doors.parse_endpoints(json.dumps([[address, int(port)]]).encode())
+        assert doors.cut_strangers(store.port, keep) == [stranger_end]
+        assert _cut(stranger)
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+        assert doors.cut_strangers(store.port, keep) == []  # the admitted one stays
+        assert doors.cut_strangers(int(port), set()) == []  # a port this process does not listen on
+    finally:
+        for p in (admitted, stranger):
+            p.kill()
+            p.wait()
+
+
+@linux_only
+def test_looking_at_a_socket_leaves_its_blocking_mode_as_it_was():
+    """doors.py reads torch's sockets through their descriptors: a Python socket object made on one would make it
+    non-blocking for torch too wherever a default timeout is set (socket.setdefaulttimeout)."""
+    s = socket.create_server(("127.0.0.1", 0))
+    before = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(5.0)
+    try:
+        s.setblocking(True)
+        assert os.get_blocking(s.fileno())
+        doors.refuse_newcomers(doors.listening() - {os.fstat(s.fileno()).st_ino})
+        assert os.get_blocking(s.fileno()) and not _connects(s.getsockname()[1])
+    finally:
+        socket.setdefaulttimeout(before)
+        s.close()
+
+
+@linux_only
+def test_with_lazy_gloo_pairs_the_listeners_stay_open(monkeypatch):
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "Yes")
+    before = doors.listening()
+    s = socket.create_server(("127.0.0.1", 0))
+    try:
+        assert doors.refuse_newcomers(before) == [] and _connects(s.getsockname()[1])
+    finally:
+        s.close()
 
 
 @pytest.fixture

@@ -12,65 +12,66 @@ aborts), and the store keeps whatever anyone connected to it stores there. So:
   listener's filter, none, when it was made). A newcomer's connect times out.
 - `cut_strangers`: rank 0, once its workers have proved the run's secret, shuts every connection to its store
   that neither it nor an admitted worker holds (each worker names its own with its proof: `held_endpoints`).
+  A worker's address as it sees it must be the one rank 0 sees: through NAT (port forwarding, a container
+  bridge between nodes) rank 0 would cut its workers' store connections, and say so.
 
-What stays open: whatever reaches the ports in the seconds before the group has formed (a connection made then to
-gloo's listener that closes before the handshake still costs a descriptor, and a value stored then stays), and
-everything on a system without /proc/self/fd or SO_ATTACH_FILTER, where these do nothing.
+What stays open: what reaches gloo's ports before the group has formed (a connection that closes before the
+handshake still costs a descriptor) and the store before the workers have proved the secret (a value stored then
+stays); everything with TORCH_GLOO_LAZY_INIT, whose pairs connect through the listeners at their first message;
+and everything on a system other than Linux, where these do nothing.
+
+The sockets are torch's and gloo's: they are read and changed through their descriptors with libc's own calls
+(ctypes), never wrapped in Python socket objects, which would change a descriptor's blocking mode for everyone
+that shares it (wherever socket.setdefaulttimeout is set).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ipaddress
 import json
 import os
 import socket
-import stat
-import struct
+import sys
 
+LINUX = sys.platform.startswith("linux")
 SO_ATTACH_FILTER = 26  # <asm-generic/socket.h>; Python's socket module does not name it
-# struct sock_filter {u16 code; u8 jt; u8 jf; u32 k}: BPF_RET | BPF_K, k = 0: keep 0 bytes of the packet
-_KEEP_NOTHING = (ctypes.c_ubyte * 8).from_buffer_copy(struct.pack("=HBBI", 0x06, 0, 0, 0))
-ENDPOINTS_BYTES = 256  # a worker's endpoints, JSON padded with spaces, after its proof (wire._prove)
-MAX_ENDPOINTS = 4
+ENDPOINTS_BYTES = 512  # a worker's store endpoints, JSON padded with spaces, after its proof (wire._prove)
+MAX_ENDPOINTS = 8
 
 
-@contextlib.contextmanager
-def _tcp_sockets():
-    """This process's TCP sockets, each as a socket object on a duplicate of its descriptor (closed after: the
-    sockets themselves stay as they are, with their owners: gloo, the store, the caller)."""
-    held = []
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:  # not Linux
-        names = []
-    try:
-        for name in names:
-            try:
-                fd = int(name)
-                if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                    continue
-                copy = os.dup(fd)
-            except (OSError, ValueError):  # closed meanwhile, or the listing's own descriptor
-                continue
-            try:
-                s = socket.socket(fileno=copy)
-            except OSError:
-                os.close(copy)
-                continue
-            if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
-                held.append(s)
-            else:
-                s.close()
-        yield held
-    finally:
-        for s in held:
-            s.close()
+class _SockFilter(ctypes.Structure):  # struct sock_filter, <linux/filter.h>
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
 
 
-def _listens(s: socket.socket) -> bool:
-    return bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+class _SockFprog(ctypes.Structure):  # struct sock_fprog
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+_KEEP_NOTHING = (_SockFilter * 1)(_SockFilter(0x06, 0, 0, 0))  # BPF_RET | BPF_K, k = 0: keep 0 bytes of the packet
+_PROGRAM = _SockFprog(1, _KEEP_NOTHING)
+_libc = ctypes.CDLL(None, use_errno=True) if LINUX else None
+
+
+def _int_option(fd: int, option: int) -> int | None:
+    value, size = ctypes.c_int(0), ctypes.c_uint32(ctypes.sizeof(ctypes.c_int))
+    if _libc.getsockopt(fd, socket.SOL_SOCKET, option, ctypes.byref(value), ctypes.byref(size)) != 0:
+        return None
+    return value.value
+
+
+def _address(call, fd: int) -> tuple[str, int] | None:
+    """getsockname or getpeername of `fd`, as (address, port); None if it has none (not connected)."""
+    buf, size = ctypes.create_string_buffer(128), ctypes.c_uint32(128)
+    if call(fd, buf, ctypes.byref(size)) != 0:
+        return None
+    raw = buf.raw
+    family, port = int.from_bytes(raw[0:2], sys.byteorder), int.from_bytes(raw[2:4], "big")
+    if family == socket.AF_INET:
+        return _endpoint((socket.inet_ntop(socket.AF_INET, raw[4:8]), port))
+    if family == socket.AF_INET6:
+        return _endpoint((socket.inet_ntop(socket.AF_INET6, raw[8:24]), port))
+    return None
 
 
 def _endpoint(address) -> tuple[str, int]:
@@ -82,43 +83,80 @@ def _endpoint(address) -> tuple[str, int]:
     return str(ip), int(address[1])
 
 
+class _Unseen:
+    count = 0  # sockets of this process that could not be looked at (no descriptor left to duplicate them)
+
+
+def _tcp_sockets(unseen: _Unseen | None = None):
+    """For each TCP socket of this process, one at a time: (descriptor, inode, listening, local end, far end). The
+    descriptor is a duplicate, closed once the caller has moved on: a socket closed meanwhile is not confused with
+    a file that took its number."""
+    if not LINUX:
+        return
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile, or the listing's own descriptor
+            continue
+        if not link.startswith("socket:["):
+            continue
+        try:
+            fd = os.dup(int(name))
+        except OSError:
+            if unseen is not None:
+                unseen.count += 1
+            continue
+        try:
+            local = _address(_libc.getsockname, fd)
+            if local is None or _int_option(fd, socket.SO_TYPE) != socket.SOCK_STREAM:
+                continue
+            yield fd, int(link[8:-1]), bool(_int_option(fd, socket.SO_ACCEPTCONN)), local, \
+                _address(_libc.getpeername, fd)
+        finally:
+            os.close(fd)
+
+
 def listening() -> frozenset[int]:
     """The listening sockets of this process now, by inode: what `refuse_newcomers` leaves alone."""
-    with _tcp_sockets() as socks:
-        return frozenset(os.fstat(s.fileno()).st_ino for s in socks if _listens(s))
+    return frozenset(inode for _, inode, listens, _, _ in _tcp_sockets() if listens)
+
+
+def lazy_gloo() -> bool:
+    """TORCH_GLOO_LAZY_INIT, read as torch reads a boolean setting."""
+    return os.environ.get("TORCH_GLOO_LAZY_INIT", "").strip().lower() in ("1", "y", "yes", "t", "true")
 
 
 def refuse_newcomers(before: frozenset[int]) -> list[int]:
     """Every socket this process listens on that `before` (listening(), taken before the group formed) did not
-    hold refuses new connections from now on. Returns their ports. With TORCH_GLOO_LAZY_INIT gloo connects pairs
-    at their first message, through these listeners: they are left open."""
-    if os.environ.get("TORCH_GLOO_LAZY_INIT", "").lower() in ("1", "true"):
+    hold refuses new connections from now on. Returns their ports; a listener it could not reach is one line on
+    stderr. With TORCH_GLOO_LAZY_INIT gloo connects pairs at their first message, through these listeners: they
+    are left open."""
+    if lazy_gloo():
         return []
-    program = struct.pack("@HP", 1, ctypes.addressof(_KEEP_NOTHING))  # struct sock_fprog {len; filter *}
-    ports = []
-    with _tcp_sockets() as socks:
-        for s in socks:
-            if _listens(s) and os.fstat(s.fileno()).st_ino not in before:
-                try:
-                    s.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, program)
-                except OSError:  # no socket filters here
-                    continue
-                ports.append(s.getsockname()[1])
+    ports, unseen = [], _Unseen()
+    for fd, inode, listens, local, _ in _tcp_sockets(unseen):
+        if listens and inode not in before:
+            if _libc.setsockopt(fd, socket.SOL_SOCKET, SO_ATTACH_FILTER, ctypes.byref(_PROGRAM),
+                                ctypes.sizeof(_PROGRAM)) != 0:
+                print(f"gem: port {local[1]} still takes new connections ({os.strerror(ctypes.get_errno())})",
+                      file=sys.stderr, flush=True)
+                continue
+            ports.append(local[1])
+    if unseen.count:
+        print(f"gem: {unseen.count} socket(s) of this process could not be looked at (no descriptor left); a "
+              "listener among them still takes new connections", file=sys.stderr, flush=True)
     return sorted(ports)
 
 
 def held_endpoints(port: int | None) -> bytes:
-    """A worker's connections to the job's store (at `port` on its host), as rank 0 sees their far ends: what it
-    sends with its proof. ENDPOINTS_BYTES exactly."""
-    ends = []
-    if port:
-        with _tcp_sockets() as socks:
-            for s in socks:
-                try:
-                    if not _listens(s) and s.getpeername()[1] == port:
-                        ends.append(list(_endpoint(s.getsockname())))
-                except OSError:  # not connected
-                    continue
+    """A worker's connections to the job's store (at `port`), as rank 0 sees their far ends: what it sends with
+    its proof. ENDPOINTS_BYTES exactly."""
+    ends = [list(local) for _, _, listens, local, far in _tcp_sockets()
+            if port and not listens and far is not None and far[1] == port]
     text = json.dumps(ends[:MAX_ENDPOINTS]).encode()
     return text.ljust(ENDPOINTS_BYTES) if len(text) <= ENDPOINTS_BYTES else b"[]".ljust(ENDPOINTS_BYTES)
 
@@ -131,31 +169,26 @@ def parse_endpoints(data: bytes) -> set[tuple[str, int]]:
         if not isinstance(ends, list) or len(ends) > MAX_ENDPOINTS:
             return set()
         return {_endpoint(e) for e in ends if isinstance(e, list) and len(e) == 2 and isinstance(e[0], str)
-                and isinstance(e[1], int) and 0 < e[1] < 65536}
-    except (UnicodeDecodeError, ValueError, TypeError):
+                and type(e[1]) is int and 0 < e[1] < 65536}
+    except (UnicodeDecodeError, ValueError, TypeError, RecursionError):
         return set()
 
 
 def cut_strangers(port: int | None, keep: set[tuple[str, int]]) -> list[str]:
     """Rank 0 holding the job's store on `port`: shut every connection to it whose far end is neither one of this
-    process's sockets nor in `keep` (the admitted workers' endpoints). Returns the far ends cut. Does nothing where
-    this process does not hold the store (under torchrun its agent does)."""
-    cut: list[str] = []
+    process's own store clients nor in `keep` (the admitted workers' endpoints). Returns the far ends cut. Does
+    nothing where this process does not hold the store (under torchrun its agent does)."""
     if not port:
-        return cut
-    with _tcp_sockets() as socks:
-        if not any(_listens(s) and s.getsockname()[1] == port for s in socks):
-            return cut
-        own = {_endpoint(s.getsockname()) for s in socks}
-        for s in socks:
-            try:
-                if _listens(s) or s.getsockname()[1] != port:
-                    continue
-                far = _endpoint(s.getpeername())
-            except OSError:
-                continue
-            if far not in own and far not in keep:
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)  # the store reads end of file and closes its side
-                cut.append(f"{far[0]}:{far[1]}")
+        return []
+    sockets = list(_tcp_sockets())  # their descriptors are closed by now: to know who is who
+    if not any(listens and local[1] == port for _, _, listens, local, _ in sockets):
+        return []
+    own = {local for _, _, listens, local, far in sockets if not listens and far is not None and far[1] == port}
+    strangers = {inode for _, inode, listens, local, far in sockets
+                 if not listens and local[1] == port and far is not None and far not in own and far not in keep}
+    cut = []
+    for fd, inode, _, _, far in _tcp_sockets():
+        if inode in strangers:
+            _libc.shutdown(fd, socket.SHUT_RDWR)  # the store reads end of file and closes its side
+            cut.append(f"{far[0]}:{far[1]}")
     return cut

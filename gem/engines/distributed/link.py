@@ -378,7 +378,7 @@ class _Waiting(threading.Thread):
 
     def __init__(self, store, rank: int):
         super().__init__(name="gem-waiting", daemon=True)
-        self.store, self.key = store, _waiting_key(rank)
+        self.store, self.key, self.rank = store, _waiting_key(rank), rank
         self.waiting = False
 
     def run(self) -> None:
@@ -387,6 +387,11 @@ class _Waiting(threading.Thread):
             if self.waiting:
                 try:
                     self.store.add(self.key, 1)
-                except Exception:  # noqa: BLE001 - the store went with rank 0: the worker finds out itself
+                except Exception as e:  # noqa: BLE001 - the store went with rank 0: the worker finds out itself
+                    # or rank 0 cut this connection as a stranger's (doors.cut_strangers: an address translated
+                    # on the way). Said once: a long wait for the server may then count as this worker's silence
+                    print(f"gem: worker rank {self.rank} can no longer say on the job's store that it waits for the "
+                          f"server ({str(e).splitlines()[0] if str(e) else type(e).__name__})", file=sys.stderr,
+                          flush=True)
                     return
 

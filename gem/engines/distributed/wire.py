@@ -220,17 +220,16 @@ def _admit(pg, ranks: list[int], secret: str, timeout_s: float) -> tuple[dict[in
         try:
             _wait(sends[r], timeout_s)
             _wait(pg.recv([proof], r, TAG_JOB), timeout_s)
-            ends = _recv_bytes(pg, ENDPOINTS_BYTES, r, TAG_JOB, timeout_s)
+            ends = _recv_bytes(pg, ENDPOINTS_BYTES, r, TAG_JOB, timeout_s)  # taken in any case: its send returns
+            if hmac.compare_digest(proof.numpy().tobytes(), _proof(secret, nonces[r], r)):
+                held |= parse_endpoints(ends)
+            else:
+                refused[r] = f"rank {r} refused: it did not prove the run's secret ({SECRET_ENV})"
         except RuntimeError as e:
             if not _closed(e):
                 raise RuntimeError(f"worker rank {r} did not answer rank 0's challenge within {timeout_s:.0f} s; "
                                    "gloo gives up on the whole group after such a wait") from None
             refused[r] = f"rank {r} refused: its connection closed before it proved the run's secret"
-            continue
-        if not hmac.compare_digest(proof.numpy().tobytes(), _proof(secret, nonces[r], r)):
-            refused[r] = f"rank {r} refused: it did not prove the run's secret ({SECRET_ENV})"
-        else:
-            held |= parse_endpoints(ends)
     return refused, held
 
 
