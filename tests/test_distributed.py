@@ -367,13 +367,14 @@ def test_torchrun_launches_the_server_and_workers(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_with_the_wrong_number_of_processes_says_so_in_one_line(tmp_path):
-    p = subprocess.run([_torchrun(), "--standalone", "--nproc_per_node=3", "run.py", "engine=distributed",
-                        "workers=3", "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}"],
+    # two processes, the fewest that make a torchrun job of a server and a worker: each imports torch
+    p = subprocess.run([_torchrun(), "--standalone", "--nproc_per_node=2", "run.py", "engine=distributed",
+                        "workers=2", "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: workers=3 does not match the 3 processes the launcher started: engine=distributed "
-                      "needs workers + 1 (rank 0 is the parameter server); pass workers=2 or start 4 processes "
+    assert errors == ["error: workers=2 does not match the 2 processes the launcher started: engine=distributed "
+                      "needs workers + 1 (rank 0 is the parameter server); pass workers=1 or start 3 processes "
                       "(--nproc_per_node)"], p.stderr[-2000:]
 
 
