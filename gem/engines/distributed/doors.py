@@ -28,6 +28,7 @@ that shares it (wherever socket.setdefaulttimeout is set).
 from __future__ import annotations
 
 import ctypes
+import errno
 import ipaddress
 import json
 import os
@@ -84,18 +85,24 @@ def _endpoint(address) -> tuple[str, int]:
 
 
 class _Unseen:
-    count = 0  # sockets of this process that could not be looked at (no descriptor left to duplicate them)
+    """What `_tcp_sockets` could not look at: sockets it could not duplicate, or the whole list (no descriptor left
+    to read /proc/self/fd with)."""
+
+    count = 0
+    listing = False
 
 
 def _tcp_sockets(unseen: _Unseen | None = None):
     """For each TCP socket of this process, one at a time: (descriptor, inode, listening, local end, far end). The
-    descriptor is a duplicate, closed once the caller has moved on: a socket closed meanwhile is not confused with
-    a file that took its number."""
+    descriptor is a duplicate, closed once the caller has moved on, and its inode is checked against the one the
+    listing named: a socket closed meanwhile is not confused with one that took its number."""
     if not LINUX:
         return
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
+        if unseen is not None:
+            unseen.listing = True
         return
     for name in names:
         try:
@@ -111,11 +118,13 @@ def _tcp_sockets(unseen: _Unseen | None = None):
                 unseen.count += 1
             continue
         try:
+            inode = int(link[8:-1])
+            if os.fstat(fd).st_ino != inode:  # the number was closed and taken again since the listing
+                continue
             local = _address(_libc.getsockname, fd)
             if local is None or _int_option(fd, socket.SO_TYPE) != socket.SOCK_STREAM:
                 continue
-            yield fd, int(link[8:-1]), bool(_int_option(fd, socket.SO_ACCEPTCONN)), local, \
-                _address(_libc.getpeername, fd)
+            yield fd, inode, bool(_int_option(fd, socket.SO_ACCEPTCONN)), local, _address(_libc.getpeername, fd)
         finally:
             os.close(fd)
 
@@ -146,8 +155,11 @@ def refuse_newcomers(before: frozenset[int]) -> list[int]:
                       file=sys.stderr, flush=True)
                 continue
             ports.append(local[1])
-    if unseen.count:
-        print(f"gem: {unseen.count} socket(s) of this process could not be looked at (no descriptor left); a "
+    if unseen.listing:
+        print("gem: this process's descriptors could not be listed (no descriptor left); its listeners still take "
+              "new connections", file=sys.stderr, flush=True)
+    elif unseen.count:
+        print(f"gem: {unseen.count} socket(s) of this process could not be looked at (no descriptor left); any "
               "listener among them still takes new connections", file=sys.stderr, flush=True)
     return sorted(ports)
 
@@ -188,7 +200,7 @@ def cut_strangers(port: int | None, keep: set[tuple[str, int]]) -> list[str]:
                  if not listens and local[1] == port and far is not None and far not in own and far not in keep}
     cut = []
     for fd, inode, _, _, far in _tcp_sockets():
-        if inode in strangers:
-            _libc.shutdown(fd, socket.SHUT_RDWR)  # the store reads end of file and closes its side
+        # the store reads end of file and closes its side (ENOTCONN: the far end had gone already)
+        if inode in strangers and (_libc.shutdown(fd, socket.SHUT_RDWR) == 0 or ctypes.get_errno() == errno.ENOTCONN):
             cut.append(f"{far[0]}:{far[1]}")
     return cut
