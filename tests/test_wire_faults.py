@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -478,6 +479,15 @@ def _stranger(port: int) -> tuple[subprocess.Popen, str]:
     return p, p.stdout.readline().strip()
 
 
+def _accepted(port: int, ends: set[str]) -> None:
+    """Wait until the store (its own thread) has accepted the connections from `ends`: the kernel completes a
+    connection before then, and one not yet accepted has no socket in this process to cut."""
+    deadline = time.monotonic() + 30
+    while ends - {"{}:{}".format(*far) for _, _, _, local, far in doors._tcp_sockets() if far and local[1] == port}:
+        assert time.monotonic() < deadline, f"the store did not accept {ends}"
+        time.sleep(0.02)
+
+
 def _cut(p: subprocess.Popen) -> bool:
     with selectors.DefaultSelector() as sel:
         sel.register(p.stdout, selectors.EVENT_READ)
@@ -519,6 +529,7 @@ def test_rank_0_cuts_the_store_connections_no_admitted_worker_holds():
     admitted, its_end = _stranger(store.port)
     stranger, stranger_end = _stranger(store.port)
     try:
+        _accepted(store.port, {its_end, stranger_end})
         address, port = its_end.rsplit(":", 1)
         keep = doors.parse_endpoints(json.dumps([[address, int(port)]]).encode())
         assert doors.cut_strangers(store.port, keep) == [stranger_end]
