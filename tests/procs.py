@@ -1,5 +1,9 @@
-"""The processes a run starts, as /proc shows them: for tests that kill workers or check none is left behind."""
+"""The processes a run starts, as /proc shows them: for tests that kill workers or check none is left behind; and a
+stranger, a process that connects to a run's port and says when it is cut off."""
 
+import selectors
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -62,3 +66,23 @@ def mentioning(text: str) -> list[int]:
         if found:
             out.append(int(d.name))
     return sorted(out)
+
+
+_STRANGER = """import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+print("{}:{}".format(*s.getsockname()), flush=True)
+print("end of file" if s.recv(1) == b"" else "data", flush=True)
+"""
+
+
+def stranger(port: int) -> tuple[subprocess.Popen, str]:
+    """Another process connected to `port` on loopback, and its end as it sees it ("127.0.0.1:<port>")."""
+    p = subprocess.Popen([sys.executable, "-c", _STRANGER, str(port)], stdout=subprocess.PIPE, text=True)
+    return p, p.stdout.readline().strip()
+
+
+def is_cut(p: subprocess.Popen, timeout: float = 5.0) -> bool:
+    """Whether the stranger `p` reads end of file on its connection within `timeout` seconds."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(p.stdout, selectors.EVENT_READ)
+        return bool(sel.select(timeout)) and p.stdout.readline().strip() == "end of file"

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import warm_run
 from conftest import ROOT
+from procs import is_cut, stranger
 from test_run import check_run_dir
 
 from gem import algorithms
@@ -110,13 +111,6 @@ def _listening_ports(pid: int) -> set[int]:
     return ports
 
 
-STRANGER = """import socket, sys
-s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
-print("{}:{}".format(*s.getsockname()), flush=True)
-print("end of file" if s.recv(1) == b"" else "data", flush=True)
-"""
-
-
 def _completed_connections(ports: set[int], tries: int = 50) -> int:
     """Of `tries` connections opened at once to each port, how many the far side completes within half a second."""
     done = 0
@@ -150,13 +144,12 @@ def test_once_the_group_has_formed_nobody_new_reaches_a_rank(data, tmp_path, mon
     rank a descriptor for good, and the job's store keeps what anyone connected stores. Once every worker has
     proved the secret: no listener of rank 0 (the store's, gloo's) or of a worker completes a new connection, and
     none costs a descriptor; a store connection made before the group formed, by no worker, has been cut."""
-    before, seen, stranger = _listening_ports(os.getpid()), {}, []
+    before, seen, strangers = _listening_ports(os.getpid()), {}, []
 
     def listener(*args):  # a stranger (another process) connects to the store as it listens, before any worker
         s = real_listener(*args)
-        stranger.append(subprocess.Popen([sys.executable, "-c", STRANGER, str(s.getsockname()[1])],
-                                         stdout=subprocess.PIPE, text=True))
-        seen["stranger"] = stranger[0].stdout.readline().strip()
+        p, seen["stranger"] = stranger(s.getsockname()[1])
+        strangers.append(p)
         return s
 
     def admit(pg, ranks, *args):
@@ -171,10 +164,7 @@ def test_once_the_group_has_formed_nobody_new_reaches_a_rank(data, tmp_path, mon
 
     def cut(port, keep):
         seen["cut"] = real_cut(port, keep)
-        with selectors.DefaultSelector() as sel:
-            sel.register(stranger[0].stdout, selectors.EVENT_READ)
-            ready = sel.select(5.0)
-        seen["stranger read"] = stranger[0].stdout.readline().strip() if ready else "nothing yet"
+        seen["stranger cut"] = is_cut(strangers[0])  # it read end of file: the store closed its side
         return seen["cut"]
 
     def serve(coord, pg, secret, encoded, states, children, *args):
@@ -190,14 +180,14 @@ def test_once_the_group_has_formed_nobody_new_reaches_a_rank(data, tmp_path, mon
     try:
         result, m, _ = run(job(data, 2), tmp_path / "run")
     finally:
-        stranger[0].kill()
-        stranger[0].wait()
+        strangers[0].kill()
+        strangers[0].wait()
     assert result.status == "completed" and len(m) == 16, result
     assert [len(seen["ports"][r]) for r in (0, 1, 2)] == [2, 1, 1], seen["ports"]  # store, gloo; gloo; gloo
     assert seen["completed"] == 0
     assert seen["sockets"][1] == seen["sockets"][0]
     assert seen["cut"] == [seen["stranger"]]
-    assert seen["stranger read"] == "end of file"
+    assert seen["stranger cut"]
 
 
 def _readlink(path: Path) -> str:

@@ -11,9 +11,7 @@ import dataclasses
 import json
 import os
 import re
-import selectors
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -21,6 +19,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from procs import is_cut, stranger
 
 from gem import algorithms
 from gem.algorithms import gem
@@ -453,13 +452,6 @@ def test_a_store_endpoint_is_one_socket_end_however_its_family_shows_it():
 
 linux_only = pytest.mark.skipif(not doors.LINUX, reason="doors.py works on Linux only (/proc, socket filters)")
 
-STRANGER = """import socket, sys
-s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
-print("{}:{}".format(*s.getsockname()), flush=True)
-print("end of file" if s.recv(1) == b"" else "data", flush=True)
-"""
-
-
 def _connects(port: int) -> bool:
     """Whether a connection to `port` completes within half a second."""
     s = socket.socket()
@@ -473,12 +465,6 @@ def _connects(port: int) -> bool:
         s.close()
 
 
-def _stranger(port: int) -> tuple[subprocess.Popen, str]:
-    """Another process connected to `port`, and its end as it sees it; it prints "end of file" once cut."""
-    p = subprocess.Popen([sys.executable, "-c", STRANGER, str(port)], stdout=subprocess.PIPE, text=True)
-    return p, p.stdout.readline().strip()
-
-
 def _accepted(port: int, ends: set[str]) -> None:
     """Wait until the store (its own thread) has accepted the connections from `ends`: the kernel completes a
     connection before then, and one not yet accepted has no socket in this process to cut."""
@@ -486,12 +472,6 @@ def _accepted(port: int, ends: set[str]) -> None:
     while ends - {"{}:{}".format(*far) for _, _, _, local, far in doors._tcp_sockets() if far and local[1] == port}:
         assert time.monotonic() < deadline, f"the store did not accept {ends}"
         time.sleep(0.02)
-
-
-def _cut(p: subprocess.Popen) -> bool:
-    with selectors.DefaultSelector() as sel:
-        sel.register(p.stdout, selectors.EVENT_READ)
-        return bool(sel.select(5.0)) and p.stdout.readline().strip() == "end of file"
 
 
 @linux_only
@@ -526,20 +506,20 @@ def test_rank_0_cuts_the_store_connections_no_admitted_worker_holds():
     from another process is cut unless an admitted worker named its end (as that process sees it); rank 0's own
     connection to its store goes on working."""
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=_td(WAIT_S), wait_for_workers=False)
-    admitted, its_end = _stranger(store.port)
-    stranger, stranger_end = _stranger(store.port)
+    admitted, its_end = stranger(store.port)
+    other, other_end = stranger(store.port)
     try:
-        _accepted(store.port, {its_end, stranger_end})
+        _accepted(store.port, {its_end, other_end})
         address, port = its_end.rsplit(":", 1)
         keep = doors.parse_endpoints(json.dumps([[address, int(port)]]).encode())
-        assert doors.cut_strangers(store.port, keep) == [stranger_end]
-        assert _cut(stranger)
+        assert doors.cut_strangers(store.port, keep) == [other_end]
+        assert is_cut(other)
         store.set("k", b"v")
         assert store.get("k") == b"v"
         assert doors.cut_strangers(store.port, keep) == []  # the admitted one stays
         assert doors.cut_strangers(int(port), set()) == []  # a port this process does not listen on
     finally:
-        for p in (admitted, stranger):
+        for p in (admitted, other):
             p.kill()
             p.wait()
 
