@@ -4,13 +4,20 @@
    (`downpour`, b = 64: a commit after every gradient), divided by the steps per second of a plain training loop
    on the same device (`torch.optim.SGD` with momentum, same model, batch and in-memory batches). Target: at
    least 0.9. Twice: (a) θ on the workers' GPU, shared by CUDA IPC (`engine.theta_on_gpu=true`, the default on
-   one GPU), and (b) θ in shared host memory, staged on the GPU at each commit (`theta_on_gpu=false`).
+   one GPU), and (b) θ in shared host memory, staged on the GPU at each commit (`theta_on_gpu=false`), which the
+   worker page-locks where it lies (gem/engines/pinned.py).
 2. Sharing: aggregate worker steps per second of 4 `process` workers on one device over 1 worker, θ on the GPU.
 3. bf16: the plain loop under `torch.autocast(bfloat16)` over the plain loop in float32.
-4. The physical limit of 1b.: a `downpour` commit of a GPU worker moves θ host to device (the staged view), its
-   commit device to host, and θ host to device again (the pull), 3 × 4 bytes per parameter, over the copy speed
-   measured here between θ's pageable shared host memory and the device. The limit is the plain loop's step
-   time over that step time plus the copies: what 1b. could reach if the server's step and the turn cost nothing.
+4. The physical limit of θ in host memory, as it was before workers page-locked it: a `downpour` commit of a GPU
+   worker moves θ host to device (the staged view), its commit device to host, and θ host to device again (the
+   pull), 3 × 4 bytes per parameter, over the copy speed measured here between pageable shared host memory and
+   the device. The limit is the plain loop's step time over that step time plus the copies: what a worker could
+   reach if the server's step and the turn cost nothing.
+5. The `distributed` engine's GPU workers: aggregate steps per second of a local launch with 4 workers on the device
+   (θ in rank 0's shared-memory window, always in host memory: gloo moves CPU tensors) over 4 `process` workers
+   with θ in shared host memory (`theta_on_gpu=false`, the same placement), and over 4 with θ on the GPU.
+6. The physical limit of 1b.: the copies of 4. from shared host memory registered with CUDA (`cudaHostRegister`,
+   page-locked) as a worker now registers θ, over the same copies from pageable memory, and 4.'s limit with them.
 
 The engine is timed between its first and last commit rows (`time_s`), so start-up and CUDA initialisation are
 left out. Runs on the CPU as well (`--device cpu`), which only checks that the script works: the numbers that
@@ -37,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from process_engine import BATCH_SIZE, MOMENTUM, SEED, engine_run  # noqa: E402
 
 from gem.data import WorkerStream, make_synthetic  # noqa: E402
+from gem.engines import distributed, process  # noqa: E402
 from gem.models import build_model  # noqa: E402
 
 LR = 0.01  # Fig. 7's η: 4 AlexNet workers diverge at the MNIST benchmarks' 0.05
@@ -69,10 +77,24 @@ def plain_steps_per_s(data, device: torch.device, steps: int, bf16: bool = False
     return steps / (time.perf_counter() - t0)
 
 
-def copy_seconds(numel: int, device: torch.device, repeats: int = 20) -> tuple[float, float]:
-    """Seconds of one host-to-device and one device-to-host copy of `numel` float32, from pageable host memory
-    as θ is (shared host memory is not pinned)."""
-    host, dev = torch.randn(numel), torch.empty(numel, device=device)
+def copy_seconds(numel: int, device: torch.device, repeats: int = 20, pinned: bool = False) -> tuple[float, float]:
+    """Seconds of one host-to-device and one device-to-host copy of `numel` float32, from shared host memory as θ
+    is: pageable, or (`pinned`) registered with CUDA as a worker could register θ's mapping."""
+    host, dev = torch.randn(numel).share_memory_(), torch.empty(numel, device=device)
+    if pinned:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(host.data_ptr(), host.nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of shared memory failed: {err}")
+        try:
+            return _timed_copies(host, dev, repeats)
+        finally:
+            cudart.cudaHostUnregister(host.data_ptr())
+    return _timed_copies(host, dev, repeats)
+
+
+def _timed_copies(host: torch.Tensor, dev: torch.Tensor, repeats: int) -> tuple[float, float]:
+    device = dev.device
     times = []
     for copy in (lambda: dev.copy_(host), lambda: host.copy_(dev)):
         copy()
@@ -86,14 +108,17 @@ def copy_seconds(numel: int, device: torch.device, repeats: int = 20) -> tuple[f
 
 
 def engine_steps_per_s(data, device: str, workers: int, steps: int, batch: int = BATCH_SIZE,
-                       theta_on_gpu: bool = True) -> float:
+                       theta_on_gpu: bool = True, engine=process) -> float:
     epochs = max(1, -(-steps * batch // len(data.train_y)))
+    options = {"theta_on_gpu": theta_on_gpu} if engine is process else {"timeout_s": 120}
     m, result = engine_run(data, "downpour", workers, epochs, model="alexnet_cifar", device=device, lr=LR,
-                           batch_size=batch, options={"theta_on_gpu": theta_on_gpu}, with_result=True)
+                           batch_size=batch, options=options, with_result=True, engine=engine)
     m = m[m["step"] > min(10 * workers, len(m) // 2)]  # warm-up
     rate = (len(m) - 1) / (m["time_s"].iloc[-1] - m["time_s"].iloc[0])
     # apply_s times the server step as queued: on a GPU it is the kernels' launch, not their run
-    print(f"   {workers} worker(s), θ on {result.extra['central_device']}: {rate:.1f} steps/s; the server's step "
+    where = result.extra.get("central_device", "cpu (rank 0's window)")
+    name = engine.__name__.rsplit(".", 1)[-1]
+    print(f"   {name}, {workers} worker(s), θ on {where}: {rate:.1f} steps/s; the server's step "
           f"(apply_s) {1e3 * m['apply_s'].mean():.2f} ms a commit, {100 * m['apply_s'].sum() * rate / len(m):.0f}% "
           "of the time")
     return rate
@@ -120,7 +145,7 @@ def main() -> None:
     reference = (plain + plain_after) / 2
     print(f"1a. one process worker, θ on the worker's device / plain loop: {one / reference:.3f}  "
           f"(plain {plain:.1f} and {plain_after:.1f} steps/s before and after)")
-    print(f"1b. one process worker, θ in shared host memory / plain loop: {one_host / reference:.3f}")
+    print(f"1b. one process worker, θ in shared host memory, page-locked / plain loop: {one_host / reference:.3f}")
     sharing = 2 if args.smoke else 4  # --smoke: two are enough to run the part
     four = engine_steps_per_s(data, str(device), sharing, args.steps, batch)
     print(f"2. {sharing} process workers on one device / 1 worker: {four / one:.3f}")
@@ -130,9 +155,20 @@ def main() -> None:
     down, up = copy_seconds(numel, device)
     moved = 2 * down + up
     step = 1 / reference
-    print(f"4. physical limit of 1b. (plain step / (plain step + copies of a commit)): {step / (step + moved):.3f}  "
+    print(f"4. physical limit of θ in pageable host memory (plain step / (plain step + copies of a commit)): "
+          f"{step / (step + moved):.3f}  "
           f"({3 * 4 * numel / 1e6:.0f} MB a commit; host to device {4 * numel / down / 1e9:.1f} GB/s, device to "
           f"host {4 * numel / up / 1e9:.1f} GB/s; plain step {1e3 * step:.2f} ms, copies {1e3 * moved:.2f} ms)")
+    four_host = engine_steps_per_s(data, str(device), sharing, args.steps, batch, theta_on_gpu=False)
+    four_distributed = engine_steps_per_s(data, str(device), sharing, args.steps, batch, engine=distributed)
+    print(f"5. distributed, {sharing} workers on one device / process, θ in host memory: "
+          f"{four_distributed / four_host:.3f}; / process, θ on the device: {four_distributed / four:.3f}")
+    if device.type == "cuda":
+        pinned_down, pinned_up = copy_seconds(numel, device, pinned=True)
+        pinned = 2 * pinned_down + pinned_up
+        print(f"6. physical limit of 1b. (θ page-locked): {step / (step + pinned):.3f}  (its copies take "
+              f"{pinned / moved:.3f} of the pageable ones' time: host to device {4 * numel / pinned_down / 1e9:.1f} "
+              f"GB/s, device to host {4 * numel / pinned_up / 1e9:.1f} GB/s)")
 
 
 if __name__ == "__main__":

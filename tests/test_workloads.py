@@ -405,7 +405,7 @@ def test_a_worker_s_diagnostics_read_its_own_commit_not_the_copy_sent_to_the_ser
     _, direct = _sim_rows(job, tmp_path / "direct")
     sent, read_own = [], []
 
-    def to_server(commit, device):  # as a move to another device does: new tensors
+    def to_server(commit, device, pinned=None):  # as a move to another device does: new tensors
         copy = dataclasses.replace(commit, delta=commit.delta.clone(),
                                    payload={k: v.clone() for k, v in commit.payload.items()})
         sent.append(copy)  # kept alive, so that no later tensor reuses its memory
@@ -475,3 +475,71 @@ def test_bf16_computes_in_bf16_and_keeps_float32_parameters_and_gradients():
 def test_bf16_run_learns_on_sim(tmp_path):
     s = _run(["engine=sim", "workers=2", "epochs=2", "precision=bf16"], tmp_path / "bf16")
     assert s["status"] == "completed" and s["precision"] == "bf16" and s["val_loss"] < 0.75 * math.log(10), s
+
+
+def test_a_gpu_worker_page_locks_each_host_tensor_it_copies_theta_from_once(monkeypatch, tmp_path):
+    """A GPU worker whose θ stays in host memory registers θ and the server's tensors with CUDA (pinned.py), once
+    each, where they are: the arithmetic does not change. Forced here on the CPU (the workers say `cpu:0`, so they
+    stage; registration is recorded, not made)."""
+    from gem.engines import pinned as pmod
+    from gem.engines import worker as wmod
+
+    data = gdata.make_synthetic(train_size=256, val_size=32)
+    job = Job(algorithm="gem", hp=gem_algo.Params(workers=3, proxy="global"), model="mnist_cnn", data=data,
+              workers=3, batch_size=32, epochs=1, seed=0, engine={"name": "sim"})
+    _, direct = _sim_rows(job, tmp_path / "direct")
+    calls, made = [], []
+
+    def register(address, size, flags):
+        calls.append((address, size, flags))
+        return 0
+
+    def pinned_for(device, who):
+        made.append(pmod.Pinned(device, who, register=register))
+        return made[-1]
+
+    monkeypatch.setattr(wmod, "device_of", lambda job, w: torch.device("cpu", 0))
+    monkeypatch.setattr(wmod, "pinned_for", pinned_for)
+    result, pinned_rows = _sim_rows(job, tmp_path / "pinned")
+    assert result.status == "completed" and len(made) == 3
+    # the sim engine's workers share one server: θ, the global proxy and its count, registered once by each worker
+    assert all(len(p.held) == 3 and p.held.keys() == made[0].held.keys() for p in made)
+    assert len(calls) == 9 and {f for *_, f in calls} == {0}
+    for col in ("loss", "staleness", "pi_median"):
+        assert pinned_rows[col].tolist() == direct[col].tolist()
+
+
+def test_page_locking_reads_the_mapping_and_gives_up_in_one_line(capsys):
+    """Read-only memory (a worker's view of rank 0's window) is registered read-only; a failure is said once, and
+    the worker copies through pageable memory from then on; the commit's buffers are reused."""
+    import mmap
+    import warnings
+
+    from gem.engines import pinned as pmod
+
+    with mmap.mmap(-1, 4 * mmap.PAGESIZE) as rw:
+        ro = mmap.mmap(-1, 4 * mmap.PAGESIZE, prot=mmap.PROT_READ)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a read-only buffer
+            shared = torch.frombuffer(ro, dtype=torch.float32)
+        mine = torch.frombuffer(rw, dtype=torch.float32)
+        assert pmod.writable(mine.data_ptr()) and not pmod.writable(shared.data_ptr())
+        calls = []
+        p = pmod.Pinned(torch.device("cpu"), "worker 7", register=lambda a, n, f: calls.append((a, n, f)) or 0)
+        p.host(mine, shared, mine, torch.empty(0))
+        assert calls == [(mine.data_ptr(), mine.nbytes, 0), (shared.data_ptr(), shared.nbytes, pmod.READ_ONLY)]
+        del shared, p
+        ro.close()
+
+        failing = pmod.Pinned(torch.device("cpu"), "worker 7", register=lambda a, n, f: 1)
+        failing.host(mine)
+        failing.host(torch.ones(8))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("gem: worker 7: θ's host memory could not be page-locked "
+                                                   "(cudaHostRegister: error 1") and failing.failed
+        assert not failing.held
+        del mine
+
+    a = failing.out("delta", torch.ones(5))
+    assert failing.out("delta", torch.zeros(5)) is a and failing.out("delta", torch.zeros(6)) is not a
+    assert failing.out("payload.m", torch.zeros(6)) is not failing.out("delta", torch.zeros(6))

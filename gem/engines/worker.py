@@ -34,6 +34,7 @@ import torch
 from gem.algorithms import Algorithm, Commit, View
 from gem.data import WorkerStream
 from gem.engines.core import build_flat_model, device_of, worker_steps
+from gem.engines.pinned import Pinned, pinned_for
 from gem.engines.server import Server
 from gem.models import FlatModel
 
@@ -142,13 +143,18 @@ def setup_process(threads: int, ignore_sigint: bool = True) -> None:
 # ------------------------------------------------------------------------------------------ the worker
 
 
-def to_device(commit: Commit, device: torch.device) -> Commit:
-    """The commit's tensors for the server rule, on the server's device (the same commit when already there).
-    `aux` stays: diagnostics run on the worker."""
+def to_device(commit: Commit, device: torch.device, pinned: Pinned | None = None) -> Commit:
+    """The commit's tensors for the server rule, on the server's device (the same commit when already there);
+    to the host through `pinned`'s page-locked buffers where a GPU worker has them (overwritten at its next commit:
+    the server has applied this one by then). `aux` stays: diagnostics run on the worker."""
     if commit.delta.device == device:
         return commit
-    return dataclasses.replace(commit, delta=commit.delta.to(device),
-                               payload={k: v.to(device) for k, v in commit.payload.items()})
+    if pinned is not None and device.type == "cpu":
+        delta = pinned.out("delta", commit.delta).copy_(commit.delta)
+        payload = {k: pinned.out(f"payload.{k}", v).copy_(v) for k, v in commit.payload.items()}
+    else:
+        delta, payload = commit.delta.to(device), {k: v.to(device) for k, v in commit.payload.items()}
+    return dataclasses.replace(commit, delta=delta, payload=payload)
 
 
 
@@ -204,6 +210,8 @@ class Worker:
         self.before: dict = {}  # the state before the gradient in hand (for a checkpoint taken at the turn)
         self.pull_at = -1  # a barrier this worker waits at before its next gradient (Commit.pull_at); −1: none
         self._stage: dict | None = None  # the server's tensors on this worker's device, if they live elsewhere
+        # a GPU worker copies θ from host memory, where it stays there, through page-locked memory (pinned.py)
+        self._pinned = pinned_for(self.device, f"worker {w}")
 
     def gradient(self) -> float:
         _set_rng_state(self.rng, self.device)
@@ -246,7 +254,7 @@ class Worker:
             waited, stamp = time.monotonic() - asked, link.now()  # stamped in turn: times follow the clock
             commit = self.algo.worker_rule(self.state, self.x, self.model.grad, self.staged(view), self.hp)
             # the server gets the commit on its device; the diagnostics below read the one made here, beside aux
-            sent = to_device(commit, view.theta.device)
+            sent = to_device(commit, view.theta.device, self._pinned)
             link.submit(view, sent)
             applied = time.perf_counter()
             t = link.server.apply(view, sent)
@@ -284,6 +292,8 @@ class Worker:
         commit goes back to the server's device (`to_device`): the algorithms never see two devices."""
         if view.theta.device == self.device:
             return view
+        if self._pinned is not None:  # once per host tensor: this copy and the pull's then run at the link's speed
+            self._pinned.host(view.theta, *view.server.values())
         if self._stage is None:
             self._stage = {k: torch.empty_like(v, device=self.device)
                            for k, v in {"theta": view.theta, **view.server}.items()}
