@@ -478,9 +478,9 @@ def test_bf16_run_learns_on_sim(tmp_path):
 
 
 def test_a_gpu_worker_page_locks_each_host_tensor_it_copies_theta_from_once(monkeypatch, tmp_path):
-    """A GPU worker whose θ stays in host memory registers θ and the server's tensors with CUDA (pinned.py), once
-    each, where they are: the arithmetic does not change. Forced here on the CPU (the workers say `cpu:0`, so they
-    stage; registration is recorded, not made)."""
+    """A GPU worker whose θ stays in host memory registers θ and the server's tensors with CUDA (pinned.py) where
+    they lie, once in a process (memory page-locked already is left alone): the arithmetic does not change. Forced
+    here on the CPU (the workers say `cpu:0`, so they stage; registration is recorded, not made)."""
     from gem.engines import pinned as pmod
     from gem.engines import worker as wmod
 
@@ -495,50 +495,52 @@ def test_a_gpu_worker_page_locks_each_host_tensor_it_copies_theta_from_once(monk
         return 0
 
     def pinned_for(device, who):
-        made.append(pmod.Pinned(device, who, register=register))
+        made.append(pmod.Pinned(device, who, register=register, unregister=lambda address: 0))
         return made[-1]
 
     monkeypatch.setattr(wmod, "device_of", lambda job, w: torch.device("cpu", 0))
     monkeypatch.setattr(wmod, "pinned_for", pinned_for)
+    monkeypatch.setattr(pmod, "_is_pinned", lambda t: any(t.data_ptr() == a for a, *_ in calls))
     result, pinned_rows = _sim_rows(job, tmp_path / "pinned")
     assert result.status == "completed" and len(made) == 3
-    # the sim engine's workers share one server: θ, the global proxy and its count, registered once by each worker
-    assert all(len(p.held) == 3 and p.held.keys() == made[0].held.keys() for p in made)
-    assert len(calls) == 9 and {f for *_, f in calls} == {0}
+    # the sim engine's workers share one server: θ, the global proxy and its count, registered by the first worker
+    assert len(calls) == 3 and {f for *_, f in calls} == {pmod.PORTABLE}
+    assert sorted(len(p.held) for p in made) == [0, 0, 3]
     for col in ("loss", "staleness", "pi_median"):
         assert pinned_rows[col].tolist() == direct[col].tolist()
 
 
-def test_page_locking_reads_the_mapping_and_gives_up_in_one_line(capsys):
-    """Read-only memory (a worker's view of rank 0's window) is registered read-only; a failure is said once, and
-    the worker copies through pageable memory from then on; the commit's buffers are reused."""
-    import mmap
-    import warnings
+def test_page_locked_memory_is_let_go_of_and_a_failure_is_one_line(capsys):
+    """What a worker registered it unregisters when its `Pinned` goes, holding the tensors until then; a failure is
+    said once, naming the tensor, and the worker copies through pageable memory from then on; the commit's buffers
+    are reused."""
+    import gc
+    import weakref
 
     from gem.engines import pinned as pmod
 
-    with mmap.mmap(-1, 4 * mmap.PAGESIZE) as rw:
-        ro = mmap.mmap(-1, 4 * mmap.PAGESIZE, prot=mmap.PROT_READ)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a read-only buffer
-            shared = torch.frombuffer(ro, dtype=torch.float32)
-        mine = torch.frombuffer(rw, dtype=torch.float32)
-        assert pmod.writable(mine.data_ptr()) and not pmod.writable(shared.data_ptr())
-        calls = []
-        p = pmod.Pinned(torch.device("cpu"), "worker 7", register=lambda a, n, f: calls.append((a, n, f)) or 0)
-        p.host(mine, shared, mine, torch.empty(0))
-        assert calls == [(mine.data_ptr(), mine.nbytes, 0), (shared.data_ptr(), shared.nbytes, pmod.READ_ONLY)]
-        del shared, p
-        ro.close()
+    calls, gone = [], []
+    p = pmod.Pinned(torch.device("cpu"), "worker 7", register=lambda a, n, f: calls.append((a, n, f)) or 0,
+                    unregister=gone.append)
+    theta, proxy = torch.ones(1000), torch.zeros(10)
+    p.host({"θ": theta, "proxy": proxy, "empty": torch.empty(0)})
+    p.host({"θ": theta})
+    assert calls == [(theta.data_ptr(), theta.nbytes, pmod.PORTABLE), (proxy.data_ptr(), proxy.nbytes, pmod.PORTABLE)]
+    addresses, still = [theta.data_ptr(), proxy.data_ptr()], weakref.ref(theta)
+    del theta, proxy
+    gc.collect()
+    assert still() is not None and not gone  # held while registered
+    del p
+    gc.collect()
+    assert sorted(gone) == sorted(addresses) and still() is None
 
-        failing = pmod.Pinned(torch.device("cpu"), "worker 7", register=lambda a, n, f: 1)
-        failing.host(mine)
-        failing.host(torch.ones(8))
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("gem: worker 7: θ's host memory could not be page-locked "
-                                                   "(cudaHostRegister: error 1") and failing.failed
-        assert not failing.held
-        del mine
+    failing = pmod.Pinned(torch.device("cpu"), "worker 7", register=lambda a, n, f: 1)
+    failing.host({"proxy": torch.ones(8), "θ": torch.ones(8)})
+    failing.host({"m": torch.ones(8)})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gem: worker 7: the host memory of proxy could not be page-locked "
+                                               "(cudaHostRegister: error 1") and failing.failed
+    assert not failing.held
 
     a = failing.out("delta", torch.ones(5))
     assert failing.out("delta", torch.zeros(5)) is a and failing.out("delta", torch.zeros(6)) is not a

@@ -6,37 +6,27 @@ copies θ and the server's tensors to the GPU (the staged view), the commit back
 (the pull). From pageable memory the driver copies through a staging buffer of its own: 12.7 GB/s host to device on
 an H200, against 51.6 GB/s from the same shared memory once it is registered with CUDA (`cudaHostRegister`;
 BENCHMARKS.md, "GPU workers"). So a GPU worker registers each host tensor it copies θ from, once, in place (θ stays
-where the engine put it: shared memory, rank 0's window, the replica a remote worker receives into), and sends its
-commit back through page-locked buffers of its own, reused from one commit to the next.
+where the engine put it: shared memory, rank 0's window), and sends its commit back through page-locked buffers of
+its own, reused from one commit to the next. Memory a worker allocates itself for θ (a remote worker's replica) is
+allocated page-locked instead (`Server.pin_memory`): registering it in place could fail where two tensors of the C heap
+share a page, which the driver registers once only.
 
 Registration can fail (a platform without it, a mapping the driver refuses): the worker then says so once and copies
 as before. The CUDA runtime keeps a failed call's error for the next caller to read, and torch reads it after its
 next kernel launch, which would then fail for no reason of its own: a failure is read off at once here, by a kernel
-launched for that purpose.
+launched for that purpose. What a worker registered it unregisters when its `Pinned` goes, before the memory can be
+freed (the tensors are held until then).
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 
 import torch
 
-READ_ONLY = 8  # cudaHostRegisterReadOnly: memory mapped without write permission (a worker's view of rank 0's window)
-
-
-def writable(address: int) -> bool:
-    """Whether the mapping that holds `address` may be written (/proc/self/maps); True where that cannot be read."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                span, perms = line.split(maxsplit=2)[:2]
-                low, high = (int(a, 16) for a in span.split("-"))
-                if low <= address < high:
-                    return perms[1] == "w"
-    except (OSError, ValueError):
-        pass
-    return True
+PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context, not only the current device's
 
 
 def pinned_for(device: torch.device, who: str) -> Pinned | None:
@@ -48,27 +38,50 @@ def _cuda_register(address: int, size: int, flags: int) -> int:
     return int(torch.cuda.cudart().cudaHostRegister(address, size, flags))
 
 
+def _cuda_unregister(address: int) -> int:
+    return int(torch.cuda.cudart().cudaHostUnregister(address))
+
+
+def _is_pinned(t: torch.Tensor) -> bool:  # page-locked already: allocated so, or registered by another worker here
+    return t.is_pinned()
+
+
+def _unregister(held: dict, unregister: Callable[[int], int]) -> None:
+    for address in list(held):
+        try:
+            unregister(address)
+        except Exception:  # a process on its way out: nothing to do about it
+            pass
+    held.clear()
+
+
 class Pinned:
-    """One GPU worker's page-locked host memory: `host(*tensors)` registers each host tensor it copies from (once,
-    and keeps it, so that its memory is not freed while registered); `out(key, like)` is a page-locked buffer of
+    """One GPU worker's page-locked host memory: `host({name: tensor})` registers each host tensor it copies from
+    (once, holding it until the `Pinned` goes, when it is unregistered); `out(key, like)` is a page-locked buffer of
     `like`'s shape and dtype, the same one for the same key at every commit."""
 
-    def __init__(self, device: torch.device, who: str, register: Callable[[int, int, int], int] = _cuda_register):
+    def __init__(self, device: torch.device, who: str, register: Callable[[int, int, int], int] = _cuda_register,
+                 unregister: Callable[[int], int] = _cuda_unregister):
         self.device, self.who, self._register = device, who, register
         self.held: dict[int, torch.Tensor] = {}  # address → the registered tensor
         self.failed = False  # once registration has failed, this worker copies through pageable memory
         self._out: dict[str, torch.Tensor] = {}
+        # no atexit: a worker's registrations end with its process
+        weakref.finalize(self, _unregister, self.held, unregister).atexit = False
 
-    def host(self, *tensors: torch.Tensor) -> None:
-        for t in tensors:
+    def host(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, t in tensors.items():
             if self.failed or t.device.type != "cpu" or not t.numel() or t.data_ptr() in self.held:
                 continue
-            if not t.is_contiguous():  # θ and the server's tensors are flat; anything else is copied as it is
+            if not t.is_contiguous() or _is_pinned(t):  # θ and the server's tensors are flat
                 continue
-            flags = 0 if writable(t.data_ptr()) else READ_ONLY
-            err = self._register(t.data_ptr(), t.nbytes, flags)
+            if self.device.type == "cuda":
+                with torch.cuda.device(self.device):  # not the current device's (GPU 0's) context
+                    err = self._register(t.data_ptr(), t.nbytes, PORTABLE)
+            else:
+                err = self._register(t.data_ptr(), t.nbytes, PORTABLE)
             if err:
-                self._give_up(err)
+                self._give_up(name, err)
                 return
             self.held[t.data_ptr()] = t
 
@@ -79,17 +92,18 @@ class Pinned:
                                                torch.cuda.is_available())
         return buf
 
-    def _give_up(self, err: int) -> None:
+    def _give_up(self, name: str, err: int) -> None:
         self.failed = True
+        what = "unknown"
         if self.device.type == "cuda":
             try:  # read the runtime's error off now (torch's launch check reads it), not at an unrelated kernel
                 torch.empty(1, device=self.device).fill_(0)
             except RuntimeError:
                 pass
-        try:
-            name = torch.cuda.cudart().cudaGetErrorString(torch.cuda.cudart().cudaError(err))
-        except (AttributeError, RuntimeError, TypeError, ValueError):
-            name = "unknown"
-        print(f"gem: {self.who}: θ's host memory could not be page-locked (cudaHostRegister: error {err}, {name}); "
-              "its copies to and from the GPU go through pageable memory, at about a quarter of the speed",
+            try:
+                what = torch.cuda.cudart().cudaGetErrorString(torch.cuda.cudart().cudaError(err))
+            except Exception:  # only the message's wording depends on it
+                pass
+        print(f"gem: {self.who}: the host memory of {name} could not be page-locked (cudaHostRegister: error {err}, "
+              f"{what}); its copies to and from the GPU go through pageable memory, at about a quarter of the speed",
               file=sys.stderr, flush=True)

@@ -50,6 +50,12 @@ class Server:
         return Server(self.algo, self.hp, self.theta.to(device), {k: v.to(device) for k, v in self.state.items()},
                       self.clock, self.pulled_at)
 
+    def pin_memory(self) -> Server:
+        """θ and the algorithm's server tensors copied into page-locked host memory (gem/engines/pinned.py); the
+        clock and the pull times as they are."""
+        return Server(self.algo, self.hp, self.theta.pin_memory(), {k: v.pin_memory() for k, v in self.state.items()},
+                      self.clock, self.pulled_at)
+
     def view(self, worker: int) -> View:
         t = int(self.clock)
         return View(self.theta, self.state, t, t - int(self.pulled_at[worker]), worker)

@@ -293,7 +293,7 @@ class Worker:
         if view.theta.device == self.device:
             return view
         if self._pinned is not None:  # once per host tensor: this copy and the pull's then run at the link's speed
-            self._pinned.host(view.theta, *view.server.values())
+            self._pinned.host({"θ": view.theta, **view.server})
         if self._stage is None:
             self._stage = {k: torch.empty_like(v, device=self.device)
                            for k, v in {"theta": view.theta, **view.server}.items()}

@@ -338,9 +338,11 @@ class _RemoteLink:
                                  f"0 has {job.engine['train_examples']}: every node needs the same data.root")
             algo = algorithms.get(job.algorithm)
             worker = self.worker = Worker(self.w, job, algo)  # its model: θ₀ from the seed, as on every rank
-            # the replica of the server's state stays on the host, where gloo sends and receives it
-            self.server = self.replica = Server.create(algo, job.hp, worker.x.detach().to("cpu", copy=True),
-                                                       job.workers)
+            # the replica of the server's state stays on the host, where gloo sends and receives it; page-locked for
+            # a GPU worker that copies θ from it at every commit (pinned.py), which all do but a local launch's
+            replica = Server.create(algo, job.hp, worker.x.detach().to("cpu", copy=True), job.workers)
+            pin = worker.device.type == "cuda" and self.turn is None
+            self.server = self.replica = replica.pin_memory() if pin else replica
             if saved is not None:
                 worker.load_state_dict(saved)
             if job.engine.get("window"):
