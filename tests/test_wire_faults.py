@@ -525,6 +525,28 @@ def test_rank_0_cuts_the_store_connections_no_admitted_worker_holds():
 
 
 @linux_only
+def test_rank_0_empties_its_store_once_the_workers_are_admitted(monkeypatch):
+    """What anyone stored on rank 0's store before the workers were admitted (a stranger's values, the group's
+    formation keys) is deleted, and its memory given back; gem's later keys work. Not where this process does not
+    hold the store, nor with lazy gloo, whose pairs still need the formation's keys."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=_td(WAIT_S), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=_td(WAIT_S), wait_for_workers=False)
+    for i in range(5):
+        client.set(f"stranger/{i}", b"x" * 4096)
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+    assert doors.empty_store(store, store.port) == 0 and store.num_keys() >= 5
+    monkeypatch.delenv("TORCH_GLOO_LAZY_INIT")
+    other = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=_td(WAIT_S), wait_for_workers=False)
+    other.set("k", b"v")
+    with socket.create_server(("127.0.0.1", 0)) as gone:
+        port = gone.getsockname()[1]
+    assert doors.empty_store(other, port) == 0 and other.get("k") == b"v"  # a port this process does not listen on
+    assert doors.empty_store(store, store.port) == 5
+    assert not store.check([f"stranger/{i}" for i in range(5)]) and store.list_keys() == []
+    assert int(client.add(wire._waiting_key(1), 1)) == 1  # gem's own keys, after
+
+
+@linux_only
 def test_looking_at_a_socket_leaves_its_blocking_mode_as_it_was():
     """doors.py reads torch's sockets through their descriptors: a Python socket object made on one would make it
     non-blocking for torch too wherever a default timeout is set (socket.setdefaulttimeout)."""

@@ -34,7 +34,8 @@ each of its steps, and on a machine whose cores the workers keep busy each wake-
 The engine by concern, each file read top to bottom; each imports only those above it:
 
     doors.py     once a rank's group has formed, nobody new reaches it: its listeners (gloo's, the store's)
-                 refuse new connections, and rank 0 cuts store connections that no admitted worker holds
+                 refuse new connections, and rank 0 cuts store connections that no admitted worker holds and
+                 empties its store
     wire.py      the group, the messages (kinds, headers, tensors as JSON specs and raw bytes), the timeouts,
                  the run's secret and its proof, rank 0's threads that take the headers (Headers), and what
                  rank 0 accepts from a worker (Bounds)

@@ -15,10 +15,13 @@ aborts), and the store keeps whatever anyone connected to it stores there. So:
   A worker's address as it sees it must be the one rank 0 sees: through NAT (port forwarding, a container
   bridge between nodes) rank 0 would cut its workers' store connections, and say so.
 
+- `empty_store`: rank 0, at the same moment, deletes every key in its store: what a stranger stored there before
+  it was cut is given back.
+
 What stays open: what reaches gloo's ports before the group has formed (a connection that closes before the
 handshake still costs a descriptor) and the store before the workers have proved the secret (a value stored then
-stays); everything with TORCH_GLOO_LAZY_INIT, whose pairs connect through the listeners at their first message;
-and everything on a system other than Linux, where these do nothing.
+stays until they have); everything with TORCH_GLOO_LAZY_INIT, whose pairs connect through the listeners at their
+first message; and everything on a system other than Linux, where these do nothing.
 
 The sockets are torch's and gloo's: they are read and changed through their descriptors with libc's own calls
 (ctypes), never wrapped in Python socket objects, which would change a descriptor's blocking mode for everyone
@@ -186,14 +189,16 @@ def parse_endpoints(data: bytes) -> set[tuple[str, int]]:
         return set()
 
 
+def _holds_store(port: int | None, sockets: list) -> bool:
+    return bool(port) and any(listens and local[1] == port for _, _, listens, local, _ in sockets)
+
+
 def cut_strangers(port: int | None, keep: set[tuple[str, int]]) -> list[str]:
     """Rank 0 holding the job's store on `port`: shut every connection to it whose far end is neither one of this
     process's own store clients nor in `keep` (the admitted workers' endpoints). Returns the far ends cut. Does
     nothing where this process does not hold the store (under torchrun its agent does)."""
-    if not port:
-        return []
     sockets = list(_tcp_sockets())  # their descriptors are closed by now: to know who is who
-    if not any(listens and local[1] == port for _, _, listens, local, _ in sockets):
+    if not _holds_store(port, sockets):
         return []
     own = {local for _, _, listens, local, far in sockets if not listens and far is not None and far[1] == port}
     strangers = {inode for _, inode, listens, local, far in sockets
@@ -204,3 +209,24 @@ def cut_strangers(port: int | None, keep: set[tuple[str, int]]) -> list[str]:
         if inode in strangers and (_libc.shutdown(fd, socket.SHUT_RDWR) == 0 or ctypes.get_errno() == errno.ENOTCONN):
             cut.append(f"{far[0]}:{far[1]}")
     return cut
+
+
+def empty_store(store, port: int | None) -> int:
+    """Rank 0 holding the job's store on `port`, once its workers are admitted: delete every key in the store, and
+    what anyone stored there goes with them. The group's formation, torch's only use of the store, is over by then
+    (each admitted worker proved the secret through its group); gem's own keys come later. Returns how many keys
+    were deleted. Does nothing where this process does not hold the store (torchrun's agent keeps its rendezvous
+    there), with TORCH_GLOO_LAZY_INIT (gloo's pairs connect later, through those keys), or where torch's store
+    cannot list its keys (said on stderr)."""
+    if lazy_gloo() or not _holds_store(port, list(_tcp_sockets())):
+        return 0
+    try:
+        deleted = sum(bool(store.delete_key(key)) for key in store.list_keys())
+    except (AttributeError, RuntimeError, NotImplementedError) as e:
+        print(f"gem: rank 0 could not empty the job's store of what was stored before its workers were admitted "
+              f"({type(e).__name__}: {e}); it stays for the run", file=sys.stderr, flush=True)
+        return 0
+    trim = getattr(_libc, "malloc_trim", None)  # glibc: the freed values' pages back to the system, not only to
+    if deleted and trim is not None:  # malloc's free lists (values of a few MiB come from its heap, not mmap)
+        trim(0)
+    return deleted

@@ -37,7 +37,7 @@ from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, TIMEOUT_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.distributed.address import _listener, _local_address, _warn_once, check_host
-from gem.engines.distributed.doors import cut_strangers, listening, refuse_newcomers
+from gem.engines.distributed.doors import cut_strangers, empty_store, listening, refuse_newcomers
 from gem.engines.distributed.job import DONE, _for_workers, _send_job, encode_job, named_imports
 from gem.engines.distributed.link import _local_worker
 from gem.engines.distributed.server import _Server
@@ -167,6 +167,7 @@ def _serve(coord: _Coordinator, pg, secret: str, encoded, states: dict, children
     refused, held = _admit(pg, sorted(states), secret, START_TIMEOUT_S)
     # the job's store, when this process holds it, keeps only its own and the admitted workers' connections
     cut = cut_strangers(getattr(store, "port", None), held)
+    empty_store(store, getattr(store, "port", None))  # and what anyone stored there goes with its keys (doors.py)
     if cut:
         print(f"gem: rank 0 closed {len(cut)} connection(s) to the job's store that no admitted worker holds "
               f"(from {', '.join(cut[:5])}{', ...' if len(cut) > 5 else ''})", file=sys.stderr, flush=True)
