@@ -707,7 +707,7 @@ def test_with_a_local_turn_a_worker_in_line_is_to_blame_only_for_ignoring_a_chec
     coord.turn._lock_meta()
     coord.turn._enqueue(0)
     coord.turn._enqueue(1)
-    coord.turn.meta.release()
+    coord.turn._give()
     coord.watch()  # every worker is ready: the race, and the timers, start
     coord.silence.since = dict.fromkeys([0, 1, 2], now - 10.0)  # ten seconds on, and nobody has committed
     coord.ps.saving = {"told": {1, 2, 3}, "saved": {1}}  # worker 0 has sent its state; 1 (in line) and 2 have not
@@ -746,7 +746,7 @@ def test_a_local_worker_waiting_in_line_exits_once_rank_0_is_gone():
     th = threading.Thread(target=wait_in_line, daemon=True)
     th.start()
     time.sleep(0.6)
-    assert out == [] and turn.peek() == [0]
+    assert out == [] and turn.peek() == {0}
     here.close()  # rank 0 is gone
     th.join(10)
     assert out == ["gone"]

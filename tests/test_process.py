@@ -53,10 +53,10 @@ def test_a_participant_asked_to_stop_is_never_handed_the_turn():
     turn._lock_meta()
     turn._enqueue(1)  # 1 and then 2 wait in line behind 0
     turn._enqueue(2)
-    turn.meta.release()
+    turn._give()
     turn.stop(1)
     turn.release()
-    assert int(turn.state[0]) == 2 and turn.peek() == []  # handed to 2; 1 is out of line
+    assert int(turn.state[0]) == 2 and turn.peek() == set()  # handed to 2; 1 is out of line
     with pytest.raises(Gone):
         turn.acquire(1, timeout=1.0)  # woken: it stops
     turn.release()
@@ -79,7 +79,7 @@ def test_a_requests_left_over_permit_is_not_taken_for_the_turn():
     assert turn.acquire(0)
     turn._lock_meta()
     turn._enqueue(1)
-    turn.meta.release()
+    turn._give()
     turn.ask({1}, SAVE)
     turn.release()  # handed to 1, which has not woken yet
     assert int(turn.state[0]) == 1 and turn.sems[1].acquire(timeout=5.0)  # 1 wakes in its wait: the turn is its
@@ -87,3 +87,46 @@ def test_a_requests_left_over_permit_is_not_taken_for_the_turn():
     assert turn.acquire(0) and int(turn.state[0]) == 0
     assert not turn.acquire(1, timeout=1.5)  # the left-over permit is not the turn: 0 holds it
     assert int(turn.state[0]) == 0
+
+
+def _freeze_inside_meta(turn):
+    """A participant's process that takes the turn's `meta` as every participant does, and freezes there."""
+    import os
+    import signal
+
+    turn._lock_meta()
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def test_a_participant_frozen_inside_the_turn_s_lock_is_the_one_waited_on():
+    """Frozen inside `meta` (held a few instructions at a time), a participant stalls whoever next asks for the
+    turn before it can queue: `peek` names every other participant as waiting through no fault of its own, and
+    not the frozen one; without the process ids it says only who is in line."""
+    import multiprocessing
+    import time
+
+    import torch
+
+    from gem.engines.turn import Turn
+
+    ctx = multiprocessing.get_context("spawn")
+    turn = Turn(ctx, 4, torch.device("cpu"))
+    assert turn.acquire(0)
+    turn._lock_meta()
+    turn._enqueue(2)  # 2 waits in line behind 0
+    turn._give()
+    p = ctx.Process(target=_freeze_inside_meta, args=(turn,), daemon=True)
+    p.start()
+    try:
+        deadline = time.monotonic() + 60
+        while turn.meta_pid.value != p.pid:
+            assert time.monotonic() < deadline and p.is_alive(), "the child never took meta"
+            time.sleep(0.05)
+        pids = {0: 11, 1: p.pid, 2: 12, 3: 13}
+        assert turn.peek(pids) == {0, 2, 3}  # 1 is frozen inside meta: everyone else waits on it
+        assert turn.peek() == {2}
+    finally:
+        p.kill()
+        p.join(10)
+    turn.recover(1)  # the coordinator takes meta back from the dead process
+    assert turn.peek({0: 11, 2: 12}) == {2} and turn.meta_pid.value == 0

@@ -346,7 +346,8 @@ class _Coordinator(Coordinator):
     def watch(self) -> None:
         """Lose every worker silent for longer than the limit (`Silence`); poll notices the dead. A worker whose
         `pulled_at` moved has committed; one waiting in line for the turn waits on others (the holder, or the
-        coordinator): neither is silent through its own fault. The turn's holder is blamed, and a frozen holder
+        coordinator), as does everyone when a worker froze inside the turn's own lock (`Turn.peek`): neither is
+        silent through its own fault. The turn's holder is blamed, and a frozen holder
         is killed and its turn handed on (`lose_child`)."""
         if not self.started:
             return
@@ -354,9 +355,9 @@ class _Coordinator(Coordinator):
         if now - self.watched_at < POLL_S / 2:
             return
         self.watched_at = now
-        line = set(self.turn.peek())
-        pulled = self.server.pulled_at.tolist()
         active = {c.index: c for c in self.active()}
+        line = self.turn.peek({w: c.process.pid for w, c in active.items()})
+        pulled = self.server.pulled_at.tolist()
         for w in active:
             if pulled[w] != self.pulled[w] or w in line:
                 self.silence.seen(w, now)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -36,10 +37,22 @@ class Turn:
         self.state = torch.zeros(3 + participants, dtype=torch.long).share_memory_()
         self.state[0] = -1
         self.action = torch.zeros(participants, dtype=torch.long).share_memory_()
+        # the process that holds `meta` (0: none): one frozen inside it stalls whoever next asks for the turn (peek)
+        self.meta_pid = ctx.RawValue("q", 0)  # (a shared C integer: written at every take of `meta`, so cheap)
         self.size = participants
 
+    def _take(self, timeout: float) -> bool:
+        if not self.meta.acquire(timeout=timeout):
+            return False
+        self.meta_pid.value = os.getpid()
+        return True
+
+    def _give(self) -> None:
+        self.meta_pid.value = 0
+        self.meta.release()
+
     def _lock_meta(self, waiting=None) -> None:
-        while not self.meta.acquire(timeout=POLL_S):
+        while not self._take(POLL_S):
             if waiting is not None:
                 waiting()
 
@@ -85,7 +98,7 @@ class Turn:
                 return True
             self._enqueue(who)
         finally:
-            self.meta.release()
+            self._give()
         if act in (SAVE, FLUSH) and on_request is not None:  # asked before we queued: nobody will wake us
             self.answered(who, act, waiting)
             on_request(act)
@@ -114,7 +127,7 @@ class Turn:
         try:
             return int(self.state[0])
         finally:
-            self.meta.release()
+            self._give()
 
     def release(self, waiting=None) -> None:
         if self.device.type == "cuda":  # what this process queued on θ's GPU is done
@@ -123,7 +136,7 @@ class Turn:
         try:
             self._hand_over()
         finally:
-            self.meta.release()
+            self._give()
 
     def ask(self, workers: set[int], action: int, waiting=None) -> None:
         """(coordinator, holding the turn) Ask these workers to SAVE or FLUSH: at once if they wait in line,
@@ -138,7 +151,7 @@ class Turn:
                 if w in line:
                     self.sems[w].release()
         finally:
-            self.meta.release()
+            self._give()
 
     def answered(self, who: int, action: int, waiting=None) -> None:
         """`who` has done what `ask` asked of it (or by another way): ask it no more, unless asked to stop since."""
@@ -147,24 +160,29 @@ class Turn:
             if int(self.action[who]) == action:
                 self.action[who] = GO
         finally:
-            self.meta.release()
+            self._give()
 
-    def peek(self) -> list[int]:
-        """(coordinator) Who waits in line for the turn now. Read under `meta` if it can be had soon (it is held
-        for a few instructions only), else as it stands."""
-        locked = self.meta.acquire(timeout=POLL_S)
-        try:
-            return self._line()
-        finally:
-            if locked:
-                self.meta.release()
+    def peek(self, pids: dict[int, int] | None = None) -> set[int]:
+        """(coordinator) The participants that wait for the turn now through no fault of their own: those in line,
+        read under `meta` if it can be had soon (it is held for a few instructions only), else as the line stands.
+        And where `meta` cannot be had because a participant froze inside it (`pids`: participant → its process
+        id; `meta_pid` says who holds `meta`), every other participant too: whoever next asks for the turn, or
+        hands it on, waits on it before it can take its place in line."""
+        if self._take(POLL_S):
+            try:
+                return set(self._line())
+            finally:
+                self._give()
+        line, holder = set(self._line()), self.meta_pid.value
+        frozen = {w for w, pid in (pids or {}).items() if holder and pid == holder}
+        return line | (set(pids) - frozen) if frozen else line
 
     def stop(self, who: int) -> None:
-        if self.meta.acquire(timeout=2.0):
+        if self._take(2.0):
             try:
                 self.action[who] = STOP
             finally:
-                self.meta.release()
+                self._give()
         else:
             self.action[who] = STOP
         self.sems[who].release()
@@ -179,10 +197,10 @@ class Turn:
     def recover(self, gone: int) -> None:
         """(coordinator) Take the turn, and any place in line, back from a participant that died, or from the
         coordinator itself when it gives up waiting."""
-        if not self.meta.acquire(timeout=2.0):
+        if not self._take(2.0):
             # meta is held for a few instructions only: after 2 s its holder is the process that died
-            self.meta.release()
-            if not self.meta.acquire(timeout=2.0):
+            self._give()
+            if not self._take(2.0):
                 return
         try:
             s = self.state
@@ -195,4 +213,4 @@ class Turn:
             if int(s[0]) == gone:
                 self._hand_over()
         finally:
-            self.meta.release()
+            self._give()

@@ -342,7 +342,9 @@ class _Coordinator(Coordinator):
             self.start_race(now)
         for w, at in commits:
             self.silence.progress(w, at)
-        line = set(self.turn.peek()) if self.turn is not None else set()
+        line = set()
+        if self.turn is not None:  # (rank 0's threads are participants too, not among these)
+            line = self.turn.peek({r - 1: p.pid for r, p in enumerate(self.children, 1)})
         saving = ps.saving
         if saving is not None:  # asked for its state, in line but not answering (frozen there): to blame
             line -= {r - 1 for r in saving["told"] - saving["saved"]}
