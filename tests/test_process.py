@@ -130,3 +130,18 @@ def test_a_participant_frozen_inside_the_turn_s_lock_is_the_one_waited_on():
         p.join(10)
     turn.recover(1)  # the coordinator takes meta back from the dead process
     assert turn.peek({0: 11, 2: 12}) == {2} and turn.meta_pid.value == 0
+    # frozen inside meta while it waits in line (woken to answer a request, say): still the one to blame
+    turn._lock_meta()
+    turn._enqueue(3)
+    turn._give()
+    p = ctx.Process(target=_freeze_inside_meta, args=(turn,), daemon=True)
+    p.start()
+    try:
+        deadline = time.monotonic() + 60
+        while turn.meta_pid.value != p.pid:
+            assert time.monotonic() < deadline and p.is_alive(), "the child never took meta"
+            time.sleep(0.05)
+        assert turn.peek({0: 11, 1: 14, 2: 12, 3: p.pid}) == {0, 1, 2}
+    finally:
+        p.kill()
+        p.join(10)

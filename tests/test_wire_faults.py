@@ -547,6 +547,20 @@ def test_rank_0_empties_its_store_once_the_workers_are_admitted(monkeypatch):
 
 
 @linux_only
+def test_a_store_that_cannot_list_its_keys_is_left_as_it_is_in_one_line(capsys):
+    """A torch whose store has no list_keys (older than pip may find): rank 0 says so once, and goes on."""
+    import types
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=_td(WAIT_S), wait_for_workers=False)
+    store.set("k", b"v")
+    assert doors.empty_store(types.SimpleNamespace(port=store.port), store.port) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gem: rank 0 cannot empty the job's store") and \
+        err[0].endswith("it stays for the run")
+    assert store.get("k") == b"v"
+
+
+@linux_only
 def test_looking_at_a_socket_leaves_its_blocking_mode_as_it_was():
     """doors.py reads torch's sockets through their descriptors: a Python socket object made on one would make it
     non-blocking for torch too wherever a default timeout is set (socket.setdefaulttimeout)."""

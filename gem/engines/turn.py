@@ -175,7 +175,7 @@ class Turn:
                 self._give()
         line, holder = set(self._line()), self.meta_pid.value
         frozen = {w for w, pid in (pids or {}).items() if holder and pid == holder}
-        return line | (set(pids) - frozen) if frozen else line
+        return (line | set(pids)) - frozen if frozen else line  # (frozen there while in line: still to blame)
 
     def stop(self, who: int) -> None:
         if self._take(2.0):

@@ -15,8 +15,9 @@ aborts), and the store keeps whatever anyone connected to it stores there. So:
   A worker's address as it sees it must be the one rank 0 sees: through NAT (port forwarding, a container
   bridge between nodes) rank 0 would cut its workers' store connections, and say so.
 
-- `empty_store`: rank 0, at the same moment, deletes every key in its store: what a stranger stored there before
-  it was cut is given back.
+- `empty_store`: rank 0, at the same moment, deletes every key in its store that torch's client can name: what a
+  stranger stored there through torch's client before it was cut is given back (one speaking the store's protocol
+  itself can store keys torch cannot name: rank 0 says how many stay).
 
 What stays open: what reaches gloo's ports before the group has formed (a connection that closes before the
 handshake still costs a descriptor) and the store before the workers have proved the secret (a value stored then
@@ -212,20 +213,33 @@ def cut_strangers(port: int | None, keep: set[tuple[str, int]]) -> list[str]:
 
 
 def empty_store(store, port: int | None) -> int:
-    """Rank 0 holding the job's store on `port`, once its workers are admitted: delete every key in the store, and
-    what anyone stored there goes with them. The group's formation, torch's only use of the store, is over by then
-    (each admitted worker proved the secret through its group); gem's own keys come later. Returns how many keys
-    were deleted. Does nothing where this process does not hold the store (torchrun's agent keeps its rendezvous
-    there), with TORCH_GLOO_LAZY_INIT (gloo's pairs connect later, through those keys), or where torch's store
-    cannot list its keys (said on stderr)."""
+    """Rank 0 holding the job's store on `port`, once its workers are admitted: delete every key that torch's client
+    can name (a raw client's it cannot: it says how many stay), and what anyone stored there goes with them. The
+    group's formation, torch's only use of the store, is over by then (each admitted worker proved the secret
+    through its group); gem's own keys come later. Returns how many keys were deleted. Does nothing where this
+    process does not hold the store (torchrun's agent keeps its rendezvous there), with TORCH_GLOO_LAZY_INIT
+    (gloo's pairs connect later, through those keys), or where torch's store cannot list its keys (said on
+    stderr: torch before TCPStore.list_keys)."""
     if lazy_gloo() or not _holds_store(port, list(_tcp_sockets())):
+        return 0
+    if not hasattr(store, "list_keys"):
+        print("gem: rank 0 cannot empty the job's store of what was stored before its workers were admitted (this "
+              "torch's store cannot list its keys: a newer torch's can); it stays for the run", file=sys.stderr,
+              flush=True)
         return 0
     try:
         deleted = sum(bool(store.delete_key(key)) for key in store.list_keys())
-    except (AttributeError, RuntimeError, NotImplementedError) as e:
+        # torch's client names keys under a prefix of its own; its store's "init/" and what a client speaking the
+        # store's protocol itself stored outside that prefix, it can neither list nor delete
+        unnamed = store.num_keys() - 1
+    except (RuntimeError, NotImplementedError) as e:
         print(f"gem: rank 0 could not empty the job's store of what was stored before its workers were admitted "
               f"({type(e).__name__}: {e}); it stays for the run", file=sys.stderr, flush=True)
         return 0
+    if unnamed > 0:
+        print(f"gem: rank 0's store keeps {unnamed} key(s) that torch's client can neither name nor delete, stored "
+              "before the workers were admitted by a client that speaks the store's protocol itself; they stay for "
+              "the run", file=sys.stderr, flush=True)
     trim = getattr(_libc, "malloc_trim", None)  # glibc: the freed values' pages back to the system, not only to
     if deleted and trim is not None:  # malloc's free lists (values of a few MiB come from its heap, not mmap)
         trim(0)
