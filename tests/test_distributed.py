@@ -717,6 +717,57 @@ def test_with_a_local_turn_a_worker_in_line_is_to_blame_only_for_ignoring_a_chec
     assert coord.ps.lost == [2, 3] and coord.lost_workers == [1, 2]
 
 
+def _freeze_inside_meta(turn):
+    """A participant's process that takes the turn's `meta` as every participant does, and freezes there."""
+    import signal
+
+    turn._lock_meta()
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def test_a_checkpoint_blames_only_the_worker_frozen_inside_the_turn_s_lock(data, tmp_path):
+    """As above, but worker 2 froze inside the turn's `meta` while asked for its state: worker 1, in line and asked
+    too, cannot answer before `meta` is let go of. Only worker 2 is to blame."""
+    import multiprocessing
+    import types
+
+    from gem.engines.turn import Turn
+
+    j = dataclasses.replace(job(data, 3), engine={"name": "distributed", "timeout_s": 2, "silent_cycles": 4})
+    server, _ = start_server(j, algorithms.get(j.algorithm), build_flat_model(j).param.clone())
+    rec = Recorder(tmp_path)
+    coord = _Coordinator(j, rec, server, Evaluator(j, data), None)
+    now = time.monotonic()
+    coord.ps, coord.store = _ServerThreadSeen([1, 2, 3], now), dist.HashStore()
+    ctx = multiprocessing.get_context("spawn")
+    coord.turn = Turn(ctx, 5, torch.device("cpu"))
+    coord.turn.state[0] = 3  # rank 0's server thread holds the turn (a checkpoint); workers 0 and 1 wait in line
+    coord.turn._lock_meta()
+    coord.turn._enqueue(0)
+    coord.turn._enqueue(1)
+    coord.turn._give()
+    frozen = ctx.Process(target=_freeze_inside_meta, args=(coord.turn,), daemon=True)
+    frozen.start()
+    try:
+        deadline = time.monotonic() + 60
+        while coord.turn.meta_pid.value != frozen.pid:
+            assert time.monotonic() < deadline and frozen.is_alive(), "the child never took meta"
+            time.sleep(0.05)
+        other = {"exitcode": None, "is_alive": lambda: False, "kill": lambda: None, "join": lambda timeout: None}
+        coord.children = [types.SimpleNamespace(pid=11, **other), types.SimpleNamespace(pid=12, **other), frozen]
+        coord.watch()  # every worker is ready: the race, and the timers, start
+        coord.silence.since = dict.fromkeys([0, 1, 2], now - 10.0)  # ten seconds on, and nobody has committed
+        coord.ps.saving = {"told": {1, 2, 3}, "saved": {1}}  # worker 0 has sent its state; 1 (in line) and 2 not
+        coord.last_watch = 0.0
+        coord.watch()
+        rec.close()
+        assert coord.ps.lost == [3] and coord.lost_workers == [2]
+        assert coord.turn.meta_pid.value == 0  # taken back from the killed worker
+    finally:
+        frozen.kill()
+        frozen.join(10)
+
+
 def test_a_local_worker_waiting_in_line_exits_once_rank_0_is_gone():
     """Rank 0 holds the turn (its server thread: a checkpoint, a barrier's pull) and dies: a worker in line behind
     it never gets the turn, and no wire wait wakes it. It polls the pipe only rank 0 writes to, and exits on its
@@ -746,7 +797,7 @@ def test_a_local_worker_waiting_in_line_exits_once_rank_0_is_gone():
     th = threading.Thread(target=wait_in_line, daemon=True)
     th.start()
     time.sleep(0.6)
-    assert out == [] and turn.peek() == {0}
+    assert out == [] and turn.peek() == ({0}, None)
     here.close()  # rank 0 is gone
     th.join(10)
     assert out == ["gone"]

@@ -682,3 +682,35 @@ def test_a_worker_frozen_inside_the_turn_s_lock_is_the_only_one_lost(data, tmp_p
     rec = _FrozenInMetaRecorder(tmp_path, victim=1, after=10, turns=turns)
     result, _ = _lost_one(job(data, engine, 3, epochs=8, options={"timeout_s": 5, "silent_cycles": 3}), rec, 1)
     assert rec.stopped_at is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", REAL)
+def test_a_worker_frozen_inside_the_turn_s_lock_at_a_checkpoint_is_the_only_one_lost(data, tmp_path, engine,
+                                                                                   monkeypatch):
+    """The same freeze just as every worker is asked for its state (a checkpoint): the others cannot answer before
+    the frozen one lets go of `meta`, and are not to blame. Only it is lost; the checkpoint and the run complete."""
+    from gem.engines import turn as turn_mod
+
+    real_ask, frozen = turn_mod.Turn.ask, []
+
+    def ask(self, workers, action, waiting=None):
+        real_ask(self, workers, action, waiting)
+        if action == turn_mod.SAVE and not frozen:
+            pid = next(p.pid for p in multiprocessing.active_children() if p.name == "gem-worker-1")
+            os.kill(pid, signal.SIGSTOP)
+            frozen.append(pid)
+            if self.meta.acquire(timeout=2.0):  # as if it had stopped inside meta
+                self.meta_pid.value = pid
+            else:  # it had
+                assert self.meta_pid.value == pid
+
+    monkeypatch.setattr(turn_mod.Turn, "ask", ask)
+    j = job(data, engine, 3, epochs=8, options={"timeout_s": 5, "silent_cycles": 3}, run_dir=str(tmp_path),
+            checkpoint_every=40)
+    rec = Recorder(tmp_path)
+    try:
+        result = get(engine).run(j, rec)
+    finally:
+        rec.close()
+    assert frozen and result.status == "completed" and result.extra["lost_workers"] == [1], result

@@ -56,7 +56,7 @@ def test_a_participant_asked_to_stop_is_never_handed_the_turn():
     turn._give()
     turn.stop(1)
     turn.release()
-    assert int(turn.state[0]) == 2 and turn.peek() == set()  # handed to 2; 1 is out of line
+    assert int(turn.state[0]) == 2 and turn.peek() == (set(), None)  # handed to 2; 1 is out of line
     with pytest.raises(Gone):
         turn.acquire(1, timeout=1.0)  # woken: it stops
     turn.release()
@@ -123,13 +123,13 @@ def test_a_participant_frozen_inside_the_turn_s_lock_is_the_one_waited_on():
             assert time.monotonic() < deadline and p.is_alive(), "the child never took meta"
             time.sleep(0.05)
         pids = {0: 11, 1: p.pid, 2: 12, 3: 13}
-        assert turn.peek(pids) == {0, 2, 3}  # 1 is frozen inside meta: everyone else waits on it
-        assert turn.peek() == {2}
+        assert turn.peek(pids) == ({0, 2, 3}, 1)  # 1 is frozen inside meta: everyone else waits on it
+        assert turn.peek() == ({2}, None)
     finally:
         p.kill()
         p.join(10)
     turn.recover(1)  # the coordinator takes meta back from the dead process
-    assert turn.peek({0: 11, 2: 12}) == {2} and turn.meta_pid.value == 0
+    assert turn.peek({0: 11, 2: 12}) == ({2}, None) and turn.meta_pid.value == 0
     # frozen inside meta while it waits in line (woken to answer a request, say): still the one to blame
     turn._lock_meta()
     turn._enqueue(3)
@@ -141,7 +141,7 @@ def test_a_participant_frozen_inside_the_turn_s_lock_is_the_one_waited_on():
         while turn.meta_pid.value != p.pid:
             assert time.monotonic() < deadline and p.is_alive(), "the child never took meta"
             time.sleep(0.05)
-        assert turn.peek({0: 11, 1: 14, 2: 12, 3: p.pid}) == {0, 1, 2}
+        assert turn.peek({0: 11, 1: 14, 2: 12, 3: p.pid}) == ({0, 1, 2}, 3)
     finally:
         p.kill()
         p.join(10)

@@ -356,7 +356,7 @@ class _Coordinator(Coordinator):
             return
         self.watched_at = now
         active = {c.index: c for c in self.active()}
-        line = self.turn.peek({w: c.process.pid for w, c in active.items()})
+        line, _ = self.turn.peek({w: c.process.pid for w, c in active.items()})
         pulled = self.server.pulled_at.tolist()
         for w in active:
             if pulled[w] != self.pulled[w] or w in line:
@@ -431,6 +431,13 @@ class _Coordinator(Coordinator):
                 break
             waited = time.monotonic() - asked
             if waited > self.silence.limit():
+                active = {c.index: c for c in self.active()}
+                _, frozen = self.turn.peek({w: c.process.pid for w, c in active.items()})
+                if frozen is not None:  # the others cannot answer before it lets go of the turn's lock: it alone
+                    self.lose_child(active[frozen], self.silence.why(  # is to blame, and they get their time again
+                        waited, f"frozen inside the turn's lock, no answer to a {_ASKED[action]} request"))
+                    asked = time.monotonic()
+                    continue
                 for c in missing:
                     self.lose_child(c, self.silence.why(waited, f"no answer to a {_ASKED[action]} request"))
                 break

@@ -162,20 +162,22 @@ class Turn:
         finally:
             self._give()
 
-    def peek(self, pids: dict[int, int] | None = None) -> set[int]:
-        """(coordinator) The participants that wait for the turn now through no fault of their own: those in line,
-        read under `meta` if it can be had soon (it is held for a few instructions only), else as the line stands.
-        And where `meta` cannot be had because a participant froze inside it (`pids`: participant → its process
-        id; `meta_pid` says who holds `meta`), every other participant too: whoever next asks for the turn, or
-        hands it on, waits on it before it can take its place in line."""
+    def peek(self, pids: dict[int, int] | None = None) -> tuple[set[int], int | None]:
+        """(coordinator) The participants that wait for the turn now through no fault of their own, and the one
+        frozen inside `meta`, if any. Those in line, read under `meta` if it can be had soon (it is held for a few
+        instructions only), else as the line stands; and where `meta` cannot be had because a participant froze
+        inside it (`pids`: participant → its process id; `meta_pid` says who holds `meta`), every other participant
+        too: whoever next asks for the turn, answers a request or hands the turn on waits on it."""
         if self._take(POLL_S):
             try:
-                return set(self._line())
+                return set(self._line()), None
             finally:
                 self._give()
         line, holder = set(self._line()), self.meta_pid.value
-        frozen = {w for w, pid in (pids or {}).items() if holder and pid == holder}
-        return (line | set(pids)) - frozen if frozen else line  # (frozen there while in line: still to blame)
+        frozen = next((w for w, pid in (pids or {}).items() if holder and pid == holder), None)
+        if frozen is None:
+            return line, None
+        return set(pids) - {frozen}, frozen  # (frozen there while in line, it is still to blame)
 
     def stop(self, who: int) -> None:
         if self._take(2.0):

@@ -342,12 +342,12 @@ class _Coordinator(Coordinator):
             self.start_race(now)
         for w, at in commits:
             self.silence.progress(w, at)
-        line = set()
+        line, frozen = set(), None
         if self.turn is not None:  # (rank 0's threads are participants too, not among these)
-            line = self.turn.peek({r - 1: p.pid for r, p in enumerate(self.children, 1)})
+            line, frozen = self.turn.peek({r - 1: p.pid for r, p in enumerate(self.children, 1)})
         saving = ps.saving
-        if saving is not None:  # asked for its state, in line but not answering (frozen there): to blame
-            line -= {r - 1 for r in saving["told"] - saving["saved"]}
+        if saving is not None and frozen is None:  # asked for its state, in line but not answering (frozen there):
+            line -= {r - 1 for r in saving["told"] - saving["saved"]}  # to blame, unless it waits on a frozen one
         arrived = ps.headers.arrived_at if ps.headers is not None else {}
         for r in ps.ranks:
             # a header taken, or one that came and waits for the server thread: the worker waits for the server
