@@ -1,9 +1,12 @@
 """The processes a run starts, as /proc shows them: for tests that kill workers or check none is left behind; and a
 stranger, a process that connects to a run's port and says when it is cut off."""
 
+import os
 import selectors
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -86,3 +89,22 @@ def is_cut(p: subprocess.Popen, timeout: float = 5.0) -> bool:
     with selectors.DefaultSelector() as sel:
         sel.register(p.stdout, selectors.EVENT_READ)
         return bool(sel.select(timeout)) and p.stdout.readline().strip() == "end of file"
+
+
+def _freeze_inside_meta(turn) -> None:
+    turn._lock_meta()
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def frozen_inside_meta(ctx, turn):
+    """A participant's process (gem.engines.turn.Turn) that takes the turn's `meta` as every participant does and
+    freezes there; returned once it holds it. The caller kills it."""
+    p = ctx.Process(target=_freeze_inside_meta, args=(turn,), daemon=True)
+    p.start()
+    deadline = time.monotonic() + 60
+    while turn.meta_pid.value != p.pid:
+        if time.monotonic() > deadline or not p.is_alive():
+            p.kill()
+            raise AssertionError("the child never took meta")
+        time.sleep(0.05)
+    return p

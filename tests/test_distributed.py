@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import warm_run
 from conftest import ROOT
-from procs import is_cut, stranger
+from procs import frozen_inside_meta, is_cut, stranger
 from test_run import check_run_dir
 
 from gem import algorithms
@@ -688,12 +688,9 @@ def test_the_coordinator_loses_a_silent_worker_by_the_shared_rule(data, tmp_path
     assert coord.ps.wait_s == _patience(2.0)  # gloo's waits on a worker outlast the limit
 
 
-def test_with_a_local_turn_a_worker_in_line_is_to_blame_only_for_ignoring_a_checkpoint(data, tmp_path):
-    """A local launch's workers wait for the server's turn in line, which rank 0 sees (Turn.peek): they are not
-    silent through their own fault. One asked for its state for a checkpoint that does not answer (frozen in line)
-    is: otherwise the checkpoint would wait for it until the whole run failed."""
-    import multiprocessing
-
+def _checkpoint_with_a_line(data, tmp_path, ctx):
+    """Rank 0's coordinator of a local launch of 3 workers, ready to watch: its server thread holds the turn (a
+    checkpoint) and workers 0 and 1 wait in line. (coordinator, recorder, the time its watch began)."""
     from gem.engines.turn import Turn
 
     j = dataclasses.replace(job(data, 3), engine={"name": "distributed", "timeout_s": 2, "silent_cycles": 4})
@@ -702,27 +699,33 @@ def test_with_a_local_turn_a_worker_in_line_is_to_blame_only_for_ignoring_a_chec
     coord = _Coordinator(j, rec, server, Evaluator(j, data), None)
     now = time.monotonic()
     coord.ps, coord.store = _ServerThreadSeen([1, 2, 3], now), dist.HashStore()
-    coord.turn = Turn(multiprocessing.get_context("spawn"), 5, torch.device("cpu"))
-    coord.turn.state[0] = 3  # rank 0's server thread holds the turn (a checkpoint); workers 0 and 1 wait in line
+    coord.turn = Turn(ctx, 5, torch.device("cpu"))
+    coord.turn.state[0] = 3  # rank 0's server thread
     coord.turn._lock_meta()
     coord.turn._enqueue(0)
     coord.turn._enqueue(1)
     coord.turn._give()
+    return coord, rec, now
+
+
+def _ten_seconds_on_asked_to_save(coord, now):
     coord.watch()  # every worker is ready: the race, and the timers, start
     coord.silence.since = dict.fromkeys([0, 1, 2], now - 10.0)  # ten seconds on, and nobody has committed
     coord.ps.saving = {"told": {1, 2, 3}, "saved": {1}}  # worker 0 has sent its state; 1 (in line) and 2 have not
     coord.last_watch = 0.0
     coord.watch()
+
+
+def test_with_a_local_turn_a_worker_in_line_is_to_blame_only_for_ignoring_a_checkpoint(data, tmp_path):
+    """A local launch's workers wait for the server's turn in line, which rank 0 sees (Turn.peek): they are not
+    silent through their own fault. One asked for its state for a checkpoint that does not answer (frozen in line)
+    is: otherwise the checkpoint would wait for it until the whole run failed."""
+    import multiprocessing
+
+    coord, rec, now = _checkpoint_with_a_line(data, tmp_path, multiprocessing.get_context("spawn"))
+    _ten_seconds_on_asked_to_save(coord, now)
     rec.close()
     assert coord.ps.lost == [2, 3] and coord.lost_workers == [1, 2]
-
-
-def _freeze_inside_meta(turn):
-    """A participant's process that takes the turn's `meta` as every participant does, and freezes there."""
-    import signal
-
-    turn._lock_meta()
-    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def test_a_checkpoint_blames_only_the_worker_frozen_inside_the_turn_s_lock(data, tmp_path):
@@ -731,35 +734,13 @@ def test_a_checkpoint_blames_only_the_worker_frozen_inside_the_turn_s_lock(data,
     import multiprocessing
     import types
 
-    from gem.engines.turn import Turn
-
-    j = dataclasses.replace(job(data, 3), engine={"name": "distributed", "timeout_s": 2, "silent_cycles": 4})
-    server, _ = start_server(j, algorithms.get(j.algorithm), build_flat_model(j).param.clone())
-    rec = Recorder(tmp_path)
-    coord = _Coordinator(j, rec, server, Evaluator(j, data), None)
-    now = time.monotonic()
-    coord.ps, coord.store = _ServerThreadSeen([1, 2, 3], now), dist.HashStore()
     ctx = multiprocessing.get_context("spawn")
-    coord.turn = Turn(ctx, 5, torch.device("cpu"))
-    coord.turn.state[0] = 3  # rank 0's server thread holds the turn (a checkpoint); workers 0 and 1 wait in line
-    coord.turn._lock_meta()
-    coord.turn._enqueue(0)
-    coord.turn._enqueue(1)
-    coord.turn._give()
-    frozen = ctx.Process(target=_freeze_inside_meta, args=(coord.turn,), daemon=True)
-    frozen.start()
+    coord, rec, now = _checkpoint_with_a_line(data, tmp_path, ctx)
+    frozen = frozen_inside_meta(ctx, coord.turn)
     try:
-        deadline = time.monotonic() + 60
-        while coord.turn.meta_pid.value != frozen.pid:
-            assert time.monotonic() < deadline and frozen.is_alive(), "the child never took meta"
-            time.sleep(0.05)
         other = {"exitcode": None, "is_alive": lambda: False, "kill": lambda: None, "join": lambda timeout: None}
         coord.children = [types.SimpleNamespace(pid=11, **other), types.SimpleNamespace(pid=12, **other), frozen]
-        coord.watch()  # every worker is ready: the race, and the timers, start
-        coord.silence.since = dict.fromkeys([0, 1, 2], now - 10.0)  # ten seconds on, and nobody has committed
-        coord.ps.saving = {"told": {1, 2, 3}, "saved": {1}}  # worker 0 has sent its state; 1 (in line) and 2 not
-        coord.last_watch = 0.0
-        coord.watch()
+        _ten_seconds_on_asked_to_save(coord, now)
         rec.close()
         assert coord.ps.lost == [3] and coord.lost_workers == [2]
         assert coord.turn.meta_pid.value == 0  # taken back from the killed worker

@@ -3,6 +3,7 @@ processes' heap. The contract every engine keeps (every commit once, staleness, 
 signals, ...) is tested on all three engines in tests/test_engines.py."""
 
 import pytest
+from procs import frozen_inside_meta
 from test_engines import job, run
 
 from gem.data import make_synthetic
@@ -89,21 +90,11 @@ def test_a_requests_left_over_permit_is_not_taken_for_the_turn():
     assert int(turn.state[0]) == 0
 
 
-def _freeze_inside_meta(turn):
-    """A participant's process that takes the turn's `meta` as every participant does, and freezes there."""
-    import os
-    import signal
-
-    turn._lock_meta()
-    os.kill(os.getpid(), signal.SIGSTOP)
-
-
 def test_a_participant_frozen_inside_the_turn_s_lock_is_the_one_waited_on():
     """Frozen inside `meta` (held a few instructions at a time), a participant stalls whoever next asks for the
     turn before it can queue: `peek` names every other participant as waiting through no fault of its own, and
     not the frozen one; without the process ids it says only who is in line."""
     import multiprocessing
-    import time
 
     import torch
 
@@ -115,13 +106,8 @@ def test_a_participant_frozen_inside_the_turn_s_lock_is_the_one_waited_on():
     turn._lock_meta()
     turn._enqueue(2)  # 2 waits in line behind 0
     turn._give()
-    p = ctx.Process(target=_freeze_inside_meta, args=(turn,), daemon=True)
-    p.start()
+    p = frozen_inside_meta(ctx, turn)
     try:
-        deadline = time.monotonic() + 60
-        while turn.meta_pid.value != p.pid:
-            assert time.monotonic() < deadline and p.is_alive(), "the child never took meta"
-            time.sleep(0.05)
         pids = {0: 11, 1: p.pid, 2: 12, 3: 13}
         assert turn.peek(pids) == ({0, 2, 3}, 1)  # 1 is frozen inside meta: everyone else waits on it
         assert turn.peek() == ({2}, None)
@@ -134,13 +120,8 @@ def test_a_participant_frozen_inside_the_turn_s_lock_is_the_one_waited_on():
     turn._lock_meta()
     turn._enqueue(3)
     turn._give()
-    p = ctx.Process(target=_freeze_inside_meta, args=(turn,), daemon=True)
-    p.start()
+    p = frozen_inside_meta(ctx, turn)
     try:
-        deadline = time.monotonic() + 60
-        while turn.meta_pid.value != p.pid:
-            assert time.monotonic() < deadline and p.is_alive(), "the child never took meta"
-            time.sleep(0.05)
         assert turn.peek({0: 11, 1: 14, 2: 12, 3: p.pid}) == ({0, 1, 2}, 3)
     finally:
         p.kill()
