@@ -20,6 +20,7 @@ freed (the tensors are held until then).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from collections.abc import Callable
@@ -64,6 +65,7 @@ class Pinned:
                  unregister: Callable[[int], int] = _cuda_unregister):
         self.device, self.who, self._register = device, who, register
         self.held: dict[int, torch.Tensor] = {}  # address → the registered tensor
+        self._locked_already: set[int] = set()  # addresses page-locked by their allocation (not ours to undo)
         self.failed = False  # once registration has failed, this worker copies through pageable memory
         self._out: dict[str, torch.Tensor] = {}
         # no atexit: a worker's registrations end with its process
@@ -71,19 +73,20 @@ class Pinned:
 
     def host(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
-            if self.failed or t.device.type != "cpu" or not t.numel() or t.data_ptr() in self.held:
+            address = t.data_ptr()
+            if self.failed or t.device.type != "cpu" or not t.numel() or address in self.held or \
+                    address in self._locked_already or not t.is_contiguous():  # θ and the server's tensors are flat
                 continue
-            if not t.is_contiguous() or _is_pinned(t):  # θ and the server's tensors are flat
+            if _is_pinned(t):
+                self._locked_already.add(address)
                 continue
-            if self.device.type == "cuda":
-                with torch.cuda.device(self.device):  # not the current device's (GPU 0's) context
-                    err = self._register(t.data_ptr(), t.nbytes, PORTABLE)
-            else:
-                err = self._register(t.data_ptr(), t.nbytes, PORTABLE)
+            # on this worker's GPU, not in the current device's (GPU 0's) context
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                err = self._register(address, t.nbytes, PORTABLE)
             if err:
                 self._give_up(name, err)
                 return
-            self.held[t.data_ptr()] = t
+            self.held[address] = t
 
     def out(self, key: str, like: torch.Tensor) -> torch.Tensor:
         buf = self._out.get(key)

@@ -347,8 +347,8 @@ class _Coordinator(Coordinator):
         """Lose every worker silent for longer than the limit (`Silence`); poll notices the dead. A worker whose
         `pulled_at` moved has committed; one waiting in line for the turn waits on others (the holder, or the
         coordinator), as does everyone when a worker froze inside the turn's own lock (`Turn.peek`): neither is
-        silent through its own fault. The turn's holder is blamed, and a frozen holder
-        is killed and its turn handed on (`lose_child`)."""
+        silent through its own fault. The turn's holder is blamed, and a frozen holder is killed and its turn
+        handed on (`lose_child`)."""
         if not self.started:
             return
         now = self.now()
@@ -433,9 +433,11 @@ class _Coordinator(Coordinator):
             if waited > self.silence.limit():
                 active = {c.index: c for c in self.active()}
                 _, frozen = self.turn.peek({w: c.process.pid for w, c in active.items()})
-                if frozen is not None:  # the others cannot answer before it lets go of the turn's lock: it alone
-                    self.lose_child(active[frozen], self.silence.why(  # is to blame, and they get their time again
-                        waited, f"frozen inside the turn's lock, no answer to a {_ASKED[action]} request"))
+                if frozen is not None:
+                    # the others cannot answer before it lets go of the turn's lock: it alone is to blame, and
+                    # they get their time again
+                    why = f"frozen inside the turn's lock, no answer to a {_ASKED[action]} request"
+                    self.lose_child(active[frozen], self.silence.why(waited, why))
                     asked = time.monotonic()
                     continue
                 for c in missing:

@@ -210,7 +210,7 @@ class Worker:
         self.before: dict = {}  # the state before the gradient in hand (for a checkpoint taken at the turn)
         self.pull_at = -1  # a barrier this worker waits at before its next gradient (Commit.pull_at); −1: none
         self._stage: dict | None = None  # the server's tensors on this worker's device, if they live elsewhere
-        # a GPU worker copies θ from host memory, where it stays there, through page-locked memory (pinned.py)
+        # a GPU worker whose θ stays in host memory copies it through page-locked memory (pinned.py)
         self._pinned = pinned_for(self.device, f"worker {w}")
 
     def gradient(self) -> float:
@@ -292,7 +292,7 @@ class Worker:
         commit goes back to the server's device (`to_device`): the algorithms never see two devices."""
         if view.theta.device == self.device:
             return view
-        if self._pinned is not None:  # once per host tensor: this copy and the pull's then run at the link's speed
+        if self._pinned is not None:  # once per host tensor: this copy and the pull's then run at PCIe speed
             self._pinned.host({"θ": view.theta, **view.server})
         if self._stage is None:
             self._stage = {k: torch.empty_like(v, device=self.device)
