@@ -45,6 +45,7 @@ from process_engine import BATCH_SIZE, MOMENTUM, SEED, engine_run  # noqa: E402
 
 from gem.data import WorkerStream, make_synthetic  # noqa: E402
 from gem.engines import distributed, process  # noqa: E402
+from gem.engines.pinned import Pinned  # noqa: E402
 from gem.models import build_model  # noqa: E402
 
 LR = 0.01  # Fig. 7's η: 4 AlexNet workers diverge at the MNIST benchmarks' 0.05
@@ -79,22 +80,13 @@ def plain_steps_per_s(data, device: torch.device, steps: int, bf16: bool = False
 
 def copy_seconds(numel: int, device: torch.device, repeats: int = 20, pinned: bool = False) -> tuple[float, float]:
     """Seconds of one host-to-device and one device-to-host copy of `numel` float32, from shared host memory as θ
-    is: pageable, or (`pinned`) registered with CUDA as a worker could register θ's mapping."""
+    is: pageable, or (`pinned`) page-locked where it lies as a GPU worker page-locks θ (gem.engines.pinned)."""
     host, dev = torch.randn(numel).share_memory_(), torch.empty(numel, device=device)
-    if pinned:
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(host.data_ptr(), host.nbytes, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of shared memory failed: {err}")
-        try:
-            return _timed_copies(host, dev, repeats)
-        finally:
-            cudart.cudaHostUnregister(host.data_ptr())
-    return _timed_copies(host, dev, repeats)
-
-
-def _timed_copies(host: torch.Tensor, dev: torch.Tensor, repeats: int) -> tuple[float, float]:
-    device = dev.device
+    locked = Pinned(device, "benchmarks/gpu.py") if pinned else None  # held, and so registered, while timed
+    if locked is not None:
+        locked.host({"θ": host})
+        if locked.failed:
+            raise RuntimeError("θ's shared memory could not be page-locked (said above)")
     times = []
     for copy in (lambda: dev.copy_(host), lambda: host.copy_(dev)):
         copy()
