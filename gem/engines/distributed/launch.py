@@ -151,6 +151,11 @@ def run(job: Job, recorder) -> Result:
         # failed, nobody will answer them, and the server would go on applying commits whose rows are no longer
         # recorded: they are stopped at once
         _stop(children, grace_s=5.0 if ended else 0.0)
+        if coord is not None and coord.ps is not None:
+            # the threads in gloo's waits end as their workers' connections close, before the interpreter goes
+            # (Headers.join): at once for a local launch's workers, stopped above; a worker elsewhere still
+            # running is not waited on past this
+            coord.ps.settle(SETTLE_S)
         if here is not None:
             here.close()
         if window is not None:
@@ -193,16 +198,24 @@ def _connect(make, children: list):
     th = threading.Thread(target=target, daemon=True)
     th.start()
     deadline = time.monotonic() + START_TIMEOUT_S + 10
-    while th.is_alive():
-        th.join(POLL_S)
-        dead = [p for p in children if p.exitcode is not None]
-        if dead:
-            raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode} before it joined the group")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the workers did not join within {START_TIMEOUT_S:.0f} s")
+    try:
+        while th.is_alive():
+            th.join(POLL_S)
+            dead = [p for p in children if p.exitcode is not None]
+            if dead:
+                raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode} before it joined the group")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the workers did not join within {START_TIMEOUT_S:.0f} s")
+    except BaseException:  # (interrupted too) the thread is in gloo's waits: it ends as the local workers go, before
+        _stop(children, grace_s=0.0)  # the interpreter does (wire.Headers.join says why)
+        th.join(SETTLE_S)
+        raise
     if "error" in out:
         raise RuntimeError(f"the group did not form: {out['error']}")
     return out["pg"]
+
+
+SETTLE_S = 2.0  # rank 0's wait at its end for its threads in gloo's waits (_Server.settle)
 
 
 def _stop(children: list, grace_s: float = 5.0) -> None:

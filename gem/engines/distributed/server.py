@@ -199,6 +199,15 @@ class _Server(threading.Thread):
         finally:
             self.headers.close()
 
+    def settle(self, timeout_s: float) -> None:
+        """(rank 0, before it exits) Wait up to `timeout_s` for this thread and the header threads to end, as
+        they do once the workers have gone (Headers.join says why that matters)."""
+        deadline = time.monotonic() + timeout_s
+        if self.ident is not None:  # started
+            self.join(timeout_s)
+        if self.headers is not None:
+            self.headers.join(deadline)
+
     def serve_headers(self) -> None:
         while self.open():
             started = len(self.ready | self.done) == len(self.ranks) or \

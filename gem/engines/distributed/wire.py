@@ -433,6 +433,15 @@ class Headers:
         for r in list(self.go_on):
             self.drop(r)
 
+    def join(self, deadline: float) -> None:
+        """Wait until `deadline` (time.monotonic) for every thread to end. Why: a thread whose receive ends (its
+        worker's connection closes) while the interpreter is being torn down is ended by Python from inside torch's
+        wait, where C++ cannot unwind, and the process aborts (`terminate called without an active exception`,
+        pytorch/pytorch#38228): rank 0, interrupted, exited with 134 instead of 143 once the workers it had just
+        killed closed their connections."""
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
 
 # ------------------------------------------------------------------------------ what rank 0 accepts from a worker
 
