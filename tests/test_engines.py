@@ -615,6 +615,74 @@ def test_ctrl_c_and_sigterm_leave_no_child_behind(tmp_path, sig, code, engine):
     assert m["step"].tolist() == list(range(1, len(m) + 1))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", REAL)
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_and_sigterm_while_the_workers_start_leave_nothing_behind(tmp_path, sig, code, engine):
+    """Interrupted while its first worker was being started, that is while the forkserver imports torch (about 2 s
+    here), every run did something wrong: a terminal's Ctrl-C killed the forkserver too, with a traceback under the
+    run's last line; and the coordinator exited without knowing of the child the forkserver made next, which ran
+    alone (here it died at once, with a traceback of its own: its semaphores were gone)."""
+    d = tmp_path / "run"
+    p = warm_run.Popen([f"engine={engine}", "workers=3", "algorithm=gem", "logger.wandb.mode=disabled",
+                        "epochs=1000", f"hydra.run.dir={d}"], start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (server := [k for k in descendants(p.pid) if "forkserver" in processes().get(k, (0, "", ""))[2]]):
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            raise AssertionError(f"no forkserver: {p.communicate()[1][-2000:]}")
+        time.sleep(0.02)
+    started = processes()[server[0]][2]  # the forkserver's command line, which the children it forks keep
+    assert not workers_of(p.pid)  # still importing: no worker yet
+    if sig == "SIGINT":
+        os.killpg(p.pid, signal.SIGINT)
+    else:
+        p.send_signal(signal.SIGTERM)
+    try:
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == code, err
+    assert "Traceback" not in err, err
+    assert "resume=true" in err.splitlines()[-1], err
+    # the forkserver, and any child it made, are gone: the forkserver leaves once its imports are done (the
+    # machine may be loaded) and it sees the coordinator gone
+    deadline = time.monotonic() + 60
+    while left := [k for k, (_, state, cmd) in processes().items() if cmd == started and state != "Z"]:
+        assert time.monotonic() < deadline, f"left behind: {left}"
+        time.sleep(0.2)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_interruption_while_a_worker_starts_waits_for_it_to_be_recorded():
+    """interrupts_held: a signal inside the block acts at its end (the handler the block found), a second one at
+    once; the handler is the same after it."""
+    from gem.engines.worker import interrupts_held
+
+    def interrupt(signum, frame):
+        raise _Interrupted(signum)
+
+    old, done = signal.signal(signal.SIGTERM, interrupt), []
+    try:
+        with pytest.raises(_Interrupted), interrupts_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # Python runs its handler here, in this thread: held
+            done.append("recorded")
+        assert done == ["recorded"]
+        with pytest.raises(_Interrupted), interrupts_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGTERM)  # asked twice: now
+            time.sleep(0.05)
+            done.append("not reached")
+        assert done == ["recorded"] and signal.getsignal(signal.SIGTERM) is interrupt
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 # ------------------------------------------------------------------------------------------------ helpers
 
 

@@ -47,7 +47,15 @@ from gem.engines.coordinator import POLL_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model, central_device
 from gem.engines.server import Server
 from gem.engines.turn import FLUSH, SAVE, Gone, Turn
-from gem.engines.worker import Diverged, Worker, barrier_pauses, setup_process, threads_per_process, worker_context
+from gem.engines.worker import (
+    Diverged,
+    Worker,
+    barrier_pauses,
+    interrupts_held,
+    setup_process,
+    threads_per_process,
+    worker_context,
+)
 from gem.files import WriteError
 
 START_TIMEOUT_S = 300.0  # a worker unpickles its job and builds its model: slow on a loaded machine with many
@@ -219,9 +227,10 @@ def run(job: Job, recorder) -> Result:
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, name=f"gem-worker-{w}", daemon=True,
                             args=(w, shared, tensors, turn, child_conn, alive, threads, coord.t0_wall))
-            p.start()
-            child_conn.close()
-            coord.add(_Child(w, p, parent_conn))
+            with interrupts_held():  # a child started is a child recorded, and stopped below
+                p.start()
+                child_conn.close()
+                coord.add(_Child(w, p, parent_conn))
         alive.close()
         return coord.serve()
     finally:

@@ -22,10 +22,13 @@ and with one worker every engine gives the same losses.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import math
 import os
+import signal
+import threading
 import time
 from typing import Protocol
 
@@ -118,7 +121,7 @@ def worker_context(job=None):
 
     The forkserver's imports are fixed when it starts (with this process's first run): torchvision is among them
     when that run's model uses it (`uses_torchvision`)."""
-    import multiprocessing
+    import multiprocessing.forkserver
 
     import torch.multiprocessing as tmp
 
@@ -126,14 +129,52 @@ def worker_context(job=None):
         return tmp.get_context("spawn")
     ctx = tmp.get_context("forkserver")
     ctx.set_forkserver_preload(["gem.engines.preload"] + (["torchvision"] if job and uses_torchvision(job) else []))
+    # started here with Ctrl-C ignored, which it inherits: a terminal's Ctrl-C reaches the whole process group, and
+    # the forkserver, which ignores it only once it has imported torch (seconds), died of it with a traceback under
+    # the coordinator's own lines. Ctrl-C is the coordinator's to act on (interrupts_held); a forkserver running
+    # already is kept
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
     return ctx
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Ctrl-C and SIGTERM wait until the block is done, then do what they would have done (their Python handlers;
+    a second one acts at once). For starting a worker and recording it: `Process.start` waits for the forkserver,
+    which imports torch first (seconds), and interrupted there the coordinator exited without knowing of the child
+    the forkserver made next, which ran on alone (or, its semaphores gone, printed a traceback under the run's last
+    line: every Ctrl-C or SIGTERM in the first seconds of a run on this machine)."""
+    held: list = []
+
+    def hold(signum, frame):
+        held.append((signum, frame))
+        if len(held) > 1:  # asked twice: leave now
+            old[signum](signum, frame)
+
+    old = {}
+    if threading.current_thread() is threading.main_thread():  # (where Python handles signals)
+        for s in (signal.SIGINT, signal.SIGTERM):
+            if callable(handler := signal.getsignal(s)):  # a default or ignored signal is left as it is
+                old[s] = handler
+                signal.signal(s, hold)
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if held:
+            old[held[0][0]](*held[0])
 
 
 def setup_process(threads: int, ignore_sigint: bool = True) -> None:
     """The start of every worker process: its torch threads, its heap, and Ctrl-C left to the coordinator (a
     terminal's Ctrl-C reaches the whole process group; the coordinator stops its workers itself)."""
-    import signal
-
     if ignore_sigint:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)

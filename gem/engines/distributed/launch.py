@@ -60,7 +60,7 @@ from gem.engines.distributed.wire import (
     run_secret,
 )
 from gem.engines.turn import Gone, Turn
-from gem.engines.worker import threads_per_process, worker_context
+from gem.engines.worker import interrupts_held, threads_per_process, worker_context
 from gem.files import WriteError
 
 
@@ -136,8 +136,9 @@ def run(job: Job, recorder) -> Result:
             for r in range(1, n + 1):
                 p = ctx.Process(target=_local_worker, name=f"gem-worker-{r - 1}", daemon=True,
                                 args=(r, n + 1, local, port, START_TIMEOUT_S, threads, secret, imports, turn, alive))
-                p.start()
-                children.append(p)
+                with interrupts_held():  # a child started is a child recorded, and stopped below
+                    p.start()
+                    children.append(p)
             if alive is not None:
                 alive.close()
             pg = _connect(lambda: _group(store, 0, n + 1, local, START_TIMEOUT_S), children)
