@@ -46,6 +46,20 @@ def descendants(pid) -> list[int]:
     return sorted(out)
 
 
+def in_session(sid: int) -> list[int]:
+    """Every live process of session `sid` (a run started in a session of its own: its pid), those its processes
+    started included, also once their parent has gone."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split() if d.name.isdigit() else []
+        except OSError:
+            continue
+        if fields and fields[0] != "Z" and int(fields[3]) == sid:
+            out.append(int(d.name))
+    return sorted(out)
+
+
 def is_alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"

@@ -781,7 +781,7 @@ def test_rank_0_s_threads_in_gloo_s_waits_end_before_it_does(data, tmp_path, mon
     def slow(self, rank):
         real(self, rank)
         with contextlib.suppress(RuntimeError):  # (DistStoreError: the wait timed out, as intended)
-            store.wait(["never"], datetime.timedelta(seconds=0.5))
+            store.wait(["never"], datetime.timedelta(seconds=0.2))  # the store serves one wait at a time
 
     monkeypatch.setattr(wire.Headers, "_receive", slow)
     rec = _Interrupted(tmp_path / "run", after=10)

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 import warm_run
-from procs import descendants, is_alive, processes, workers_of
+from procs import descendants, in_session, is_alive, processes, workers_of
 from test_run import check_run_dir
 
 from gem import algorithms
@@ -627,12 +627,11 @@ def test_ctrl_c_and_sigterm_while_the_workers_start_leave_nothing_behind(tmp_pat
     p = warm_run.Popen([f"engine={engine}", "workers=3", "algorithm=gem", "logger.wandb.mode=disabled",
                         "epochs=1000", f"hydra.run.dir={d}"], start_new_session=True)
     deadline = time.monotonic() + 120
-    while not (server := [k for k in descendants(p.pid) if "forkserver" in processes().get(k, (0, "", ""))[2]]):
+    while not [k for k in descendants(p.pid) if "forkserver" in processes().get(k, (0, "", ""))[2]]:
         if p.poll() is not None or time.monotonic() > deadline:
             p.kill()
             raise AssertionError(f"no forkserver: {p.communicate()[1][-2000:]}")
         time.sleep(0.02)
-    started = processes()[server[0]][2]  # the forkserver's command line, which the children it forks keep
     assert not workers_of(p.pid)  # still importing: no worker yet
     if sig == "SIGINT":
         os.killpg(p.pid, signal.SIGINT)
@@ -648,7 +647,7 @@ def test_ctrl_c_and_sigterm_while_the_workers_start_leave_nothing_behind(tmp_pat
     # the forkserver, and any child it made, are gone: the forkserver leaves once its imports are done (the
     # machine may be loaded) and it sees the coordinator gone
     deadline = time.monotonic() + 60
-    while left := [k for k, (_, state, cmd) in processes().items() if cmd == started and state != "Z"]:
+    while left := in_session(p.pid):
         assert time.monotonic() < deadline, f"left behind: {left}"
         time.sleep(0.2)
 

@@ -131,10 +131,11 @@ def worker_context(job=None):
     ctx.set_forkserver_preload(["gem.engines.preload"] + (["torchvision"] if job and uses_torchvision(job) else []))
     # started here with Ctrl-C ignored, which it inherits: a terminal's Ctrl-C reaches the whole process group, and
     # the forkserver, which ignores it only once it has imported torch (seconds), died of it with a traceback under
-    # the coordinator's own lines. Ctrl-C is the coordinator's to act on (interrupts_held); a forkserver running
-    # already is kept
-    main = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    # the coordinator's own lines. Ctrl-C is the coordinator's to act on (interrupts_held); one that comes in the
+    # milliseconds this takes is lost. A forkserver running already is kept
+    old = signal.getsignal(signal.SIGINT) if _main_thread() else None  # (None: a handler Python did not set)
+    if old is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
@@ -154,11 +155,11 @@ def interrupts_held():
 
     def hold(signum, frame):
         held.append((signum, frame))
-        if len(held) > 1:  # asked twice: leave now
+        if len(held) > 1:  # asked twice: leave now (and the first is not acted on again below)
             old[signum](signum, frame)
 
     old = {}
-    if threading.current_thread() is threading.main_thread():  # (where Python handles signals)
+    if _main_thread():  # (where Python handles signals)
         for s in (signal.SIGINT, signal.SIGTERM):
             if callable(handler := signal.getsignal(s)):  # a default or ignored signal is left as it is
                 old[s] = handler
@@ -168,8 +169,12 @@ def interrupts_held():
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-        if held:
+        if len(held) == 1:
             old[held[0][0]](*held[0])
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def setup_process(threads: int, ignore_sigint: bool = True) -> None:

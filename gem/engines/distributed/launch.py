@@ -63,6 +63,8 @@ from gem.engines.turn import Gone, Turn
 from gem.engines.worker import interrupts_held, threads_per_process, worker_context
 from gem.files import WriteError
 
+SETTLE_S = 2.0  # rank 0's wait at its end for its threads in gloo's waits (_Server.settle)
+
 
 def run(job: Job, recorder) -> Result:
     eng = job.engine
@@ -150,19 +152,23 @@ def run(job: Job, recorder) -> Result:
     finally:
         # at the run's end every worker has had its answer and exits by itself; interrupted (Ctrl-C, SIGTERM) or
         # failed, nobody will answer them, and the server would go on applying commits whose rows are no longer
-        # recorded: they are stopped at once
+        # recorded: they are stopped at once (a worker elsewhere is told STOP when it next asks)
+        ps = coord.ps if coord is not None else None
+        if ps is not None and not ended:
+            ps.written.set()  # a checkpoint being taken will not be written
+            ps.stop("rank 0 is leaving")
         _stop(children, grace_s=5.0 if ended else 0.0)
-        if coord is not None and coord.ps is not None:
-            # the threads in gloo's waits end as their workers' connections close, before the interpreter goes
-            # (Headers.join): at once for a local launch's workers, stopped above; a worker elsewhere still
-            # running is not waited on past this
-            coord.ps.settle(SETTLE_S)
         if here is not None:
             here.close()
         if window is not None:
             window.unlink()
         if listener is not None:
             listener.close()
+        if ps is not None:
+            # the threads in gloo's waits end as their workers' connections close, before the interpreter goes
+            # (Headers.join): at once for a local launch's workers, stopped above; a worker elsewhere still
+            # running is not waited on past this
+            ps.settle(SETTLE_S)
 
 
 def _serve(coord: _Coordinator, pg, secret: str, encoded, states: dict, children: list, store=None,
@@ -199,24 +205,16 @@ def _connect(make, children: list):
     th = threading.Thread(target=target, daemon=True)
     th.start()
     deadline = time.monotonic() + START_TIMEOUT_S + 10
-    try:
-        while th.is_alive():
-            th.join(POLL_S)
-            dead = [p for p in children if p.exitcode is not None]
-            if dead:
-                raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode} before it joined the group")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the workers did not join within {START_TIMEOUT_S:.0f} s")
-    except BaseException:  # (interrupted too) the thread is in gloo's waits: it ends as the local workers go, before
-        _stop(children, grace_s=0.0)  # the interpreter does (wire.Headers.join says why)
-        th.join(SETTLE_S)
-        raise
+    while th.is_alive():
+        th.join(POLL_S)
+        dead = [p for p in children if p.exitcode is not None]
+        if dead:
+            raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode} before it joined the group")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the workers did not join within {START_TIMEOUT_S:.0f} s")
     if "error" in out:
         raise RuntimeError(f"the group did not form: {out['error']}")
     return out["pg"]
-
-
-SETTLE_S = 2.0  # rank 0's wait at its end for its threads in gloo's waits (_Server.settle)
 
 
 def _stop(children: list, grace_s: float = 5.0) -> None:
