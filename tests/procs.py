@@ -122,3 +122,21 @@ def frozen_inside_meta(ctx, turn):
             raise AssertionError("the child never took meta")
         time.sleep(0.05)
     return p
+
+
+def hold_meta_for(turn, pid: int) -> None:
+    """Make stopped process `pid` the holder of the turn's `meta`, as if it had frozen inside it: taken on its
+    behalf, or held by it already. Where the stop caught it between taking `meta` and writing its pid (or between
+    writing 0 and letting go), `meta` is held with no holder named: a window of two instructions in which the
+    engine cannot tell who froze (not handled: every worker then waits on it). Such a stop is undone and made
+    again, so that the test checks the case the engine handles and not where the stop happened to land."""
+    for attempt in range(50):
+        if turn.meta.acquire(timeout=2.0 if attempt == 0 else 0.5):
+            turn.meta_pid.value = pid
+            return
+        if turn.meta_pid.value == pid:  # it holds meta itself, and says so
+            return
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.001 * (attempt + 1))
+        os.kill(pid, signal.SIGSTOP)
+    raise AssertionError(f"process {pid} was never stopped outside the unnamed holder's window")

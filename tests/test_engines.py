@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 import warm_run
-from procs import descendants, in_session, is_alive, processes, workers_of
+from procs import descendants, hold_meta_for, in_session, is_alive, processes, workers_of
 from test_run import check_run_dir
 
 from gem import algorithms
@@ -725,10 +725,7 @@ class _FrozenInMetaRecorder(_StoppingRecorder):
         if was is None and self.stopped_at is not None:
             turn = self.turns[-1]
             pid = next(p.pid for p in multiprocessing.active_children() if p.name == f"gem-worker-{self.victim}")
-            if turn.meta.acquire(timeout=2.0):
-                turn.meta_pid.value = pid
-            else:  # the stop caught it holding meta itself
-                assert turn.meta_pid.value == pid
+            hold_meta_for(turn, pid)
 
 
 @pytest.mark.slow
@@ -767,10 +764,7 @@ def test_a_worker_frozen_inside_the_turn_s_lock_at_a_checkpoint_is_the_only_one_
             pid = next(p.pid for p in multiprocessing.active_children() if p.name == "gem-worker-1")
             os.kill(pid, signal.SIGSTOP)
             frozen.append(pid)
-            if self.meta.acquire(timeout=2.0):  # as if it had stopped inside meta
-                self.meta_pid.value = pid
-            else:  # it had
-                assert self.meta_pid.value == pid
+            hold_meta_for(self, pid)  # as if it had stopped inside meta
 
     monkeypatch.setattr(turn_mod.Turn, "ask", ask)
     j = job(data, engine, 3, epochs=8, options={"timeout_s": 5, "silent_cycles": 3}, run_dir=str(tmp_path),
