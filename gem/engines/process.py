@@ -433,8 +433,12 @@ class _Coordinator(Coordinator):
         self.replies = set()
         want = {c.index for c in self.active()}
         self.turn.ask(want, action, self._waiting)
-        asked = time.monotonic()
+        asked, lost = time.monotonic(), len(self.lost_workers)
         while not (stop_on_divergence and self.diverged):
+            if len(self.lost_workers) > lost:
+                # lost meanwhile (its silence, found by `watch`; its death): the others may have waited on it
+                # (frozen inside the turn's lock, it stalled them), and get their time again, as below
+                lost, asked = len(self.lost_workers), time.monotonic()
             missing = [c for c in self.active() if c.index in want and c.index not in self.replies]
             if not missing:
                 break
