@@ -128,6 +128,23 @@ def frozen_inside_meta(ctx, turn, named: bool = True):
     return p
 
 
+def stopped_process(ctx):
+    """A process that stops itself at once (and holds nothing); the caller kills it."""
+    p = ctx.Process(target=_stop_self, daemon=True)
+    p.start()
+    deadline = time.monotonic() + 60
+    while not is_stopped(p.pid):
+        if time.monotonic() > deadline or not p.is_alive():
+            p.kill()
+            raise AssertionError("the child never stopped")
+        time.sleep(0.05)
+    return p
+
+
+def _stop_self() -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def is_stopped(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")

@@ -3,7 +3,7 @@ processes' heap. The contract every engine keeps (every commit once, staleness, 
 signals, ...) is tested on all three engines in tests/test_engines.py."""
 
 import pytest
-from procs import frozen_inside_meta
+from procs import frozen_inside_meta, stopped_process
 from test_engines import job, run
 
 from gem.data import make_synthetic
@@ -129,10 +129,22 @@ def test_a_participant_frozen_inside_the_turn_s_lock_is_the_one_waited_on():
     turn.recover(3)
     # frozen between taking meta and writing its pid (CI's stop landed there once): meta has no holder named, and
     # the one stopped is the one frozen
-    p = frozen_inside_meta(ctx, turn, named=False)
+    p, other = frozen_inside_meta(ctx, turn, named=False), stopped_process(ctx)
     try:
         assert turn.meta_pid.value == 0
         assert turn.peek({0: 11, 1: p.pid, 2: 12, 3: 13}) == ({0, 2, 3}, 1)
+        # two stopped: which one holds meta cannot be told, and nobody is named
+        assert turn.peek({0: 11, 1: p.pid, 2: other.pid, 3: 13}) == ({2}, None)  # (2 waits in line)
     finally:
         p.kill()
         p.join(10)
+    turn.recover(1)
+    # one stopped but meta free: it is not to blame for anyone's wait; also where meta was let go of just after
+    # peek's wait for it gave up (its pid then reads 0 as well)
+    assert turn.peek({0: 11, 1: other.pid, 2: 12}) == ({2}, None)
+    real_take, tries = turn._take, []
+    turn._take = lambda timeout: bool(tries.append(timeout)) if not tries else real_take(timeout)
+    assert turn.peek({0: 11, 1: other.pid, 2: 12}) == ({2}, None) and len(tries) == 1
+    del turn._take
+    other.kill()
+    other.join(10)

@@ -177,9 +177,16 @@ class Turn:
         if not holder and pids:
             # held and no holder named: one froze between taking meta and writing its pid, or between writing 0
             # and letting go (two instructions; a worker's stop landed there once in CI). The one stopped (kill
-            # -STOP, a debugger), if exactly one participant is
+            # -STOP, a debugger), if exactly one participant is, and meta is still held (its 0 may only say that
+            # meta was let go of since)
             stopped = [pid for pid in pids.values() if _stopped(pid)]
-            holder = stopped[0] if len(stopped) == 1 else 0
+            if len(stopped) == 1:
+                if self._take(0):
+                    try:
+                        return set(self._line()), None
+                    finally:
+                        self._give()
+                holder = stopped[0]
         frozen = next((w for w, pid in (pids or {}).items() if holder and pid == holder), None)
         if frozen is None:
             return line, None
