@@ -436,8 +436,8 @@ class _Coordinator(Coordinator):
         asked, lost = time.monotonic(), len(self.lost_workers)
         while not (stop_on_divergence and self.diverged):
             if len(self.lost_workers) > lost:
-                # lost meanwhile (its silence, found by `watch`; its death): the others may have waited on it
-                # (frozen inside the turn's lock, it stalled them), and get their time again, as below
+                # lost meanwhile (found frozen below; its silence, found by `watch`; its death): the others may
+                # have waited on it (frozen inside the turn's lock, it stalled them), and get their time again
                 lost, asked = len(self.lost_workers), time.monotonic()
             missing = [c for c in self.active() if c.index in want and c.index not in self.replies]
             if not missing:
@@ -447,11 +447,10 @@ class _Coordinator(Coordinator):
                 active = {c.index: c for c in self.active()}
                 _, frozen = self.turn.peek({w: c.process.pid for w, c in active.items()})
                 if frozen is not None:
-                    # the others cannot answer before it lets go of the turn's lock: it alone is to blame, and
-                    # they get their time again
+                    # the others cannot answer before it lets go of the turn's lock: it alone is to blame (and
+                    # they get their time again, above)
                     why = f"frozen inside the turn's lock, no answer to a {_ASKED[action]} request"
                     self.lose_child(active[frozen], self.silence.why(waited, why))
-                    asked = time.monotonic()
                     continue
                 for c in missing:
                     self.lose_child(c, self.silence.why(waited, f"no answer to a {_ASKED[action]} request"))
