@@ -14,8 +14,9 @@
    the device. The limit is the plain loop's step time over that step time plus the copies: what a worker could
    reach if the server's step and the turn cost nothing.
 5. The `distributed` engine's GPU workers: aggregate steps per second of a local launch with 4 workers on the device
-   (θ in rank 0's shared-memory window, always in host memory: gloo moves CPU tensors) over 4 `process` workers
-   with θ in shared host memory (`theta_on_gpu=false`, the same placement), and over 4 with θ on the GPU.
+   over 4 `process` workers, both with θ on the GPU (rank 0 hands it to its workers by CUDA IPC, as `process`
+   does: `engine.theta_on_gpu`), and both with θ in host memory (`theta_on_gpu=false`: rank 0's shared-memory
+   window, and `process`'s shared host memory).
 6. The physical limit of 1b.: the copies of 4. from shared host memory registered with CUDA (`cudaHostRegister`,
    page-locked) as a worker now registers θ, over the same copies from pageable memory, and 4.'s limit with them.
 
@@ -102,13 +103,13 @@ def copy_seconds(numel: int, device: torch.device, repeats: int = 20, pinned: bo
 def engine_steps_per_s(data, device: str, workers: int, steps: int, batch: int = BATCH_SIZE,
                        theta_on_gpu: bool = True, engine=process) -> float:
     epochs = max(1, -(-steps * batch // len(data.train_y)))
-    options = {"theta_on_gpu": theta_on_gpu} if engine is process else {"timeout_s": 120}
+    options = {"theta_on_gpu": theta_on_gpu, **({} if engine is process else {"timeout_s": 120})}
     m, result = engine_run(data, "downpour", workers, epochs, model="alexnet_cifar", device=device, lr=LR,
                            batch_size=batch, options=options, with_result=True, engine=engine)
     m = m[m["step"] > min(10 * workers, len(m) // 2)]  # warm-up
     rate = (len(m) - 1) / (m["time_s"].iloc[-1] - m["time_s"].iloc[0])
     # apply_s times the server step as queued: on a GPU it is the kernels' launch, not their run
-    where = result.extra.get("central_device", "cpu (rank 0's window)")
+    where = result.extra.get("central_device", "cpu")
     name = engine.__name__.rsplit(".", 1)[-1]
     print(f"   {name}, {workers} worker(s), θ on {where}: {rate:.1f} steps/s; the server's step "
           f"(apply_s) {1e3 * m['apply_s'].mean():.2f} ms a commit, {100 * m['apply_s'].sum() * rate / len(m):.0f}% "
@@ -153,8 +154,10 @@ def main() -> None:
           f"host {4 * numel / up / 1e9:.1f} GB/s; plain step {1e3 * step:.2f} ms, copies {1e3 * moved:.2f} ms)")
     four_host = engine_steps_per_s(data, str(device), sharing, args.steps, batch, theta_on_gpu=False)
     four_distributed = engine_steps_per_s(data, str(device), sharing, args.steps, batch, engine=distributed)
-    print(f"5. distributed, {sharing} workers on one device / process, θ in host memory: "
-          f"{four_distributed / four_host:.3f}; / process, θ on the device: {four_distributed / four:.3f}")
+    four_distributed_host = engine_steps_per_s(data, str(device), sharing, args.steps, batch, theta_on_gpu=False,
+                                               engine=distributed)
+    print(f"5. distributed / process, {sharing} workers on one device, θ on the device for both: "
+          f"{four_distributed / four:.3f}; θ in host memory for both: {four_distributed_host / four_host:.3f}")
     if device.type == "cuda":
         pinned_down, pinned_up = copy_seconds(numel, device, pinned=True)
         pinned = 2 * pinned_down + pinned_up

@@ -59,7 +59,8 @@ class EngineConfig:
     port: int = 0  # ... and its port; 0: a free one
     shared_memory: bool = True  # engine=distributed: the workers on rank 0's host read θ from shared memory (and,
     # launched locally, pass the server's turn among themselves there, as on engine=process)
-    theta_on_gpu: bool = True  # engine=process: θ on the workers' GPU when they all compute on one (CUDA IPC)
+    theta_on_gpu: bool = True  # process, distributed's local launch: θ on the workers' GPU when they all compute
+    # on one (CUDA IPC)
     # process, distributed: a worker that has not committed for silent_cycles x the median time between commits
     # of a worker, and for at least timeout_s, is lost (killed, recorded; the run goes on with the others)
     timeout_s: float = 60.0

@@ -25,7 +25,7 @@ from procs import frozen_inside_meta, is_cut, stranger
 from test_run import check_run_dir
 
 from gem import algorithms
-from gem.algorithms import downpour, gem
+from gem.algorithms import downpour, gem, ssgd
 from gem.data import make_synthetic
 from gem.engines import Job, distributed
 from gem.engines.coordinator import start_server
@@ -259,6 +259,56 @@ def test_several_workers_share_the_window_and_every_commit_is_applied_once(data,
     assert result.extra["local_turn"] and m["wait_commits"].max() <= 3 - 1, m["wait_commits"].value_counts()
     assert m["step"].tolist() == list(range(1, 3 * 2 * 256 // 32 + 1))
     assert m.groupby("worker")["worker_step"].apply(list).tolist() == [list(range(1, 17))] * 3
+
+
+@pytest.mark.parametrize("algorithm", ["downpour", "ssgd"])
+def test_a_local_launch_that_hands_theta_to_its_workers_gives_the_window_s_rows(data, tmp_path, monkeypatch,
+                                                                                 algorithm):
+    """Where a local launch's workers all compute on one GPU, rank 0 hands them θ and the server's tensors there
+    (CUDA IPC) and keeps only the clock, the pull times and the log in the window. Run here with CPU tensors
+    handed instead (shared memory: the same path, without a GPU): every row and evaluation at n = 1 is the same,
+    bit for bit, as with θ in the window; with 3 workers every commit is applied once, and SSGD's barriers pull
+    θ over the wire, copied from where it lives."""
+    frames = {}
+    for handed in (False, True):
+        monkeypatch.setattr(launch, "_hands_theta", lambda central, handed=handed: handed)
+        hp = downpour.Params() if algorithm == "downpour" else ssgd.Params(workers=1)
+        result, m, _ = run(job(data, 1, algorithm, hp, epochs=2), tmp_path / str(handed))
+        assert result.status == "completed" and result.extra["local_turn"], result.reason
+        frames[handed] = (m.drop(columns=["time_s", "wait_s", "apply_s", "wait_commits"], errors="ignore"),
+                          read_table(tmp_path / str(handed), "eval").drop(columns="time_s"))
+    for a, b in zip(frames[False], frames[True], strict=True):
+        pd.testing.assert_frame_equal(a, b, check_exact=True)
+    hp = downpour.Params() if algorithm == "downpour" else ssgd.Params(workers=3)
+    result, m, _ = run(job(data, 3, algorithm, hp, epochs=2), tmp_path / "3")
+    assert result.status == "completed" and result.extra["central_device"] == "cpu", result.reason
+    assert m["step"].tolist() == list(range(1, 3 * 2 * 256 // 32 + 1))
+    assert not list(window.SHM.glob(f"{window.PREFIX}{os.getpid()}-*"))
+
+
+def test_a_window_without_theta_is_opened_only_by_a_local_launch_s_worker(data):
+    """θ handed to the workers (on their GPU): the window holds the clock, the pull times and the log, no θ; a
+    worker of a local launch maps it and keeps the θ it was handed; a worker that would read θ from it cannot."""
+    j = job(data, 2)
+    srv, _ = start_server(j, algorithms.get("gem"), build_flat_model(j, device="cpu").param.clone())
+    with_theta, without = window.Window.create(srv, 2, turn=True), window.Window.create(srv, 2, turn=True, theta=False)
+    if with_theta is None or without is None:
+        pytest.skip(f"no shared memory in {window.SHM} here")
+    try:
+        assert without.theta is None and without.described()["theta"] is False
+        assert Path(without.path).stat().st_size < Path(with_theta.path).stat().st_size - srv.theta.nbytes
+        mine = window.Window.open(without.described(), 1, srv, writable=True)
+        assert mine is not None and mine.theta is None
+        adopted = mine.adopt(srv)
+        assert adopted.theta is srv.theta and adopted.clock.data_ptr() == mine.clock.data_ptr()
+        without.clock.fill_(7)
+        assert adopted.t == 7  # the window's clock, which rank 0 moves
+        assert window.Window.open(without.described(), 1, srv) is None  # a slot's worker reads θ from the window
+        for theta in (True, "no", None):  # what the window holds must be said plainly
+            assert window.Window.open({**without.described(), "theta": theta}, 1, srv, writable=True) is None
+    finally:
+        with_theta.unlink()
+        without.unlink()
 
 
 def test_a_worker_opens_only_a_window_of_rank_0s_making(data, tmp_path):

@@ -52,11 +52,12 @@ def cuda_ipc() -> bool:
 
 
 def central_device(job) -> torch.device:
-    """Where the `process` engine keeps θ and the server's tensors. On the workers' GPU when every worker computes
-    on one and the same GPU (and `engine.theta_on_gpu`, the default): the worker processes share them by CUDA IPC,
-    so a commit moves nothing between host and GPU, and the turn's holder runs the server step there. Else in
-    shared host memory, which every worker process maps, a GPU worker staging them on its device at its commits
-    (Worker.staged): workers spread over several GPUs, on the CPU, or a platform without CUDA IPC (`cuda_ipc`)."""
+    """Where the `process` engine (and a local launch of `distributed`) keeps θ and the server's tensors. On the
+    workers' GPU when every worker computes on one and the same GPU (and `engine.theta_on_gpu`, the default): the
+    worker processes share them by CUDA IPC, so a commit moves nothing between host and GPU, and the turn's holder
+    runs the server step there. Else in shared host memory, which every worker process maps, a GPU worker staging
+    them on its device at its commits (Worker.staged): workers spread over several GPUs, on the CPU, or a platform
+    without CUDA IPC (`cuda_ipc`)."""
     devices = {device_of(job, w) for w in range(job.workers)}
     if job.engine.get("theta_on_gpu", True) and len(devices) == 1 and cuda_ipc():
         (device,) = devices

@@ -1,15 +1,15 @@
 """Page-locked host memory for a GPU worker whose θ stays in host memory.
 
-Where θ and the server's tensors stay in host memory while a worker computes on a GPU (`process` over several GPUs
-or with `engine.theta_on_gpu=false`; every GPU worker of `distributed`, whose gloo moves CPU tensors), each commit
-copies θ and the server's tensors to the GPU (the staged view), the commit back to the host, and θ to the GPU again
-(the pull). From pageable memory the driver copies through a staging buffer of its own: 12.7 GB/s host to device on
-an H200, against 51.6 GB/s from the same shared memory once it is registered with CUDA (`cudaHostRegister`;
+Where θ and the server's tensors stay in host memory while a worker computes on a GPU (`process` over several GPUs or
+with `engine.theta_on_gpu=false`; a GPU worker of `distributed` under torchrun, whose gloo moves CPU tensors), each
+commit copies θ and the server's tensors to the GPU (the staged view), the commit back to the host, and θ to the GPU
+again (the pull). From pageable memory the driver copies through a staging buffer of its own: 12.7 GB/s host to
+device on an H200, against 51.6 GB/s from the same shared memory once it is registered with CUDA (`cudaHostRegister`;
 BENCHMARKS.md, "GPU workers"). So a GPU worker registers each host tensor it copies θ from, once, in place (θ stays
 where the engine put it: shared memory, rank 0's window), and sends its commit back through page-locked buffers of
 its own, reused from one commit to the next. Memory a worker allocates itself for θ (a remote worker's replica) is
-allocated page-locked instead (`Server.pin_memory`): registering it in place could fail where two tensors of the C heap
-share a page, which the driver registers once only.
+allocated page-locked instead (`Server.pin_memory`): registering it in place could fail where two tensors of the C
+heap share a page, which the driver registers once only.
 
 Registration can fail (a platform without it, a mapping the driver refuses): the worker then says so once and copies
 as before. The CUDA runtime keeps a failed call's error for the next caller to read, and torch reads it after its

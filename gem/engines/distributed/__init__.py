@@ -21,15 +21,16 @@ server, the `process` engine's turn over the wire:
     COMMIT Δ [+ payload]          ─────────▶ server.apply: server_rule(θ, Δ, τ), t ← t + 1
     server.apply on its replica of θ: the same θ the server now holds; pull.
 
-So a commit costs two model-sized messages, and the algorithms run unchanged: the worker rule sees the live θ
-and the server state, exactly as in the process engine, and staleness is measured on the server's clock. A
-windowed algorithm talks to the server only when it commits. A worker on rank 0's own host takes θ from shared
-memory instead and leaves its Δ there (window.py, `engine.shared_memory`): the same exchange, with only its
-headers on the wire. The workers of a local launch, all on rank 0's host, do without the exchange: they pass the
-turn among themselves and apply their commits to θ in shared memory, as on the process engine (gem.engines.turn),
-and send only their rows; rank 0 learns who made each commit from the window's log. On one machine that is what
-brings `distributed` to the speed of `process` (BENCHMARKS.md): an exchange wakes a thread of another process at
-each of its steps, and on a machine whose cores the workers keep busy each wake-up waits for a core.
+So a commit costs two model-sized messages, and the algorithms run unchanged: the worker rule sees the live θ and the
+server state, exactly as in the process engine, and staleness is measured on the server's clock. A windowed algorithm
+talks to the server only when it commits. A worker on rank 0's own host takes θ from shared memory instead and leaves
+its Δ there (window.py, `engine.shared_memory`): the same exchange, with only its headers on the wire. The workers of
+a local launch, all on rank 0's host, do without the exchange: they pass the turn among themselves and apply their
+commits to θ in shared memory (or on their GPU, where they all compute on one: CUDA IPC), as on the process engine
+(gem.engines.turn), and send only their rows; rank 0 learns who made each commit from the window's log. On one
+machine that is what brings `distributed` to the speed of `process` (BENCHMARKS.md): an exchange wakes a thread of
+another process at each of its steps, and on a machine whose cores the workers keep busy each wake-up waits for a
+core.
 
 The engine by concern, each file read top to bottom; each imports only those above it:
 

@@ -35,7 +35,7 @@ from gem import algorithms
 from gem.engines import Job, Result
 from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, TIMEOUT_S, Coordinator, start_server
-from gem.engines.core import Evaluator, build_flat_model
+from gem.engines.core import Evaluator, build_flat_model, central_device
 from gem.engines.distributed.address import _listener, _local_address, _warn_once, check_host
 from gem.engines.distributed.doors import cut_strangers, empty_store, listening, refuse_newcomers
 from gem.engines.distributed.job import DONE, _for_workers, _send_job, encode_job, named_imports
@@ -77,9 +77,18 @@ def run(job: Job, recorder) -> Result:
     # them; under torchrun, the ranks after 0 on its node (static rendezvous puts ranks 0 .. LOCAL_WORLD_SIZE - 1
     # there); a worker that cannot open the window uses the wire. The workers of a local launch also pass the
     # server's turn among themselves there, as on engine=process (`turn`, below): one of them that cannot map the
-    # window says why and is lost
+    # window says why and is lost. Those workers, rank 0's children, get θ and the server's tensors on their GPU
+    # instead where they all compute on one (`central_device`, engine.theta_on_gpu): shared by CUDA IPC as on
+    # engine=process, so a commit moves nothing between host and GPU; θ then reaches the wire (a PULL) as a copy
     slots = min(n, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1) if launched() else n
-    window = Window.create(server, slots, turn=not launched()) if eng.get("shared_memory", True) else None
+    central = torch.device("cpu") if launched() else central_device(job)
+    handed = not launched() and _hands_theta(central)
+    window = Window.create(server, slots, turn=not launched(), theta=not handed) \
+        if eng.get("shared_memory", True) else None
+    if window is None:  # the wire's workers receive θ from rank 0's host memory
+        central, handed = torch.device("cpu"), False
+    elif handed:
+        server = server.to(central)
     if window is not None:
         server = window.adopt(server)
     children: list = []
@@ -127,17 +136,20 @@ def run(job: Job, recorder) -> Result:
             # the workers import what the job names, as this process does: it is this user's command
             imports = tuple(sorted(named_imports(job.algorithm, job.model)))
             ctx = worker_context(job)
+            # θ and the server's tensors on the workers' GPU travel as CUDA IPC handles (torch.multiprocessing)
+            theta_handed = {"theta": server.theta, "state": server.state} if handed else None
             if window is not None:
                 # every worker is on this host, with θ in the window: they pass the server's turn among themselves,
                 # as on engine=process (the server thread is participant n, the coordinator n + 1), and the server
                 # thread holds it until every worker is ready. `here` stays open in this process alone: a worker
                 # waiting in line sees end of file on `alive` once rank 0 is gone
-                turn = Turn(ctx, n + 2, torch.device("cpu"))
+                turn = Turn(ctx, n + 2, central)
                 turn.state[0] = n
                 alive, here = ctx.Pipe(duplex=False)
             for r in range(1, n + 1):
                 p = ctx.Process(target=_local_worker, name=f"gem-worker-{r - 1}", daemon=True,
-                                args=(r, n + 1, local, port, START_TIMEOUT_S, threads, secret, imports, turn, alive))
+                                args=(r, n + 1, local, port, START_TIMEOUT_S, threads, secret, imports, turn, alive,
+                                      theta_handed))
                 with interrupts_held():  # a child started is a child recorded, and stopped below
                     p.start()
                     children.append(p)
@@ -169,6 +181,14 @@ def run(job: Job, recorder) -> Result:
             # (Headers.join): at once for a local launch's workers, stopped above; a worker elsewhere still
             # running is not waited on past this
             ps.settle(SETTLE_S)
+        if central.type == "cuda":  # the GPU memory the workers received by CUDA IPC and have let go of
+            torch.cuda.ipc_collect()
+
+
+def _hands_theta(central: torch.device) -> bool:
+    """Whether a local launch hands θ and the server's tensors to its workers (on their GPU, by CUDA IPC) rather
+    than keep them in the window. (The tests hand CPU tensors, shared memory, to run this path without a GPU.)"""
+    return central.type == "cuda"
 
 
 def _serve(coord: _Coordinator, pg, secret: str, encoded, states: dict, children: list, store=None,
@@ -466,7 +486,7 @@ class _Coordinator(Coordinator):
         extra = {"server_commit_s": round(ps.busy_s / ps.served, 6) if served else None,
                  "server_busy": round(ps.busy_s / wall, 4) if served and wall > 0 else None,
                  "shared_memory_workers": sorted(r - 1 for r in ps.mapped),
-                 "local_turn": ps.turn is not None}
+                 "local_turn": ps.turn is not None, "central_device": str(self.server.theta.device)}
         if self.write_error:  # every process has stopped and the rows are recorded: the runner says it, once
             raise WriteError(self.write_error)
         if self.fatal and not self.diverged:

@@ -15,6 +15,7 @@ gone (`_ServerGone`) or answers BYE or STOP.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import json
 import os
@@ -92,20 +93,29 @@ def worker_main(timeout_s: float = START_TIMEOUT_S, allowed=()) -> int:
 
 
 def _local_worker(rank: int, world: int, host: str, port: int, timeout_s: float, threads: int, secret: str,
-                  allowed: tuple[str, ...], turn: Turn | None = None, alive=None) -> None:
+                  allowed: tuple[str, ...], turn: Turn | None = None, alive=None, handed: dict | None = None) -> None:
     """A worker of a local launch (`python run.py engine=distributed`): rank 0, its parent, hands it the run's
     secret and the import paths of its job as arguments, never over the network; and, where θ is in shared
     memory, the server's turn, which the workers then pass among themselves (window.py), with `alive`, the read
-    end of a pipe only rank 0 writes to (end of file once rank 0 is gone: a worker waiting in line exits)."""
-    before = listening()
-    store = dist.TCPStore(host, port, world, False, timeout=_td(timeout_s))
-    pg = _group(store, rank, world, host, timeout_s)
-    refuse_newcomers(before)  # gloo's listener: nobody is left to connect to it (doors.py)
-    _work(pg, rank, threads, secret, allowed_imports(allowed), store=store, turn=turn, alive=alive)
+    end of a pipe only rank 0 writes to (end of file once rank 0 is gone: a worker waiting in line exits), and
+    `handed`: θ and the server's tensors where they live on the workers' GPU (CUDA IPC handles)."""
+    try:
+        before = listening()
+        store = dist.TCPStore(host, port, world, False, timeout=_td(timeout_s))
+        pg = _group(store, rank, world, host, timeout_s)
+        refuse_newcomers(before)  # gloo's listener: nobody is left to connect to it (doors.py)
+        _work(pg, rank, threads, secret, allowed_imports(allowed), store=store, turn=turn, alive=alive,
+              handed=handed)
+    finally:
+        # rank 0 can free GPU memory it shared only once every process that received it has let go of it; this
+        # process ends in os._exit, which runs no finaliser, and its Process object holds `handed` to the end
+        if handed is not None:
+            handed.clear()
+            gc.collect()
 
 
 def _work(pg, rank: int, threads: int, secret: str, allowed: frozenset[str], ignore_sigint: bool = True,
-          store=None, turn: Turn | None = None, alive=None) -> int:
+          store=None, turn: Turn | None = None, alive=None, handed: dict | None = None) -> int:
     setup_process(threads, ignore_sigint)
     try:
         _prove(pg, rank, secret, START_TIMEOUT_S, getattr(store, "port", None))
@@ -127,7 +137,7 @@ def _work(pg, rank: int, threads: int, secret: str, allowed: frozenset[str], ign
         return 1
     if saved == DONE:  # a resumed run whose checkpoint has this worker finished, or lost: nothing to do
         return 0
-    link = _RemoteLink(pg, rank, job, store, turn, alive)
+    link = _RemoteLink(pg, rank, job, store, turn, alive, handed)
     try:
         link.run(saved)
     except _ServerGone:
@@ -162,8 +172,9 @@ class _RemoteLink:
     the server step in place, notes the commit in the window's log, and hands the turn on; only its rows, a
     checkpoint's state and the barriers' pulls go over the wire."""
 
-    def __init__(self, pg, rank: int, job: Job, store=None, turn: Turn | None = None, alive=None):
-        self.pg, self.rank, self.job, self.turn, self.alive = pg, rank, job, turn, alive
+    def __init__(self, pg, rank: int, job: Job, store=None, turn: Turn | None = None, alive=None,
+                 handed: dict | None = None):
+        self.pg, self.rank, self.job, self.turn, self.alive, self.handed = pg, rank, job, turn, alive, handed
         self.holding = False  # this worker holds the turn (`turn` only)
         self.w = rank - 1  # the worker's index in metrics.parquet, as in the other engines
         self.waiting = _Waiting(store, rank) if store is not None else None
@@ -352,7 +363,11 @@ class _RemoteLink:
                     where = (job.engine.get("window") or {}).get("path")
                     raise RuntimeError(f"cannot map rank 0's window {where}, where the workers of a local launch "
                                        "take their turn")
-                self.server = self.window.adopt(self.replica)
+                handed = self.handed
+                if (handed is None) == (self.window.theta is None):
+                    raise RuntimeError("rank 0's window and the θ it handed this worker disagree on where θ is")
+                self.server = self.window.adopt(self.replica if handed is None else Server(
+                    algo, job.hp, handed["theta"], handed["state"], self.replica.clock, self.replica.pulled_at))
             self.header(READY, b"1" if self.window is not None else b"")
             while worker.cycle(self):
                 pass

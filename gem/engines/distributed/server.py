@@ -491,7 +491,9 @@ class _Server(threading.Thread):
             try:
                 with self.lock:
                     view = self.server.pull(src - 1)
-                theta, state = self.server.theta.clone(), {k: v.clone() for k, v in self.server.state.items()}
+                # copies on the host, where gloo sends from (θ may be on the workers' GPU: launch.py)
+                theta = self.server.theta.to("cpu", copy=True)
+                state = {k: v.to("cpu", copy=True) for k, v in self.server.state.items()}
             finally:
                 if not held:
                     self.release_turn()

@@ -17,7 +17,10 @@ A local launch's workers (rank 0's own children, trusted as a `process` engine's
 the server's turn among themselves (gem.engines.turn) and run the server step in place on θ here, so no thread of
 another process needs waking inside a commit. Their window (`turn`) has no slots: the clock and the pull times are
 here too, every worker maps it all writable, and the holder of the turn notes in the commit log who made commit t
-(`log[t % len(log)]`, with t), which rank 0 reads to know whose rows to expect (server.sync_log).
+(`log[t % len(log)]`, with t), which rank 0 reads to know whose rows to expect (server.sync_log). Where every one
+of them computes on one and the same GPU, θ and the server's tensors live on that GPU instead, shared by CUDA IPC
+as on engine=process (`engine.theta_on_gpu`, launch.py), and the window holds only the clock, the pull times and
+the log.
 
 A PULL at a barrier (no commit follows, and rank 0 goes on serving the others) still sends θ over the wire: θ as of
 the clock the worker is told.
@@ -63,12 +66,14 @@ def log_entry(t: int, w: int) -> int:
     return t * LOG_WORKERS + w
 
 
-def _layout(server: Server, slots: int, turn: bool) -> tuple[list[tuple[str, int, torch.Tensor]], int]:
-    """(name, byte offset, a tensor of its dtype and shape) for θ, each server tensor, the clock and the pull times,
-    then (`turn`) the commit log or each worker's slot, and the size in all: the same on rank 0 and on a worker, from
-    the same algorithm and model. The nonce is on the first page."""
-    items = [("theta", server.theta), *((f"state.{k}", v) for k, v in server.state.items()),
-             ("clock", server.clock), ("pulled_at", server.pulled_at)]
+def _layout(server: Server, slots: int, turn: bool, theta: bool = True) -> tuple[list[tuple[str, int, torch.Tensor]],
+                                                                              int]:
+    """(name, byte offset, a tensor of its dtype and shape) for θ and each server tensor (`theta`: not where they
+    live on the workers' GPU), the clock and the pull times, then (`turn`) the commit log or each worker's slot, and
+    the size in all: the same on rank 0 and on a worker, from the same algorithm and model. The nonce is on the
+    first page."""
+    items = [("theta", server.theta), *((f"state.{k}", v) for k, v in server.state.items())] if theta else []
+    items += [("clock", server.clock), ("pulled_at", server.pulled_at)]
     if turn:
         items.append(("log", torch.empty(max(LOG, 64 * slots), dtype=torch.int64)))
     else:
@@ -95,7 +100,8 @@ class Window:
     def __init__(self, path: Path, views: dict[str, torch.Tensor], nonce: bytes, slots: int, owner: bool,
                  turn: bool = False):
         self.path, self.nonce, self.slots, self.owner, self.turn = path, nonce, slots, owner, turn
-        self.theta, self.clock, self.pulled_at = views["theta"], views["clock"], views["pulled_at"]
+        # θ: None where θ and the server's tensors live on the workers' GPU instead (`create`)
+        self.theta, self.clock, self.pulled_at = views.get("theta"), views["clock"], views["pulled_at"]
         self.log = views.get("log")  # (turn) who made each commit, by its clock: log[t % len(log)]
         self.state = {k.removeprefix("state."): v for k, v in views.items() if k.startswith("state.")}
         self._slots = {int(k.removeprefix("slot.")): v for k, v in views.items() if k.startswith("slot.")}
@@ -106,14 +112,16 @@ class Window:
     # --- rank 0
 
     @classmethod
-    def create(cls, server: Server, slots: int, turn: bool = False) -> Window | None:
+    def create(cls, server: Server, slots: int, turn: bool = False, theta: bool = True) -> Window | None:
         """A window holding the server's θ and tensors (their values copied in), with `slots` Δ slots: workers 0 to
         slots − 1 may map it; or (`turn`: a local launch) with the commit log instead, every worker mapping it all
-        writable. None where there is no /dev/shm, or no room in it (every worker then uses the wire)."""
-        if slots < 1 or server.theta.device.type != "cpu" or not SHM.is_dir():
+        writable, and (`theta=False`) without θ and the server's tensors, which then live on the workers' GPU,
+        shared by CUDA IPC (launch.py). None where there is no /dev/shm, or no room in it (every worker then uses
+        the wire)."""
+        if slots < 1 or (theta or not turn) and server.theta.device.type != "cpu" or not SHM.is_dir():
             return None
         _remove_stale()
-        layout, size = _layout(server, slots, turn)
+        layout, size = _layout(server, slots, turn, theta)
         path = SHM / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -133,9 +141,10 @@ class Window:
         finally:
             os.close(fd)
         window = cls(path, views, nonce, slots, owner=True, turn=turn)
-        window.theta.copy_(server.theta)
-        for k, v in server.state.items():
-            window.state[k].copy_(v)
+        if theta:
+            window.theta.copy_(server.theta)
+            for k, v in server.state.items():
+                window.state[k].copy_(v)
         window.clock.copy_(server.clock)
         window.pulled_at.copy_(server.pulled_at)
         if window.log is not None:
@@ -143,12 +152,17 @@ class Window:
         return window
 
     def adopt(self, server: Server) -> Server:
-        """The same server, its θ, tensors, clock and pull times now the window's."""
+        """The same server, its clock and pull times now the window's, and its θ and tensors too where the window
+        holds them (else the server's own: on the workers' GPU)."""
+        if self.theta is None:
+            return Server(server.algo, server.hp, server.theta, server.state, self.clock, self.pulled_at)
         return Server(server.algo, server.hp, self.theta, self.state, self.clock, self.pulled_at)
 
     def described(self) -> dict:
-        """What the job tells the workers: where the window is, how to know it is rank 0's, who has a slot."""
-        return {"path": str(self.path), "nonce": self.nonce.hex(), "slots": self.slots, "turn": self.turn}
+        """What the job tells the workers: where the window is, how to know it is rank 0's, who has a slot, whether
+        θ is in it."""
+        return {"path": str(self.path), "nonce": self.nonce.hex(), "slots": self.slots, "turn": self.turn,
+                "theta": self.theta is not None}
 
     def unlink(self) -> None:
         """Remove the file: the mappings stay, no one else can open it."""
@@ -168,11 +182,12 @@ class Window:
                 not 0 <= w < described["slots"] <= workers:
             return None
         path, nonce = Path(str(described.get("path", ""))), str(described.get("nonce", ""))
+        theta = described.get("theta", True)
         if path.parent != SHM or not NAME.fullmatch(path.name) or \
                 not re.fullmatch(f"[0-9a-f]{{{2 * NONCE_BYTES}}}", nonce) or \
-                (described.get("turn") is True) != writable:
+                (described.get("turn") is True) != writable or type(theta) is not bool or not (theta or writable):
             return None
-        layout, size = _layout(replica, described["slots"], writable)
+        layout, size = _layout(replica, described["slots"], writable, theta)
         parts = {name: (at, like) for name, at, like in layout}
         at, like = parts.get(f"slot.{w}", (0, None))  # its slot (none with the turn: it writes θ itself)
         try:
