@@ -13,7 +13,8 @@ the workers' own steps (n of them in parallel on host 1) are shorter than a comm
 (the median of its cycle less its wait for the turn) is printed next to the transfer time, so each row says
 whether it measures the link or the workers.
 
-    python benchmarks/multihost.py [--rates 1000 10000] [--models mnist_cnn alexnet_cifar] [--workers 3]
+    python benchmarks/multihost.py [--rates 1000 10000] [--models mnist_cnn alexnet_cifar] [--workers 3] [--commits N]
+        [--device cuda]
 
 Needs root and iproute2 (`ip`, `tc`); says so and exits 0 without them. Each run: a few seconds to a minute.
 `--smoke` runs one tiny configuration, to check that the script runs (tests/test_benchmarks.py).
@@ -55,7 +56,7 @@ def theta_bytes(model: str) -> int:
 
 
 def run_once(hosts: Hosts, model: str, workers: int, batch: int, commits: int, data: list[str], out: Path,
-             timeout_s: float = 600) -> dict:
+             timeout_s: float = 600, device: str = "cpu") -> dict:
     """One run across the link; returns its measured rates."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     run_dir = out / f"{model}-{time.time_ns()}"
@@ -67,7 +68,7 @@ def run_once(hosts: Hosts, model: str, workers: int, batch: int, commits: int, d
                 f"--master_addr={hosts.hosts[0].addr}", f"--master_port={PORT}", "run.py", "engine=distributed",
                 f"workers={workers}", "engine.allow_remote=true", "logger.wandb.mode=disabled",
                 "logger.progress=false", f"model={model}", f"batch_size={batch}", f"epochs={epochs}",
-                "logger.eval_every=100000", "algorithm=downpour", *data, f"hydra.run.dir={run_dir}"]
+                "logger.eval_every=100000", "algorithm=downpour", f"device={device}", *data, f"hydra.run.dir={run_dir}"]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": hosts.hosts[i].ifname, "GEM_RUN_SECRET": SECRET}
         log = open(out / f"node{i}.log", "w")  # noqa: SIM115 - closed by the process's end
         procs.append(hosts.popen(i, argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -94,14 +95,17 @@ def main() -> int:
     ap.add_argument("--rates", type=float, nargs="+", default=[1000, 10000], help="link rates, Mbit/s")
     ap.add_argument("--models", nargs="+", default=list(SETTINGS))
     ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--commits", type=int, help="commits per worker (default: the model's, in SETTINGS)")
+    ap.add_argument("--device", default="cpu", help="where the workers compute: cpu, or cuda (GPU workers are fast "
+                    "enough for a 10 Gbit/s link to set the pace; each host's rank uses the one GPU)")
     ap.add_argument("--smoke", action="store_true", help="one tiny run at 1 Gbit/s, to check that the script runs "
                     "(tests/test_benchmarks.py): its numbers mean nothing")
     args = ap.parse_args()
     if args.smoke:
         args.rates, args.models, args.workers = [1000], ["mnist_cnn"], 1
         print("--smoke: one tiny run, to check that the script runs; its numbers mean nothing")
-    print(f"engine=distributed, DOWNPOUR, server alone on host 0, {args.workers} worker(s) on host 1, "
-          f"{os.cpu_count()} cores in all")
+    print(f"engine=distributed, DOWNPOUR, server alone on host 0, {args.workers} worker(s) on host 1 "
+          f"(device={args.device}), {os.cpu_count()} cores in all")
     print("\n| model | θ | link R | on the link a commit | limit R / θ | R / (2 θ) | measured commits/s | / limit "
           "| a worker's step | θ at R | server busy |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -109,13 +113,12 @@ def main() -> int:
         with Hosts(2) as hosts, tempfile.TemporaryDirectory() as tmp:
             for model in args.models:
                 batch, commits, data = SETTINGS[model]
-                if args.smoke:
-                    commits = 10
+                commits = 10 if args.smoke else args.commits or commits
                 size = theta_bytes(model)
                 for rate in args.rates:
                     hosts.shape(rate)
                     limit = rate * 1e6 / 8 / size
-                    r = run_once(hosts, model, args.workers, batch, commits, data, Path(tmp))
+                    r = run_once(hosts, model, args.workers, batch, commits, data, Path(tmp), device=args.device)
                     print(f"| {model} | {size / 1e6:.2f} MB | {rate / 1000:g} Gbit/s | "
                           f"{r['bytes_per_commit'] / 1e6:.2f} MB | {limit:.1f} | {limit / 2:.1f} | "
                           f"{r['commits_per_s']:.1f} | **{r['commits_per_s'] / limit:.2f}** | "

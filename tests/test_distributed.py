@@ -264,24 +264,51 @@ def test_several_workers_share_the_window_and_every_commit_is_applied_once(data,
 @pytest.mark.parametrize("algorithm", ["downpour", "ssgd"])
 def test_a_local_launch_that_hands_theta_to_its_workers_gives_the_window_s_rows(data, tmp_path, monkeypatch,
                                                                                  algorithm):
-    """Where a local launch's workers all compute on one GPU, rank 0 hands them θ and the server's tensors there
-    (CUDA IPC) and keeps only the clock, the pull times and the log in the window. Run here with CPU tensors
-    handed instead (shared memory: the same path, without a GPU): every row and evaluation at n = 1 is the same,
-    bit for bit, as with θ in the window; with 3 workers every commit is applied once, and SSGD's barriers pull
-    θ over the wire, copied from where it lives."""
+    """Where a local launch's workers all compute on one GPU, rank 0 moves θ and the server's tensors there, hands
+    them to its workers (CUDA IPC) and keeps only the clock, the pull times and the log in the window. Run here
+    with CPU tensors handed instead (shared memory: the same path, without a GPU), the move made a copy as a move
+    to a GPU is, so that rank 0 must hand over and keep the moved tensors: DOWNPOUR at n = 1 gives every row and
+    evaluation of θ in the window, bit for bit, and with 3 workers applies every commit once; SSGD with 3 workers,
+    whose barriers pull θ over the wire, copied from where it lives, gives the window's evaluations (the order of
+    a round's commits may differ: equal to float rounding)."""
+    made = []  # whether each window rank 0 made holds θ
+    real_create, real_to = window.Window.create, Server.to
+
+    def create(cls, *args, **kw):
+        made.append(kw.get("theta", True))
+        return real_create(*args, **kw)
+
+    def moved(self, device):
+        s = real_to(self, device)
+        return Server(s.algo, s.hp, s.theta.clone().share_memory_(),
+                      {k: v.clone().share_memory_() for k, v in s.state.items()}, s.clock, s.pulled_at)
+
+    monkeypatch.setattr(window.Window, "create", classmethod(create))
+    monkeypatch.setattr(Server, "to", moved)
+    n = 1 if algorithm == "downpour" else 3
+    hp = downpour.Params() if algorithm == "downpour" else ssgd.Params(workers=n)
     frames = {}
     for handed in (False, True):
+        made.clear()
         monkeypatch.setattr(launch, "_hands_theta", lambda central, handed=handed: handed)
-        hp = downpour.Params() if algorithm == "downpour" else ssgd.Params(workers=1)
-        result, m, _ = run(job(data, 1, algorithm, hp, epochs=2), tmp_path / str(handed))
+        result, m, _ = run(job(data, n, algorithm, hp, epochs=2), tmp_path / str(handed))
         assert result.status == "completed" and result.extra["local_turn"], result.reason
+        assert made == [not handed]
         frames[handed] = (m.drop(columns=["time_s", "wait_s", "apply_s", "wait_commits"], errors="ignore"),
                           read_table(tmp_path / str(handed), "eval").drop(columns="time_s"))
+    if algorithm == "ssgd":
+        assert frames[True][0]["step"].tolist() == list(range(1, 3 * 2 * 256 // 32 + 1))
+        # θ moves at the end of each round of 3 commits: evaluations after the same round see the same θ
+        evals = {h: e.assign(round=e["step"] // 3).drop(columns=["step", "worker_step"], errors="ignore")
+                 .drop_duplicates("round").set_index("round") for h, (_, e) in frames.items()}
+        common = evals[False].index.intersection(evals[True].index)
+        assert len(common) >= 2 and common.max() == 3 * 2 * 256 // 32 // 3, (evals[False], evals[True])
+        pd.testing.assert_frame_equal(evals[False].loc[common], evals[True].loc[common], rtol=1e-4)
+        return
     for a, b in zip(frames[False], frames[True], strict=True):
         pd.testing.assert_frame_equal(a, b, check_exact=True)
-    hp = downpour.Params() if algorithm == "downpour" else ssgd.Params(workers=3)
     result, m, _ = run(job(data, 3, algorithm, hp, epochs=2), tmp_path / "3")
-    assert result.status == "completed" and result.extra["central_device"] == "cpu", result.reason
+    assert result.status == "completed" and made == [False, False], result.reason
     assert m["step"].tolist() == list(range(1, 3 * 2 * 256 // 32 + 1))
     assert not list(window.SHM.glob(f"{window.PREFIX}{os.getpid()}-*"))
 
@@ -303,7 +330,7 @@ def test_a_window_without_theta_is_opened_only_by_a_local_launch_s_worker(data):
         assert adopted.theta is srv.theta and adopted.clock.data_ptr() == mine.clock.data_ptr()
         without.clock.fill_(7)
         assert adopted.t == 7  # the window's clock, which rank 0 moves
-        assert window.Window.open(without.described(), 1, srv) is None  # a slot's worker reads θ from the window
+        assert window.Window.open(without.described(), 1, srv) is None  # only a local launch's worker maps it
         for theta in (True, "no", None):  # what the window holds must be said plainly
             assert window.Window.open({**without.described(), "theta": theta}, 1, srv, writable=True) is None
     finally:

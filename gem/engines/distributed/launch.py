@@ -86,8 +86,10 @@ def run(job: Job, recorder) -> Result:
     window = Window.create(server, slots, turn=not launched(), theta=not handed) \
         if eng.get("shared_memory", True) else None
     if window is None:  # the wire's workers receive θ from rank 0's host memory
-        central, handed = torch.device("cpu"), False
-    elif handed:
+        handed = False
+    if not handed:
+        central = torch.device("cpu")
+    else:
         server = server.to(central)
     if window is not None:
         server = window.adopt(server)
@@ -276,7 +278,8 @@ class _Coordinator(Coordinator):
         """Start the server thread; `refused`: ranks that did not prove the run's secret, lost from the start."""
         ranks = [w + 1 for w in range(self.job.workers)]
         job, server = self.job, self.server
-        bounds = Bounds.of(server.algo, job.hp, server.theta, len(self.ledger.tensor_names),
+        like = torch.empty_like(server.theta, device="cpu")  # sizes only: nothing of θ's, on the host
+        bounds = Bounds.of(server.algo, job.hp, like, len(self.ledger.tensor_names),
                            int(job.engine.get("train_examples", len(job.data.train_y))))
         self.ps = _Server(pg, job, server, ranks, self.events, bounds, window, turn)
         self.children, self.store, self.turn = children, store, turn
@@ -297,7 +300,8 @@ class _Coordinator(Coordinator):
             if p.is_alive():
                 p.kill()
             if self.turn is not None:  # gone before its commits are read from the log, and its turn handed on
-                p.join(2.0)
+                # (θ on a GPU: kernels it queued under the turn may run until its CUDA context is torn down)
+                p.join(30.0 if self.turn.device.type == "cuda" else 2.0)
                 self.turn.recover(rank - 1)
         for s in self.ps.lose(rank, banned):
             self.ledger.lost(s)

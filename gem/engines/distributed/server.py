@@ -98,7 +98,8 @@ class _Server(threading.Thread):
         # a checkpoint being taken: {"folder", "told": ranks told SAVE, "saved": ranks that sent their state}
         self.saving: dict | None = None
         self.written = threading.Event()
-        self.delta = torch.empty_like(server.theta)
+        # Δ of a commit over the wire, received on the host (none comes with a local turn, whose θ may be on a GPU)
+        self.delta = torch.empty_like(server.theta, device="cpu") if turn is None else None
         # θ in shared memory (window.py): the ranks that said at READY that they map it exchange only headers
         self.window, self.mapped = window, set()
         self.started = time.monotonic()
