@@ -85,11 +85,9 @@ def run(job: Job, recorder) -> Result:
     handed = not launched() and _hands_theta(central)
     window = Window.create(server, slots, turn=not launched(), theta=not handed) \
         if eng.get("shared_memory", True) else None
-    if window is None:  # the wire's workers receive θ from rank 0's host memory
-        handed = False
-    if not handed:
-        central = torch.device("cpu")
-    else:
+    handed = handed and window is not None  # else the wire's workers receive θ from rank 0's host memory
+    central = central if handed else torch.device("cpu")
+    if handed:
         server = server.to(central)
     if window is not None:
         server = window.adopt(server)

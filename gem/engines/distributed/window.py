@@ -154,9 +154,8 @@ class Window:
     def adopt(self, server: Server) -> Server:
         """The same server, its clock and pull times now the window's, and its θ and tensors too where the window
         holds them (else the server's own: on the workers' GPU)."""
-        if self.theta is None:
-            return Server(server.algo, server.hp, server.theta, server.state, self.clock, self.pulled_at)
-        return Server(server.algo, server.hp, self.theta, self.state, self.clock, self.pulled_at)
+        theta, state = (server.theta, server.state) if self.theta is None else (self.theta, self.state)
+        return Server(server.algo, server.hp, theta, state, self.clock, self.pulled_at)
 
     def described(self) -> dict:
         """What the job tells the workers: where the window is, how to know it is rank 0's, who has a slot, whether
