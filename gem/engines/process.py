@@ -292,8 +292,7 @@ class _Coordinator(Coordinator):
             return
         if c.process.is_alive():
             c.process.kill()
-            # with θ on a GPU, kernels it queued under the turn may run until its CUDA context is torn down
-            c.process.join(30.0 if self.turn.device.type == "cuda" else 2.0)
+            c.process.join(self.turn.kill_wait_s)
         self.turn.recover(c.index)
         self.need_sync = True
 

@@ -31,6 +31,9 @@ class Turn:
 
     def __init__(self, ctx, participants: int, device: torch.device):
         self.device = device  # where θ lives (`central_device`): on a GPU, see `release`
+        # how long to wait for a killed participant's process to end before its turn is recovered: with θ on a GPU,
+        # kernels it queued under the turn may run until its CUDA context is torn down
+        self.kill_wait_s = 30.0 if device.type == "cuda" else 2.0
         self.meta = ctx.Lock()
         self.sems = [ctx.Semaphore(0) for _ in range(participants)]
         # [holder, head, count, ring...]: holder −1 when free

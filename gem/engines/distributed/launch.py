@@ -298,8 +298,7 @@ class _Coordinator(Coordinator):
             if p.is_alive():
                 p.kill()
             if self.turn is not None:  # gone before its commits are read from the log, and its turn handed on
-                # (θ on a GPU: kernels it queued under the turn may run until its CUDA context is torn down)
-                p.join(30.0 if self.turn.device.type == "cuda" else 2.0)
+                p.join(self.turn.kill_wait_s)
                 self.turn.recover(rank - 1)
         for s in self.ps.lose(rank, banned):
             self.ledger.lost(s)
