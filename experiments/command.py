@@ -200,7 +200,8 @@ def _check_data(specs: list[Spec]) -> None:
         if key not in available:
             gdata.ensure_available(*key)
             available.add(key)
-        check_batch_size(spec.cfg.batch_size, d.name, gdata.train_size(d.name, key[1], d.synthetic.train_size))
+        check_batch_size(spec.cfg.batch_size, d.name,
+                         gdata.train_size(d.name, key[1], d.synthetic.train_size, d.val_size))
 
 
 def check_run(config: DictConfig, exit_on_plan: bool = True) -> Spec:

@@ -104,19 +104,22 @@ def validate(cfg: DictConfig, here: bool = True) -> Spec:
         ("lr", 0 < cfg.lr < math.inf, "a finite number > 0"),
         ("momentum", 0 <= cfg.momentum < 1, "a number in [0, 1)"),
         ("batch_size", cfg.batch_size >= 1, "an integer >= 1"),
-        ("epochs", cfg.epochs >= 1, "an integer >= 1"),
+        ("epochs", 0 < cfg.epochs < math.inf, "a finite number > 0 (0.25: a quarter of an epoch per worker)"),
         # torch's generators take 64-bit seeds, and gem derives each worker's streams from the seed
         ("seed", 0 <= cfg.seed < 2**32, "an integer from 0 to 4294967295 (2^32 - 1)"),
     ):
         if not cond:
             raise ConfigError(f"{key}={cfg[key]} is not allowed; {key} must be {allowed}")
+    _check_budget(cfg)
     if here:
         _check_device(cfg.device)
     if cfg.precision not in models.PRECISIONS:
         raise ConfigError(f"precision={cfg.precision} is not allowed; choose one of: {', '.join(models.PRECISIONS)} "
                           "(bf16: the workers' forward and backward passes; θ and the algorithms stay float32)")
     hp = algorithm_params(cfg)
-    checked = {g: _merge_checked(s, cfg[g], g, g) for g, s in schema.GROUP_SCHEMAS.items() if g != "data"}
+    # resolved in place, so that an interpolation there sees the whole config (${every_worker_steps:20})
+    checked = {g: _merge_checked(s, _resolved(cfg[g], g), g, g) for g, s in schema.GROUP_SCHEMAS.items()
+               if g != "data"}
     checked["data"] = _check_data(cfg.data)
     eng, dat, log = checked["engine"], checked["data"], checked["logger"]
     if eng.name not in engines.ENGINES:
@@ -164,6 +167,9 @@ def validate(cfg: DictConfig, here: bool = True) -> Spec:
         ("engine.silent_cycles", eng.silent_cycles, eng.silent_cycles > 0, "a number > 0"),
         ("data.synthetic.train_size", dat.synthetic.train_size, dat.synthetic.train_size >= 1, "an integer >= 1"),
         ("data.synthetic.val_size", dat.synthetic.val_size, dat.synthetic.val_size >= 1, "an integer >= 1"),
+        ("data.synthetic.test_size", dat.synthetic.test_size, dat.synthetic.test_size >= 0,
+         "an integer >= 0 (0: no test split)"),
+        ("data.val_size", dat.val_size, dat.val_size >= 1, "an integer >= 1"),
         ("data.synthetic.num_classes", dat.synthetic.num_classes, dat.synthetic.num_classes >= 2, "an integer >= 2"),
     ):
         if not cond:
@@ -180,6 +186,39 @@ def validate(cfg: DictConfig, here: bool = True) -> Spec:
     return Spec(cfg=cfg, hp=hp, engine=eng, data=dat, logger=log, model=module, loss=checked["loss"],
                 workers=workers)
 
+
+
+def _resolved(node: DictConfig, prefix: str):
+    try:
+        return OmegaConf.to_container(node, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(one_line(e)) from None
+
+
+def budget_of(cfg: DictConfig) -> dict:
+    """The budget's keys that are set (docs/contract.md, "Budgets")."""
+    node = cfg.get("budget") or {}
+    return {k: node.get(k) for k in engines.BUDGET_KEYS if node.get(k) is not None}
+
+
+def _check_budget(cfg: DictConfig) -> None:
+    budget, engine, name = budget_of(cfg), cfg.engine.get("name"), cfg.algorithm.get("name")
+    for key, low, allowed in (("worker_steps", 1, "an integer >= 1"), ("commits", 1, "an integer >= 1"),
+                              ("seconds", 0, "a number of seconds > 0"), ("sim_time", 0, "a number > 0")):
+        v = budget.get(key)
+        if v is not None and not (v >= low and (low or v > 0) and math.isfinite(v)):
+            raise ConfigError(f"budget.{key}={v} is not allowed; it must be {allowed}, or null")
+    if "seconds" in budget and engine == "sim":
+        raise ConfigError(f"budget.seconds={budget['seconds']} is not allowed on engine=sim: its seconds are this "
+                          "machine's, which the simulation does not model; use budget.sim_time (simulated time, in "
+                          "mean cycles of one local step) or budget.commits")
+    if "sim_time" in budget and engine != "sim":
+        raise ConfigError(f"budget.sim_time={budget['sim_time']} is not allowed on engine={engine}: it is the sim "
+                          "engine's clock; use budget.seconds (wall-clock) or budget.commits")
+    capped = sorted(k for k in ("commits", "seconds", "sim_time") if k in budget)
+    if capped and name == "ssgd":
+        raise ConfigError(f"budget.{capped[0]} is not allowed with algorithm=ssgd: its workers wait for whole rounds, "
+                          "which a cap could stop halfway; give its length in epochs or budget.worker_steps")
 
 
 def _check_device(device: str) -> None:
@@ -228,12 +267,16 @@ def _check_data(node: DictConfig) -> DataConfig:
         raise ConfigError(f"data.num_classes={num_classes} is not allowed; it must be an integer >= 2")
     if not isinstance(augment, bool):
         raise ConfigError(f"data.augment={augment} is not allowed; it must be true or false")
-    for key in ("train_kwargs", "val_kwargs"):
+    for key in ("train_kwargs", "val_kwargs", "test_kwargs"):
         if node.get(key) is not None and not isinstance(node.get(key), DictConfig):
             raise ConfigError(f"data.{key} must be a mapping of keyword arguments, such as {{train: true}}")
+    val_size = node.get("val_size", gdata.VAL_SIZE)
+    if not isinstance(val_size, int) or isinstance(val_size, bool) or val_size < 1:
+        raise ConfigError(f"data.val_size={val_size} is not allowed; it must be an integer >= 1")
     root = node.get("root")
     return DataConfig(name=instantiate.display_name("data", node), root=root if isinstance(root, str) else "data",
-                      download=bool(node.get("download", False)), augment=augment, num_classes=num_classes)
+                      download=bool(node.get("download", False)), augment=augment, num_classes=num_classes,
+                      val_size=val_size)
 
 
 def _check_memory(cfg: DictConfig, hp, n: int, engine: str, dat, module) -> None:
@@ -258,7 +301,7 @@ def _check_memory(cfg: DictConfig, hp, n: int, engine: str, dat, module) -> None
     # held once; on distributed every worker's replica of the server holds them too
     server = (one + (server_elements(2) - one) * (params - 1)) * memory.FLOAT
     server_each = server if engine == "distributed" else 0
-    train = gdata.train_size(dat.name, data_root(dat.root), dat.synthetic.train_size) or 0
+    train = gdata.train_size(dat.name, data_root(dat.root), dat.synthetic.train_size, dat.val_size) or 0
     each = memory.per_worker(engine, params, state, train) + server_each
     # (a local launch's workers have no Δ slot in shared memory: they apply their commits to θ in rank 0's window,
     # which is the server's θ, counted once)

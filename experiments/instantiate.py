@@ -4,8 +4,10 @@
   keyword arguments. Built-in configs (conf/model/) pass `num_classes: ${data.num_classes}`. It becomes a
   `gem.models.ModelSpec` that any process can rebuild (spawned workers, distributed ranks).
 - A data config is either a built-in loader (`name:` digits, mnist, cifar10, synthetic: gem.data) or
-  `_target_: <a torchvision-style dataset class>`: it is built twice, with `train_kwargs` (default
-  `{train: true}`) and `val_kwargs` (`{train: false}`), and read into memory once (gem.data.from_datasets).
+  `_target_: <a torchvision-style dataset class>`: it is built for each split, with `train_kwargs` (default
+  `{train: true}`), `val_kwargs` (default null: a fixed `val_size` of the training split is held out) and
+  `test_kwargs` (default `{train: false}`, the class's own test split; null: none), and read into memory once
+  (gem.data.from_datasets).
   The keys gem reads itself (DATA_KEYS) are not passed to the class; every other key is.
 
 Refusals are one line naming the key (ConfigError), raised before anything is written.
@@ -25,7 +27,8 @@ from gem import models
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # keys of a `_target_` data config that gem reads and does not pass to the dataset class. `name` and
 # `synthetic` come from a built-in config under a `data._target_=...` override: ignored there.
-DATA_KEYS = ("num_classes", "augment", "train_kwargs", "val_kwargs", "name", "synthetic")
+DATA_KEYS = ("num_classes", "augment", "train_kwargs", "val_kwargs", "test_kwargs", "val_size", "name", "synthetic")
+SPLIT_KWARGS = (("train_kwargs", {"train": True}), ("val_kwargs", None), ("test_kwargs", {"train": False}))
 
 
 class ConfigError(ValueError):
@@ -216,9 +219,12 @@ def load_data(cfg: DictConfig) -> gdata.Dataset:
     config = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in DATA_KEYS}
     name = display_name("data", node)
     splits = []
-    for key, default in (("train_kwargs", {"train": True}), ("val_kwargs", {"train": False})):
-        extra = node.get(key)
-        extra = default if extra is None else OmegaConf.to_container(extra, resolve=True)
+    for key, default in SPLIT_KWARGS:
+        extra = node.get(key, default) if key in node else default
+        extra = OmegaConf.to_container(extra, resolve=True) if isinstance(extra, DictConfig) else extra
+        if extra is None:  # val: held out of the training split; test: none
+            splits.append(None)
+            continue
         try:
             splits.append(instantiate(config, **extra))
         except Exception as e:  # noqa: BLE001 - missing files, a wrong keyword, no internet
@@ -230,7 +236,9 @@ def load_data(cfg: DictConfig) -> gdata.Dataset:
             raise gdata.DatasetMissing(f"data._target_={config.get('_target_')} ({key}={extra}) could not be "
                                        f"loaded: {type(cause).__name__}: {first}") from None
     try:
-        return gdata.from_datasets(name, *splits, num_classes=int(node.get("num_classes", 10)),
-                                   augment=bool(node.get("augment", False)))
+        train, val, test = splits
+        return gdata.from_datasets(name, train, val, num_classes=int(node.get("num_classes", 10)),
+                                   augment=bool(node.get("augment", False)), test=test,
+                                   val_size=int(node.get("val_size", gdata.VAL_SIZE)))
     except ValueError as e:
         raise ConfigError(f"data={name}: {e}") from None

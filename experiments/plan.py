@@ -142,16 +142,25 @@ def job_size(spec, cost: Cost, commit_s: float) -> dict:
     arithmetic, `_commit_cost`)."""
     from types import SimpleNamespace
 
+    from experiments.config import budget_of
     from gem import algorithms
     from gem.engines.core import commits_per_worker, worker_steps
 
     cfg, n = spec.cfg, spec.workers
     algo = algorithms.get(spec.algorithm)
+    window = algo.commit_every(spec.hp)
+    budget = budget_of(cfg)
     # the engines' own count of a worker's steps and commits, on a job of this size
     sized = SimpleNamespace(epochs=cfg.epochs, batch_size=cfg.batch_size,
-                            data=SimpleNamespace(train_y=range(cost.train)))
-    commits = n * commits_per_worker(sized, algo.commit_every(spec.hp))
+                            data=SimpleNamespace(train_y=range(cost.train)), budget=budget)
+    commits = n * commits_per_worker(sized, window)
     steps = n * worker_steps(sized)
+    # the caps: budget.commits exactly; budget.sim_time about n·sim_time/λ commits (a worker's cycle of λ local steps
+    # takes λ on average); budget.seconds below, on the estimate itself
+    cap = min(budget.get("commits") or commits, int(n * budget["sim_time"] / window) if "sim_time" in budget
+              else commits)
+    if cap < commits:
+        steps, commits = steps * cap // max(1, commits), cap
     evals = commits // cfg.logger.eval_every + 2  # every eval_every commits, at the start and at the end
     eval_examples = cost.val + min(cfg.logger.eval_train_size, cost.train)
     if cfg.engine.name == "sim":  # one process, torch's own threads: the faster of the two timings
@@ -159,8 +168,14 @@ def job_size(spec, cost: Cost, commit_s: float) -> dict:
     else:  # n processes, cores / n threads each: about min(n, cores) steps at once
         compute = steps * cost.step_s / min(n, cores())
     # commits go through the server one at a time on every engine
-    seconds = compute + commits * commit_s + evals * eval_examples * cost.example_fwd_s
-    return {"n": n, "commits": commits, "steps": steps, "evals": evals, "seconds": seconds}
+    training = compute + commits * commit_s
+    evaluating = evals * eval_examples * cost.example_fwd_s
+    if budget.get("seconds") and training + evaluating > budget["seconds"]:  # the run stops there
+        scale = budget["seconds"] / (training + evaluating)
+        commits, steps, evals = int(commits * scale), int(steps * scale), int(evals * scale)
+        training, evaluating = training * scale, evaluating * scale
+    return {"n": n, "commits": commits, "steps": steps, "evals": evals, "seconds": training + evaluating,
+            "eval_seconds": evaluating, "eval_every": cfg.logger.eval_every}
 
 
 ACTIONS = {"skip": "finished: skipped", "new": "start"}  # how a resumed sweep's plan words rerun, resume and these
@@ -216,10 +231,12 @@ def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | N
     width = max(len(r[0]) for r in rows)
     out(f"gem: plan for {len(rows)} job{'s' if len(rows) != 1 else ''} (plan=true: nothing runs, no directory is "
         f"made)")
-    out(f"  {'#':>3}  {'job':<{width}}  {'engine':<11} {'n':>4} {'commits':>10} {'grad steps':>11} {'estimate':>9}")
+    out(f"  {'#':>3}  {'job':<{width}}  {'engine':<11} {'n':>4} {'commits':>10} {'grad steps':>11} {'evals':>6} "
+        f"{'estimate':>9} {'of it evals':>11}")
     for i, (name, engine, s) in enumerate(rows):
+        share = s["eval_seconds"] / s["seconds"] if s["seconds"] > 0 else 0.0
         out(f"  {i:>3}  {name:<{width}}  {engine:<11} {s['n']:>4} {s['commits']:>10,} {s['steps']:>11,} "
-            f"{duration(s['seconds']):>9}")
+            f"{s['evals']:>6,} {duration(s['seconds']):>9} {share:>11.0%}")
     commits = sum(r[2]["commits"] for i, r in enumerate(rows) if actions is None or actions[i] != "skip")
     left = "" if actions is None else f" for the {sum(a != 'skip' for a in actions)} jobs left to run"
     out(f"total{left}: {commits:,} commits, about {duration(total)} one job after another on this machine "
@@ -240,6 +257,13 @@ def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | N
                if c.busy else f"{c.step_all_s * 1e3:.1f} ms on {cores()}")
             + f"; an evaluation of {c.val:,} + {min(cfg.logger.eval_train_size, c.train):,} examples "
             f"{(c.val + min(cfg.logger.eval_train_size, c.train)) * c.example_fwd_s:.2f} s")
+    evaluating = sum(r[2]["eval_seconds"] for i, r in enumerate(rows) if actions is None or actions[i] != "skip")
+    if total > 0 and evaluating / total > 0.2:  # the knob that shortens it, named where it matters
+        every = sorted({r[2]["eval_every"] for r in rows})
+        out(f"  evaluations are {evaluating / total:.0%} of the estimate ({duration(evaluating)}): each one evaluates "
+            f"the validation split and logger.eval_train_size training examples; logger.eval_every="
+            f"{'/'.join(map(str, every))} commits apart now, a larger logger.eval_every (or a smaller "
+            "logger.eval_train_size) makes them fewer (or cheaper)")
     slowest: dict[str, float] = {}
     for (_, a), v in commit_s.items():
         slowest[a] = max(v, slowest.get(a, 0.0))

@@ -215,10 +215,15 @@ def config_difference(cfg, run_dir: Path) -> str | None:
     renamed = {k.rsplit(".", 1)[0] for k in differ if k.endswith((".name", "._target_")) and k.count(".") == 1}
     shown = [k for k in differ if k.split(".")[0] not in renamed or k.endswith((".name", "._target_"))]
     shown.sort(key=lambda k: (k.count(".") > 0 and not k.endswith(".name"), k))
-    parts = [f"{k.removesuffix('.name')}: {theirs.get(k, '<absent>')} there, {ours.get(k, '<absent>')} in this "
-             "command" for k in shown[:3]]
+    parts = [f"{k.removesuffix('.name')}: {_shown(theirs.get(k, '<absent>'))} there, "
+             f"{_shown(ours.get(k, '<absent>'))} in this command" for k in shown[:3]]
     more = f"; and {len(shown) - 3} more" if len(shown) > 3 else ""
     return "; ".join(parts) + more
+
+
+def _shown(v):
+    """A value as the command line writes it: epochs=1, not 1.0."""
+    return f"{v:g}" if isinstance(v, float) else v
 
 
 def sweep_action(spec: Spec, job_dir: Path, num: int) -> tuple[str, str]:

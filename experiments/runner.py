@@ -29,6 +29,7 @@ from gem import data as gdata
 from gem.engines import Job, Result
 from gem.engines.checkpoint import CheckpointError
 from gem.engines.core import commits_per_worker
+from gem.engines.sim import describe as describe_staleness
 from gem.files import write_atomic
 from gem.metrics import Recorder, fan_out
 
@@ -106,7 +107,9 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
                "data": job.data.name, "loss": job.loss, "precision": job.precision, "device": job.device,
                "seed": cfg.seed, "lr": cfg.lr, "momentum": cfg.momentum,
                "batch_size": cfg.batch_size, "epochs": cfg.epochs,
+               "staleness_model": describe_staleness(job.engine),
                "steps": 0, "final_train_loss": None, "val_loss": None, "val_accuracy": None,
+               "test_loss": None, "test_accuracy": None,
                "mean_staleness": None, "wall_time_s": None, "reason": "", "lost_workers": [],
                "run_dir": str(run_dir), "experiment": experiment,
                "train_examples": len(job.data.train_y),  # epochs of data = step x batch_size x window / this
@@ -117,7 +120,7 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
     try:
         rundir.write_hydra(run_dir, cfg, hydra)
         print(f"gem: algorithm={job.algorithm} engine={cfg.engine.name} workers={job.workers} model={job.model.name} "
-              f"data={job.data.name} ({len(job.data.train_y)} train / {len(job.data.val_y)} val) -> {run_dir}")
+              f"data={job.data.name} ({job.data.sizes()}) -> {run_dir}")
         log_cfg = cfg.logger
         logged = wandb_logger.config(spec, job, run_dir, experiment, choices)  # every key, its defaults filled in
         wandb = wandb_logger.start(log_cfg.wandb.mode, run_dir, logged,
@@ -127,6 +130,8 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
             tensorboard = tensorboard_logger.start(run_dir, log_cfg.flush_seconds,
                                                    resume_step=manifest["step"] if manifest else None)
         total = job.workers * commits_per_worker(job, algorithms.get(job.algorithm).commit_every(job.hp))
+        if job.budget.get("commits"):
+            total = min(total, int(job.budget["commits"]))
         recorder = Recorder(run_dir, flush_every=log_cfg.flush_every, flush_seconds=log_cfg.flush_seconds,
                             sink=fan_out(wandb, tensorboard), sink_every=log_cfg.wandb.log_every,
                             progress=_progress(total, log_cfg.progress),
@@ -233,6 +238,10 @@ def _close(recorder: Recorder, summary: dict, result: Result, run_dir: Path, qui
     summary.update(final_train_loss=_finite_or_none(recorder.final_train_loss),
                    val_loss=_finite_or_none(ev.get("val_loss")), val_accuracy=ev.get("val_accuracy"),
                    mean_staleness=_finite_or_none(recorder.mean_staleness))
+    if not final:  # the test split's numbers, like validation's, describe a completed run's final θ only
+        summary.update(test_loss=None, test_accuracy=None)
+    else:
+        summary["test_loss"] = _finite_or_none(summary.get("test_loss"))
     if recorder.pi_median is not None:
         summary["pi_median"] = recorder.pi_median
     summary["commit_shares"] = recorder.commit_shares
@@ -251,11 +260,13 @@ def format_summary(s: dict) -> str:
     lines = [
         f"status          {s['status']}" + (f"  ({s['reason']})" if s.get("reason") else ""),
         f"algorithm       {s['algorithm']}  engine={s['engine']}  workers={s['workers']}",
-        f"commits         {s['steps']}",
+        f"commits         {s['steps']}" + (f"  (stopped by {s['stopped_by']})" if s.get("stopped_by") else ""),
         f"train loss      {num(s['final_train_loss'], '.4f')}  (mean of the last 10% of commits)",
         f"val loss        {num(s['val_loss'], '.4f')}",
         f"val accuracy    {num(s['val_accuracy'], '.4f')}",
-        f"mean staleness  {num(s['mean_staleness'], '.2f')}",
+        f"test loss       {num(s.get('test_loss'), '.4f')}  (the test split, evaluated once at the end)",
+        f"test accuracy   {num(s.get('test_accuracy'), '.4f')}",
+        f"mean staleness  {num(s['mean_staleness'], '.2f')}  ({s.get('staleness_model')})",
         *([f"commit shares   {_shares(s['commit_shares'])}"] if len(s.get("commit_shares") or {}) > 1 else []),
         *([f"median pi       {s['pi_median']:.3f}  (each commit's median over all elements, averaged over commits)"]
           if s.get("pi_median") is not None else []),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any  # noqa: UP035 - OmegaConf reads Optional[...], not X | None, on Python 3.10
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -19,6 +19,19 @@ from gem import algorithms
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("algorithm", "engine", "model", "data", "logger", "experiment")
 WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class BudgetConfig:
+    """How long a run lasts besides `epochs` (docs/contract.md, "Budgets"); null: not set. The defaults live in
+    conf/config.yaml."""
+
+    worker_steps: int | None = None  # each worker's local gradient steps, in place of epochs
+    commits: int | None = None  # the run ends once the server's clock has reached this
+    seconds: float | None = None  # ... or this many seconds after it started (process, distributed: AlgoPerf's
+    # max_runtime)
+    sim_time: float | None = None  # ... or (sim) once the simulated clock has passed this, in mean cycles of one
+    # local step
 
 
 @dataclass
@@ -35,7 +48,8 @@ class Config:
     lr: float = MISSING
     momentum: float = MISSING
     batch_size: int = MISSING
-    epochs: int = MISSING  # full passes over the training set, per worker
+    epochs: float = MISSING  # passes over the training split, per worker (0.25: a quarter of one)
+    budget: BudgetConfig = MISSING  # worker_steps, commits, seconds, sim_time: BudgetConfig
     seed: int = MISSING
     device: str = MISSING
     loss: Any = MISSING  # nll | cross_entropy | null (the model's own: nll if it outputs log-probabilities)
@@ -48,10 +62,10 @@ class Config:
 @dataclass
 class EngineConfig:
     name: str = "sim"
-    staleness: str = "round_robin"
+    staleness: str = "gamma"
     straggler_fraction: float = 0.25
     straggler_slowdown: float = 4.0
-    cycle_cv: float = 0.0  # gamma: coefficient of variation of a worker's cycle time (0: round robin, 1: exponential)
+    cycle_cv: float = 0.25  # gamma: coefficient of variation of a worker's cycle time (0: round robin, 1: exponential)
     trace: str = ""  # trace: the run directory of a process or distributed run whose cycle times are replayed
     checkpoint_every: int = 500  # commits between checkpoints; 0: none
     host: str = "127.0.0.1"  # engine=distributed, local launch: the address rank 0 listens on
@@ -72,6 +86,7 @@ class SyntheticConfig:
     num_classes: int = 10
     train_size: int = 5000
     val_size: int = 1000
+    test_size: int = 1000
     seed: int = 0
     task: str = "teacher"  # teacher (a random linear teacher's labels) | prototypes (class templates plus noise)
     snr: float = 0.5  # prototypes: the templates' scale against unit noise
@@ -85,6 +100,8 @@ class DataConfig:
     download: bool = False
     augment: bool = True
     num_classes: int = 10
+    # training-file examples held out for validation (a tenth where the file holds fewer than 10x): gem.data.hold_out
+    val_size: int = 5000
     synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
 
 
@@ -125,9 +142,20 @@ def per_worker(total: int, *, _root_: DictConfig) -> int:
     return int(total) // n
 
 
+def every_worker_steps(steps: int, *, _root_: DictConfig) -> int:
+    """`${every_worker_steps:20}`: the commits in which every worker takes about `steps` local gradient steps,
+    n·steps/λ (λ: the algorithm's `window` where it has one), at least 1. For `logger.eval_every`, so that a sweep
+    over n and algorithms evaluates each run as often per worker step: the paper's figures and the time to a target
+    are read against worker steps."""
+    n = algorithms.workers_that_run(str(_root_.algorithm.get("name")), _root_.workers)
+    window = _root_.algorithm.get("window", 1) or 1
+    return max(1, round(int(steps) * max(1, n) / int(window)))
+
+
 def register() -> None:
     ConfigStore.instance().store(name="base_config", node=Config)
     OmegaConf.register_new_resolver("per_worker", per_worker, replace=True)
+    OmegaConf.register_new_resolver("every_worker_steps", every_worker_steps, replace=True)
 
 
 register()

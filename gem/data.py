@@ -8,10 +8,18 @@ Datasets: `digits` (scikit-learn's bundled digits, offline), `mnist` and `cifar1
 `synthetic` (a learnable task labelled by a fixed random teacher); and any torchvision-style dataset, read into
 memory by `from_datasets` (experiments/ instantiates it from the config: Fashion-MNIST, CIFAR-100, a user's own,
 or plain tensors from a file through `TensorFile`).
+
+Every dataset has three splits (docs/contract.md, "Splits"): training, validation and test. Workers train on the
+training split; the evaluations during a run, and every choice made from them (the tuning protocol's), use the
+validation split; the test split is evaluated once, on the final central variable, and reported. A data set that
+ships a training file and a test file (MNIST, CIFAR-10, torchvision's others) keeps its test file as the test split
+and holds a fixed `val_size` of its training file out for validation (`hold_out`: the same examples for every
+seed): full MNIST trains on 55,000 digits, validates on 5,000 and tests on 10,000.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -32,6 +40,9 @@ CIFAR_FILES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "
                "batches.meta")
 
 
+VAL_SIZE = 5000  # data.val_size: training-file examples held out for validation (MNIST's 55,000 / 5,000 split)
+
+
 class DatasetMissing(RuntimeError):
     """The dataset's files are not where they should be and could not be downloaded."""
 
@@ -41,19 +52,36 @@ class Dataset:
     name: str
     train_x: torch.Tensor  # (N, C, H, W) float32, normalised
     train_y: torch.Tensor  # (N,) int64
-    val_x: torch.Tensor
+    val_x: torch.Tensor  # the validation split: every evaluation during a run, and every choice made from it
     val_y: torch.Tensor
     num_classes: int = 10
     augment: bool = False  # CIFAR-style random crop (pad 4) and horizontal flip on training batches
+    test_x: torch.Tensor | None = None  # the test split: the final central variable only; None: the data has none
+    test_y: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.train_x.shape[1:])
 
+    @property
+    def has_test(self) -> bool:
+        return self.test_y is not None and len(self.test_y) > 0
+
+    def sizes(self) -> str:
+        """`55000 train / 5000 val / 10000 test`, as a run prints it."""
+        test = f"{len(self.test_y)} test" if self.has_test else "no test split"
+        return f"{len(self.train_y)} train / {len(self.val_y)} val / {test}"
+
     def to(self, device) -> Dataset:
-        for k in ("train_x", "train_y", "val_x", "val_y"):
-            setattr(self, k, getattr(self, k).to(device))
+        for k in ("train_x", "train_y", "val_x", "val_y", "test_x", "test_y"):
+            if getattr(self, k) is not None:
+                setattr(self, k, getattr(self, k).to(device))
         return self
+
+    def for_workers(self) -> Dataset:
+        """What a worker needs: the training split. The held-out splits are the coordinator's alone."""
+        return dataclasses.replace(self, val_x=self.val_x[:0].clone(), val_y=self.val_y[:0].clone(),
+                                   test_x=None, test_y=None)
 
     def batch(self, idx: torch.Tensor, generator: torch.Generator | None = None):
         """The training batch at `idx`, augmented if the dataset asks for it."""
@@ -111,28 +139,46 @@ def _stream_seed(seed: int, worker: int) -> int:
     return (seed * 1_000_003 + worker * 7919 + 1) % (2**63)
 
 
+def held_out(n: int, val_size: int = VAL_SIZE) -> int:
+    """How many of a training file's n examples are held out for validation: `val_size`, or a tenth of them where
+    the file holds fewer than 10 × val_size (the 5,000-digit MNIST subset of the tests: 500)."""
+    return max(1, min(int(val_size), n // 10))
+
+
+def hold_out(x: torch.Tensor, y: torch.Tensor, val_size: int = VAL_SIZE):
+    """(train_x, train_y, val_x, val_y): a fixed `held_out(len(x), val_size)` examples for validation, drawn by a
+    generator seeded 0, so that every seed, engine and process validates on the same examples; both parts keep the
+    file's order."""
+    k = held_out(len(x), val_size)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    val, train = perm[:k].sort().values, perm[k:].sort().values
+    return x[train], y[train], x[val], y[val]
+
+
 # --------------------------------------------------------------------------------------------- loaders
 
 
 def load_dataset(name: str, root: str = "data", download: bool = False, synthetic: dict | None = None,
-                 shape: tuple[int, int, int] | None = None, augment: bool = True) -> Dataset:
-    """Load `name` into memory. `shape` is the model's input shape, used by `digits` and `synthetic`."""
+                 shape: tuple[int, int, int] | None = None, augment: bool = True,
+                 val_size: int = VAL_SIZE) -> Dataset:
+    """Load `name` into memory. `shape` is the model's input shape, used by `digits` and `synthetic`; `val_size`:
+    the training-file examples `mnist` and `cifar10` hold out for validation (`hold_out`)."""
     if name == "digits":
         return load_digits(shape or (1, 28, 28))
     if name == "mnist":
-        return load_mnist(root, download)
+        return load_mnist(root, download, val_size)
     if name == "cifar10":
-        return load_cifar10(root, download, augment=augment)
+        return load_cifar10(root, download, augment=augment, val_size=val_size)
     if name == "synthetic":
         return make_synthetic(shape=shape or (1, 28, 28), **(synthetic or {}))
     raise ValueError(f"data={name} is not a dataset; choose one of: {', '.join(DATASETS)}")
 
 
-def load_digits(shape=(1, 28, 28), val_size: int = 297) -> Dataset:
+def load_digits(shape=(1, 28, 28), held: int = 297, val_size: int = 148) -> Dataset:
     """scikit-learn's 1,797 bundled 8×8 digits, upsampled to the model's input size (28×28 for the paper CNN).
 
-    It ships inside scikit-learn, so the default run works offline. A fixed split keeps 297 digits (about
-    one in six) for validation, the same for every seed, so that validation numbers are comparable.
+    It ships inside scikit-learn, so the default run works offline. A fixed split, the same for every seed, keeps
+    297 digits (about one in six) out of training: 148 for validation and 149 for the test split; 1,500 train.
     """
     images, target = _sklearn_digits()
     x = torch.tensor(images, dtype=torch.float32)[:, None] / 16.0  # (N,1,8,8) in [0,1]
@@ -142,8 +188,8 @@ def load_digits(shape=(1, 28, 28), val_size: int = 297) -> Dataset:
     x = (x - MNIST_MEAN) / MNIST_STD
     y = torch.tensor(target, dtype=torch.int64)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    tr, va = perm[val_size:], perm[:val_size]
-    return Dataset("digits", x[tr], y[tr], x[va], y[va])
+    tr, va, te = perm[held:], perm[:val_size], perm[val_size:held]
+    return Dataset("digits", x[tr], y[tr], x[va], y[va], test_x=x[te], test_y=y[te])
 
 
 def _sklearn_digits():
@@ -176,14 +222,15 @@ def _download_failed(what: str, folder: str, files, download: bool) -> DatasetMi
                           f"{hint}")
 
 
-def load_mnist(root: str, download: bool = False) -> Dataset:
-    """MNIST through torchvision: `<root>/MNIST/raw/` holds the four IDX files."""
+def load_mnist(root: str, download: bool = False, val_size: int = VAL_SIZE) -> Dataset:
+    """MNIST through torchvision: `<root>/MNIST/raw/` holds the four IDX files. The training file gives the training
+    and validation splits (`hold_out`: 55,000 and 5,000 of the full 60,000), the t10k file the test split."""
     from torchvision.datasets import MNIST
 
     folder = os.path.join(os.path.abspath(root), "MNIST", "raw")
     try:
         train = MNIST(root, train=True, download=download)
-        val = MNIST(root, train=False, download=False)
+        test = MNIST(root, train=False, download=False)
     except Exception as e:  # torchvision raises RuntimeError when missing, URLError etc. when offline
         raise _load_failed("mnist", folder, MNIST_FILES, download, e) from e
 
@@ -191,9 +238,9 @@ def load_mnist(root: str, download: bool = False) -> Dataset:
         x = ds.data.to(torch.float32).div_(255.0).unsqueeze(1)
         return (x - MNIST_MEAN) / MNIST_STD, ds.targets.to(torch.int64)
 
-    tx, ty = prep(train)
-    vx, vy = prep(val)
-    return Dataset("mnist", tx, ty, vx, vy)
+    tx, ty, vx, vy = hold_out(*prep(train), val_size)
+    ex, ey = prep(test)
+    return Dataset("mnist", tx, ty, vx, vy, test_x=ex, test_y=ey)
 
 
 def _files_only(cls, files):
@@ -234,13 +281,14 @@ def cifar100(root: str, train: bool = True, download: bool = False, **kwargs):
     return _files_only(CIFAR100, CIFAR100_FILES)(root, train=train, download=download, **kwargs)
 
 
-def load_cifar10(root: str, download: bool = False, augment: bool = True) -> Dataset:
-    """CIFAR-10 through torchvision: `<root>/cifar-10-batches-py/` holds the python-pickle batches."""
+def load_cifar10(root: str, download: bool = False, augment: bool = True, val_size: int = VAL_SIZE) -> Dataset:
+    """CIFAR-10 through torchvision: `<root>/cifar-10-batches-py/` holds the python-pickle batches. The five training
+    batches give the training and validation splits (`hold_out`: 45,000 and 5,000), the test batch the test split."""
     cls = _cifar_class()
     folder = os.path.join(os.path.abspath(root), "cifar-10-batches-py")
     try:
         train = cls(root, train=True, download=download)
-        val = cls(root, train=False, download=False)
+        test = cls(root, train=False, download=False)
     except Exception as e:
         raise _load_failed("cifar10", folder, CIFAR_FILES, download, e) from e
     mean = torch.tensor(CIFAR_MEAN)[None, :, None, None]
@@ -250,13 +298,13 @@ def load_cifar10(root: str, download: bool = False, augment: bool = True) -> Dat
         x = torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2).to(torch.float32).div_(255.0)
         return ((x - mean) / std).contiguous(), torch.tensor(ds.targets, dtype=torch.int64)
 
-    tx, ty = prep(train)
-    vx, vy = prep(val)
-    return Dataset("cifar10", tx, ty, vx, vy, augment=augment)
+    tx, ty, vx, vy = hold_out(*prep(train), val_size)
+    ex, ey = prep(test)
+    return Dataset("cifar10", tx, ty, vx, vy, augment=augment, test_x=ex, test_y=ey)
 
 
 def make_synthetic(shape=(1, 28, 28), num_classes: int = 10, train_size: int = 5000, val_size: int = 1000,
-                   seed: int = 0, task: str = "teacher", snr: float = 0.5) -> Dataset:
+                   seed: int = 0, task: str = "teacher", snr: float = 0.5, test_size: int = 1000) -> Dataset:
     """A learnable image task of any shape. The same `seed` gives the same data everywhere.
 
     Images are smooth: Gaussian noise on an 8×8 grid, upsampled to the requested size, so that conv nets have
@@ -266,6 +314,9 @@ def make_synthetic(shape=(1, 28, 28), num_classes: int = 10, train_size: int = 5
     - `prototypes`: each class has a fixed random 8×8 template; an image is `snr` × its class's template plus
       the noise. Linearly separable up to the noise, and its information survives conv layers (AlexNet:
       66% probe accuracy at θ₀ for snr 0.3, 100% for snr 1). REPRODUCTION.md (Fig. 7) has the measurements.
+
+    The test split's `test_size` examples are drawn after everything else, so the training and validation splits
+    are those a seed gave before the test split existed.
     """
     if task not in SYNTHETIC_TASKS:
         raise ValueError(f"data.synthetic.task={task} is not allowed; choose one of: {', '.join(SYNTHETIC_TASKS)}")
@@ -276,14 +327,20 @@ def make_synthetic(shape=(1, 28, 28), num_classes: int = 10, train_size: int = 5
         latent = torch.randn(n, c, 8, 8, generator=g)
         teacher = torch.randn(c * 64, num_classes, generator=g)
         y = (latent.flatten(1) @ teacher).argmax(1)
+        test_latent = torch.randn(test_size, c, 8, 8, generator=g)
+        test_y = (test_latent.flatten(1) @ teacher).argmax(1)
     else:
         prototypes = torch.randn(num_classes, c, 8, 8, generator=g)
         y = torch.randint(0, num_classes, (n,), generator=g)
         latent = snr * prototypes[y] + torch.randn(n, c, 8, 8, generator=g)
+        test_y = torch.randint(0, num_classes, (test_size,), generator=g)
+        test_latent = snr * prototypes[test_y] + torch.randn(test_size, c, 8, 8, generator=g)
     x = F.interpolate(latent, size=(h, w), mode="bilinear", align_corners=False)
-    x = (x - x.mean()) / x.std()
+    mean, std = x.mean(), x.std()
+    x = (x - mean) / std
+    test_x = (F.interpolate(test_latent, size=(h, w), mode="bilinear", align_corners=False) - mean) / std
     return Dataset("synthetic", x[:train_size].contiguous(), y[:train_size], x[train_size:].contiguous(),
-                   y[train_size:], num_classes=num_classes)
+                   y[train_size:], num_classes=num_classes, test_x=test_x.contiguous(), test_y=test_y)
 
 
 SYNTHETIC_TASKS = ("teacher", "prototypes")
@@ -294,45 +351,58 @@ SYNTHETIC_TASKS = ("teacher", "prototypes")
 
 # the usual names of a file's splits, in the order they are looked for
 TRAIN_KEYS = (("x", "y"), ("x_train", "y_train"))
-HELD_OUT_KEYS = (("x_val", "y_val"), ("x_valid", "y_valid"), ("x_test", "y_test"))
+VAL_KEYS = (("x_val", "y_val"), ("x_valid", "y_valid"))
+TEST_KEYS = (("x_test", "y_test"),)
+SPLITS = ("train", "val", "test")
 
 
 class TensorFile:
     """Plain tensors from a file, as a torchvision-style dataset: `.npz` (numpy) or `.pt` (a dict of tensors).
 
-    The training split is `x`, `y` (or `x_train`, `y_train`): (N, ...) inputs and (N,) integer labels. The
-    validation split is the first held-out pair the file has: `x_val`/`y_val`, `x_valid`/`y_valid`, then
-    `x_test`/`y_test`; without one, a fixed `val_fraction` of the training examples (the same for every seed).
-    Which arrays serve which split is printed once, with any held-out pair left unused. `.pt` files are read
-    with `weights_only=True`: tensors only, no code runs.
+    `split` picks the part: `train` is `x`, `y` (or `x_train`, `y_train`): (N, ...) inputs and (N,) integer labels;
+    `val` is `x_val`/`y_val` (or `x_valid`/`y_valid`), and without them a fixed `val_fraction` of the training
+    arrays (the same for every seed), which `train` then leaves out; `test` is `x_test`/`y_test`, and empty when the
+    file has none (the run then has no test split: a test split is never carved out of the training arrays, nor
+    used for validation). Which arrays serve which split is printed once. `.pt` files are read with
+    `weights_only=True`: tensors only, no code runs. `train=True/False` (torchvision's keyword) is `split=train/val`.
     """
 
-    def __init__(self, path: str, train: bool = True, val_fraction: float = 0.1):
+    def __init__(self, path: str, split: str = "train", val_fraction: float = 0.1, train: bool | None = None):
+        if train is not None:
+            split = "train" if train else "val"
+        if split not in SPLITS:
+            raise ValueError(f"split={split} is not allowed; choose one of: {', '.join(SPLITS)}")
         arrays = _read_arrays(path)
         keys = next((k for k in TRAIN_KEYS if k[0] in arrays and k[1] in arrays), None)
         if keys is None:
             raise ValueError(f"{path} has no training arrays (it has: {', '.join(sorted(arrays)) or 'none'}); it "
-                             "needs x and y (or x_train and y_train), optionally x_val and y_val (or x_test, "
-                             "y_test)")
+                             "needs x and y (or x_train and y_train), optionally x_val and y_val, and x_test and "
+                             "y_test")
+        val = next((k for k in VAL_KEYS if k[0] in arrays and k[1] in arrays), None)
+        test = next((k for k in TEST_KEYS if k[0] in arrays and k[1] in arrays), None)
         x, y = torch.as_tensor(arrays[keys[0]]), torch.as_tensor(arrays[keys[1]])
-        held = [k for k in HELD_OUT_KEYS if k[0] in arrays and k[1] in arrays]
-        if held:
-            if not train:
-                x, y = torch.as_tensor(arrays[held[0][0]]), torch.as_tensor(arrays[held[0][1]])
-                unused = "; " + ", ".join(f"{a}/{b}" for a, b in held[1:]) + " not used" if held[1:] else ""
-                print(f"gem: {path}: training on {keys[0]}/{keys[1]} ({len(arrays[keys[1]])} examples), "
-                      f"validating on {held[0][0]}/{held[0][1]} ({len(y)}){unused}", flush=True)
+        if val is None and not 0 < val_fraction < 1:
+            raise ValueError(f"val_fraction={val_fraction} must be in (0, 1)")
+        if split == "test":
+            if test is None:
+                x, y = x[:0], y[:0]
+            else:
+                x, y = torch.as_tensor(arrays[test[0]]), torch.as_tensor(arrays[test[1]])
+        elif val is not None:
+            if split == "val":
+                x, y = torch.as_tensor(arrays[val[0]]), torch.as_tensor(arrays[val[1]])
         else:
-            if not 0 < val_fraction < 1:
-                raise ValueError(f"val_fraction={val_fraction} must be in (0, 1)")
             perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
             k = max(1, int(round(len(x) * val_fraction)))
-            idx = perm[k:] if train else perm[:k]
-            if not train:
-                print(f"gem: {path}: no held-out arrays (x_val/y_val, x_valid/y_valid, x_test/y_test): training on "
-                      f"{len(x) - k} of {keys[0]}/{keys[1]}, validating on the other {k} (val_fraction "
-                      f"{val_fraction})", flush=True)
+            idx = perm[k:] if split == "train" else perm[:k]
             x, y = x[idx], y[idx]
+        if split == "val":
+            n = len(arrays[keys[1]])
+            where = (f"validating on {val[0]}/{val[1]} ({len(y)})" if val is not None else
+                     f"validating on {len(y)} of them (val_fraction {val_fraction}: no x_val/y_val or x_valid/y_valid)")
+            tested = (f"testing on {test[0]}/{test[1]} ({len(arrays[test[1]])})" if test is not None else
+                      "no test split (no x_test/y_test)")
+            print(f"gem: {path}: training on {keys[0]}/{keys[1]} ({n} examples), {where}, {tested}", flush=True)
         if len(x) != len(y):
             raise ValueError(f"{path}: {len(x)} inputs but {len(y)} labels")
         self.data, self.targets, self.transform = x, y, None
@@ -385,19 +455,31 @@ def _inputs(ds) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.as_tensor(np.asarray(y), dtype=torch.int64)
 
 
-def from_datasets(name: str, train, val, num_classes: int, augment: bool = False) -> Dataset:
-    """Two torchvision-style datasets (items `(input, label)`; inputs PIL images, arrays or tensors) in memory.
+def from_datasets(name: str, train, val, num_classes: int, augment: bool = False, test=None,
+                  val_size: int = VAL_SIZE) -> Dataset:
+    """Torchvision-style datasets (items `(input, label)`; inputs PIL images, arrays or tensors) in memory.
 
-    Integer inputs (8-bit images) are scaled to [0, 1]; every input is then standardised per channel (dimension
-    1) with the training split's mean and standard deviation, as the built-in datasets are.
+    `val` None: a fixed `val_size` of the training split is held out for validation (`hold_out`). `test` None or
+    empty: the data has no test split. Integer inputs (8-bit images) are scaled to [0, 1]; every input is then
+    standardised per channel (dimension 1) with the training split's mean and standard deviation, as the built-in
+    datasets are.
     """
     tx, ty = _inputs(train)
-    vx, vy = _inputs(val)
+    if val is None:
+        if len(tx) < 2:
+            raise ValueError(f"the training split has {len(tx)} example(s), too few to hold out a validation split")
+        tx, ty, vx, vy = hold_out(tx, ty, val_size)
+    else:
+        vx, vy = _inputs(val)
+    ex, ey = _inputs(test) if test is not None and len(test) > 0 else (None, None)
     if len(tx) == 0 or len(vx) == 0:
         raise ValueError(f"the {'training' if len(tx) == 0 else 'validation'} split is empty")
-    if tx.shape[1:] != vx.shape[1:]:
-        raise ValueError(f"training inputs are {tuple(tx.shape[1:])} but validation inputs {tuple(vx.shape[1:])}")
-    for split, y in (("training", ty), ("validation", vy)):
+    for split, x in (("validation", vx), ("test", ex)):
+        if x is not None and tx.shape[1:] != x.shape[1:]:
+            raise ValueError(f"training inputs are {tuple(tx.shape[1:])} but {split} inputs {tuple(x.shape[1:])}")
+    for split, y in (("training", ty), ("validation", vy), ("test", ey)):
+        if y is None:
+            continue
         lo, hi = int(y.min()), int(y.max())
         if lo < 0 or hi >= num_classes:
             raise ValueError(f"{split} labels run from {lo} to {hi}, outside 0..{num_classes - 1}; set "
@@ -409,15 +491,17 @@ def from_datasets(name: str, train, val, num_classes: int, augment: bool = False
     std = tx.std(dim=dims, keepdim=True).clamp_min(1e-6)
     if augment and tx.dim() != 4:
         raise ValueError("augment=true crops and flips images: it needs (N, C, H, W) inputs")
+    if ex is not None:
+        ex = ((ex.to(torch.float32) / scale - mean) / std).contiguous()
     return Dataset(name, ((tx - mean) / std).contiguous(), ty, ((vx - mean) / std).contiguous(), vy,
-                   num_classes=num_classes, augment=augment)
+                   num_classes=num_classes, augment=augment, test_x=ex, test_y=ey)
 
 
 # ------------------------------------------------------------------------ cheap checks before loading
 
 
-def train_size(name: str, root: str, synthetic_train_size: int = 5000) -> int | None:
-    """Training-set size without loading the data, where that is cheap; None when unknown."""
+def train_size(name: str, root: str, synthetic_train_size: int = 5000, val_size: int = VAL_SIZE) -> int | None:
+    """Training-split size without loading the data, where that is cheap; None when unknown."""
     if name == "digits":
         return 1797 - 297
     if name == "synthetic":
@@ -426,7 +510,8 @@ def train_size(name: str, root: str, synthetic_train_size: int = 5000) -> int | 
         path = os.path.join(root, "MNIST", "raw", "train-labels-idx1-ubyte")
         if os.path.isfile(path):
             with open(path, "rb") as f:
-                return int.from_bytes(f.read(8)[4:8], "big")  # IDX header: magic, then the item count
+                n = int.from_bytes(f.read(8)[4:8], "big")  # IDX header: magic, then the item count
+            return n - held_out(n, val_size)
     return None
 
 

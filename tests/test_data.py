@@ -75,12 +75,13 @@ def test_load_digits_shapes_split_sizes_and_labels():
     ds = load_digits()
     assert ds.name == "digits"
     assert ds.train_x.shape == (1500, 1, 28, 28)
-    assert ds.val_x.shape == (297, 1, 28, 28)
+    assert ds.val_x.shape == (148, 1, 28, 28) and ds.test_x.shape == (149, 1, 28, 28)
     assert ds.train_x.dtype == torch.float32
-    assert ds.train_y.dtype == torch.int64 and ds.val_y.dtype == torch.int64
-    assert ds.train_y.shape == (1500,) and ds.val_y.shape == (297,)
+    assert ds.train_y.dtype == torch.int64 and ds.val_y.dtype == torch.int64 and ds.test_y.dtype == torch.int64
+    assert ds.train_y.shape == (1500,) and ds.val_y.shape == (148,) and ds.test_y.shape == (149,)
+    assert ds.sizes() == "1500 train / 148 val / 149 test"
     assert set(ds.train_y.tolist()) == set(range(10))
-    assert set(ds.val_y.tolist()) == set(range(10))
+    assert set(ds.val_y.tolist()) == set(range(10)) and set(ds.test_y.tolist()) == set(range(10))
     assert ds.num_classes == 10 and ds.shape == (1, 28, 28)
     # pixels are [0, 1] intensities normalised with MNIST's statistics
     assert ds.train_x.min().item() == pytest.approx((0 - MNIST_MEAN) / MNIST_STD, abs=1e-5)
@@ -91,8 +92,11 @@ def test_load_digits_split_is_a_partition_of_all_digits():
     from sklearn.datasets import load_digits as sk_digits
 
     ds = load_digits()
-    counts = torch.bincount(ds.train_y, minlength=10) + torch.bincount(ds.val_y, minlength=10)
+    counts = sum(torch.bincount(y, minlength=10) for y in (ds.train_y, ds.val_y, ds.test_y))
     assert counts.tolist() == np.bincount(sk_digits().target, minlength=10).tolist()
+    # no digit in two splits: the three are disjoint
+    rows = {tuple(x.flatten().tolist()[::7]) for x in ds.val_x} & {tuple(x.flatten().tolist()[::7]) for x in ds.test_x}
+    assert len(rows) <= 2  # (scikit-learn's digits hold a few identical images)
 
 
 def test_load_digits_split_is_identical_across_calls():
@@ -108,8 +112,8 @@ def test_load_digits_split_is_identical_across_calls():
 def test_load_digits_other_shape_keeps_the_same_split():
     a = load_digits()
     b = load_digits(shape=(3, 32, 32))
-    assert b.train_x.shape == (1500, 3, 32, 32) and b.val_x.shape == (297, 3, 32, 32)
-    assert torch.equal(a.train_y, b.train_y) and torch.equal(a.val_y, b.val_y)
+    assert b.train_x.shape == (1500, 3, 32, 32) and b.val_x.shape == (148, 3, 32, 32)
+    assert torch.equal(a.train_y, b.train_y) and torch.equal(a.val_y, b.val_y) and torch.equal(a.test_y, b.test_y)
     assert torch.equal(b.train_x[:, 0], b.train_x[:, 2])  # grey images replicated over channels
 
 
@@ -119,11 +123,12 @@ def test_load_digits_other_shape_keeps_the_same_split():
 def test_load_mnist_real_files_sizes_dtype_labels(mnist):
     _, ds = mnist
     assert ds.name == "mnist"
-    assert ds.train_x.shape == (5000, 1, 28, 28)
-    assert ds.val_x.shape == (1309, 1, 28, 28)
+    # the subset's 5,000 training digits: a tenth held out for validation; its t10k file is the test split
+    assert ds.train_x.shape == (4500, 1, 28, 28)
+    assert ds.val_x.shape == (500, 1, 28, 28) and ds.test_x.shape == (1309, 1, 28, 28)
     assert ds.train_x.dtype == torch.float32 and ds.val_x.dtype == torch.float32
     assert ds.train_y.dtype == torch.int64 and ds.val_y.dtype == torch.int64
-    assert ds.train_y.shape == (5000,) and ds.val_y.shape == (1309,)
+    assert ds.train_y.shape == (4500,) and ds.val_y.shape == (500,) and ds.test_y.shape == (1309,)
     assert set(ds.train_y.tolist()) == set(range(10))
     assert set(ds.val_y.tolist()) <= set(range(10))
     assert ds.augment is False
@@ -141,12 +146,36 @@ def test_load_mnist_real_files_normalisation(mnist):
 def test_load_mnist_matches_the_idx_files_pixel_for_pixel(mnist):
     root, ds = mnist
     raw = root / "MNIST" / "raw"
-    for x, y, prefix in ((ds.train_x, ds.train_y, "train"), (ds.val_x, ds.val_y, "t10k")):
+    from gem.data import hold_out
+
+    for x, y, prefix in ((None, None, "train"), (ds.test_x, ds.test_y, "t10k")):
         images = read_idx(raw / f"{prefix}-images-idx3-ubyte")
-        labels = read_idx(raw / f"{prefix}-labels-idx1-ubyte")
+        labels = torch.from_numpy(read_idx(raw / f"{prefix}-labels-idx1-ubyte").astype(np.int64))
         expected = (torch.from_numpy(images.astype(np.float32)) / 255.0 - MNIST_MEAN) / MNIST_STD
-        torch.testing.assert_close(x[:, 0], expected, rtol=0, atol=1e-5)
-        assert y.tolist() == labels.astype(np.int64).tolist()
+        if prefix == "train":  # the training file is split: the same rows, the held-out ones apart, in file order
+            tx, ty, vx, vy = hold_out(expected, labels)
+            torch.testing.assert_close(ds.train_x[:, 0], tx, rtol=0, atol=1e-5)
+            torch.testing.assert_close(ds.val_x[:, 0], vx, rtol=0, atol=1e-5)
+            assert ds.train_y.tolist() == ty.tolist() and ds.val_y.tolist() == vy.tolist()
+            assert len(ty) + len(vy) == len(labels)
+        else:
+            torch.testing.assert_close(x[:, 0], expected, rtol=0, atol=1e-5)
+            assert y.tolist() == labels.tolist()
+
+
+def test_the_validation_split_is_fixed_and_a_tenth_of_a_small_file():
+    from gem.data import held_out, hold_out
+
+    assert held_out(60_000) == 5000 and held_out(50_000) == 5000 and held_out(5000) == 500
+    assert held_out(60_000, val_size=1000) == 1000 and held_out(7) == 1
+    x = torch.arange(100.0)[:, None]
+    y = torch.arange(100)
+    torch.manual_seed(1)
+    a = hold_out(x, y, val_size=10)
+    torch.manual_seed(2)
+    b = hold_out(x, y, val_size=10)
+    assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))  # the global RNG plays no part
+    assert sorted(a[1].tolist() + a[3].tolist()) == list(range(100)) and len(a[3]) == 10
 
 
 # ------------------------------------------------------------------------------------------ CIFAR-10
@@ -186,17 +215,34 @@ def expected_cifar(batches):
     return (torch.from_numpy(data.astype(np.float32)) / 255.0 - mean) / std, labels
 
 
+def in_file_order(ds):
+    """The training file's examples, training and validation splits put back in the file's order (gem.data.hold_out
+    keeps each part in file order, and draws the held-out rows with a generator seeded 0)."""
+    from gem.data import held_out
+
+    n = len(ds.train_y) + len(ds.val_y)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    k = held_out(n)
+    x = torch.empty((n, *ds.train_x.shape[1:]))
+    y = torch.empty(n, dtype=torch.int64)
+    x[perm[k:].sort().values], y[perm[k:].sort().values] = ds.train_x, ds.train_y
+    x[perm[:k].sort().values], y[perm[:k].sort().values] = ds.val_x, ds.val_y
+    return x, y
+
+
 def check_cifar(ds, written, per_batch=3, test_size=4):
     assert ds.name == "cifar10"
-    assert ds.train_x.shape == (5 * per_batch, 3, 32, 32)
-    assert ds.val_x.shape == (test_size, 3, 32, 32)
+    # the five training batches: a tenth held out for validation (gem.data.held_out); the test batch: the test split
+    assert len(ds.train_y) + len(ds.val_y) == 5 * per_batch and len(ds.val_y) == max(1, 5 * per_batch // 10)
+    assert ds.test_x.shape == (test_size, 3, 32, 32)
     assert ds.train_x.dtype == torch.float32 and ds.train_y.dtype == torch.int64
     ex, ey = expected_cifar([written[f"data_batch_{i}"] for i in range(1, 6)])
-    torch.testing.assert_close(ds.train_x, ex, rtol=0, atol=1e-5)
-    assert ds.train_y.tolist() == ey
+    x, y = in_file_order(ds)
+    torch.testing.assert_close(x, ex, rtol=0, atol=1e-5)
+    assert y.tolist() == ey
     vx, vy = expected_cifar([written["test_batch"]])
-    torch.testing.assert_close(ds.val_x, vx, rtol=0, atol=1e-5)
-    assert ds.val_y.tolist() == vy
+    torch.testing.assert_close(ds.test_x, vx, rtol=0, atol=1e-5)
+    assert ds.test_y.tolist() == vy
 
 
 def plant_known_pixels(tmp_path: Path, written):
@@ -217,7 +263,7 @@ def plant_known_pixels(tmp_path: Path, written):
 
 
 def check_known_pixels(ds, known, per_batch=3):
-    img = ds.train_x[per_batch + 1]  # second image of the second batch
+    img = in_file_order(ds)[0][per_batch + 1]  # second image of the second batch
     for (c, r, col), v in known.items():
         assert img[c, r, col].item() == pytest.approx((v / 255.0 - CIFAR_MEAN[c]) / CIFAR_STD[c], abs=1e-5)
     zero = torch.tensor([(0 - m) / s for m, s in zip(CIFAR_MEAN, CIFAR_STD, strict=True)])[:, None, None]
@@ -492,7 +538,7 @@ def test_train_size_synthetic():
 
 
 def test_train_size_mnist_from_idx_header():
-    assert train_size("mnist", str(mnist_root_or_skip())) == 5000
+    assert train_size("mnist", str(mnist_root_or_skip())) == 4500  # 5,000 in the file, a tenth held out
 
 
 def test_train_size_unknown_when_not_cheap(tmp_path):

@@ -87,9 +87,9 @@ def test_sgd_on_real_mnist(tmp_path, mnist_root):
     cfg = compose(["algorithm=sgd", "engine=sim", "data=mnist", f"data.root={mnist_root}", "epochs=1",
                    "logger.wandb.mode=disabled"])
     summary = run(cfg, tmp_path)
-    assert summary["status"] == "completed" and summary["steps"] == 5000 // 64
-    # one epoch of 5,000 digits: well above chance, though below the 3-epoch figure in the README
-    assert summary["val_accuracy"] > 0.85
+    assert summary["status"] == "completed" and summary["steps"] == 4500 // 64  # 500 of 5,000 held out
+    # one epoch of 4,500 digits: well above chance, though below the 3-epoch figure in the README
+    assert summary["val_accuracy"] > 0.8 and summary["test_accuracy"] > 0.8  # chance: 0.1
 
 
 # Ctrl-C and SIGTERM close the run directory on every engine: tests/test_engines.py.
@@ -127,12 +127,12 @@ def test_batch_larger_than_the_loaded_cifar_shard_is_refused_with_one_line(tmp_p
 
     from experiments.rundir import Refused
 
-    write_cifar(tmp_path / "cifar", per_batch=3)  # 15 training images: too few for one batch of 16
+    write_cifar(tmp_path / "cifar", per_batch=3)  # 15 training images, 1 held out for validation: 14 to train on
     cfg = compose(["data=cifar10", "model=alexnet_cifar", f"data.root={tmp_path / 'cifar'}", "batch_size=16",
                    "logger.wandb.mode=disabled"])
     with pytest.raises(Refused) as e:
         run(cfg, tmp_path / "run")
-    assert str(e.value) == ("batch_size=16 is larger than a worker's shard: data=cifar10 has 15 training "
+    assert str(e.value) == ("batch_size=16 is larger than a worker's shard: data=cifar10 has 14 training "
                             "examples, and every worker draws from all of them")
     assert not (tmp_path / "run").exists()  # refused: nothing written, not even the directory
 

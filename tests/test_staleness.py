@@ -27,7 +27,8 @@ def run(data, tmp_path, workers, seed=0, epochs=2, **engine):
     from gem.algorithms import sgd
 
     j = Job(algorithm="sgd", hp=sgd.Params(), model="mnist_cnn", data=data, workers=workers, batch_size=32,
-            epochs=epochs, seed=seed, engine={"name": "sim", **engine}, eval_every=10**9, eval_train_size=64)
+            epochs=epochs, seed=seed, engine={"name": "sim", "staleness": "round_robin", **engine}, eval_every=10**9,
+            eval_train_size=64)
     rec = Recorder(tmp_path)
     result = sim.run(j, rec)
     rec.close()

@@ -172,12 +172,15 @@ def test_fashion_mnist_loads_through_torchvision_from_idx_files(tmp_path):
     cfg = compose(["data=fashion_mnist", f"data.root={tmp_path}", "data.download=false"])
     validate(cfg)
     ds = instantiate.load_data(cfg)
-    assert (ds.name, ds.shape, ds.num_classes, len(ds.train_y), len(ds.val_y)) == ("fashion_mnist", (1, 28, 28),
-                                                                                    10, 20, 6)
-    assert torch.equal(ds.train_y, torch.as_tensor(ty))
+    # the training file: 18 to train on, a tenth (2) held out for validation; the t10k file: the test split
+    assert (ds.name, ds.shape, ds.num_classes, len(ds.train_y), len(ds.val_y), len(ds.test_y)) == (
+        "fashion_mnist", (1, 28, 28), 10, 18, 2, 6)
+    kept, held = gdata.hold_out(torch.arange(20), torch.arange(20))[1::2]
+    assert torch.equal(ds.train_y, torch.as_tensor(ty)[kept]) and torch.equal(ds.val_y, torch.as_tensor(ty)[held])
+    tx = tx[kept.numpy()]
     mean, std = (tx / 255.0).mean(), (tx / 255.0).std(ddof=1)  # per channel, from the training split
     torch.testing.assert_close(ds.train_x[3, 0], torch.as_tensor((tx[3] / 255.0 - mean) / std, dtype=torch.float32))
-    torch.testing.assert_close(ds.val_x[5, 0], torch.as_tensor((vx[5] / 255.0 - mean) / std, dtype=torch.float32))
+    torch.testing.assert_close(ds.test_x[5, 0], torch.as_tensor((vx[5] / 255.0 - mean) / std, dtype=torch.float32))
 
 
 def test_cifar100_loads_from_files_in_cifars_pickle_format(tmp_path):
@@ -195,7 +198,8 @@ def test_cifar100_loads_from_files_in_cifars_pickle_format(tmp_path):
     validate(cfg)
     ds = instantiate.load_data(cfg)
     assert (ds.name, ds.shape, ds.num_classes, ds.augment) == ("cifar100", (3, 32, 32), 100, True)
-    assert ds.train_y.tolist() == list(range(88, 100)) and ds.val_y.tolist() == list(range(88, 93))
+    assert sorted(ds.train_y.tolist() + ds.val_y.tolist()) == list(range(88, 100)) and len(ds.val_y) == 1
+    assert ds.test_y.tolist() == list(range(88, 93))
 
 
 def test_cifar100_missing_is_one_line(tmp_path):
@@ -223,23 +227,31 @@ def test_plain_tensors_from_a_file(tmp_path, suffix):
         gdata.from_datasets("tensors", train, val, num_classes=2)
 
 
-@pytest.mark.parametrize("keys, used, unused", [
-    (("x_train", "y_train", "x_test", "y_test"), "x_test/y_test", ""),
-    (("x", "y", "x_valid", "y_valid"), "x_valid/y_valid", ""),
-    (("x", "y", "x_val", "y_val", "x_test", "y_test"), "x_val/y_val", "; x_test/y_test not used"),
+@pytest.mark.parametrize("keys, train_n, val, test", [
+    # a test pair is the test split, never validation: validation is then held out of the training arrays
+    (("x_train", "y_train", "x_test", "y_test"), 36, "validating on 4 of them (val_fraction 0.1: no x_val/y_val or "
+     "x_valid/y_valid)", "testing on x_test/y_test (8)"),
+    (("x", "y", "x_valid", "y_valid"), 40, "validating on x_valid/y_valid (8)", "no test split (no x_test/y_test)"),
+    (("x", "y", "x_val", "y_val", "x_test", "y_test"), 40, "validating on x_val/y_val (8)",
+     "testing on x_test/y_test (5)"),
 ])
-def test_a_file_s_held_out_split_is_found_by_its_usual_names_and_named(tmp_path, capsys, keys, used, unused):
-    """`x_test`/`y_test` used to be dropped without a word (only x_val/y_val were read): every usual name of a
-    held-out split is read, and the line says which arrays serve which split."""
+def test_a_file_s_splits_are_found_by_their_usual_names_and_named(tmp_path, capsys, keys, train_n, val, test):
+    """Every usual name of a held-out split is read, each for what it is (a test pair is never validation data),
+    and the line says which arrays serve which split."""
     g = torch.Generator().manual_seed(0)
     train_x, held_x = torch.randn(40, 3, generator=g), torch.randn(8, 3, generator=g) + 100
     arrays = dict(zip(keys, (train_x, torch.arange(40) % 2, held_x, torch.arange(8) % 2,
                              torch.randn(5, 3, generator=g) - 100, torch.arange(5) % 2), strict=False))
     np.savez(tmp_path / "mine.npz", **{k: v.numpy() for k, v in arrays.items()})
-    train, val = (gdata.TensorFile(str(tmp_path / "mine.npz"), train=t) for t in (True, False))
-    assert len(train) == 40 and torch.equal(val.data, held_x)
+    train, val_, test_ = (gdata.TensorFile(str(tmp_path / "mine.npz"), split=s) for s in ("train", "val", "test"))
+    assert len(train) == train_n
+    if "x_val" in keys or "x_valid" in keys:
+        assert torch.equal(val_.data, held_x)
+    else:  # held out of the training arrays: no overlap with what train keeps
+        assert len(val_) == 4 and not (set(val_.data[:, 0].tolist()) & set(train.data[:, 0].tolist()))
+    assert len(test_) == (0 if "x_test" not in keys else len(arrays["x_test"]))
     assert capsys.readouterr().out == (f"gem: {tmp_path / 'mine.npz'}: training on {keys[0]}/{keys[1]} (40 examples), "
-                                       f"validating on {used} (8){unused}\n")
+                                       f"{val}, {test}\n")
 
 
 def test_data_tensors_runs_end_to_end(tmp_path):

@@ -24,7 +24,7 @@ class Job:
     data: Any  # gem.data.Dataset, already in memory
     workers: int
     batch_size: int
-    epochs: int
+    epochs: float  # passes over the training split per worker (budget["worker_steps"] replaces it when set)
     seed: int
     device: str = "cpu"  # cpu, cuda (workers spread over the visible GPUs) or cuda:N (gem.engines.core.device_of)
     loss: str = "nll"  # nll (log-probabilities) or cross_entropy (logits)
@@ -37,6 +37,12 @@ class Job:
     resume: dict | None = None  # the manifest of the checkpoint to continue from (gem.engines.checkpoint)
     # gem.data.load_dataset's arguments for `data`: lets a worker on another machine load it itself
     data_source: dict | None = None
+    # how long the run lasts besides `epochs` (BUDGET_KEYS, each None unless set): `worker_steps` replaces epochs;
+    # `commits`, `seconds` (process, distributed) and `sim_time` (sim) end it sooner (gem.engines.core.capped)
+    budget: dict = field(default_factory=dict)
+
+
+BUDGET_KEYS = ("worker_steps", "commits", "seconds", "sim_time")
 
 
 @dataclass

@@ -33,7 +33,7 @@ import torch
 
 from gem.engines import Result
 from gem.engines import checkpoint as ckpt
-from gem.engines.core import finite
+from gem.engines.core import finite, stopped_by
 from gem.engines.server import Server
 
 POLL_S = 0.5  # how often the loop looks at the workers when nothing arrives
@@ -185,6 +185,8 @@ class Coordinator:
         self.lost_workers: list[int] = list(past.get("lost_workers", []))
         self.silence = Silence.of(job.engine)  # started by an engine with real workers when its race starts
         self.diverged = ""
+        self.sim_capped = False  # the sim engine stopped its workers at budget.sim_time
+        self.sim_time: float | None = None  # the sim engine's simulated clock at the last commit, for eval rows
         self.resumed = resumed is not None
         # one origin for time_s: workers stamp with the wall clock, the evaluations with perf_counter; a resumed
         # run carries on its clock, so that time_s keeps increasing
@@ -240,7 +242,9 @@ class Coordinator:
 
     def record_eval(self, step: int, theta: torch.Tensor) -> None:
         """Evaluate θ as of commit `step` and record the row, with its worker_step (the module's docstring)."""
-        self.recorder.eval(self.evaluate(theta, step, self.t0, worker_step=step * self.window / self.job.workers))
+        extra = {} if self.sim_time is None else {"sim_time": self.sim_time}
+        self.recorder.eval(self.evaluate(theta, step, self.t0, worker_step=step * self.window / self.job.workers,
+                                         **extra))
 
     # Both follow the server's clock, not the recorded rows: rows arrive in batches, and an evaluation should be
     # taken when its commit is applied, not when its row is recorded.
@@ -281,8 +285,10 @@ class Coordinator:
             return Result("diverged", steps, reason=f"non-finite central variable at commit {steps}", extra=extra)
         if not self.finished:
             return Result("failed", steps, reason="; ".join(self.lost) or "no worker finished", extra=extra)
+        extra["stopped_by"] = stopped_by(self.job, steps, self.now(), self.sim_capped)
         if self.recorder.last_eval is None or self.recorder.last_eval["step"] != steps:
             self.record_eval(steps, theta)
+        extra.update(self.evaluate.test(theta))
         if self.job.run_dir:
             shutil.rmtree(Path(self.job.run_dir) / ckpt.CHECKPOINT, ignore_errors=True)
         return Result("completed", steps, reason="; ".join(self.lost), extra=extra)

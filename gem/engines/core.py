@@ -67,8 +67,36 @@ def central_device(job) -> torch.device:
 
 
 def worker_steps(job) -> int:
-    """Local gradient steps per worker: `epochs` full passes over the training set, as in the paper."""
-    return job.epochs * (len(job.data.train_y) // job.batch_size)
+    """Local gradient steps per worker: `budget.worker_steps` where it is set, else `epochs` passes over the training
+    split (the paper: one), rounded down to whole mini-batches: epochs=0.25 of full MNIST at b = 64 is 214 steps."""
+    given = (getattr(job, "budget", None) or {}).get("worker_steps")
+    if given:
+        return int(given)
+    return int(job.epochs * (len(job.data.train_y) // job.batch_size) + 1e-9)
+
+
+def capped(job, t: int, now: float) -> bool:
+    """Whether a cap of the job's budget has been reached, so that a worker takes no new gradient: the server's
+    clock t has reached `budget.commits`, or `now` (seconds since the run started) `budget.seconds`. On `sim` the
+    clock is exact (one cycle at a time); on the real engines the gradients in progress still commit, so a run ends
+    a few commits past the cap (at most one per other worker, and the rest of a window). `budget.sim_time` is the
+    sim engine's own (gem.engines.sim)."""
+    budget = getattr(job, "budget", None) or {}
+    commits, seconds = budget.get("commits"), budget.get("seconds")
+    return bool((commits and t >= commits) or (seconds and now >= seconds))
+
+
+def stopped_by(job, t: int, now: float, sim_capped: bool = False) -> str:
+    """Which limit ended a completed run: `budget.commits`, `budget.sim_time`, `budget.seconds`, else the workers'
+    own length (`budget.worker_steps` or `epochs`)."""
+    budget = getattr(job, "budget", None) or {}
+    if budget.get("commits") and t >= budget["commits"]:
+        return "budget.commits"
+    if sim_capped:
+        return "budget.sim_time"
+    if budget.get("seconds") and now >= budget["seconds"]:
+        return "budget.seconds"
+    return "budget.worker_steps" if budget.get("worker_steps") else "epochs"
 
 
 def commits_per_worker(job, window: int) -> int:
@@ -106,3 +134,14 @@ class Evaluator:
         train_loss, train_acc = self.model.evaluate(self.train_x, self.train_y)
         return {"step": step, "time_s": time.perf_counter() - t0, "val_loss": val_loss,
                 "val_accuracy": val_acc, "train_loss": train_loss, "train_accuracy": train_acc, **extra}
+
+    def test(self, theta: torch.Tensor) -> dict:
+        """The final central variable on the test split (`test_loss`, `test_accuracy`), once, at the end of a
+        completed run: nothing during the run, nor any choice made from it, looks at the test split. {} where the
+        data has none."""
+        if not self.data.has_test:
+            return {}
+        self.model.load(theta)
+        self.model.recalibrate(self.train_x, self.batch_size)
+        loss, acc = self.model.evaluate(self.data.test_x, self.data.test_y)
+        return {"test_loss": loss, "test_accuracy": acc}

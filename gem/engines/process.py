@@ -194,11 +194,9 @@ class _Child:
 
 def _share(job: Job) -> Job:
     """The job with its dataset in shared memory: workers map it instead of copying it."""
-    data = dataclasses.replace(job.data)
+    data = job.data.for_workers()  # workers never evaluate: no validation or test split
     for k in ("train_x", "train_y"):
         setattr(data, k, getattr(data, k).share_memory_())
-    # workers never evaluate: send them no validation split
-    data.val_x, data.val_y = data.val_x[:0].clone(), data.val_y[:0].clone()
     return dataclasses.replace(job, data=data)
 
 

@@ -163,6 +163,22 @@ class Schedule:
             self.used = [int(u) for u in state["trace_used"]]
 
 
+def describe(engine: dict) -> str:
+    """The staleness model a run ran under, as the summary, reports and figures name it: `gamma (CV 0.25)`,
+    `round_robin`, `stragglers (25% 4x slower)`, `trace (<run>)`; a real engine's is what its machine measured."""
+    if engine.get("name", "sim") != "sim":
+        return f"measured ({engine.get('name')})"
+    model = engine.get("staleness", "gamma")
+    if model == "gamma":
+        return f"gamma (CV {float(engine.get('cycle_cv', 0.25)):g})"
+    if model == "stragglers":
+        return (f"stragglers ({float(engine.get('straggler_fraction', 0.25)):.0%} "
+                f"{float(engine.get('straggler_slowdown', 4.0)):g}x slower)")
+    if model == "trace":
+        return f"trace ({engine.get('trace')})"
+    return str(model)
+
+
 class _Link:
     """The sim engine's server is right here: the turn is the current event, rows go straight to the ledger."""
 
@@ -201,9 +217,9 @@ def run(job: Job, recorder) -> Result:
     # with a single worker its local copy can be the model's own buffer: no copy on load
     workers = [Worker(w, job, algo, model, x=model.param if n == 1 else server.theta.clone()) for w in range(n)]
     opts = job.engine
-    model_name = opts.get("staleness", "round_robin")
+    model_name = opts.get("staleness", "gamma")
     schedule = Schedule(model_name, n, job.seed, opts.get("straggler_fraction", 0.25),
-                        opts.get("straggler_slowdown", 4.0), opts.get("cycle_cv", 0.0),
+                        opts.get("straggler_slowdown", 4.0), opts.get("cycle_cv", 0.25),
                         read_trace(opts["trace"]) if model_name == "trace" else None)
     # (simulated time the worker's first cycle, up to its first commit, ends; worker)
     queue = [(schedule.start(w, workers[w].window), w) for w in range(n)]
@@ -217,11 +233,17 @@ def run(job: Job, recorder) -> Result:
         for w in [*(w for _, w in queue), *parked]:
             workers[w].load_state_dict(ckpt.load_worker(job.resume, w))
     coord = Coordinator(job, recorder, server, Evaluator(job, job.data), resumed)
+    coord.sim_time = 0.0 if resumed is None else float(resumed["engine"].get("sim_time", 0.0))
     link = _Link(server, coord)
     coord.start()
+    sim_cap = (job.budget or {}).get("sim_time")
     while queue:
         now, w = heapq.heappop(queue)
         wk = workers[w]
+        if sim_cap and now > sim_cap:  # budget.sim_time: no commit lands after it (the queue is in time order)
+            coord.sim_capped = True
+            coord.finish(w)
+            continue
         link.extra = {"sim_time": now}
         before = wk.step
         try:
@@ -229,6 +251,8 @@ def run(job: Job, recorder) -> Result:
         except Diverged as e:
             coord.diverge(f"{e} (commit {server.t + 1})")
             break
+        if committed:
+            coord.sim_time = now
         if committed and wk.step < wk.budget:
             if wk.pull_at > server.t:
                 parked[w] = wk.step - before
@@ -260,5 +284,6 @@ def _checkpoint(coord: Coordinator, workers: list[Worker], schedule: Schedule, q
     folder = ckpt.pending(coord.job.run_dir)
     for w in [*(w for _, w in queue), *parked]:
         ckpt.save_atomic(workers[w].state_dict(), ckpt.worker_file(folder, w))
-    coord.write_checkpoint(folder, coord.server.t, {**schedule.state_dict(), "queue": [[at, w] for at, w in queue],
+    coord.write_checkpoint(folder, coord.server.t, {**schedule.state_dict(), "sim_time": coord.sim_time,
+                                                    "queue": [[at, w] for at, w in queue],
                                                     "parked": [[w, k] for w, k in parked.items()]})

@@ -36,7 +36,7 @@ import torch
 
 from gem.algorithms import Algorithm, Commit, View
 from gem.data import WorkerStream
-from gem.engines.core import build_flat_model, device_of, worker_steps
+from gem.engines.core import build_flat_model, capped, device_of, worker_steps
 from gem.engines.pinned import Pinned, pinned_for
 from gem.engines.server import Server
 from gem.models import FlatModel
@@ -251,6 +251,7 @@ class Worker:
         self.rng = seeded.get_state()
         self.window = algo.commit_every(self.hp)
         self.budget = worker_steps(job)
+        self.capped = bool((job.budget or {}).get("commits") or (job.budget or {}).get("seconds"))
         self.step = 0  # local gradients taken
         self.loss_sum, self.local = 0.0, 0  # since the last commit
         self.before: dict = {}  # the state before the gradient in hand (for a checkpoint taken at the turn)
@@ -273,6 +274,8 @@ class Worker:
         """Local steps up to the commit boundary, then the commit. False once the budget is spent (a window cut
         short by the end of the budget commits nothing)."""
         while self.step < self.budget:
+            if self.capped and capped(self.job, link.server.t, link.now()):
+                return False  # budget.commits or budget.seconds reached: no new gradient
             if self.pull_at >= 0:
                 self.await_pull(link)
             k = (self.step + 1) % self.window  # this gradient's place in its window; 0: it ends the window

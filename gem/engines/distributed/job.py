@@ -31,15 +31,16 @@ INSTANTIATE = "hydra.utils.instantiate"  # a ModelSpec's factory for a Hydra con
 GEM_MODELS = frozenset(f"{f.__module__}.{f.__qualname__}" for f in MODELS.values())  # gem.models.MnistCNN, ...
 
 DATASET_TENSORS = ("train_x", "train_y", "val_x", "val_y")  # raw on the wire; gem.data.Dataset's other fields: JSON
+TEST_TENSORS = ("test_x", "test_y")  # raw too where a job holds them (a worker's does not: _for_workers)
 DONE = {"done": True}  # instead of a worker's state: the run resumes from a checkpoint in which it had no work left
 
 
 def _for_workers(job: Job) -> Job:
-    """What travels to the workers: the job without the validation split, and without the training set when
-    the workers can load it themselves (job.data_source)."""
+    """What travels to the workers: the job without the validation and test splits, and without the training set
+    when the workers can load it themselves (job.data_source)."""
     data = None
     if job.data_source is None:
-        data = dataclasses.replace(job.data, val_x=job.data.val_x[:0].clone(), val_y=job.data.val_y[:0].clone())
+        data = job.data.for_workers()
     return dataclasses.replace(job, data=data, resume=None)
 
 
@@ -55,8 +56,8 @@ def encode_job(job: Job) -> tuple[bytes, dict[str, torch.Tensor] | None]:
         if type(job.data) is not Dataset:  # a subclass's own behaviour would not travel with its fields
             raise TypeError(f"engine=distributed sends a gem.data.Dataset, not a {type(job.data).__name__}")
         fields["data"] = {f.name: getattr(job.data, f.name) for f in dataclasses.fields(Dataset)
-                          if f.name not in DATASET_TENSORS}
-        tensors = {k: getattr(job.data, k) for k in DATASET_TENSORS}
+                          if f.name not in DATASET_TENSORS + TEST_TENSORS}
+        tensors = {k: getattr(job.data, k) for k in DATASET_TENSORS + TEST_TENSORS if getattr(job.data, k) is not None}
     for name, value in fields.items():  # name the field that cannot travel, rather than fail somewhere in json
         try:
             json.dumps(value)
