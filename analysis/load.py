@@ -22,8 +22,9 @@ import pandas as pd
 
 from gem.metrics import read_table
 
-SUMMARY_COLUMNS = ("status", "reason", "steps", "final_train_loss", "val_loss", "val_accuracy", "mean_staleness",
-                   "pi_median", "wall_time_s", "lost_workers")
+SUMMARY_COLUMNS = ("status", "reason", "steps", "final_train_loss", "val_loss", "val_accuracy", "test_loss",
+                   "test_accuracy", "mean_staleness", "pi_median", "wall_time_s", "lost_workers", "staleness_model",
+                   "stopped_by")
 GROUPS = ("algorithm", "engine", "model", "data", "logger")
 # Summary keys that say what actually ran, over the config's request (a sequential algorithm runs 1 worker, say)
 RAN = ("algorithm", "engine", "workers", "model", "data", "seed", "lr", "momentum", "batch_size", "epochs",

@@ -1,43 +1,46 @@
-"""The baselines report: every algorithm × n of one or more sweeps, as a page, a tidy CSV or a LaTeX table.
+"""The report of one or more sweeps: every algorithm × n, as a page, a tidy CSV or a LaTeX table.
 
-    python -m analysis.report multirun/2026-11-21/10-00-00-000000 --out baselines.html [--target-loss 0.5]
+    python -m analysis.report <sweep>... --out report.html [--target 0.08 | --target-from <tuning sweep>]
 
-`--out` picks the format by its suffix: `.html` (one self-contained page, the figure embedded), `.md` (the
-figure beside it as `<name>.png`), `.csv` (the table's numbers, one row per table row) or `.tex` (the table as a
-booktabs `tabular`, no figure); any other suffix is refused in one line and nothing is written. Every file is
-written atomically (`gem.files.write_atomic`).
+`--out` picks the format by its suffix: `.html` (one self-contained page, the figures embedded), `.md` (the figures
+beside it as `<name>.png` and `<name>_profile.png`), `.csv` (the table's numbers, one row per table row) or `.tex`
+(the table as a booktabs `tabular`, no figure); any other suffix is refused in one line and nothing is written.
+Every file is written atomically (`gem.files.write_atomic`). Its title names the experiments and sweeps it reads.
 
-The table has one row per (algorithm, n, and any other setting that varies between them, such as κ): how many
-runs and their status, then the final training loss (each run's mean of its last 10% of commit losses), the
-validation accuracy of the central variable and the mean staleness, each as the mean over the completed runs
-(the seeds) ± the half-width of its 95% confidence interval, with k, the number of seeds it is over:
-`0.200 ± 0.248 (k=3)` (`analysis.stats.mean_ci`, Student's t interval; its docstring says why not a bootstrap).
-Diverged, failed and incomplete runs (killed before their summary) are left out of the means: the status column
-counts them, the page says how many in its first sentence and lists each under "Runs left out of the means".
-Worker steps and seconds to the target loss are the median over the runs that reached it, with how many did out
-of the runs that ended (completed or diverged; a failed or killed run might have got there), as `plots.speedup`.
+The table has one row per (algorithm, n, and any other setting that varies between them, such as κ): how many runs
+and their status; the final training loss (each run's mean of its last 10% of commit losses), the final central
+variable's validation loss and accuracy and its test loss and accuracy (the test split is evaluated once, at the
+end: nothing was chosen on it), the mean staleness and the run's wall time, each as the mean over the completed
+runs (the seeds) and its 95% confidence interval, with k, the number of seeds it is over: `0.200 [0.081, 0.49]
+(k=3)` (`analysis.stats.mean_ci`: Student's t on the log scale for a positive quantity, the logit scale for an
+accuracy, so that no interval leaves the quantity's range). Diverged, failed and incomplete runs (killed before
+their summary) are left out of the means: the status column counts them, the page says how many in its first
+sentence and lists each under "Runs left out of the means". The staleness model each engine ran is named.
+
+Time to the target (`analysis.target`): the validation loss that the best method reaches, per workload (data,
+engine, staleness model, n), AlgoPerf's rule. `--target-from` reads targets announced before (the `targets.csv` that
+`python -m analysis.tune` writes from a tuning sweep); `--target` gives one for every workload; without either, the
+targets are set from the very runs of the report, and the report says they were not announced in advance. For each
+row: the median over its runs that ended (completed or diverged: a failed or killed run might have got there) of
+the worker steps and of the engine's own time to the target (wall-clock seconds on process and distributed, the
+simulated time on sim; never the sim engine's machine seconds), a run that never got there counting as infinite,
+and how many got there. The figures: every row's validation loss against worker steps, one panel per n with its
+target dotted, the final validation loss against n, and the performance profile of the time to the target over
+the workloads of the report (`analysis.target.profile`).
 
 The CSV's columns (one row per table row, numbers unformatted, NaN written as an empty field):
 
     algorithm, <each varying setting, e.g. kappa>, n    what the row is
+    workload                                            its data, engine, staleness model and n
     runs                                                every run of the row, whatever its status
     completed, diverged, failed, incomplete             how many of them ended so
-    <q>_mean, <q>_ci_lo, <q>_ci_hi, <q>_k               for q in final_train_loss, val_accuracy, mean_staleness:
-                                                        the mean over the k completed runs with a value, and its
-                                                        95% t interval (empty when k < 2; all empty when k = 0)
-    target_loss                                         the loss of the columns below
-    target_runs                                         the runs measured: completed and diverged
-    reached                                             how many of those got to target_loss
-    worker_steps_to_target_median                       the median worker step at which they did (empty: none)
-    seconds_to_target_median                            the median seconds from their first commit
-
-The figure (html and md): every algorithm's training loss against worker steps, one panel per n, and the final
-training loss against n, on a grid of at most 3 columns with one legend. Curves are `analysis.plots.curves`
-with `--band` (default `minmax`, as the figures; `ci`: the 95% t interval, which with 3 seeds is t(0.975, 2) = 4.3
-standard errors wide each way and, with nine algorithms, covers most of a panel; `none`): the mean over the
-completed seeds, each other run drawn on its own (a diverged one dashed, ending in a cross); the final losses are
-`plots.final_loss`, mean and the same interval as error bars. The
-target loss is a dotted line, or a note in the panel when it lies outside the panel's range.
+    <q>_mean, <q>_ci_lo, <q>_ci_hi, <q>_k               for q in QUANTITIES: the mean over the k completed runs
+                                                        with a value, and its 95% interval (empty when k < 2)
+    target, target_source                               the validation loss of the columns below, and whence
+    target_runs, reached                                the runs measured (completed and diverged), how many got
+                                                        there
+    worker_steps_to_target_median                       the median worker step at which they did (inf: most never)
+    time_to_target_median, clock                        the median time, in `clock` (seconds or sim_time)
 """
 
 from __future__ import annotations
@@ -54,20 +57,22 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import load, plots
+from analysis import load, plots, target
 from analysis.plots import plt
 from analysis.stats import LEVEL, Aggregate, mean_ci
 from gem.files import WriteError, write_atomic
 
-DEFAULT_TARGET = 0.5  # a loss every stable MNIST run reaches within one epoch per worker (digits too)
 SUFFIXES = (".html", ".md", ".csv", ".tex")
 STATUSES = ("completed", "diverged", "failed", "incomplete")
-ENDED = ("completed", "diverged")  # the runs "steps to the target" is measured over, as `plots.speedup` does
-# summary column: (the table's heading, its format)
-QUANTITIES = {"final_train_loss": ("final train loss", ".3f"), "val_accuracy": ("val accuracy", ".4f"),
-              "mean_staleness": ("mean staleness", ".2f")}
-INTERVAL = (f"mean ± the half-width of its {LEVEL:.0%} confidence interval (Student's t over seeds: "
-            "mean ± t(0.975, k − 1)·sd/√k), k = the number of completed seeds it is over")
+ENDED = target.ENDED  # the runs the time to the target is measured over
+# summary column: (the table's heading, its format, the scale of its interval: analysis.stats)
+QUANTITIES = {"final_train_loss": ("final train loss", ".3f", "log"),
+              "val_loss": ("val loss", ".4f", "log"), "val_accuracy": ("val accuracy", ".4f", "logit"),
+              "test_loss": ("test loss", ".4f", "log"), "test_accuracy": ("test accuracy", ".4f", "logit"),
+              "mean_staleness": ("mean staleness", ".2f", "log"), "wall_time_s": ("wall time (s)", ".0f", "log")}
+INTERVAL = (f"mean and its {LEVEL:.0%} confidence interval [lo, hi] (Student's t over the seeds, on the log scale "
+            "for a loss, a time or τ and on the logit scale for an accuracy, so that no interval leaves the "
+            "quantity's range), k = the number of completed seeds it is over")
 LEFT_OUT = "Runs left out of the means"
 # the figure: panels readable at a page's width (at most 3 a row), fonts that stay legible once scaled to it
 STYLE = {"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "xtick.labelsize": 10,
@@ -75,6 +80,7 @@ STYLE = {"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "xtick.lab
 PANEL = (5.0, 3.6)  # inches
 BAND = "minmax"  # the curves' band and the final losses' error bars, unless --band says otherwise
 DPI = 110
+CLOCKS = {"sim_time": "sim time", "seconds": "s"}
 
 
 def variants(runs: pd.DataFrame) -> tuple[pd.Series, list[str]]:
@@ -96,30 +102,45 @@ def _numbers(s: pd.Series) -> pd.Series:
     return pd.to_numeric(s, errors="coerce")
 
 
-def summary(runs: pd.DataFrame, m: pd.DataFrame, target: float) -> pd.DataFrame:
+def targets_for(runs: pd.DataFrame, given: float | None = None, source: str | Path | None = None
+                ) -> tuple[pd.DataFrame | float, str]:
+    """The targets the report measures against, and a sentence on where they come from: a number given, targets
+    announced in a file (`source`: a tuning sweep's targets.csv), or set from these very runs."""
+    if given is not None:
+        return float(given), f"the validation loss {given:g}, given on the command line"
+    if source is not None:
+        t = target.read_targets(source)
+        return t, (f"announced before these runs: {Path(source)} (per workload, the best tuned method's median final "
+                   "validation loss, AlgoPerf's rule)")
+    t = target.announce(runs)
+    return t, ("set from these very runs (per workload, the best method's median final validation loss, AlgoPerf's "
+               "rule): not announced in advance, so the method that sets a target reaches it by construction; "
+               "pass --target-from <tuning sweep> to measure against targets chosen before")
+
+
+def summary(runs: pd.DataFrame, hit: pd.DataFrame) -> pd.DataFrame:
     """The table's numbers: one row per (algorithm, n, and any other setting that varies), with the columns the
-    module docstring lists (what `--out x.csv` writes). Means are over the completed runs only."""
+    module docstring lists (what `--out x.csv` writes). Means are over the completed runs only. `hit`:
+    `analysis.target.times` of the runs."""
     label, extra = variants(runs)
     runs = runs.assign(variant=label)
-    m = m.merge(runs[["run_dir", "variant"]], on="run_dir") if len(m) else m.assign(variant=None)
-    m = m.assign(cell=m["variant"].astype(str) + "/" + m["workers"].astype(str)) if len(m) else m
-    hit = (plots.time_to_target(plots.since_first_commit(m), target, group="cell") if len(m)
-           else pd.DataFrame(columns=["run_dir", "worker_step", "time_s"]))
-    r = runs.merge(hit, on="run_dir", how="left")
+    r = runs.merge(hit, on="run_dir", how="left") if len(hit) else runs.assign(
+        target=np.nan, reached=False, worker_step=np.nan, time=np.nan, clock=None)
     rows = []
     for (a, n, _), g in r.groupby(["algorithm", "workers", "variant"], sort=True):
         done = g[g["status"] == "completed"]
         row = {"algorithm": a, **{c.removeprefix("algorithm."): g[c].iloc[0] for c in extra}, "n": int(n),
-               "runs": len(g), **{s: int((g["status"] == s).sum()) for s in STATUSES}}
-        for q in QUANTITIES:
-            agg = mean_ci(_numbers(done[q]) if q in done else [])
+               "workload": target.describe_workload(g.iloc[0]), "runs": len(g),
+               **{s: int((g["status"] == s).sum()) for s in STATUSES}}
+        for q, (_, _, scale) in QUANTITIES.items():
+            agg = mean_ci(_numbers(done[q]) if q in done else [], scale=scale)
             row.update({f"{q}_mean": agg.mean, f"{q}_ci_lo": agg.lo, f"{q}_ci_hi": agg.hi, f"{q}_k": agg.k})
-        ended = g[g["status"].isin(ENDED)]  # a failed or killed run might have got there: not counted
-        steps = _numbers(ended["worker_step"]).dropna()
-        seconds = _numbers(ended["time_s"]).dropna()
-        row.update({"target_loss": target, "target_runs": len(ended), "reached": len(steps),
-                    "worker_steps_to_target_median": steps.median() if len(steps) else math.nan,
-                    "seconds_to_target_median": seconds.median() if len(seconds) else math.nan})
+        ended = g[g["status"].isin(ENDED) & (_numbers(g["time"]).notna())]
+        row.update({"target": float(g["target"].iloc[0]) if g["target"].notna().any() else math.nan,
+                    "target_runs": len(ended), "reached": int(ended["reached"].sum()) if len(ended) else 0,
+                    "worker_steps_to_target_median": target.lower_median(ended["worker_step"]),
+                    "time_to_target_median": target.lower_median(ended["time"]),
+                    "clock": ended["clock"].iloc[0] if len(ended) else None})
         rows.append(row)
     out = pd.DataFrame(rows)
     if out.empty:
@@ -135,35 +156,40 @@ def _status(row) -> str:
 
 
 def _aggregate(row, q: str, fmt: str) -> str:
-    """`0.200 ± 0.248 (k=3)`: the mean, the half-width of its interval, the number of seeds (`Aggregate.text`)."""
+    """`0.200 [0.081, 0.49] (k=3)`: the mean, its interval, the number of seeds (`Aggregate.text`)."""
     return Aggregate(row[f"{q}_mean"], row[f"{q}_ci_lo"], row[f"{q}_ci_hi"], int(row[f"{q}_k"])).text(fmt)
 
 
-def _reached(median: float, reached: int, total: int, fmt: str) -> str:
+def _reached(median: float, reached: int, total: int, fmt: str, unit: str = "") -> str:
+    """`212 (3/3)`; `never (0/3)`; `not in most (1/3)` when the median run never got there."""
     if total == 0:
         return "n/a (no run ended)"
     if reached == 0:
-        return f"not reached (0/{total})"
-    return f"{median:{fmt}} ({reached}/{total})" if np.isfinite(median) else f"n/a ({reached}/{total})"
+        return f"never (0/{total})"
+    if not np.isfinite(median):
+        return f"not in most ({reached}/{total})"
+    return f"{median:{fmt}}{unit} ({reached}/{total})"
 
 
-def table(runs: pd.DataFrame, m: pd.DataFrame, target: float, numbers: pd.DataFrame | None = None) -> pd.DataFrame:
+def table(runs: pd.DataFrame, hit: pd.DataFrame, numbers: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per (algorithm, n, and any other setting that varies), in the units a reader wants (strings).
-    `numbers`: `summary(runs, m, target)`, when the caller has it already."""
-    s = summary(runs, m, target) if numbers is None else numbers
+    `numbers`: `summary(runs, hit)`, when the caller has it already."""
+    s = summary(runs, hit) if numbers is None else numbers
     if s.empty:
         return s
-    first = list(s.columns[:s.columns.get_loc("runs") + 1])  # algorithm, the varying settings, n, runs
+    first = [c for c in s.columns[:s.columns.get_loc("runs") + 1] if c != "workload"]
     out = s[first].copy()
     out["status"] = s.apply(_status, axis=1)
-    for q, (heading, fmt) in QUANTITIES.items():
+    for q, (heading, fmt, _) in QUANTITIES.items():
         out[heading] = s.apply(_aggregate, axis=1, q=q, fmt=fmt)
-    out[f"worker steps to {target:g}"] = [_reached(v, k, t, ".0f") for v, k, t in
-                                          zip(s["worker_steps_to_target_median"], s["reached"], s["target_runs"],
-                                              strict=True)]
-    out[f"seconds to {target:g}"] = [_reached(v, k, t, ".1f") for v, k, t in
-                                     zip(s["seconds_to_target_median"], s["reached"], s["target_runs"],
+    out["target val loss"] = s["target"].map(lambda v: "n/a" if pd.isna(v) else f"{v:.4f}")
+    out["worker steps to target"] = [_reached(v, k, t, ".0f") for v, k, t in
+                                     zip(s["worker_steps_to_target_median"], s["reached"], s["target_runs"],
                                          strict=True)]
+    out["time to target"] = [_reached(v, k, t, ".1f" if c == "sim_time" else ".0f",
+                                      f" {CLOCKS.get(c, '')}".rstrip() if c else "")
+                             for v, k, t, c in zip(s["time_to_target_median"], s["reached"], s["target_runs"],
+                                                   s["clock"], strict=True)]
     return out
 
 
@@ -227,18 +253,20 @@ def headline(runs: pd.DataFrame) -> str:
             f"{'is' if bad == 1 else 'are'} left out of the means: see “{LEFT_OUT}” below.{missing}")
 
 
-# ------------------------------------------------------------------------------------------ the figure
+# ------------------------------------------------------------------------------------------ the figures
 
 
-def _target_line(ax, target: float) -> None:
-    """The target loss, dotted, without moving the y-range: where it lies outside, a note says so."""
+def _target_line(ax, value: float) -> None:
+    """The target, dotted, without moving the y-range: where it lies outside, a note says so."""
+    if not np.isfinite(value):
+        return
     lo, hi = ax.get_ylim()
-    if lo <= target <= hi:
-        ax.axhline(target, color="grey", ls=":", lw=1.2)
+    if lo <= value <= hi:
+        ax.axhline(value, color="grey", ls=":", lw=1.2)
         ax.set_ylim(lo, hi)
     else:
-        where = "below" if target < lo else "above"
-        ax.text(0.98, 0.03 if where == "below" else 0.97, f"target {target:g} {where} the range",
+        where = "below" if value < lo else "above"
+        ax.text(0.98, 0.03 if where == "below" else 0.97, f"target {value:.3g} {where} the range",
                 transform=ax.transAxes, ha="right", va="bottom" if where == "below" else "top", fontsize=9,
                 color="dimgrey")
 
@@ -258,18 +286,19 @@ def _tight_bottom(axes, room: float = 2.0) -> None:
             ax.set_ylim(v.min() / room, hi)
 
 
-def curves_figure(runs: pd.DataFrame, m: pd.DataFrame, target: float, band=BAND):
-    """Every algorithm's training loss against worker steps, one panel per n, and the final loss against n, on a
-    grid of at most 3 columns with one legend for all of them."""
+def curves_figure(runs: pd.DataFrame, ev: pd.DataFrame, hit: pd.DataFrame, band=BAND):
+    """Every row's validation loss against worker steps (the evaluations), one panel per n with its target
+    dotted, and the final validation loss against n, on a grid of at most 3 columns with one legend."""
     from matplotlib.lines import Line2D
 
     label, _ = variants(runs)
     runs = runs.assign(variant=label)
-    m = m.merge(runs[["run_dir", "variant"]], on="run_dir")
-    ns = sorted(m["workers"].unique())
-    names = sorted(set(m["variant"]) | set(runs.loc[runs["status"] == "completed", "variant"]),
+    ev = ev.merge(runs[["run_dir", "variant"]], on="run_dir")
+    ns = sorted(ev["workers"].unique())
+    names = sorted(set(ev["variant"]) | set(runs.loc[runs["status"] == "completed", "variant"]),
                    key=lambda v: (plots.algorithm_order(v.split(" ")[0]), v))
     palette = plots.colours(names)
+    goal = runs[["run_dir", "workers"]].merge(hit[["run_dir", "target"]], on="run_dir") if len(hit) else None
     cells = len(ns) + 1
     cols = 2 if cells <= 6 else 3  # two panels a row stay readable at a page's width; three for many n
     rows = math.ceil(cells / cols)
@@ -279,40 +308,73 @@ def curves_figure(runs: pd.DataFrame, m: pd.DataFrame, target: float, band=BAND)
         axes = axes.ravel()
         loss_axes = axes[:len(ns)]
         for ax, n in zip(loss_axes, ns, strict=True):
-            plots.curves(m[m["workers"] == n], ax, x="worker_step", y="loss", hue="variant", palette=palette,
+            plots.curves(ev[ev["workers"] == n], ax, x="worker_step", y="val_loss", hue="variant", palette=palette,
                          band=band)
             ax.set_title(f"n = {n}")
         _tight_bottom(loss_axes)
         plots.same_y(loss_axes)
-        for ax in loss_axes:
-            _target_line(ax, target)
-        plots.final_loss(runs, axes[len(ns)], hue="variant", palette=palette, band=band)
+        for ax, n in zip(loss_axes, ns, strict=True):
+            if goal is not None:
+                values = goal.loc[goal["workers"] == n, "target"].dropna().unique()
+                if len(values) == 1:
+                    _target_line(ax, float(values[0]))
+        plots.final_loss(runs, axes[len(ns)], y="val_loss", hue="variant", palette=palette, band=band)
         bars = {"minmax": "min–max", "ci": f"{LEVEL:.0%} CI", None: "no bars"}[plots.band_kind(band)]
-        axes[len(ns)].set_title(f"final training loss (mean, {bars})")
+        axes[len(ns)].set_ylabel("final validation loss")
+        axes[len(ns)].set_title(f"final validation loss (mean, {bars})")
         for ax in axes[cells:]:
             ax.axis("off")
         handles = [Line2D([], [], color=palette[v], lw=2, label=v) for v in names]
-        shown = plots.statuses(m.drop_duplicates("run_dir"))
+        shown = plots.statuses(ev.drop_duplicates("run_dir"))
         for status, (ls, marker) in plots.APART.items():  # how `plots.curves` draws a run it does not average
             if (shown == status).any():
                 handles.append(Line2D([], [], color="grey", lw=1, ls=ls, **plots.end_marker(marker, "grey"),
                                       label=f"a {status} run" if status != "incomplete" else "an incomplete run"))
-        handles.append(Line2D([], [], color="grey", lw=1.2, ls=":", label=f"target loss {target:g}"))
+        handles.append(Line2D([], [], color="grey", lw=1.2, ls=":", label="target (validation loss)"))
         if rows * cols > cells:  # a free cell: the legend goes there
             axes[cells].legend(handles=handles, loc="center", frameon=False, ncol=1 if len(handles) <= 12 else 2)
         else:
             fig.legend(handles=handles, loc="outside lower center", frameon=False, ncol=min(len(handles), 6))
         kind = plots.band_kind(band)
         what = "no band" if kind is None else f"band: {plots.BANDS[kind]}"
-        fig.suptitle(f"Training loss against worker steps: the mean over the completed seeds, {what};\neach run "
-                     f"left out of the means drawn on its own. Last panel: the final loss, mean and {bars}.",
-                     fontsize=11)
+        fig.suptitle(f"Validation loss of the central variable against worker steps: the mean over the completed "
+                     f"seeds, {what};\neach run left out of the means drawn on its own. Last panel: the final "
+                     f"validation loss, mean and {bars}.", fontsize=11)
     return fig
 
 
-def figure_png(runs: pd.DataFrame, m: pd.DataFrame, target: float, band=BAND) -> bytes:
+def profile_png(runs: pd.DataFrame, hit: pd.DataFrame) -> tuple[bytes | None, str]:
+    """The performance profile of the time to the target over the report's workloads, as PNG bytes, and a
+    sentence on it (the workloads no method reached, which it leaves out)."""
+    label, _ = variants(runs)
+    runs = runs.assign(variant=label)
+    methods = target.per_method(runs, hit)
+    if methods.empty:
+        return None, "No run ended: no performance profile."
+    prof, dropped = target.profile(methods)
+    if prof.empty or not prof["workloads"].max():
+        return None, "No method reached a target on any workload: no performance profile."
+    clocks = sorted(set(methods["clock"].dropna()))
+    names = sorted(prof["method"].unique(), key=lambda v: (plots.algorithm_order(str(v).split(" ")[0]), str(v)))
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(7.0, 4.6), layout="constrained")
+        target.profile_figure(prof, ax, plots.colours(names),
+                              title=f"Performance profile over {int(prof['workloads'].max())} workloads: time "
+                                    f"({' / '.join(CLOCKS.get(c, c) for c in clocks)}) to the validation target")
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=DPI)
+        plt.close(fig)
+    note = ("Each method's time on a workload is the median over its seeds (a seed that never reached the target "
+            "counts as infinite); ρ(τ) is the fraction of workloads on which it is within τ times the fastest "
+            "method's.")
+    if dropped:
+        note += f" Left out, as no method reached their target: {'; '.join(dropped)}."
+    return buf.getvalue(), note
+
+
+def figure_png(runs: pd.DataFrame, ev: pd.DataFrame, hit: pd.DataFrame, band=BAND) -> bytes:
     with plt.rc_context(STYLE):  # ticks are made at draw time: the same sizes then
-        fig = curves_figure(runs, m, target, band)
+        fig = curves_figure(runs, ev, hit, band)
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=DPI)
         plt.close(fig)
@@ -327,6 +389,8 @@ def _describe(runs: pd.DataFrame) -> str:
     for col in ("data", "engine", "model"):
         if col in runs:
             bits.append(f"{col} " + "/".join(sorted(map(str, runs[col].dropna().unique()))))
+    if "staleness_model" in runs and runs["staleness_model"].notna().any():
+        bits.append("staleness " + " / ".join(sorted(map(str, runs["staleness_model"].dropna().unique()))))
     for col in ("lr", "momentum", "batch_size", "epochs"):
         if col in runs:
             values = pd.to_numeric(runs[col], errors="coerce").dropna().unique()
@@ -335,10 +399,18 @@ def _describe(runs: pd.DataFrame) -> str:
     return ", ".join(b for b in bits if b)
 
 
-def command(paths, out: Path, target: float) -> str:
+def title(runs: pd.DataFrame, paths) -> str:
+    """`Report: baselines, fig1 (sweeps baselines, fig1)`: what the runs are, by experiment and sweep folder."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+    experiments = sorted(map(str, runs["experiment"].dropna().unique())) if "experiment" in runs else []
+    folders = ", ".join(Path(p).name for p in paths)
+    return f"Report: {', '.join(experiments) or 'runs'} (from {folders})"
+
+
+def command(paths, out: Path, given: float | None, source) -> str:
     """The command line that writes this report."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
-    extra = f" --target-loss {target:g}" if target != DEFAULT_TARGET else ""
+    extra = (f" --target {given:g}" if given is not None else "") + (f" --target-from {source}" if source else "")
     return f"python -m analysis.report {' '.join(map(str, paths))} --out {out}{extra}"
 
 
@@ -374,68 +446,83 @@ def _markdown(frame: pd.DataFrame) -> str:
     return cells.to_markdown(index=False)
 
 
-def write(paths, out: str | Path, target: float = DEFAULT_TARGET, band=BAND) -> Path:
-    """Write the report for every run under `paths` to `out` (.html, .md, .csv or .tex). Returns its path."""
-    return _write(paths, out, target, band)[0]
+def write(paths, out: str | Path, given: float | None = None, source=None, band=BAND) -> Path:
+    """Write the report for every run under `paths` to `out` (.html, .md, .csv or .tex). Returns its path.
+    `given`: one validation-loss target for every workload; `source`: targets announced before (a targets.csv,
+    or a sweep holding one); neither: set from these runs."""
+    return _write(paths, out, given, source, band)[0]
 
 
-def _write(paths, out: str | Path, target: float, band=BAND) -> tuple[Path, pd.DataFrame]:
+def _write(paths, out: str | Path, given: float | None, source, band=BAND) -> tuple[Path, pd.DataFrame]:
     out = Path(out)
     if out.suffix.lower() not in SUFFIXES:
         raise ValueError(f"--out {out}: the report is written as {', '.join(SUFFIXES[:-1])} or {SUFFIXES[-1]}")
     runs = load.without_twins(load.runs(paths))
     if runs.empty:
         raise ValueError(f"no runs found under {paths}")
-    m = load.commits(paths, columns=["algorithm", "workers", "seed", "status"], meta=runs)
-    numbers = summary(runs, m, target)
-    tab = table(runs, m, target, numbers)
+    variants(runs)  # the same seed twice is refused before anything is read further
+    goals, whence = targets_for(runs, given, source)
+    ev = load.commits(paths, table="eval", columns=["algorithm", "workers", "seed", "status", "engine"], meta=runs)
+    hit = target.times(runs, ev, goals)
+    numbers = summary(runs, hit)
+    tab = table(runs, hit, numbers)
     suffix = out.suffix.lower()
     out.parent.mkdir(parents=True, exist_ok=True)
-    intro = (f"Final training loss (each run's mean of its last 10% of commit losses), validation accuracy and "
-             f"mean staleness: {INTERVAL}. Only completed runs count: diverged, failed and incomplete runs are "
-             f"left out of the means (the status column counts them). Steps and seconds to the target loss "
-             f"{target:g}: the median over the runs that reached it (reached/runs that ended, completed or diverged: a "
-             f"failed or incomplete run might have got there), on each run's curve smoothed over 5 bins.")
+    name = title(runs, paths)
+    intro = (f"Each quantity: {INTERVAL}. Only completed runs count: diverged, failed and incomplete runs are "
+             f"left out of the means (the status column counts them). The test split is evaluated once, on the "
+             f"final central variable; every choice (the targets, a tuning) is made on the validation split. "
+             f"Targets: {whence}. Worker steps and time to the target: the median over the runs that ended "
+             f"(completed or diverged), a run that never got there counting as infinite, with how many got there; "
+             f"time is wall-clock seconds from a run's first commit on process and distributed, the simulated "
+             f"time on sim (mean cycles of one local step; never the sim engine's machine seconds).")
+    numbers = numbers.assign(target_source=whence.split(":")[0] if len(numbers) else None)
     if suffix == ".csv":
         write_atomic(out, numbers.to_csv(index=False))
         return out, runs
     if suffix == ".tex":
-        caption = (f"Baselines: mean ± the half-width of its {LEVEL:.0%} confidence interval (Student's t over "
-                   f"seeds), k = the number of completed seeds; diverged, failed and incomplete runs are left out "
-                   f"of the means. Steps and seconds to the target loss {target:g}: the median over the runs that "
-                   f"reached it (reached/runs that completed or diverged).")
-        write_atomic(out, to_tex(tab, caption, command(paths, out, target)))
+        caption = (f"{name}: mean and its {LEVEL:.0%} confidence interval (Student's t over seeds, on the log or "
+                   f"logit scale), k = the number of completed seeds; diverged, failed and incomplete runs are left "
+                   f"out of the means. Time to the target: the median over the runs that ended.")
+        write_atomic(out, to_tex(tab, caption, command(paths, out, given, source)))
         return out, runs
-    fig = figure_png(runs, m, target, band) if len(m) else None
-    missing = left_out(runs, m, paths)
+    fig = figure_png(runs, ev, hit, band) if len(ev) else None
+    prof, prof_note = profile_png(runs, hit)
+    missing = left_out(runs, load.commits(paths, columns=["algorithm", "workers", "seed", "status"], meta=runs)
+                       if (runs["status"] == "incomplete").any() else pd.DataFrame(), paths)
     sources = ", ".join(sorted({str(Path(d).parent) for d in runs["run_dir"]}))
-    about = (f"{len(runs)} run{'s' if len(runs) != 1 else ''} from {sources}. {_describe(runs)}. {intro} Seconds "
-             "count from a run's first commit, on its own clock: wall time on the process engine, the simulation's "
-             "compute time on the sim engine.")
+    about = f"{len(runs)} run{'s' if len(runs) != 1 else ''} from {sources}. {_describe(runs)}. {intro}"
     gone = (f"{LEFT_OUT}: every run that did not complete, with its directory relative to its sweep, the commits "
             "it applied (for an incomplete run, the last step it logged) and why it stopped.")
     if suffix == ".html":
-        img = (f'<img alt="loss curves" src="data:image/png;base64,{base64.b64encode(fig).decode()}">'
-               if fig else "<p>No commit rows to plot.</p>")
+        img = (f'<img alt="validation loss curves" src="data:image/png;base64,{base64.b64encode(fig).decode()}">'
+               if fig else "<p>No evaluation rows to plot.</p>")
+        pimg = (f'<img alt="performance profile" src="data:image/png;base64,{base64.b64encode(prof).decode()}">'
+                if prof else "")
         missing_html = (f"<p>{html.escape(gone)}</p>{missing.to_html(index=False, escape=True)}" if len(missing)
                         else "<p>Every run completed: none is left out.</p>")
         write_atomic(out, (
-            "<!doctype html><html><head><meta charset='utf-8'><title>gem baselines report</title><style>"
+            f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(name)}</title><style>"
             "body{font-family:sans-serif;margin:2em;max-width:100%} table{border-collapse:collapse;font-size:13px}"
             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right} img{max-width:100%}</style></head><body>"
-            f"<h1>Baselines report</h1><p><strong>{html.escape(headline(runs))}</strong></p>"
+            f"<h1>{html.escape(name)}</h1><p><strong>{html.escape(headline(runs))}</strong></p>"
             f"<p>{html.escape(about)}</p>{tab.to_html(index=False, escape=True) if len(tab) else ''}"
-            f"<h2>{LEFT_OUT}</h2>{missing_html}<h2>Loss curves</h2>{img}</body></html>\n"))
+            f"<h2>{LEFT_OUT}</h2>{missing_html}<h2>Validation loss</h2>{img}"
+            f"<h2>Time to the target</h2><p>{html.escape(prof_note)}</p>{pimg}</body></html>\n"))
     else:
-        png = out.with_suffix(".png")
+        png, ppng = out.with_suffix(".png"), out.with_name(out.stem + "_profile.png")
         if fig:
             write_atomic(png, fig)
+        if prof:
+            write_atomic(ppng, prof)
         missing_md = f"{gone}\n\n{_markdown(missing)}" if len(missing) else "Every run completed: none is left out."
         write_atomic(out, (
-            f"# Baselines report\n\n**{headline(runs)}**\n\n{about}\n\n"
+            f"# {name}\n\n**{headline(runs)}**\n\n{about}\n\n"
             + (f"{_markdown(tab)}\n\n" if len(tab) else "")
-            + f"## {LEFT_OUT}\n\n{missing_md}\n\n## Loss curves\n\n"
-            + (f"![loss curves]({png.name})\n" if fig else "No commit rows to plot.\n")))
+            + f"## {LEFT_OUT}\n\n{missing_md}\n\n## Validation loss\n\n"
+            + (f"![validation loss curves]({png.name})\n" if fig else "No evaluation rows to plot.\n")
+            + f"\n## Time to the target\n\n{prof_note}\n\n"
+            + (f"![performance profile]({ppng.name})\n" if prof else "")))
     return out, runs
 
 
@@ -443,17 +530,21 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.splitlines()[0])
     p.add_argument("sweeps", nargs="+", help="sweep or run directories")
     p.add_argument("--out", default="baselines.html",
-                   help="the report: .html (self-contained), .md (PNG beside it), .csv (tidy numbers) or .tex "
+                   help="the report: .html (self-contained), .md (PNGs beside it), .csv (tidy numbers) or .tex "
                         "(booktabs table)")
-    p.add_argument("--target-loss", type=float, default=DEFAULT_TARGET, help="the loss for 'steps to target'")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--target", type=float, help="one validation loss to measure the time to, for every workload")
+    group.add_argument("--target-from", metavar="SWEEP_OR_CSV",
+                       help="targets announced before: a tuning sweep (its targets.csv, written by analysis.tune) "
+                            "or the file itself; default: set from these runs, and said so")
     p.add_argument("--band", choices=("minmax", "ci", "none"), default=BAND,
                    help="the curves' band and the final losses' bars: min–max over seeds (default), the 95%% t "
                         "interval of the mean, or none (the table always gives the t interval)")
     args = p.parse_args(argv)
-    if not np.isfinite(args.target_loss) or args.target_loss <= 0:
-        p.error(f"--target-loss={args.target_loss} is not allowed; it must be a number > 0")
+    if args.target is not None and (not np.isfinite(args.target) or args.target <= 0):
+        p.error(f"--target={args.target} is not allowed; it must be a validation loss > 0")
     try:
-        path, runs = _write(args.sweeps, args.out, args.target_loss, args.band)
+        path, runs = _write(args.sweeps, args.out, args.target, args.target_from, args.band)
     except (FileNotFoundError, ValueError, WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,13 +1,21 @@
 """Aggregates over seeds, with their 95% confidence intervals: one definition for every table and figure.
 
-The interval is Student's t interval of the mean, mean ± t(0.975, k − 1) · sd / √k over the k seeds that
-count. With the 2–5 seeds a sweep here runs, a bootstrap interval is too narrow (it resamples only the values
-seen, so it cannot be wider than their range); the t interval widens with few seeds as it should. It assumes the
-seeds' values are roughly normal: for a handful of final losses that is an assumption, and the number of seeds
-is always shown beside the interval so that a reader can weigh it. One seed has no interval.
+The interval is Student's t interval, m ± t(0.975, k − 1) · sd / √k over the k seeds that count, computed on a
+scale where the quantity has no bounds and mapped back, so that it never leaves the quantity's range:
+- a quantity that is positive (a loss, a time, τ) on the log scale: the interval is multiplicative, m·e^(±h),
+  always above 0, wider above than below. With 2 seeds a loss's plain t interval (t = 12.7) reached below 0;
+- a fraction (an accuracy) on the logit scale: the interval stays inside (0, 1);
+- anything else (π, which may be 0) on its own scale.
+The point is always the arithmetic mean, which a transformed interval (centred on the geometric mean) covers
+unless the seeds differ by orders of magnitude; the number of seeds stands beside every interval.
+
+With the 2–5 seeds a sweep here runs, a bootstrap interval is too narrow (it resamples only the values seen, so it
+cannot be wider than their range); the t interval widens with few seeds as it should. It assumes the seeds' values
+(on its scale) are roughly normal: for a handful of final losses that is an assumption. One seed has no interval.
 
     from analysis.stats import mean_ci
-    mean_ci([0.12, 0.15, 0.11])        # Aggregate(mean=0.1267, lo=0.075..., hi=0.178..., k=3)
+    mean_ci([0.12, 0.15, 0.11])        # Aggregate(mean=0.1267, lo=0.08..., hi=0.19..., k=3): log scale
+    mean_ci([0.97, 0.98], scale="logit")
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 LEVEL = 0.95
+SCALES = ("auto", "linear", "log", "logit")
 
 
 @dataclass(frozen=True)
@@ -34,12 +43,12 @@ class Aggregate:
         return (self.hi - self.lo) / 2
 
     def text(self, fmt: str = ".3f") -> str:
-        """`0.127 ± 0.051 (k=3)`: the mean, the half-width of the 95% interval and the number of seeds."""
+        """`0.127 [0.080, 0.190] (k=3)`: the mean, its 95% interval and the number of seeds."""
         if self.k == 0:
             return "n/a"
-        if self.k == 1:
-            return f"{self.mean:{fmt}} (k=1)"
-        return f"{self.mean:{fmt}} ± {self.half_width:{fmt}} (k={self.k})"
+        if self.k == 1 or not np.isfinite(self.lo):
+            return f"{self.mean:{fmt}} (k={self.k})"
+        return f"{self.mean:{fmt}} [{self.lo:{fmt}}, {self.hi:{fmt}}] (k={self.k})"
 
 
 def t_quantile(k, level: float = LEVEL):
@@ -49,9 +58,39 @@ def t_quantile(k, level: float = LEVEL):
     return t.ppf(0.5 + level / 2, np.asarray(k) - 1)
 
 
-def mean_ci(values: Iterable[float], level: float = LEVEL) -> Aggregate:
-    """The mean of the finite values and its t interval. Non-finite values (NaN, a diverged run's inf) are not
-    averaged: the caller decides which runs count, and says how many did not."""
+EPS = 1e-9  # a fraction of exactly 0 or 1 is taken as this far inside, where its logit is finite
+
+
+def _scale(v: np.ndarray, scale: str) -> str:
+    """`auto`: log where every value is positive, else linear."""
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale} is not one of {', '.join(SCALES)}")
+    if scale == "auto":
+        return "log" if len(v) and (v > 0).all() else "linear"
+    return scale
+
+
+def _forward(v, scale: str):
+    if scale == "log":
+        return np.log(v)
+    if scale == "logit":
+        p = np.clip(v, EPS, 1 - EPS)
+        return np.log(p / (1 - p))
+    return v
+
+
+def _back(z, scale: str):
+    if scale == "log":
+        return np.exp(z)
+    if scale == "logit":
+        return 1 / (1 + np.exp(-z))
+    return z
+
+
+def mean_ci(values: Iterable[float], level: float = LEVEL, scale: str = "auto") -> Aggregate:
+    """The mean of the finite values and its t interval, computed on `scale` (the module's docstring: `auto` is
+    log for positive values, linear otherwise; `logit` for fractions). Non-finite values (NaN, a diverged run's
+    inf) are not averaged: the caller decides which runs count, and says how many did not."""
     v = np.asarray([x for x in values if x is not None], dtype=float)
     v = v[np.isfinite(v)]
     k = len(v)
@@ -60,16 +99,28 @@ def mean_ci(values: Iterable[float], level: float = LEVEL) -> Aggregate:
     mean = float(v.mean())
     if k == 1:
         return Aggregate(mean, math.nan, math.nan, 1)
-    half = float(t_quantile(k, level)) * float(v.std(ddof=1)) / math.sqrt(k)
-    return Aggregate(mean, mean - half, mean + half, k)
+    s = _scale(v, scale)
+    if s == "log" and not (v > 0).all():
+        s = "linear"  # a zero among the values: no log scale for them
+    z = _forward(v, s)
+    half = float(t_quantile(k, level)) * float(z.std(ddof=1)) / math.sqrt(k)
+    centre = float(z.mean())
+    return Aggregate(mean, float(_back(centre - half, s)), float(_back(centre + half, s)), k)
 
 
-def ci_frame(per_run: pd.DataFrame, level: float = LEVEL) -> pd.DataFrame:
+def ci_frame(per_run: pd.DataFrame, level: float = LEVEL, scale: str = "auto") -> pd.DataFrame:
     """Row-wise intervals of a frame whose columns are runs (the seeds of one curve, on one grid): columns
-    mean, lo, hi, runs. Rows with one value have lo = hi = the value (no interval, no band drawn)."""
+    mean, lo, hi, runs; on `scale` (`auto`: log where every value of the frame is positive). Rows with one value
+    have lo = hi = the value (no interval, no band drawn)."""
+    values = per_run.to_numpy(dtype=float)
+    s = _scale(values[np.isfinite(values)], scale)
     k = per_run.notna().sum(axis=1)
     mean = per_run.mean(axis=1)
-    sd = per_run.std(axis=1, ddof=1)
+    z = pd.DataFrame(_forward(values, s), index=per_run.index, columns=per_run.columns)
+    centre = z.mean(axis=1)
+    sd = z.std(axis=1, ddof=1)
     q = pd.Series(t_quantile(k.clip(lower=2), level), index=per_run.index)
     half = (q * sd / np.sqrt(k)).where(k > 1, 0.0)
-    return pd.DataFrame({"mean": mean, "lo": mean - half, "hi": mean + half, "runs": k})
+    lo = pd.Series(_back(centre - half, s), index=per_run.index).where(k > 1, mean)
+    hi = pd.Series(_back(centre + half, s), index=per_run.index).where(k > 1, mean)
+    return pd.DataFrame({"mean": mean, "lo": lo, "hi": hi, "runs": k})

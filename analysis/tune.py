@@ -8,7 +8,8 @@ that reruns it on held-out seeds; then the two protocols side by side.
 
 The protocol (REPRODUCTION.md, "Tuning"), as optimiser benchmarks run it (Schmidt et al. 2021, "Descending
 through a Crowded Valley"; the MLCommons AlgoPerf rules): the same number of trials for every algorithm, selection
-on validation data, final numbers on fresh seeds.
+on the validation split, final numbers on fresh seeds and on the test split, which no choice has seen (`--select`
+takes no test quantity).
 
 - A trial is one setting of one algorithm at one n: the settings its runs differ in besides the seed (η, and its
   knob: GEM's κ, AGN's window, ...). Its score is the mean final validation loss over the tuning seeds. A trial
@@ -21,10 +22,16 @@ on validation data, final numbers on fresh seeds.
   compared on the same seeds; a chosen setting that is the paper's runs once. It is written as an experiment,
   `conf/experiment/<experiment>_heldout.yaml`, which a reviewer can read and anyone can rerun.
 
+- The targets of the time-to-target comparison are announced here, from the tuning seeds and before the held-out
+  runs: per workload (n), the best chosen setting's median final validation loss (`analysis.target.announce`,
+  AlgoPerf's rule), written to `<tuning sweep>/targets.csv`.
+
 Files: `<tuning sweep>/tuning.csv` (every trial: its setting, seeds, how many diverged, the mean validation loss,
-its rank and whether it was chosen) and `<tuning sweep>/sensitivity.png` (final validation loss against η,
-one panel per n, diverged trials marked); with --heldout, the table as `--out` (.md or .csv; default
-`<held-out sweep>/protocols.md`).
+its rank and whether it was chosen), `<tuning sweep>/targets.csv` and `<tuning sweep>/sensitivity.png` (final
+validation loss against η, one panel per n, diverged trials marked); with --heldout, the table as `--out` (.md or
+.csv; default `<held-out sweep>/protocols.md`): per algorithm and n, the paper's setting and the tuned one on the
+held-out seeds, each with its final test loss and accuracy, its validation loss, and its worker steps and time to
+the announced target.
 """
 
 from __future__ import annotations
@@ -37,12 +44,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import load
+from analysis import load, target
 from analysis.stats import mean_ci
 from gem.files import write_atomic
 
 HELDOUT_SEEDS = (0, 1, 2)
 SCORE = "val_loss"  # selection: the final validation loss of the central variable
+# what --select may name, and whether lower is better: the validation split only (the test split is for the report)
+SCORES = {"val_loss": "lower", "val_accuracy": "higher"}
 
 
 def _text(v) -> str:
@@ -80,10 +89,23 @@ def _check_finished(runs: pd.DataFrame, sweep) -> None:
                          f"...); finish them first: the identical -m command with resume=true")
 
 
-def trials(runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per (algorithm, n, setting): seeds, how many diverged, the mean validation loss over the tuning
-    seeds, its score (+inf with a diverged seed), its rank within (algorithm, n) and whether it is chosen. The
-    rows are in the sweep's order (the grid's), which breaks ties."""
+def check_select(select: str) -> str:
+    """`--select`: a validation quantity (SCORES); the test split is refused in one line, as anything else."""
+    if select not in SCORES:
+        why = (" the tuning protocol chooses on the validation split; the test split is kept for the held-out "
+               "report (--heldout gives its test loss), and a choice made on it would leak into the result"
+               if select.startswith("test") else "")
+        raise ValueError(f"--select={select} is not allowed; choose one of: {', '.join(SCORES)}" + (";" + why
+                                                                                              if why else ""))
+    return select
+
+
+def trials(runs: pd.DataFrame, select: str = SCORE) -> pd.DataFrame:
+    """One row per (algorithm, n, setting): seeds, how many diverged, the mean of `select` (a validation quantity)
+    over the tuning seeds, its score (what is minimised: the loss, or 1 − the accuracy; +inf with a diverged seed),
+    its rank within (algorithm, n) and whether it is chosen. The rows are in the sweep's order (the grid's), which
+    breaks ties."""
+    check_select(select)
     runs = runs.sort_values("run_dir", key=lambda s: s.map(_job_number), kind="stable")
     # each algorithm's own settings: what its trials differ in (GEM's κ is not a setting of AGN's trials)
     own = {a: load.varying(g, ["workers"]) for a, g in runs.groupby("algorithm", sort=False)}
@@ -94,11 +116,12 @@ def trials(runs: pd.DataFrame) -> pd.DataFrame:
         for _, t in g.groupby(keys, sort=False):
             first = t.iloc[0]
             diverged = int((t["status"] == "diverged").sum())
-            values = pd.to_numeric(t[SCORE], errors="coerce")
+            values = pd.to_numeric(t[select], errors="coerce")
             mean = float(values[t["status"] == "completed"].mean()) if diverged < len(t) else math.nan
+            score = mean if SCORES[select] == "lower" else 1.0 - mean
             rows.append({"algorithm": algorithm, "workers": int(n), **{c: first[c] for c in columns},
                          "setting": describe(_setting(first, columns)), "seeds": len(t), "diverged": diverged,
-                         f"{SCORE}_mean": mean, "score": math.inf if diverged or not np.isfinite(mean) else mean})
+                         f"{select}_mean": mean, "score": math.inf if diverged or not np.isfinite(mean) else score})
     out = pd.DataFrame(rows)
     if out.empty:
         return out
@@ -128,7 +151,8 @@ def _same(a: dict, b: dict) -> bool:
     return {k: _text(v) for k, v in a.items()} == {k: _text(v) for k, v in b.items() if k in a}
 
 
-def heldout_experiment(chosen: pd.DataFrame, columns: list[str], experiment: str, seeds) -> tuple[str, int]:
+def heldout_experiment(chosen: pd.DataFrame, columns: list[str], experiment: str, seeds,
+                       select: str = SCORE) -> tuple[str, int]:
     """The held-out stage as an experiment file's text: every algorithm at the paper's setting, and each chosen
     setting that is not the paper's, at its n, on `seeds`. Returns the text and how many of the chosen settings
     are the paper's."""
@@ -145,7 +169,8 @@ def heldout_experiment(chosen: pd.DataFrame, columns: list[str], experiment: str
                 continue
             keys = ", ".join(f"{k}: {_text(v)}" for k, v in setting.items())
             grids.append(f"      - {{algorithm: {algorithm}, workers: {int(row['workers'])}, {keys}}}"
-                         f"  # tuned: val loss {row[f'{SCORE}_mean']:.4f} over {row['seeds']} seeds")
+                         f"  # tuned: {select.replace('_', ' ')} {row[f'{select}_mean']:.4f} over {row['seeds']} "
+                         "seeds")
     text = (f"# @package _global_\n"
             f"# The tuning protocol's held-out stage, written by `python -m analysis.tune` from a sweep of "
             f"experiment={experiment}:\n"
@@ -158,10 +183,26 @@ def heldout_experiment(chosen: pd.DataFrame, columns: list[str], experiment: str
     return text, same
 
 
+def announce(runs: pd.DataFrame, trial_table: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    """The targets of the held-out comparison, from the tuning seeds: per workload, the best chosen setting's
+    median final validation loss (`analysis.target.announce` over the chosen trials' runs)."""
+    chosen = trial_table[trial_table["chosen"]]
+    keep = []
+    for _, t in chosen.iterrows():
+        here = runs[(runs["algorithm"] == t["algorithm"]) & (runs["workers"] == t["workers"])]
+        setting = _setting(t, columns)
+        keep.append(here[here.apply(lambda r, s=setting: _same(s, _setting(r, list(s))), axis=1)] if len(here)
+                    else here)
+    picked = pd.concat(keep) if keep else runs.iloc[:0]
+    return target.announce(picked, method="algorithm")
+
+
 def compare(trial_table: pd.DataFrame, heldout: pd.DataFrame, experiment: str | None,
-            columns: list[str]) -> pd.DataFrame:
+            columns: list[str], hit: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per algorithm and n: the held-out runs at the paper's setting and at the chosen one, side by side (the
-    same runs when the choice is the paper's setting). `columns`: the settings the trials differ in."""
+    same runs when the choice is the paper's setting): final test loss and accuracy (the split no choice saw), the
+    validation loss, and (`hit`: `analysis.target.times` of the held-out runs) the worker steps and time to the
+    announced target. `columns`: the settings the trials differ in."""
     rows, papers = [], {}
     for _, t in trial_table[trial_table["chosen"]].iterrows():
         algorithm, n = t["algorithm"], int(t["workers"])
@@ -175,15 +216,37 @@ def compare(trial_table: pd.DataFrame, heldout: pd.DataFrame, experiment: str | 
             match = here[here.apply(lambda r, s=setting: _same(s, _setting(r, list(s))), axis=1)] if len(here) \
                 else here
             done = match[match["status"] == "completed"]
-            agg = mean_ci(pd.to_numeric(done[SCORE], errors="coerce"))
-            acc = mean_ci(pd.to_numeric(done["val_accuracy"], errors="coerce"))
+
+            def q(column, scale="log", done=done):
+                return mean_ci(pd.to_numeric(done[column], errors="coerce") if column in done else [], scale=scale)
+
+            test, acc, val = q("test_loss"), q("test_accuracy", "logit"), q(SCORE)
             row.update({f"{name} setting": describe(setting), f"{name} runs": len(match),
                         f"{name} diverged": int((match["status"] == "diverged").sum()),
-                        f"{name} val loss": agg.text(".4f"), f"{name} val accuracy": acc.text(".4f"),
-                        f"{name}_{SCORE}_mean": agg.mean, f"{name}_{SCORE}_ci_lo": agg.lo,
-                        f"{name}_{SCORE}_ci_hi": agg.hi, f"{name}_k": agg.k})
+                        f"{name} test loss": test.text(".4f"), f"{name} test accuracy": acc.text(".4f"),
+                        f"{name} val loss": val.text(".4f"),
+                        f"{name}_test_loss_mean": test.mean, f"{name}_test_loss_ci_lo": test.lo,
+                        f"{name}_test_loss_ci_hi": test.hi, f"{name}_{SCORE}_mean": val.mean, f"{name}_k": test.k})
+            if hit is not None:
+                times = hit[hit["run_dir"].isin(match["run_dir"]) & hit["time"].notna()]
+                steps, when = target.lower_median(times["worker_step"]), target.lower_median(times["time"])
+                unit = " sim time" if len(times) and times["clock"].iloc[0] == "sim_time" else " s"
+                row.update({f"{name} steps to target": _when(steps, times, ".0f", ""),
+                            f"{name} time to target": _when(when, times, ".1f", unit),
+                            f"{name}_worker_steps_to_target": steps, f"{name}_time_to_target": when,
+                            "target": float(times["target"].iloc[0]) if len(times) else math.nan})
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _when(value: float, times: pd.DataFrame, fmt: str, unit: str) -> str:
+    """`212 (3/3)`: the median time to the target and how many runs got there; `never (0/3)`."""
+    reached, total = int(times["reached"].sum()), len(times)
+    if total == 0:
+        return "n/a"
+    if not np.isfinite(value):
+        return f"never ({reached}/{total})" if reached == 0 else f"not in most ({reached}/{total})"
+    return f"{value:{fmt}}{unit} ({reached}/{total})"
 
 
 def sensitivity_figure(trial_table: pd.DataFrame, out: Path) -> Path:
@@ -245,6 +308,8 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="overwrite the held-out experiment file if it exists")
     p.add_argument("--heldout", help="the held-out sweep: print and write the two protocols side by side")
     p.add_argument("--out", help="with --heldout: the table, .md or .csv (default <held-out sweep>/protocols.md)")
+    p.add_argument("--select", default=SCORE, help=f"what a trial is chosen on: {' or '.join(SCORES)} (the "
+                   "validation split; default val_loss), averaged over the tuning seeds")
     args = p.parse_args(argv)
     try:
         return _main(args)
@@ -256,6 +321,7 @@ def main(argv=None) -> int:
 def _main(args) -> int:
     """Every check first (the sweeps, the seeds, --out, an existing choice), then the files: a refused command
     writes nothing."""
+    select = check_select(args.select)  # before anything is read
     sweep = Path(args.sweep)
     runs = _finished_runs(sweep)
     experiment = runs["experiment"].dropna().iloc[0] if runs["experiment"].notna().any() else None
@@ -264,9 +330,10 @@ def _main(args) -> int:
     if used:
         raise ValueError(f"--seeds={','.join(map(str, seeds))} is not allowed; seed {used[0]} was a tuning seed, "
                          "the held-out seeds must be new")
-    table = trials(runs)
+    table = trials(runs, select)
     columns = settings_of(runs)
     chosen = table[table["chosen"]]
+    goals = announce(runs, table, columns)
     if args.heldout:
         heldout = Path(args.heldout)
         held = _finished_runs(heldout)
@@ -280,19 +347,27 @@ def _main(args) -> int:
 
         name = f"{experiment or 'tuning'}_heldout"
         path = CONF_DIR / "experiment" / f"{name}.yaml"
-        text, same = heldout_experiment(chosen, columns, experiment or "baselines", seeds)
+        text, same = heldout_experiment(chosen, columns, experiment or "baselines", seeds, select)
         if path.exists() and path.read_text() != text and not args.force:
             raise ValueError(f"{path} exists and holds another choice; add --force to replace it")
 
     write_atomic(sweep / "tuning.csv", table.to_csv(index=False).encode())
-    figure = sensitivity_figure(table, sweep / "sensitivity.png")
-    show = chosen[["algorithm", "workers", "setting", "seeds", "diverged", f"{SCORE}_mean"]]
+    write_atomic(sweep / "targets.csv", goals.to_csv(index=False).encode())
+    figure = sensitivity_figure(table, sweep / "sensitivity.png") if select == SCORE else None
+    show = chosen[["algorithm", "workers", "setting", "seeds", "diverged", f"{select}_mean"]]
+    best = "lowest mean validation loss" if select == SCORE else "highest mean validation accuracy"
     print(f"tuning: {len(table)} trials of {table['algorithm'].nunique()} algorithms in {sweep} "
-          f"({len(runs)} runs); the chosen setting of each algorithm at each n (lowest mean validation loss):")
-    print(_markdown(show.rename(columns={"workers": "n", f"{SCORE}_mean": "val loss (tuning seeds)"})))
-    print(f"trials: {sweep / 'tuning.csv'}; sensitivity figure: {figure}")
+          f"({len(runs)} runs); the chosen setting of each algorithm at each n ({best}, on the tuning seeds):")
+    print(_markdown(show.rename(columns={"workers": "n", f"{select}_mean": f"{select.replace('_', ' ')} "
+                                                                           "(tuning seeds)"})))
+    print(f"trials: {sweep / 'tuning.csv'}; targets announced for the held-out comparison: {sweep / 'targets.csv'} ("
+          + "; ".join(f"{target.describe_workload(r)}: {r['target']:.4f}, set by {r['set_by']}"
+                      for _, r in goals.iterrows()) + ")" + (f"; sensitivity figure: {figure}" if figure else ""))
     if args.heldout:
-        _write_comparison(compare(table, held, experiment, columns), sweep, heldout, out)
+        ev = load.commits(heldout, table="eval", columns=["algorithm", "workers", "seed", "status", "engine"],
+                          meta=held)
+        hit = target.times(held, ev, goals)
+        _write_comparison(compare(table, held, experiment, columns, hit), sweep, heldout, out, goals)
         return 0
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, text.encode())
@@ -325,18 +400,26 @@ def _declared_seeds(sweep: Path) -> str:
     return str(seeds) if seeds is not None else ",".join(map(str, HELDOUT_SEEDS))
 
 
-def _write_comparison(c: pd.DataFrame, sweep: Path, heldout: Path, out: Path) -> None:
-    shown = c[["algorithm", "n", "paper setting", "paper val loss", "paper diverged", "tuned setting",
-               "tuned val loss", "tuned diverged"]]
-    text = _markdown(shown)
+def _write_comparison(c: pd.DataFrame, sweep: Path, heldout: Path, out: Path, goals: pd.DataFrame) -> None:
+    cols = ["algorithm", "n"]
+    for name in ("paper", "tuned"):
+        cols += [f"{name} setting", f"{name} test loss", f"{name} test accuracy", f"{name} diverged",
+                 *([f"{name} steps to target", f"{name} time to target"] if f"{name} steps to target" in c else [])]
+    text = _markdown(c[[x for x in cols if x in c]])
+    targets = "; ".join(f"{target.describe_workload(r)}: val loss {r['target']:.4f} (set by {r['set_by']})"
+                        for _, r in goals.iterrows())
     page = (f"# The tuning protocol: the paper's setting and the tuned one, on held-out seeds\n\n"
-            f"Final validation loss, mean ± the half-width of its 95% t interval over k held-out seeds, of each "
-            f"algorithm at each n: at the paper's setting (η as the experiment sets it, every knob at its default) and "
-            f"at the setting chosen on the tuning sweep {sweep} (lowest mean validation "
-            f"loss over its seeds). Runs: {heldout}. Written by `python -m analysis.tune`.\n\n{text}\n")
+            f"Each algorithm at each n, at the paper's setting (η as the experiment sets it, every knob at its "
+            f"default) and at the setting chosen on the tuning sweep {sweep} (lowest mean validation loss over its "
+            f"seeds), both rerun on the held-out seeds ({heldout}). Test loss and accuracy: the final central "
+            f"variable on the test split, which no choice has seen; the mean and its 95% t interval over the k "
+            f"completed seeds (log scale for the loss, logit for the accuracy). Steps and time to target: the "
+            f"median over the held-out runs that ended of when the validation loss first reached the target "
+            f"announced from the tuning seeds ({targets}; analysis.target), a run that never did counting as "
+            f"infinite, with how many got there. Written by `python -m analysis.tune`.\n\n{text}\n")
     write_atomic(out, (c.to_csv(index=False) if out.suffix == ".csv" else page).encode())
-    print("held-out seeds: final validation loss, mean ± 95% t interval (k seeds), the paper's protocol and the "
-          "tuned one")
+    print("held-out seeds: final test loss and accuracy, mean [95% t interval] (k seeds), and the time to the "
+          "announced target; the paper's protocol and the tuned one")
     print(text)
     print(f"table: {out}")
 

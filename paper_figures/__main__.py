@@ -24,9 +24,9 @@ from paper_figures.figures import FIGURES, SOURCES, NoRuns
 IDS = (*FIGURES, "baselines")
 
 
-def draw(fig_id: str, paths, out: Path, target: float = report.DEFAULT_TARGET, band="minmax") -> list[Path]:
+def draw(fig_id: str, paths, out: Path, target: float | None = None, band="minmax", target_from=None) -> list[Path]:
     if fig_id == "baselines":
-        return [report.write(paths, out / "baselines.html", target, band)]
+        return [report.write(paths, out / "baselines.html", target, target_from, band)]
     from analysis.plots import save
 
     return save(FIGURES[fig_id](paths, band=band), out, fig_id)
@@ -49,7 +49,7 @@ def sweeps_by_experiment(root) -> dict[str, list[list[Path]]]:
     return {k: [v[s] for s in sorted(v, key=rank.get, reverse=True)] for k, v in found.items()}
 
 
-def draw_all(root, out: Path, target: float, band="minmax") -> tuple[int, int]:
+def draw_all(root, out: Path, target: float | None = None, band="minmax", target_from=None) -> tuple[int, int]:
     """Draw every figure it finds runs for; returns (drawn, not drawn)."""
     sweeps = sweeps_by_experiment(root)
     drawn = missing = 0
@@ -62,7 +62,7 @@ def draw_all(root, out: Path, target: float, band="minmax") -> tuple[int, int]:
         run_dirs = sweeps[source][0]
         where = run_dirs[0].parent
         try:
-            paths = draw(fig_id, run_dirs, out, target, band)
+            paths = draw(fig_id, run_dirs, out, target, band, target_from)
             print(f"{fig_id}: {', '.join(map(str, paths))}  (from {where}: {load.describe(load.runs(run_dirs))})")
             drawn += 1
         except Exception as e:  # one figure's problem must not stop the others
@@ -77,16 +77,19 @@ def main(argv=None) -> int:
     p.add_argument("figure", choices=[*IDS, "all"], metavar="{" + ",".join(IDS) + ",all}")
     p.add_argument("paths", nargs="+", help="sweep or run directories (for all: a root to search)")
     p.add_argument("--out", type=Path, default=Path("figures"), help="output folder (default: ./figures)")
-    p.add_argument("--target-loss", type=float, default=report.DEFAULT_TARGET, help="baselines report target")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--target", type=float, help="baselines report: one validation-loss target for every workload")
+    group.add_argument("--target-from", metavar="SWEEP_OR_CSV",
+                       help="baselines report: targets announced before (a tuning sweep's targets.csv)")
     p.add_argument("--band", choices=["minmax", "ci", "none"], default="minmax",
                    help="the band around each mean over seeds: min–max (default), 95%% t interval, or none")
     args = p.parse_args(argv)
     band = None if args.band == "none" else args.band
     try:
         if args.figure == "all":
-            drawn, _ = draw_all(args.paths, args.out, args.target_loss, band)
+            drawn, _ = draw_all(args.paths, args.out, args.target, band, args.target_from)
             return 0 if drawn else 1
-        for path in draw(args.figure, args.paths, args.out, args.target_loss, band):
+        for path in draw(args.figure, args.paths, args.out, args.target, band, args.target_from):
             print(path)
         print(load.describe(load.runs(args.paths)))  # what the figure's title says of its runs, here too
     except (NoRuns, FileNotFoundError, ValueError, OSError) as e:

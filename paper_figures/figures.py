@@ -32,7 +32,7 @@ SOURCES = {
     "fig10": ("fig9_10", "fig7"), "fig9_10": ("fig9_10", "fig7"), "baselines": ("baselines",),
 }
 COMMIT_COLUMNS = ["algorithm", "workers", "seed", "status", "experiment", "algorithm.kappa", "algorithm.window", "lr",
-                  "engine.staleness", "engine.cycle_cv",
+                  "engine.staleness", "engine.cycle_cv", "staleness_model",
                   "data", "engine", "epochs", "steps", "batch_size", "train_examples"]
 
 
@@ -113,6 +113,10 @@ def _finish(fig, number: str, what: str, frame: pd.DataFrame, r: pd.DataFrame | 
     for col in ("data", "engine"):
         if col in runs and runs[col].notna().any():
             bits.append("/".join(sorted(map(str, runs[col].dropna().unique()))))
+    if "staleness_model" in runs and runs["staleness_model"].notna().any():  # which staleness model ran
+        bits.append("staleness " + " / ".join(sorted(map(str, runs["staleness_model"].dropna().unique()))))
+    elif "engine.staleness" in runs and runs["engine.staleness"].notna().any() and "sim" in set(runs.get("engine", [])):
+        bits.append("staleness " + "/".join(sorted(map(str, runs["engine.staleness"].dropna().unique()))))
     if "seed" in runs:
         bits.append(plots.seeds_text(runs["seed"].nunique()))
     exps = sorted(map(str, runs["experiment"].dropna().unique())) if "experiment" in runs else []

@@ -17,7 +17,7 @@ import pytest
 import warm_run
 from omegaconf import OmegaConf
 
-from analysis import from_wandb, load, plots, report
+from analysis import from_wandb, load, plots, report, target
 from experiments.command import preflight
 from experiments.config import CONF_DIR, ConfigError, check_job, compose, expand, options
 from experiments.runner import run
@@ -221,20 +221,24 @@ def test_failed_and_incomplete_runs_are_drawn_dotted_on_their_own_not_averaged()
 
 
 def test_band_ci_is_the_t_interval_over_the_runs_and_minmax_their_range():
-    # three runs at steps 1 and 2: at step 2 the values 1, 2, 3 (mean 2, sd 1); t(0.975, 2) = 4.302653
+    # three runs at steps 1 and 2: at step 2 the losses 1, 2, 3 (mean 2); t(0.975, 2) = 4.302653, on the log scale
+    # (a loss's interval stays above 0: analysis.stats), mapped back
     f = _frame(run_dir=["a", "b", "c"] * 2, workers=2, worker_step=[1] * 3 + [2] * 3,
                loss=[4.0, 4.0, 4.0, 1.0, 2.0, 3.0])
     agg = plots.aggregate(f, "worker_step", "loss", "workers").set_index("worker_step")
-    half = 4.302653 / np.sqrt(3)
-    assert (agg.loc[2.0, "ci_lo"], agg.loc[2.0, "ci_hi"]) == (pytest.approx(2 - half), pytest.approx(2 + half))
+    z = np.log([1.0, 2.0, 3.0])
+    h = 4.302653 * z.std(ddof=1) / np.sqrt(3)
+    lo_ci, hi_ci = np.exp(z.mean() - h), np.exp(z.mean() + h)
+    assert (agg.loc[2.0, "ci_lo"], agg.loc[2.0, "ci_hi"]) == (pytest.approx(lo_ci), pytest.approx(hi_ci))
+    assert 0 < lo_ci < 1
     assert (agg.loc[2.0, "lo"], agg.loc[2.0, "hi"]) == (1.0, 3.0)
     assert (agg.loc[1.0, "ci_lo"], agg.loc[1.0, "ci_hi"]) == (4.0, 4.0)  # no spread: no width
-    for band, top in (("ci", 2 + half), ("minmax", 3.0), (True, 3.0)):
+    for band, top in (("ci", hi_ci), ("minmax", 3.0), (True, 3.0)):
         fig, ax = plots.plt.subplots()
         plots.curves(f, ax, x="worker_step", y="loss", hue="workers", log=False, band=band)
         (poly,) = ax.collections
         assert poly.get_paths()[0].vertices[:, 1].max() == pytest.approx(max(top, 4.0))
-        assert poly.get_paths()[0].vertices[:, 1].min() == pytest.approx(2 - half if band == "ci" else 1.0)
+        assert poly.get_paths()[0].vertices[:, 1].min() == pytest.approx(lo_ci if band == "ci" else 1.0)
     for band in (None, False):
         fig, ax = plots.plt.subplots()
         plots.curves(f, ax, x="worker_step", y="loss", hue="workers", band=band)
@@ -246,7 +250,7 @@ def test_band_ci_is_the_t_interval_over_the_runs_and_minmax_their_range():
                                                                                                         50.0])
     fig, ax = plots.plt.subplots()
     agg = plots.final_loss(runs, ax, band="ci")
-    assert agg[["mean", "count"]].values.tolist() == [[2.0, 3]] and agg["hi"].iloc[0] == pytest.approx(2 + half)
+    assert agg[["mean", "count"]].values.tolist() == [[2.0, 3]] and agg["hi"].iloc[0] == pytest.approx(hi_ci)
     assert ax.get_legend_handles_labels()[1] == ["gem (3 seeds)"]
     plots.plt.close("all")
 
@@ -533,13 +537,13 @@ def test_heatmaps_give_each_panel_its_own_colour_scale(sweep):
 @pytest.mark.slow
 @SHARED
 def test_report_has_a_row_per_algorithm_n_and_setting_and_embeds_its_figure(sweep, kappa_run, tmp_path):
-    path = report.write([sweep, kappa_run], tmp_path / "r.html", target=2.0)
+    path = report.write([sweep, kappa_run], tmp_path / "r.html", given=2.0)
     text = path.read_text()
     png = re.search(r'src="data:image/png;base64,([^"]+)"', text)
     assert png and base64.b64decode(png.group(1))[:4] == b"\x89PNG"
     r = load.runs([sweep, kappa_run])
-    m = load.commits([sweep, kappa_run], columns=["algorithm", "workers", "seed", "status"])
-    tab = report.table(r, m, 2.0)
+    ev = load.commits([sweep, kappa_run], table="eval", columns=["algorithm", "workers", "seed", "status", "engine"])
+    tab = report.table(r, target.times(r, ev, 2.0))
     assert list(tab.columns[:3]) == ["algorithm", "kappa", "n"]  # κ varies among the GEM runs: its own column
     tab = tab.set_index(["algorithm", "kappa", "n"])
     gem = tab.xs("gem")
@@ -547,8 +551,9 @@ def test_report_has_a_row_per_algorithm_n_and_setting_and_embeds_its_figure(swee
     down = tab.xs("downpour").droplevel(0)
     assert down.loc[2, "status"] == "1 completed" and down.loc[3, "status"] == "1 diverged"
     assert down.loc[3, "final train loss"] == "n/a"  # a diverged run has no final loss to average
-    assert re.fullmatch(r"\d+ \(2/2\)", gem.loc[(1.0, 2), "worker steps to 2"])  # both seeds get below 2
-    assert down.loc[3, "worker steps to 2"] == "not reached (0/1)"
+    assert re.fullmatch(r"\d+ \(2/2\)", gem.loc[(1.0, 2), "worker steps to target"])  # both seeds get below 2
+    assert re.fullmatch(r"\d+\.\d sim time \(2/2\)", gem.loc[(1.0, 2), "time to target"])  # sim: simulated time
+    assert down.loc[3, "worker steps to target"] == "never (0/1)"
     for algo in ("gem", "downpour", "adaptive", "sgd"):
         assert f"<td>{algo}</td>" in text
     assert "<h2>Runs left out of the means</h2>" in text and "<td>diverged</td>" in text  # the lr = 1e6 run
@@ -557,8 +562,8 @@ def test_report_has_a_row_per_algorithm_n_and_setting_and_embeds_its_figure(swee
 @pytest.mark.slow
 @SHARED
 def test_markdown_report_links_its_png(sweep, tmp_path):
-    path = report.write(sweep, tmp_path / "r.md", target=0.5)
-    assert "| algorithm" in path.read_text() and "![loss curves](r.png)" in path.read_text()
+    path = report.write(sweep, tmp_path / "r.md", given=0.5)
+    assert "| algorithm" in path.read_text() and "![validation loss curves](r.png)" in path.read_text()
     assert (tmp_path / "r.png").stat().st_size > 5000
 
 

@@ -1,5 +1,6 @@
-"""analysis.report on a sweep written by hand (config, summary, commit rows; no run launched): the 95% t intervals
-over the completed seeds, the runs left out of the means, and the four formats."""
+"""analysis.report on a sweep written by hand (config, summary, commit and evaluation rows; no run launched): the 95%
+t intervals over the completed seeds (on the log and logit scales), the time to a validation target, the runs left
+out of the means, and the four formats."""
 
 import json
 import re
@@ -8,28 +9,41 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import load, report
+from analysis import load, report, target
 
 # its module-scoped fixtures are costly runs: under pytest-xdist its tests share one worker
 pytestmark = pytest.mark.xdist_group("report")
 
-# t(0.975, 2) = 4.3027: losses 0.1, 0.2, 0.3 have sd 0.1, so the half-width is 4.3027 · 0.1 / √3 = 0.2484
-HALF = 4.302652729911275 * 0.1 / np.sqrt(3)
+T2 = 4.302652729911275  # t(0.975, 2)
 
 
-def _run(d, algorithm, n, seed, status="completed", loss=None, accuracy=None, reason="", steps=80, summary=True):
+def log_interval(values):
+    """The 95% t interval of 3 values on the log scale, mapped back (analysis.stats)."""
+    z = np.log(values)
+    half = T2 * z.std(ddof=1) / np.sqrt(len(z))
+    return np.exp(z.mean() - half), np.exp(z.mean() + half)
+
+
+def _run(d, algorithm, n, seed, status="completed", loss=None, accuracy=None, reason="", steps=80, summary=True,
+         engine="process"):
     """A run directory as the runner leaves it: .hydra/config.yaml, metrics.parquet (a loss going from 2 down
-    by 5% a worker step) and, unless it was killed, summary.json."""
+    by 5% a worker step), eval.parquet (the validation loss the same, every other commit) and, unless it was
+    killed, summary.json."""
     (d / ".hydra").mkdir(parents=True)
-    (d / ".hydra" / "config.yaml").write_text(f"algorithm:\n  name: {algorithm}\nworkers: {n}\nseed: {seed}\n")
+    (d / ".hydra" / "config.yaml").write_text(f"algorithm:\n  name: {algorithm}\nengine:\n  name: {engine}\n"
+                                              f"workers: {n}\nseed: {seed}\n")
     step = np.arange(1, steps + 1)
     worker_step = (step - 1) // n + 1
     pd.DataFrame({"step": step, "worker": step % n, "worker_step": worker_step, "staleness": n - 1,
-                  "loss": 2.0 * 0.95 ** worker_step, "time_s": 0.1 * step}).to_parquet(d / "metrics.parquet")
+                  "loss": 2.0 * 0.95 ** worker_step, "time_s": 1.0 + 0.1 * step}).to_parquet(d / "metrics.parquet")
+    at = np.arange(0, steps + 1, 2)
+    pd.DataFrame({"step": at, "worker_step": at / n, "time_s": 1.0 + 0.1 * at,
+                  "val_loss": 2.0 * 0.95 ** (at / n)}).to_parquet(d / "eval.parquet")
     if summary:
         (d / "summary.json").write_text(json.dumps({
             "status": status, "reason": reason, "algorithm": algorithm, "workers": n, "seed": seed, "steps": steps,
-            "final_train_loss": loss, "val_accuracy": accuracy, "mean_staleness": n - 1.0}))
+            "final_train_loss": loss, "val_loss": loss, "val_accuracy": accuracy, "test_loss": loss,
+            "test_accuracy": accuracy, "mean_staleness": n - 1.0}))
 
 
 @pytest.fixture(scope="module")
@@ -45,38 +59,83 @@ def sweep(tmp_path_factory):
     return root
 
 
-def test_means_are_over_the_completed_seeds_with_their_t_interval(sweep):
+def _hit(sweep, goal=0.5):
     r = load.runs(sweep)
-    m = load.commits(sweep, columns=["algorithm", "workers", "seed", "status"], meta=r)
-    s = report.summary(r, m, 0.5).set_index("algorithm")
+    ev = load.commits(sweep, table="eval", columns=["algorithm", "workers", "seed", "status", "engine"], meta=r)
+    return r, target.times(r, ev, goal)
+
+
+def test_means_are_over_the_completed_seeds_with_their_t_interval(sweep):
+    r, hit = _hit(sweep)
+    s = report.summary(r, hit).set_index("algorithm")
     gem = s.loc["gem"]
     assert (gem["runs"], gem["completed"], gem["failed"], gem["incomplete"], gem["diverged"]) == (5, 3, 1, 1, 0)
     assert gem["final_train_loss_mean"] == pytest.approx(0.2) and gem["final_train_loss_k"] == 3
-    assert (gem["final_train_loss_ci_lo"], gem["final_train_loss_ci_hi"]) == pytest.approx((0.2 - HALF, 0.2 + HALF))
+    lo, hi = log_interval([0.1, 0.2, 0.3])  # a loss's interval: on the log scale, above 0 (plain t: -0.048)
+    assert (gem["final_train_loss_ci_lo"], gem["final_train_loss_ci_hi"]) == pytest.approx((lo, hi))
+    assert lo > 0 and gem["test_loss_ci_lo"] == pytest.approx(lo)
     assert gem["target_runs"] == 3 and gem["reached"] == 3  # the failed and the killed run are not measured
-    t = report.table(r, m, 0.5).set_index("algorithm")
-    assert t.loc["gem", "final train loss"] == "0.200 ± 0.248 (k=3)"
-    assert t.loc["gem", "val accuracy"] == "0.9200 ± 0.0497 (k=3)"
-    assert t.loc["gem", "mean staleness"] == "1.00 ± 0.00 (k=3)"
+    t = report.table(r, hit).set_index("algorithm")
+    assert t.loc["gem", "final train loss"] == f"0.200 [{lo:.3f}, {hi:.3f}] (k=3)"
+    acc = np.log(np.array([0.90, 0.92, 0.94]) / (1 - np.array([0.90, 0.92, 0.94])))  # logit scale: inside (0, 1)
+    half = T2 * acc.std(ddof=1) / np.sqrt(3)
+    lo_a, hi_a = 1 / (1 + np.exp(-(acc.mean() - half))), 1 / (1 + np.exp(-(acc.mean() + half)))
+    assert t.loc["gem", "val accuracy"] == f"0.9200 [{lo_a:.4f}, {hi_a:.4f}] (k=3)" and hi_a < 1
+    assert t.loc["gem", "mean staleness"] == "1.00 [1.00, 1.00] (k=3)"
     assert t.loc["gem", "status"] == "3 completed, 1 failed, 1 incomplete"
     assert t.loc["async_localsgd", "final train loss"] == "0.500 (k=1)"  # one seed: no interval
-    assert t.loc["gem", "worker steps to 0.5"] == "28 (3/3)"  # 2 · 0.95^28 = 0.476
+    # the first evaluation at or below 0.5: worker step 28 (2 · 0.95^28 = 0.476), commit 56, 5.5 s after the first
+    # commit (time_s 1.1 at commit 1, 6.6 at commit 56)
+    assert t.loc["gem", "worker steps to target"] == "28 (3/3)"
+    assert t.loc["gem", "time to target"] == "6 s (3/3)"
+    assert s.loc["gem", "time_to_target_median"] == pytest.approx(5.5)
+
+
+def test_a_run_that_never_reaches_the_target_takes_forever_and_a_killed_one_is_not_counted(sweep):
+    r, hit = _hit(sweep, goal=0.01)  # below every curve
+    h = hit.set_index(hit["run_dir"].map(lambda d: d.rsplit("/", 1)[-1]))
+    assert np.isinf(h.loc["0", "time"]) and not h.loc["0", "reached"]
+    assert np.isnan(h.loc["3", "time"]) and np.isnan(h.loc["4", "time"])  # failed, killed: might have got there
+    t = report.table(r, hit).set_index("algorithm")
+    assert t.loc["gem", "worker steps to target"] == "never (0/3)"
+
+
+def test_the_target_is_the_best_methods_median_final_validation_loss_and_a_diverged_seed_is_infinite(tmp_path):
+    for seed, loss in enumerate((0.2, 0.1, 0.3)):
+        _run(tmp_path / f"g{seed}", "gem", 2, seed, loss=loss, accuracy=0.9)
+    for seed, loss in enumerate((0.05, 0.06)):
+        _run(tmp_path / f"d{seed}", "downpour", 2, seed, loss=loss, accuracy=0.9)
+    _run(tmp_path / "d2", "downpour", 2, 2, status="diverged")
+    t = target.announce(load.runs(tmp_path))
+    # gem's median 0.2; downpour's over 0.05, 0.06 and +inf (diverged): 0.06
+    assert t["target"].tolist() == [pytest.approx(0.06)] and t["set_by"].tolist() == ["downpour"]
+    # two seeds: the higher middle value (both reach it); a method's time: the lower one (half of them got there)
+    assert target.upper_median([1.0, 2.0]) == 2.0 and target.lower_median([1.0, np.inf]) == 1.0
 
 
 def test_markdown_report_says_first_which_runs_are_left_out_and_lists_them(sweep, tmp_path):
     text = report.write(sweep, tmp_path / "r.md").read_text()
     paragraphs = text.split("\n\n")
+    assert paragraphs[0] == f"# Report: runs (from {sweep.name})"  # its title names the sweep
+    # the targets were set from these runs: said, as not announced in advance
+    assert "not announced in advance" in paragraphs[2] and "test split is evaluated once" in paragraphs[2]
     assert paragraphs[1] == ("**2 of 6 runs are not completed (1 failed, 1 incomplete) and are left out of the "
                              "means: see “Runs left out of the means” below.**")
     assert "Student's t" in paragraphs[2] and "95%" in paragraphs[2] and "left out of the means" in paragraphs[2]
-    section = text.split("## Runs left out of the means")[1].split("## Loss curves")[0]
+    section = text.split("## Runs left out of the means")[1].split("## Validation loss")[0]
     rows = [line for line in section.splitlines() if line.startswith("|") and "---" not in line][1:]
     cells = [[c.strip() for c in re_split(row)] for row in rows]
     assert [c[:6] for c in cells] == [["3", "gem", "2", "3", "failed", "80"],
                                       ["4", "gem", "2", "4", "incomplete", "48"]]  # a killed run: its last step
     assert cells[0][6] == r"cannot write x: disk \| full"  # a | in a reason does not split the row
     assert "no summary.json" in cells[1][6]
-    assert (tmp_path / "r.png").stat().st_size > 5000 and "![loss curves](r.png)" in text
+    assert (tmp_path / "r.png").stat().st_size > 5000 and "![validation loss curves](r.png)" in text
+    # set from these runs, the target is GEM's median final validation loss, 0.2, which its curves (down to 0.26)
+    # never reach: no profile, and the page says why
+    assert "No method reached a target on any workload" in text and not (tmp_path / "r_profile.png").exists()
+    text = report.write(sweep, tmp_path / "g.md", given=0.5).read_text()
+    assert (tmp_path / "g_profile.png").stat().st_size > 5000 and "![performance profile](g_profile.png)" in text
+    assert "the validation loss 0.5, given on the command line" in text
 
 
 def re_split(row: str) -> list[str]:
@@ -85,15 +144,17 @@ def re_split(row: str) -> list[str]:
 
 
 def test_csv_is_the_tables_numbers_and_reads_back(sweep, tmp_path):
-    path = report.write(sweep, tmp_path / "t.csv")
+    path = report.write(sweep, tmp_path / "t.csv", given=0.5)
     c = pd.read_csv(path)
-    for q in ("final_train_loss", "val_accuracy", "mean_staleness"):
+    for q in ("final_train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy", "mean_staleness",
+              "wall_time_s"):
         assert {f"{q}_mean", f"{q}_ci_lo", f"{q}_ci_hi", f"{q}_k"} <= set(c.columns)
         assert pd.api.types.is_float_dtype(c[f"{q}_mean"])
-    assert {"algorithm", "n", "runs", "completed", "diverged", "failed", "incomplete", "target_loss", "target_runs",
-            "reached", "worker_steps_to_target_median", "seconds_to_target_median"} <= set(c.columns)
+    assert {"algorithm", "n", "runs", "completed", "diverged", "failed", "incomplete", "target", "target_runs",
+            "reached", "worker_steps_to_target_median", "time_to_target_median", "clock"} <= set(c.columns)
     gem = c.set_index("algorithm").loc["gem"]
-    assert gem["final_train_loss_ci_hi"] == pytest.approx(0.2 + HALF) and gem["worker_steps_to_target_median"] == 28
+    assert gem["final_train_loss_ci_hi"] == pytest.approx(log_interval([0.1, 0.2, 0.3])[1])
+    assert gem["worker_steps_to_target_median"] == 28 and gem["clock"] == "seconds" and gem["target"] == 0.5
     assert np.isnan(c.set_index("algorithm").loc["async_localsgd", "final_train_loss_ci_lo"])  # k = 1
 
 
@@ -107,7 +168,8 @@ def test_tex_is_a_booktabs_table_with_escaped_text(sweep, tmp_path):
     assert [x for x in body if x in (r"\toprule", r"\midrule", r"\bottomrule")] == [r"\toprule", r"\midrule",
                                                                                     r"\bottomrule"]
     assert r"async\_localsgd & 2 & 1 &" in text and "async_localsgd" not in text
-    assert r"0.200 $\pm$ 0.248 (k=3)" in text and "±" not in text
+    lo, hi = log_interval([0.1, 0.2, 0.3])
+    assert f"0.200 [{lo:.3f}, {hi:.3f}] (k=3)" in text
     assert report.tex_escape("50% & #1 ~x") == r"50\% \& \#1 \textasciitilde{}x"
     assert not list(tmp_path.glob("*.png"))  # no figure with a table
 
@@ -120,9 +182,9 @@ def test_a_bad_suffix_is_one_line_and_writes_nothing(sweep, tmp_path, capsys):
 
 
 def test_the_target_line_leaves_the_range_alone_and_the_grid_is_narrow(sweep):
-    r = load.runs(sweep)
-    m = load.commits(sweep, columns=["algorithm", "workers", "seed", "status"], meta=r)
-    fig = report.curves_figure(r, m, target=1e-4)  # far below every curve
+    r, hit = _hit(sweep, goal=1e-4)  # far below every curve
+    ev = load.commits(sweep, table="eval", columns=["algorithm", "workers", "seed", "status"], meta=r)
+    fig = report.curves_figure(r, ev, hit)
     loss_ax, final_ax = fig.axes[0], fig.axes[1]
     assert loss_ax.get_ylim()[0] > 1e-3  # not stretched down to the target
     assert not [ln for ln in loss_ax.get_lines() if list(ln.get_ydata()) == [1e-4, 1e-4]]

@@ -17,7 +17,8 @@ def _run(d, algorithm, n, seed, lr, status="completed", val_loss=1.0, experiment
     (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
     (d / "summary.json").write_text(json.dumps({
         "status": status, "algorithm": algorithm, "workers": n, "seed": seed, "lr": lr, "experiment": experiment,
-        "val_loss": val_loss if status == "completed" else None, "val_accuracy": 0.5}))
+        "val_loss": val_loss if status == "completed" else None, "val_accuracy": 0.5,
+        "test_loss": val_loss + 0.05 if status == "completed" else None, "test_accuracy": 0.5}))
 
 
 def _tuning_sweep(root):
@@ -116,8 +117,24 @@ def test_the_two_protocols_side_by_side_on_the_held_out_seeds(tmp_path, capsys):
     assert c.loc["gem", "paper setting"] == "kappa=1 lr=0.05" and c.loc["gem", "tuned setting"] == "kappa=2 lr=0.05"
     assert c.loc["gem", "paper_val_loss_mean"] == pytest.approx(1.2)
     assert c.loc["gem", "tuned_val_loss_mean"] == pytest.approx(0.8) and c.loc["gem", "tuned_k"] == 3
+    # the held-out result is the test split's (chosen on validation, reported on test)
+    assert c.loc["gem", "tuned_test_loss_mean"] == pytest.approx(0.85)
     assert c.loc["downpour", "tuned diverged"] == 1 and c.loc["downpour", "tuned_k"] == 2
-    assert "held-out seeds: final validation loss" in capsys.readouterr().out
+    assert "held-out seeds: final test loss and accuracy" in capsys.readouterr().out
+    # the targets were announced from the tuning seeds: per workload, the best chosen setting's median final
+    # validation loss (gem κ = 2: 0.7 and 0.9, the upper middle value of two: 0.9; downpour lr 0.2: 0.7)
+    t = pd.read_csv(sweep / "targets.csv")
+    assert t["target"].tolist() == [pytest.approx(0.7)] and t["set_by"].tolist() == ["downpour"]
+
+
+def test_a_tuning_sweep_refuses_to_select_on_the_test_split(tmp_path, capsys):
+    sweep = _tuning_sweep(tmp_path / "sweep")
+    assert tune.main([str(sweep), "--select", "test_loss"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: --select=test_loss is not allowed; choose one of: val_loss, val_accuracy; the tuning "
+                   "protocol chooses on the validation split; the test split is kept for the held-out report "
+                   "(--heldout gives its test loss), and a choice made on it would leak into the result\n")
+    assert sorted(p.name for p in sweep.iterdir() if not p.name.isdigit()) == []  # nothing written
 
 
 # ------------------------------------------------------------------------------------------ grids
