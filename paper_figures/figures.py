@@ -346,7 +346,8 @@ def data_epochs(ev: pd.DataFrame) -> pd.Series:
 
 def fig5(paths, band="minmax"):
     """GEM against its proxy, momentum SGD: training and validation loss of the central variable against
-    epochs of data processed."""
+    epochs of data processed, and the final test loss (the test split is evaluated once, at the end: a star at the
+    last epoch, the mean over the completed seeds)."""
     ev, r = load_for("fig5", paths, ["algorithm", "workers"], table="eval",
                      need="fig5 needs evaluation rows of gem and sgd runs (a fig5 sweep)")
     ev = ev[~(ev["steps"] <= 0)]  # NaN steps: a run without its summary
@@ -361,10 +362,23 @@ def fig5(paths, band="minmax"):
     for ax, y in zip(axes, ("train_loss", "val_loss"), strict=True):
         plots.curves(ev, ax, x="epoch", y=y, hue="who", palette=palette, bins=1000, band=band)
         ax.set_title(plots.label(y))
+    notes = []
+    if "test_loss" in r and r["test_loss"].notna().any():  # the final θ on the test split: one point per method
+        done = plots.completed(r).merge(ev.drop_duplicates("run_dir")[["run_dir", "who", "epoch"]], on="run_dir")
+        last = ev.groupby("who")["epoch"].max()
+        for who, g in done.groupby("who"):
+            test = pd.to_numeric(g["test_loss"], errors="coerce").dropna()
+            if len(test):
+                axes[1].plot([last[who]], [test.mean()], marker="*", ms=13, color=palette[who], ls="none",
+                             label=f"{who}: final test loss {test.mean():.4f}")
+        notes.append("★: the final central variable's test loss (the test split, evaluated once at the end), mean "
+                     "over the completed seeds")
+        axes[1].set_title("validation loss (★ test loss, final)")
     plots.same_y(axes)
     plots.legend(axes[0], fontsize=8)
+    plots.legend(axes[1], fontsize=8)
     return _finish(fig, "Fig. 5", "generalisation: training and validation loss of the central variable", ev, r,
-                   band)
+                   band, notes=notes)
 
 
 def fig6(paths, band="minmax"):

@@ -222,3 +222,17 @@ def test_the_report_s_files_at_the_root_are_ignored_by_git():
     names = ["baselines.html", "baselines.md", "baselines.png", "baselines.csv", "baselines.tex", "figures/fig1.png"]
     r = subprocess.run(["git", "check-ignore", *names], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.stdout.split() == names
+
+
+def test_the_performance_profile_is_the_share_of_workloads_within_tau_of_the_fastest():
+    """Dolan and Moré on hand-made times: on workload n = 5 gem takes 10 and downpour 20; on n = 10 gem 30 and
+    downpour 15; on n = 30 gem 40 and downpour never gets there; on n = 50 nobody does (left out, and said)."""
+    methods = pd.DataFrame({"workers": [5, 5, 10, 10, 30, 30, 50, 50],
+                            "method": ["gem", "downpour"] * 4,
+                            "time": [10.0, 20.0, 30.0, 15.0, 40.0, np.inf, np.inf, np.inf]})
+    prof, dropped = target.profile(methods, taus=[1.0, 1.5, 2.0, 4.0])
+    rho = prof.pivot(index="tau", columns="method", values="rho")
+    # gem: best on n = 5 and 30, 2x on n = 10; downpour: best on n = 10, 2x on n = 5, never on n = 30
+    assert rho["gem"].tolist() == pytest.approx([2 / 3, 2 / 3, 1.0, 1.0])
+    assert rho["downpour"].tolist() == pytest.approx([1 / 3, 1 / 3, 2 / 3, 2 / 3])
+    assert dropped == ["n = 50"] and set(prof["workloads"]) == {3}
