@@ -475,7 +475,9 @@ def _write(paths, out: str | Path, given: float | None, source, band=BAND) -> tu
              f"Targets: {whence}. Worker steps and time to the target: the median over the runs that ended "
              f"(completed or diverged), a run that never got there counting as infinite, with how many got there; "
              f"time is wall-clock seconds from a run's first commit on process and distributed, the simulated "
-             f"time on sim (mean cycles of one local step; never the sim engine's machine seconds).")
+             f"time on sim (mean cycles of one local step; never the sim engine's machine seconds). Wall time is a "
+             f"run's seconds from start to end on its machine: on sim the simulation's compute, which measures the "
+             f"machine and what else ran on it, not the method.")
     numbers = numbers.assign(target_source=whence.split(":")[0] if len(numbers) else None)
     if suffix == ".csv":
         write_atomic(out, numbers.to_csv(index=False))
