@@ -37,6 +37,7 @@ from experiments import plan, rundir, runner, wandb_logger
 from experiments.config import (
     ConfigError,
     Spec,
+    budget_of,
     check_batch_size,
     check_launch,
     checked,
@@ -46,6 +47,7 @@ from experiments.config import (
     expand,
     one_line,
 )
+from experiments.job import check_length
 from experiments.rundir import Refused
 from gem import data as gdata
 
@@ -192,7 +194,8 @@ def task_config(config: DictConfig) -> DictConfig:
 
 
 def _check_data(specs: list[Spec]) -> None:
-    """Every dataset on disk (or downloaded), once per dataset, before any job starts; the batch fits it."""
+    """Every dataset on disk (or downloaded), once per dataset, before any job starts; the batch fits it, and
+    every job's length gives its workers a gradient (where the training split's size is known without loading)."""
     available = set()
     for spec in specs:
         d = spec.data
@@ -200,8 +203,10 @@ def _check_data(specs: list[Spec]) -> None:
         if key not in available:
             gdata.ensure_available(*key)
             available.add(key)
-        check_batch_size(spec.cfg.batch_size, d.name,
-                         gdata.train_size(d.name, key[1], d.synthetic.train_size, d.val_size))
+        train = gdata.train_size(d.name, key[1], d.synthetic.train_size, d.val_size)
+        check_batch_size(spec.cfg.batch_size, d.name, train)
+        if train is not None:
+            check_length(spec.cfg, spec, train, budget_of(spec.cfg))
 
 
 def check_run(config: DictConfig, exit_on_plan: bool = True) -> Spec:

@@ -270,6 +270,14 @@ def _check_data(node: DictConfig) -> DataConfig:
     for key in ("train_kwargs", "val_kwargs", "test_kwargs"):
         if node.get(key) is not None and not isinstance(node.get(key), DictConfig):
             raise ConfigError(f"data.{key} must be a mapping of keyword arguments, such as {{train: true}}")
+    splits = {key: OmegaConf.to_container(node[key], resolve=True) if key in node else default
+              for key, default in instantiate.SPLIT_KWARGS}
+    for other in ("train_kwargs", "test_kwargs"):  # validation must be its own data: choices are made on it
+        if splits["val_kwargs"] is not None and splits["val_kwargs"] == splits[other]:
+            raise ConfigError(f"data.val_kwargs={splits['val_kwargs']} is not allowed; it loads the same split as "
+                              f"data.{other}, and validation must be data no other split holds: set it to null "
+                              f"(hold out data.val_size examples of the training split) or to another split's "
+                              f"arguments")
     val_size = node.get("val_size", gdata.VAL_SIZE)
     if not isinstance(val_size, int) or isinstance(val_size, bool) or val_size < 1:
         raise ConfigError(f"data.val_size={val_size} is not allowed; it must be an integer >= 1")

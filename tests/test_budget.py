@@ -105,3 +105,16 @@ def test_the_plan_counts_the_evaluations_and_names_the_knob_that_shortens_them(c
         command.preflight(["-m", "seed=0,1", *SIM, "budget.commits=30", "plan=true"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:4]]
     assert [int(r[4].replace(",", "")) for r in rows] == [30, 30]  # the plan knows the cap
+
+
+def test_stopped_by_names_the_workers_own_length_when_every_commit_was_made():
+    """A run that made every worker's commits just before budget.seconds ran out was not stopped by it."""
+    from types import SimpleNamespace
+
+    from gem.engines.core import stopped_by
+
+    job = SimpleNamespace(budget={"seconds": 5.0})
+    assert stopped_by(job, 60, 6.0, full=True) == "epochs"
+    assert stopped_by(job, 45, 6.0, full=False) == "budget.seconds"
+    assert stopped_by(SimpleNamespace(budget={"worker_steps": 7, "commits": 21}), 21, 1.0, full=True) == \
+        "budget.worker_steps"

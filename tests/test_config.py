@@ -95,6 +95,14 @@ BAD = [
     (["hydra.run.dir="], "hydra.run.dir='' is not allowed: it would write the run's files into the current "
                          "directory"),  # the checkout root, say
     (["-m", "seed=0,1", "hydra.sweep.dir=."], "hydra.sweep.dir='.' is not allowed"),
+    # validation that is the test split (or the training split) would leak into every choice made on it
+    (["data._target_=torchvision.datasets.MNIST", "+data.val_kwargs={train: false}"],
+     "data.val_kwargs={'train': False} is not allowed; it loads the same split as data.test_kwargs"),
+    (["data._target_=torchvision.datasets.MNIST", "+data.val_kwargs={train: true}"],
+     "data.val_kwargs={'train': True} is not allowed; it loads the same split as data.train_kwargs"),
+    # every job of a sweep is long enough, checked before the first starts
+    (["-m", "epochs=1,0.0001", "engine=sim"], "epochs=0.0001 (23 mini-batches of 64 per epoch of data=digits) gives "
+                                              "each worker 0 gradient step(s); it needs at least one"),
 ]
 
 

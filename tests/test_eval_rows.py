@@ -48,3 +48,26 @@ def test_every_evaluation_row_has_the_mean_worker_step(data, tmp_path, algorithm
     assert ev["worker_step"].iloc[-1] == m["worker_step"].max() == 256 // 32
     if workers == 1 and window == 1:
         assert ev["worker_step"].tolist() == ev["step"].tolist()
+
+
+def test_an_evaluation_row_is_timed_when_theta_was_taken_not_when_its_evaluation_ended(data, monkeypatch):
+    """On the real engines the workers go on committing while θ is evaluated: the row's time_s is the snapshot's,
+    so a time to a target read from it does not include the evaluation's own seconds."""
+    import time
+
+    from gem.engines.core import Evaluator
+    from gem.models import FlatModel
+
+    job = Job(algorithm="sgd", hp=algorithms.get("sgd").Params(), model="mnist_cnn", data=data, workers=1,
+              batch_size=32, epochs=1, seed=0, engine={"name": "sim"}, eval_every=1, eval_train_size=64)
+    evaluate = Evaluator(job, data)
+    slow = FlatModel.evaluate
+
+    def evaluate_slowly(self, x, y, batch_size=1024):
+        time.sleep(0.5)
+        return slow(self, x, y, batch_size)
+
+    monkeypatch.setattr(FlatModel, "evaluate", evaluate_slowly)
+    t0 = time.perf_counter()
+    row = evaluate(evaluate.model.param.clone(), step=0, t0=t0)
+    assert time.perf_counter() - t0 >= 1.0 and row["time_s"] < 0.5

@@ -33,7 +33,7 @@ import torch
 
 from gem.engines import Result
 from gem.engines import checkpoint as ckpt
-from gem.engines.core import finite, stopped_by
+from gem.engines.core import commits_per_worker, finite, stopped_by
 from gem.engines.server import Server
 
 POLL_S = 0.5  # how often the loop looks at the workers when nothing arrives
@@ -285,7 +285,8 @@ class Coordinator:
             return Result("diverged", steps, reason=f"non-finite central variable at commit {steps}", extra=extra)
         if not self.finished:
             return Result("failed", steps, reason="; ".join(self.lost) or "no worker finished", extra=extra)
-        extra["stopped_by"] = stopped_by(self.job, steps, self.now(), self.sim_capped)
+        full = steps >= self.job.workers * commits_per_worker(self.job, self.window)  # every worker's whole length
+        extra["stopped_by"] = stopped_by(self.job, steps, self.now(), self.sim_capped, full)
         if self.recorder.last_eval is None or self.recorder.last_eval["step"] != steps:
             self.record_eval(steps, theta)
         extra.update(self.evaluate.test(theta))

@@ -79,24 +79,28 @@ def capped(job, t: int, now: float) -> bool:
     """Whether a cap of the job's budget has been reached, so that a worker takes no new gradient: the server's
     clock t has reached `budget.commits`, or `now` (seconds since the run started) `budget.seconds`. On `sim` the
     clock is exact (one cycle at a time); on the real engines the gradients in progress still commit, so a run ends
-    a few commits past the cap (at most one per other worker, and the rest of a window). `budget.sim_time` is the
-    sim engine's own (gem.engines.sim)."""
+    a few commits past the cap (at most one per other worker; a window cut short by the cap commits nothing).
+    `budget.sim_time` is the sim engine's own (gem.engines.sim)."""
     budget = getattr(job, "budget", None) or {}
     commits, seconds = budget.get("commits"), budget.get("seconds")
     return bool((commits and t >= commits) or (seconds and now >= seconds))
 
 
-def stopped_by(job, t: int, now: float, sim_capped: bool = False) -> str:
-    """Which limit ended a completed run: `budget.commits`, `budget.sim_time`, `budget.seconds`, else the workers'
-    own length (`budget.worker_steps` or `epochs`)."""
+def stopped_by(job, t: int, now: float, sim_capped: bool = False, full: bool = False) -> str:
+    """Which limit ended a completed run: the workers' own length (`budget.worker_steps` or `epochs`) when they
+    all made every commit of it (`full`: a run that ends just before a cap was not stopped by it), else
+    `budget.commits`, `budget.sim_time` or `budget.seconds`, whichever was reached."""
     budget = getattr(job, "budget", None) or {}
+    own = "budget.worker_steps" if budget.get("worker_steps") else "epochs"
+    if full:
+        return own
     if budget.get("commits") and t >= budget["commits"]:
         return "budget.commits"
     if sim_capped:
         return "budget.sim_time"
     if budget.get("seconds") and now >= budget["seconds"]:
         return "budget.seconds"
-    return "budget.worker_steps" if budget.get("worker_steps") else "epochs"
+    return own
 
 
 def commits_per_worker(job, window: int) -> int:
@@ -128,11 +132,14 @@ class Evaluator:
         self.train_x, self.train_y = data.train_x[idx], data.train_y[idx]
 
     def __call__(self, theta: torch.Tensor, step: int, t0: float, **extra) -> dict:
+        # time_s is when θ was taken, not when its evaluation ended: on the real engines the workers go on committing
+        # while it runs, and a time to a target read from this row must not include the evaluation's seconds
+        stamp = time.perf_counter() - t0
         self.model.load(theta)
         self.model.recalibrate(self.train_x, self.batch_size)
         val_loss, val_acc = self.model.evaluate(self.data.val_x, self.data.val_y)
         train_loss, train_acc = self.model.evaluate(self.train_x, self.train_y)
-        return {"step": step, "time_s": time.perf_counter() - t0, "val_loss": val_loss,
+        return {"step": step, "time_s": stamp, "val_loss": val_loss,
                 "val_accuracy": val_acc, "train_loss": train_loss, "train_accuracy": train_acc, **extra}
 
     def test(self, theta: torch.Tensor) -> dict:
