@@ -112,7 +112,7 @@ def targets_for(runs: pd.DataFrame, given: float | None = None, source: str | Pa
         t = target.read_targets(source)
         return t, (f"announced before these runs: {Path(source)} (per workload, the best tuned method's median final "
                    "validation loss, AlgoPerf's rule)")
-    t = target.announce(runs)
+    t = target.announce(runs.assign(variant=variants(runs)[0]))  # per variant: κ = 1 and κ = 4 are two methods
     return t, ("set from these very runs (per workload, the best method's median final validation loss, AlgoPerf's "
                "rule): not announced in advance, so the method that sets a target reaches it by construction; "
                "pass --target-from <tuning sweep> to measure against targets chosen before")
@@ -190,6 +190,8 @@ def table(runs: pd.DataFrame, hit: pd.DataFrame, numbers: pd.DataFrame | None = 
                                       f" {CLOCKS.get(c, '')}".rstrip() if c else "")
                              for v, k, t, c in zip(s["time_to_target_median"], s["reached"], s["target_runs"],
                                                    s["clock"], strict=True)]
+    for c in ("worker steps to target", "time to target"):  # targets announced for other workloads only
+        out[c] = out[c].where(s["target"].notna(), "n/a (no target announced for this workload)")
     return out
 
 
@@ -369,6 +371,11 @@ def profile_png(runs: pd.DataFrame, hit: pd.DataFrame) -> tuple[bytes | None, st
             "method's.")
     if dropped:
         note += f" Left out, as no method reached their target: {'; '.join(dropped)}."
+    untargeted = runs.merge(hit, on="run_dir")
+    untargeted = untargeted[untargeted["target"].isna()].drop_duplicates(target.workload_keys(runs))
+    if len(untargeted):
+        note += (" Left out, as no target was announced for them: "
+                 f"{'; '.join(target.describe_workload(r) for _, r in untargeted.iterrows())}.")
     return buf.getvalue(), note
 
 

@@ -136,8 +136,9 @@ def _sim_time(run_dir: str, ev: pd.DataFrame) -> pd.Series:
 def times(runs: pd.DataFrame, evals: pd.DataFrame, targets: pd.DataFrame | float) -> pd.DataFrame:
     """One row per run: its target, whether it reached it, and when: `worker_step`, `step` (commits), `seconds`
     (process, distributed: wall clock from its first commit) or `sim_time` (sim), and `time`, the engine's own
-    (seconds or sim_time; `clock` says which). +inf when it never got there, NaN when it did not end. `targets`:
-    a number for every run, or `announce`'s frame, joined on the workload's columns."""
+    (seconds or sim_time; `clock` says which). +inf when it never got there, NaN when it did not end or when its
+    workload has no target (`targets` announced for other workloads). `targets`: a number for every run, or
+    `announce`'s frame, joined on the workload's columns."""
     keys = workload_keys(runs)
     if isinstance(targets, (int, float)):
         r = runs.assign(target=float(targets))
@@ -170,7 +171,7 @@ def times(runs: pd.DataFrame, evals: pd.DataFrame, targets: pd.DataFrame | float
                 else:
                     rec["seconds"] = max(0.0, float(first["time_s"]) - _first_commit_s(run["run_dir"]))
                 rec["time"] = rec[clock]
-        if not rec["reached"] and ended:  # AlgoPerf: a run that never reaches the target takes forever
+        if not rec["reached"] and ended and np.isfinite(run["target"]):  # AlgoPerf: never reached takes forever
             rec.update(worker_step=math.inf, step=math.inf, time=math.inf, **{clock: math.inf})
         out.append(rec)
     return pd.DataFrame(out)

@@ -25,13 +25,14 @@ def log_interval(values):
 
 
 def _run(d, algorithm, n, seed, status="completed", loss=None, accuracy=None, reason="", steps=80, summary=True,
-         engine="process"):
+         engine="process", kappa=None):
     """A run directory as the runner leaves it: .hydra/config.yaml, metrics.parquet (a loss going from 2 down
     by 5% a worker step), eval.parquet (the validation loss the same, every other commit) and, unless it was
     killed, summary.json."""
     (d / ".hydra").mkdir(parents=True)
-    (d / ".hydra" / "config.yaml").write_text(f"algorithm:\n  name: {algorithm}\nengine:\n  name: {engine}\n"
-                                              f"workers: {n}\nseed: {seed}\n")
+    (d / ".hydra" / "config.yaml").write_text(f"algorithm:\n  name: {algorithm}\n"
+                                              + (f"  kappa: {kappa}\n" if kappa is not None else "")
+                                              + f"engine:\n  name: {engine}\nworkers: {n}\nseed: {seed}\n")
     step = np.arange(1, steps + 1)
     worker_step = (step - 1) // n + 1
     pd.DataFrame({"step": step, "worker": step % n, "worker_step": worker_step, "staleness": n - 1,
@@ -236,3 +237,19 @@ def test_the_performance_profile_is_the_share_of_workloads_within_tau_of_the_fas
     assert rho["gem"].tolist() == pytest.approx([2 / 3, 2 / 3, 1.0, 1.0])
     assert rho["downpour"].tolist() == pytest.approx([1 / 3, 1 / 3, 2 / 3, 2 / 3])
     assert dropped == ["n = 50"] and set(prof["workloads"]) == {3}
+
+
+def test_the_report_sets_its_targets_per_setting_and_says_where_none_was_announced(tmp_path, sweep):
+    """gem at κ = 1 (0.10, 0.11) and κ = 4 (1.0, 1.1) are two methods: κ = 1 sets the target, not a pool of both
+    (whose median, 1.0, would let downpour's 0.30 set it)."""
+    for seed, (kappa, loss) in enumerate([(1, 0.10), (1, 0.11), (4, 1.0), (4, 1.1)]):
+        _run(tmp_path / f"g{seed}", "gem", 2, seed % 2, loss=loss, accuracy=0.9, kappa=kappa)
+    for seed, loss in enumerate((0.30, 0.31)):
+        _run(tmp_path / f"d{seed}", "downpour", 2, seed, loss=loss, accuracy=0.9)
+    goals, _ = report.targets_for(load.runs(tmp_path))
+    assert goals["set_by"].tolist() == ["gem kappa=1"] and goals["target"].tolist() == [pytest.approx(0.11)]
+    # targets announced for n = 5 only: the n = 2 runs have no target, which is not "never reached"
+    r, hit = _hit(sweep, goal=pd.DataFrame({"workers": [5], "target": [0.5]}))
+    assert hit["time"].isna().all() and not hit["reached"].any()
+    t = report.table(r, hit).set_index("algorithm")
+    assert t.loc["gem", "time to target"] == "n/a (no target announced for this workload)"
