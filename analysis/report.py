@@ -102,6 +102,12 @@ def _numbers(s: pd.Series) -> pd.Series:
     return pd.to_numeric(s, errors="coerce")
 
 
+def check_target(given: float | None) -> None:
+    """`--target`: a validation loss, so a finite number > 0 (one line, before anything is read or written)."""
+    if given is not None and (not np.isfinite(given) or given <= 0):
+        raise ValueError(f"--target={given:g} is not allowed; it must be a validation loss > 0")
+
+
 def targets_for(runs: pd.DataFrame, given: float | None = None, source: str | Path | None = None
                 ) -> tuple[pd.DataFrame | float, str]:
     """The targets the report measures against, and a sentence on where they come from: a number given, targets
@@ -550,9 +556,8 @@ def main(argv=None) -> int:
                    help="the curves' band and the final losses' bars: min–max over seeds (default), the 95%% t "
                         "interval of the mean, or none (the table always gives the t interval)")
     args = p.parse_args(argv)
-    if args.target is not None and (not np.isfinite(args.target) or args.target <= 0):
-        p.error(f"--target={args.target} is not allowed; it must be a validation loss > 0")
     try:
+        check_target(args.target)
         path, runs = _write(args.sweeps, args.out, args.target, args.target_from, args.band)
     except (FileNotFoundError, ValueError, WriteError) as e:
         print(f"error: {e}", file=sys.stderr)

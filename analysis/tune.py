@@ -325,7 +325,12 @@ def _main(args) -> int:
     sweep = Path(args.sweep)
     runs = _finished_runs(sweep)
     experiment = runs["experiment"].dropna().iloc[0] if runs["experiment"].notna().any() else None
-    seeds = sorted({int(s) for s in (args.seeds or _declared_seeds(sweep)).split(",") if s.strip()})
+    given = args.seeds or _declared_seeds(sweep)
+    try:
+        seeds = sorted({int(s) for s in given.split(",") if s.strip()})
+    except ValueError:
+        raise ValueError(f"--seeds={given} is not allowed; it must be integers separated by commas, such as 0,1,2") \
+            from None
     used = sorted(set(seeds) & set(int(s) for s in runs["seed"]))
     if used:
         raise ValueError(f"--seeds={','.join(map(str, seeds))} is not allowed; seed {used[0]} was a tuning seed, "

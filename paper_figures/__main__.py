@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     band = None if args.band == "none" else args.band
     try:
+        report.check_target(args.target)
         if args.figure == "all":
             drawn, _ = draw_all(args.paths, args.out, args.target, band, args.target_from)
             return 0 if drawn else 1

@@ -180,6 +180,9 @@ def test_a_bad_suffix_is_one_line_and_writes_nothing(sweep, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--out" in err and ".html, .md, .csv or .tex" in err
     assert list(tmp_path.iterdir()) == []
+    assert report.main([str(sweep), "--target", "-1", "--out", str(tmp_path / "r.md")]) == 2
+    assert capsys.readouterr().err == "error: --target=-1 is not allowed; it must be a validation loss > 0\n"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_target_line_leaves_the_range_alone_and_the_grid_is_narrow(sweep):
