@@ -138,10 +138,7 @@ def test_ssgd_takes_the_same_gradients_on_every_engine_and_through_a_resume(cnn_
     for engine in ("process", "distributed"):
         result, m = run_on_engine(cnn_job(cnn_data, engine), tmp_path / engine)
         assert result.status == "completed"
-        # the same gradients, to float rounding: a process's convolutions may sum in another order than the test
-        # process's (with torch 2.14.1 the losses drifted apart by up to 1.1e-4 over 24 steps, in CI too), while a
-        # wrong batch or a gradient taken one round late moves a loss by 1e-2 or more
-        pd.testing.assert_series_equal(_losses(m), _losses(m_ref), atol=1e-3, rtol=0)
+        pd.testing.assert_series_equal(_losses(m), _losses(m_ref), atol=1e-5, rtol=0)
 
     from test_engines import _Killed
 
@@ -163,7 +160,7 @@ def test_ssgd_takes_the_same_gradients_on_every_engine_and_through_a_resume(cnn_
     rec.close()
     m = read_table(d)
     assert result.status == "completed" and m["step"].tolist() == list(range(1, 3 * 24 + 1))
-    pd.testing.assert_series_equal(_losses(m), _losses(m_ref), atol=1e-3, rtol=0)  # to rounding, as above
+    pd.testing.assert_series_equal(_losses(m), _losses(m_ref), atol=1e-5, rtol=0)
 
 
 
