@@ -1,6 +1,7 @@
 """Each update rule against tensors computed by hand (docs/design.md). A wrong sign or factor fails here."""
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -320,7 +321,22 @@ def test_ssgd_applies_the_rounds_mean_with_momentum_once_per_round():
         assert close(c.delta, [-g for g in grad]) and c.pull_at == (t // 2 + 1) * 2  # pull at the round's end
         ssgd.ALGORITHM.server_rule(at(theta, server, t=t, worker=t % 2), c, hp)
         assert close(theta, expected), t  # θ moves only at a round's last commit
-    assert close(server["m"], [-2.5, -1.0]) and close(server["round"], [0.0, 0.0])
+    assert close(server["m"], [-2.5, -1.0]) and close(server["round"], [[0.0, -2.0], [-2.0, -2.0]])  # row i: worker i
+
+
+def test_ssgd_rounds_the_same_whatever_order_the_rounds_commits_arrive_in():
+    # in float32, (1e8 − 1e8) + 1 = 1 but (1e8 + 1) − 1e8 = 0: a running sum would depend on arrival order
+    hp = ssgd.Params(lr=1.0, momentum=0.0, workers=3)
+    grads = {0: [-1e8, 1.0], 1: [-1.0, 2.0], 2: [1e8, 3.0]}
+    thetas = []
+    for order in itertools.permutations(range(3)):
+        theta = T([0.0, 0.0])
+        server = ssgd.ALGORITHM.server_state(theta, hp, 3)
+        for t, w in enumerate(order):
+            c = ssgd.ALGORITHM.worker_rule({}, theta.clone(), T(grads[w]), at(theta, server, t=t, worker=w), hp)
+            ssgd.ALGORITHM.server_rule(at(theta, server, t=t, worker=w), c, hp)
+        thetas.append(theta.tolist())
+    assert all(th == thetas[0] for th in thetas) and close(thetas[0][1], -2.0), thetas
 
 
 def dc_commit(hp, grad, theta, workers=2, worker=1):

@@ -1,7 +1,8 @@
 """Synchronous SGD with n workers: the synchronous data-parallel baseline (docs/design.md, `ssgd`).
 
 Training goes in rounds. In each round every worker takes one gradient at the same θ, on its own mini-batch, and
-commits Δθᵢ = −η∇L. The server sums the round's commits; the n-th applies their mean through the proxy's momentum,
+commits Δθᵢ = −η∇L. The server keeps the round's commits, one row per worker; the n-th applies their mean through
+the proxy's momentum,
 
     m ← μm + (1/n) Σᵢ Δθᵢ        θ ← θ + m
 
@@ -9,6 +10,10 @@ and no worker takes its next gradient before that (each commit's `pull_at` is th
 a barrier). With per-worker batch b this is sequential momentum SGD (`sgd`) with batch n·b: the mean of the n
 batch-mean gradients is the gradient of the n·b examples' mean loss. It is the baseline against which
 asynchronous speed-ups should be measured on the same hardware: a round lasts as long as its slowest worker.
+
+The sum is taken in worker order at the round's end, not in the order the commits arrive: float addition is not
+associative, and arrival order differs between runs and engines, so a running sum would round differently each
+time and a run could not be repeated to the last bit (nor a process run compared with its sim run).
 
 The clock still counts commits, so a round is n steps of `step`, and τ counts the commits of the current round
 that reached the server before this one (on sim exactly its place in the round), which have not moved θ (θ moves
@@ -37,7 +42,7 @@ def init_state(theta: torch.Tensor, hp: Params) -> dict:
 
 
 def init_server(theta: torch.Tensor, hp: Params, workers: int) -> dict:
-    return {"round": torch.zeros_like(theta),  # Σ Δθᵢ of the round so far
+    return {"round": theta.new_zeros((max(workers, 1), theta.numel())),  # Δθᵢ of the round so far, row i: worker i
             "m": torch.zeros_like(theta)}  # the momentum, updated once per round
 
 
@@ -52,12 +57,13 @@ def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
 
 
 def server_rule(view: View, commit: Commit, hp: Params) -> None:
-    n = max(hp.workers, 1)
-    total = view.server["round"].add_(commit.delta)
+    n, rows = max(hp.workers, 1), view.server["round"]
+    rows[view.worker].copy_(commit.delta)
     if view.t + 1 == round_end(view.t, n):  # the round's last commit: apply the mean
-        view.server["m"].mul_(hp.momentum).add_(total, alpha=1.0 / n)
-        view.theta.add_(view.server["m"])
-        total.zero_()
+        m = view.server["m"].mul_(hp.momentum)
+        for row in rows:  # in worker order, whatever order the commits came in
+            m.add_(row, alpha=1.0 / n)
+        view.theta.add_(m)
 
 
 ALGORITHM = Algorithm("ssgd", Params, init_state, worker_rule, server_rule, init_server=init_server)
