@@ -303,6 +303,19 @@ class _DyingRecorder(Recorder):
             raise _Killed()
 
 
+def test_a_checkpoints_server_tensors_of_another_shape_are_refused_not_broadcast():
+    """A checkpoint written by another version of an algorithm (ssgd's round was θ-sized before it became a row
+    per worker) must not be copied in by broadcasting; the error names the tensor and both shapes."""
+    from gem.engines.server import Server
+
+    algo = algorithms.get("ssgd")
+    server = Server.create(algo, algo.Params(workers=3), torch.zeros(5), 3)
+    saved = server.state_dict() | {"server": {"round": torch.ones(5), "m": torch.ones(5)}}
+    with pytest.raises(ValueError, match=r"central server.round is \(5,\) there but \(3, 5\) in this run"):
+        server.load_state_dict(saved)
+    assert server.state["round"].eq(0).all() and server.state["m"].eq(0).all()  # nothing copied
+
+
 @pytest.mark.parametrize("staleness", [{"staleness": "exponential"}, {"staleness": "gamma", "cycle_cv": 0.5}])
 def test_a_resumed_sim_run_is_the_uninterrupted_run(data, tmp_path, staleness):
     """sim is deterministic, and its checkpoint holds every random stream and the event queue: a run killed after

@@ -78,6 +78,13 @@ class Server:
                 "pulled_at": self.pulled_at}
 
     def load_state_dict(self, saved: dict) -> None:
+        mine = {"theta": self.theta, **{f"server.{k}": v for k, v in self.state.items()}}
+        theirs = {"theta": saved["theta"], **{f"server.{k}": v for k, v in saved["server"].items()}}
+        for k in mine.keys() | theirs.keys():  # copy_ would broadcast a tensor of another shape without a word
+            if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape:
+                shapes = [tuple(d[k].shape) if k in d else "absent" for d in (theirs, mine)]
+                raise ValueError(f"checkpoint: central {k} is {shapes[0]} there but {shapes[1]} in this run (a "
+                                 f"checkpoint of another version of the algorithm); start a new run directory")
         self.theta.copy_(saved["theta"])
         for k, v in saved["server"].items():
             self.state[k].copy_(v)
