@@ -791,3 +791,19 @@ def test_the_readme_analysis_snippet_runs_and_its_figure_has_a_legend(sweep):
     labels = [t.get_text() for t in namespace["ax"].get_legend().get_texts()]
     assert labels and all(label.startswith("n = ") for label in labels), labels
     plots.plt.close("all")
+
+
+def test_the_pi_cap_check_counts_what_it_says(capsys):
+    """paper_figures.pi_cap (REPRODUCTION.md, Fig. 3): without momentum |m| = |Δθ|, so no element is at the cap;
+    with it some are; the printed table has a row per fifth."""
+    from gem.data import load_digits
+    from paper_figures import pi_cap
+
+    data = load_digits()
+    plain = pi_cap.measure(data, steps=5, momentum=0.0)
+    assert plain.shape == (5, 5) and (plain[:, 2] == 0).all()
+    heavy = pi_cap.measure(data, steps=5)
+    assert heavy[0, 2] == 0 and (heavy[1:, 2] > 0).all() and ((heavy[:, 2:] >= 0) & (heavy[:, 2:] <= 1)).all()
+    pi_cap.main(["--data", "digits", "--steps", "10"])
+    out = capsys.readouterr().out
+    assert "on digits: 1500 training examples" in out and out.count("\n| ") == 1 + 5  # the header, a row per fifth
