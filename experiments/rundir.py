@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 from experiments.config import Spec
+from gem import algorithms
 from gem.engines.checkpoint import CheckpointError, check_resumable, read_manifest, verify
 from gem.files import write_atomic
 
@@ -128,7 +129,7 @@ def check_run_dir(spec: Spec, run_dir: Path, key: str = "hydra.run.dir") -> dict
         manifest = read_manifest(run_dir)
         identity = _identity(spec)
         check_resumable(manifest, identity)
-        verify(manifest, identity.workers)
+        verify(manifest, identity.workers, algorithms.get(spec.algorithm), spec.hp)
         return manifest
     except (CheckpointError, Refused) as e:
         unclaim(run_dir)
@@ -254,7 +255,7 @@ def sweep_action(spec: Spec, job_dir: Path, num: int) -> tuple[str, str]:
         manifest = read_manifest(job_dir)
         identity = _identity(spec)
         check_resumable(manifest, identity)
-        verify(manifest, identity.workers)
+        verify(manifest, identity.workers, algorithms.get(spec.algorithm), spec.hp)
     except CheckpointError as e:
         why = "no checkpoint" if "no checkpoint" in str(e) else str(e).removeprefix("resume=true: ")
         return "rerun", f"{st}, {why}"

@@ -303,7 +303,7 @@ class _DyingRecorder(Recorder):
             raise _Killed()
 
 
-def test_a_checkpoints_server_tensors_of_another_shape_are_refused_not_broadcast():
+def test_a_checkpoints_server_tensors_of_another_shape_are_refused_not_broadcast(tmp_path):
     """A checkpoint written by another version of an algorithm (ssgd's round was θ-sized before it became a row
     per worker) must not be copied in by broadcasting; the error names the tensor and both shapes."""
     from gem.engines.server import Server
@@ -314,6 +314,12 @@ def test_a_checkpoints_server_tensors_of_another_shape_are_refused_not_broadcast
     with pytest.raises(ValueError, match=r"central server.round is \(5,\) there but \(3, 5\) in this run"):
         server.load_state_dict(saved)
     assert server.state["round"].eq(0).all() and server.state["m"].eq(0).all()  # nothing copied
+    # and before a run starts (experiments.rundir calls verify before it cuts anything of the run directory)
+    checkpoint.save_atomic(saved, tmp_path / "central.pt")
+    with pytest.raises(checkpoint.CheckpointError, match=r"^resume=true: central server.round is \(5,\) there"):
+        checkpoint.verify({"path": str(tmp_path)}, 3, algo, algo.Params(workers=3))
+    checkpoint.save_atomic(server.state_dict() | {"coordinator": {"finished": [0, 1, 2]}}, tmp_path / "central.pt")
+    checkpoint.verify({"path": str(tmp_path)}, 3, algo, algo.Params(workers=3))  # this version's own: accepted
 
 
 @pytest.mark.parametrize("staleness", [{"staleness": "exponential"}, {"staleness": "gamma", "cycle_cv": 0.5}])

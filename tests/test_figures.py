@@ -801,9 +801,12 @@ def test_the_pi_cap_check_counts_what_it_says(capsys):
 
     data = load_digits()
     plain = pi_cap.measure(data, steps=5, momentum=0.0)
-    assert plain.shape == (5, 5) and (plain[:, 2] == 0).all()
+    assert plain.shape == (5, 6) and (plain[:, 2:4] == 0).all()
     heavy = pi_cap.measure(data, steps=5)
-    assert heavy[0, 2] == 0 and (heavy[1:, 2] > 0).all() and ((heavy[:, 2:] >= 0) & (heavy[:, 2:] <= 1)).all()
+    assert (heavy[0, 2:4] == 0).all() and (heavy[1:, 2:4] > 0).all()
+    assert ((heavy[:, 2:] >= 0) & (heavy[:, 2:] <= 1)).all()
+    # those at the cap with a gradient ≠ 0 are some of those at the cap: as a share of the nonzero gradients
+    assert (heavy[1:, 3] <= heavy[1:, 2] / (1 - heavy[1:, 4]) + 1e-12).all()
     pi_cap.main(["--data", "digits", "--steps", "10"])
     out = capsys.readouterr().out
     assert "on digits: 1500 training examples" in out and out.count("\n| ") == 1 + 5  # the header, a row per fifth

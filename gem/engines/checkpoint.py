@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from gem.engines.server import state_mismatch
 from gem.files import WriteError, write_atomic  # noqa: F401 - WriteError: what a checkpoint write raises
 from gem.models import model_name
 
@@ -105,13 +106,19 @@ def load(path):
                           "from it")
 
 
-def verify(manifest: dict, workers: int) -> None:
+def verify(manifest: dict, workers: int, algo=None, hp=None) -> None:
     """Read every file of the checkpoint (central.pt, then the file of every worker still running at it), so
-    that a damaged checkpoint is refused before anything of the run directory is cut or merged."""
+    that a damaged checkpoint is refused before anything of the run directory is cut or merged; with `algo` and
+    its `hp`, also one whose server tensors are not the shapes this version of the algorithm makes."""
     central = load(Path(manifest["path"]) / "central.pt")
     if not isinstance(central, dict) or not {"theta", "clock"} <= central.keys():
         raise CheckpointError(f"resume=true: checkpoint file {Path(manifest['path']) / 'central.pt'} is not a "
                               "parameter server's state")
+    if algo is not None:
+        theta = torch.empty(central["theta"].shape, device="meta")  # shapes only: nothing allocated
+        mismatch = state_mismatch(central, theta, algo.server_state(theta, hp, workers))
+        if mismatch:
+            raise CheckpointError(f"resume=true: {mismatch}")
     past = central.get("coordinator", {})
     done = set(past.get("finished", [])) | set(past.get("lost_workers", []))
     for w in range(workers):

@@ -19,6 +19,20 @@ import torch
 from gem.algorithms import Algorithm, Commit, View
 
 
+def state_mismatch(saved: dict, theta: torch.Tensor, state: dict[str, torch.Tensor]) -> str | None:
+    """What differs between a checkpoint's central state (`saved`: θ and the server tensors) and this run's, as a
+    phrase naming the first tensor in name order; None when every tensor is there with the same shape. A checkpoint
+    of another version of an algorithm (ssgd's round was θ-sized before it became a row per worker) differs here."""
+    mine = {"theta": theta, **{f"server.{k}": v for k, v in state.items()}}
+    theirs = {"theta": saved["theta"], **{f"server.{k}": v for k, v in saved.get("server", {}).items()}}
+    for k in sorted(mine.keys() | theirs.keys()):
+        if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape:
+            there, here = (tuple(d[k].shape) if k in d else "absent" for d in (theirs, mine))
+            return (f"central {k} is {there} there but {here} in this run (a checkpoint of another version of "
+                    f"the algorithm); start a new run directory")
+    return None
+
+
 class Server:
     def __init__(self, algo: Algorithm, hp, theta: torch.Tensor, state: dict[str, torch.Tensor],
                  clock: torch.Tensor, pulled_at: torch.Tensor):
@@ -78,13 +92,9 @@ class Server:
                 "pulled_at": self.pulled_at}
 
     def load_state_dict(self, saved: dict) -> None:
-        mine = {"theta": self.theta, **{f"server.{k}": v for k, v in self.state.items()}}
-        theirs = {"theta": saved["theta"], **{f"server.{k}": v for k, v in saved["server"].items()}}
-        for k in mine.keys() | theirs.keys():  # copy_ would broadcast a tensor of another shape without a word
-            if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape:
-                shapes = [tuple(d[k].shape) if k in d else "absent" for d in (theirs, mine)]
-                raise ValueError(f"checkpoint: central {k} is {shapes[0]} there but {shapes[1]} in this run (a "
-                                 f"checkpoint of another version of the algorithm); start a new run directory")
+        mismatch = state_mismatch(saved, self.theta, self.state)
+        if mismatch:  # checkpoint.verify refuses this before a run starts; copy_ would broadcast it without a word
+            raise ValueError(f"checkpoint: {mismatch}")
         self.theta.copy_(saved["theta"])
         for k, v in saved["server"].items():
             self.state[k].copy_(v)
