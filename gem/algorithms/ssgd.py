@@ -15,7 +15,7 @@ The sum is taken in worker order at the round's end, not in the order the commit
 associative, and arrival order differs between runs and engines, so a running sum would round differently each
 time and a run could not be repeated to the last bit (nor a process run compared with its sim run). The cost: the
 server holds n + 1 model-sized tensors, and the `distributed` engine sends a worker every server tensor at each
-commit and each barrier pull (as it does DC-ASGD's n backups), about n/3 times ssgd's traffic with a running sum.
+commit and each barrier pull (as it does DC-ASGD's n backups), (n + 2)/3 times the traffic of a running sum.
 
 The clock still counts commits, so a round is n steps of `step`, and τ counts the commits of the current round
 that reached the server before this one (on sim exactly its place in the round), which have not moved θ (θ moves
