@@ -182,13 +182,17 @@ ACTIONS = {"skip": "finished: skipped", "new": "start"}  # how a resumed sweep's
 
 
 def _swept(jobs) -> set[str]:
-    """The keys whose value differs between the jobs: what tells one job from another."""
+    """The keys whose value differs between the jobs, or that only some jobs set (a grid's own setting, such as
+    AGN's tuned window beside its default): what tells one job from another."""
     values: dict[str, set[str]] = {}
+    present: dict[str, int] = {}
     for overrides, _ in jobs:
         for o in overrides:
             key, _, value = o.partition("=")
             values.setdefault(key.lstrip("+~"), set()).add(value)
-    return {k for k, v in values.items() if len(v) > 1 and not k.startswith("hydra")}
+            present[key.lstrip("+~")] = present.get(key.lstrip("+~"), 0) + 1
+    return {k for k, v in values.items()
+            if (len(v) > 1 or present[k] < len(jobs)) and not k.startswith("hydra")}
 
 
 def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | None = None,

@@ -217,3 +217,14 @@ def test_the_plan_s_calibration_holds_on_a_busy_machine(monkeypatch, capsys, qui
     assert ("7.6 ms per gradient step on 1 thread, and no faster on 2 (the cores are busy with other programs: the "
             "estimate assumes one thread's speed, which a run gets with OMP_NUM_THREADS=1; on every core it may be "
             "far slower)") in out
+
+
+def test_a_plan_names_a_setting_that_only_some_jobs_have():
+    """A grid's own setting (AGN at window 10 beside AGN at its default) tells its jobs apart in the plan, even
+    though it takes one value wherever it is set."""
+    from experiments.plan import _swept
+
+    jobs = [(["algorithm=agn", "lr=0.05", "seed=0"], None), (["algorithm=agn", "lr=0.05", "seed=1"], None),
+            (["algorithm=agn", "algorithm.window=10", "lr=0.05", "seed=0"], None),
+            (["algorithm=agn", "algorithm.window=10", "lr=0.05", "seed=1"], None)]
+    assert _swept(jobs) == {"algorithm.window", "seed"}
