@@ -229,9 +229,22 @@ def _fmt(hue: str, value) -> str:
 
 
 def colours(values) -> dict:
-    """Distinct colours for names (algorithms: tab10, up to 10), a sequential scale for many ordered numbers."""
+    """Distinct colours for names (algorithms: tab10, up to 10), a sequential scale for many ordered numbers.
+    More than 10 names that are variants of at most 10 algorithms ("downpour lr=0.025", "downpour lr=0.05": the
+    algorithm is the first word) take their algorithm's colour, each further variant a lighter shade of it: on a
+    sequential scale two algorithms next to each other were indistinguishable."""
     values = list(values)
-    ordered = len(values) > (10 if all(isinstance(v, str) for v in values) else 6)
+    names = all(isinstance(v, str) for v in values)
+    heads = list(dict.fromkeys(v.split(" ")[0] for v in values)) if names else []
+    if names and len(values) > 10 and len(heads) <= 10:
+        out, base = {}, plt.get_cmap("tab10")
+        for i, head in enumerate(heads):
+            mine = [v for v in values if v.split(" ")[0] == head]
+            for k, v in enumerate(mine):
+                lighter = 0.55 * k / max(len(mine) - 1, 1)  # the first variant in the algorithm's own colour
+                out[v] = tuple((1 - lighter) * c + lighter for c in base(i)[:3]) + (1.0,)
+        return out
+    ordered = len(values) > (10 if names else 6)
     cmap = plt.get_cmap("viridis" if ordered else "tab10")
     n = max(len(values) - 1, 1)
     return {v: cmap(i / n if ordered else i) for i, v in enumerate(values)}

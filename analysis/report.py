@@ -342,7 +342,14 @@ def curves_figure(runs: pd.DataFrame, ev: pd.DataFrame, hit: pd.DataFrame, band=
         if rows * cols > cells:  # a free cell: the legend goes there
             axes[cells].legend(handles=handles, loc="center", frameon=False, ncol=1 if len(handles) <= 12 else 2)
         else:
-            fig.legend(handles=handles, loc="outside lower center", frameon=False, ncol=min(len(handles), 6))
+            # as many columns as the longest entry lets fit across the figure (a 10-point character is about
+            # 0.08 inch, the line and the gaps about 0.8): six columns of long labels ran past the right edge
+            longest = 0.8 + 0.08 * max(len(h.get_label()) for h in handles)
+            fit = max(1, int(PANEL[0] * cols // longest))
+            ncol = min(len(handles), 6, fit)
+            fig.legend(handles=handles, loc="outside lower center", frameon=False, ncol=ncol)
+            width, height = fig.get_size_inches()  # room for the legend's rows, so the panels keep their height
+            fig.set_size_inches(width, height + 0.22 * math.ceil(len(handles) / ncol))
         kind = plots.band_kind(band)
         what = "no band" if kind is None else f"band: {plots.BANDS[kind]}"
         fig.suptitle(f"Validation loss of the central variable against worker steps: the mean over the completed "
@@ -365,9 +372,10 @@ def profile_png(runs: pd.DataFrame, hit: pd.DataFrame) -> tuple[bytes | None, st
     clocks = sorted(set(methods["clock"].dropna()))
     names = sorted(prof["method"].unique(), key=lambda v: (plots.algorithm_order(str(v).split(" ")[0]), str(v)))
     with plt.rc_context(STYLE):
-        fig, ax = plt.subplots(figsize=(7.0, 4.6), layout="constrained")
+        fig, ax = plt.subplots(figsize=(10.0, 4.6), layout="constrained")  # wider: the legend goes beside
+        k = int(prof["workloads"].max())
         target.profile_figure(prof, ax, plots.colours(names),
-                              title=f"Performance profile over {int(prof['workloads'].max())} workloads: time "
+                              title=f"Performance profile over {k} workload{'s' if k != 1 else ''}: time "
                                     f"({' / '.join(CLOCKS.get(c, c) for c in clocks)}) to the validation target")
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=DPI)

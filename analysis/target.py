@@ -242,10 +242,10 @@ def profile_figure(prof: pd.DataFrame, ax, palette: dict | None = None, title: s
     ax.minorticks_off()
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlabel("τ: time within τ × the best method's")
-    ax.set_ylabel(f"fraction of the {workloads} workloads")
+    ax.set_ylabel(f"fraction of the {workloads} workloads" if workloads != 1 else "reached within τ (1 workload)")
     ax.grid(True, alpha=0.3)
     ax.set_title(title or "Performance profile: time to the validation target")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1), frameon=False)  # beside: inside, it hid steps
 
 
 def read_targets(path: str | Path) -> pd.DataFrame:

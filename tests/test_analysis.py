@@ -112,3 +112,18 @@ def test_analysis_pi_heads_each_table(tmp_path, capsys):
     parts = (out[first:second], out[second:])
     tables = [[line for line in part.splitlines() if line.startswith("|")] for part in parts]
     assert first == 0 and tables[0] and "workers" in tables[0][0] and tables[1] and "tau_rel" in tables[1][0]
+
+
+def test_many_variants_take_their_algorithm_s_colour_in_lighter_shades():
+    """More than 10 variants of a few algorithms: each algorithm keeps one hue, its variants lighter shades of it,
+    and no two names share a colour (on the sequential scale, neighbours could not be told apart)."""
+    from analysis import plots
+
+    names = ["gem lr=0.05"] + [f"{a} lr={lr}" for a in ("downpour", "agn", "easgd", "dcasgd", "ssgd")
+                               for lr in (0.025, 0.05)]
+    c = plots.colours(names)
+    assert len(set(c.values())) == len(names)
+    assert c["gem lr=0.05"][:3] == plots.plt.get_cmap("tab10")(0)[:3]
+    dark, light = c["agn lr=0.025"], c["agn lr=0.05"]
+    assert dark[:3] == plots.plt.get_cmap("tab10")(2)[:3]
+    assert all(lv >= dv for lv, dv in zip(light[:3], dark[:3], strict=True)) and light != dark
