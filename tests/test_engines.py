@@ -724,8 +724,17 @@ def _wait_for_checkpoint(d, p, at_least):
     deadline = time.monotonic() + 240
     while not (manifest.exists() and json.loads(manifest.read_text())["step"] >= at_least):
         if p.poll() is not None or time.monotonic() > deadline:
+            # which of three things happened (one CI run failed here with an empty stderr and nothing else to
+            # go on): the run ended on its own (a completed run removes its checkpoint), it died, or time ran out
+            code = p.poll()
             p.kill()
-            raise AssertionError(f"no checkpoint: {p.communicate()[1][-2000:]}")
+            out, err = p.communicate()
+            summary = d / "summary.json"
+            ended = f"status {json.loads(summary.read_text()).get('status')}" if summary.exists() else "no summary"
+            seen = json.loads(manifest.read_text())["step"] if manifest.exists() else None
+            raise AssertionError(f"no checkpoint at commit >= {at_least} (last seen: {seen}); "
+                                 f"{'still running after 240 s' if code is None else f'exit code {code}'}, "
+                                 f"{ended}\nstdout: {(out or '')[-1000:]}\nstderr: {(err or '')[-2000:]}")
         time.sleep(0.2)
     return json.loads(manifest.read_text())["step"]
 
