@@ -347,8 +347,9 @@ def data_epochs(ev: pd.DataFrame) -> pd.Series:
 def fig5(paths, band="minmax"):
     """GEM against its proxy, momentum SGD: training and validation loss of the central variable against
     epochs of data processed, and the final test loss (the test split is evaluated once, at the end: a star at the
-    last epoch, the mean over the completed seeds)."""
-    ev, r = load_for("fig5", paths, ["algorithm", "workers"], table="eval",
+    last epoch, the mean over the completed seeds). Runs at several η (the proxy at a smaller η beside the paper's,
+    say) are curves of their own, each named with its η."""
+    ev, r = load_for("fig5", paths, ["algorithm", "workers", "lr"], table="eval",
                      need="fig5 needs evaluation rows of gem and sgd runs (a fig5 sweep)")
     ev = ev[~(ev["steps"] <= 0)]  # NaN steps: a run without its summary
     if "train_examples" in ev and "data" in ev:  # such a run has the training set of the other runs on its data
@@ -357,6 +358,8 @@ def fig5(paths, band="minmax"):
     ev = ev.assign(epoch=data_epochs(ev))
     ev["who"] = [f"{a}, n = {n}" if a != "sgd" else "momentum SGD"
                  for a, n in zip(ev["algorithm"], ev["workers"], strict=True)]
+    if ev["lr"].nunique() > 1:
+        ev["who"] = [f"{w}, η = {lr:g}" for w, lr in zip(ev["who"], ev["lr"], strict=True)]
     fig, axes = grid(2, width=5.4, height=4.3)
     palette = plots.colours(sorted(ev["who"].unique()))
     for ax, y in zip(axes, ("train_loss", "val_loss"), strict=True):

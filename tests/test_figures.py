@@ -810,3 +810,25 @@ def test_the_pi_cap_check_counts_what_it_says(capsys):
     pi_cap.main(["--data", "digits", "--steps", "10"])
     out = capsys.readouterr().out
     assert "on digits: 1500 training examples" in out and out.count("\n| ") == 1 + 5  # the header, a row per fifth
+
+
+@pytest.mark.slow
+@SHARED
+def test_fig5_draws_the_proxy_at_each_learning_rate_as_its_own_curve(sweep, tmp_path):
+    """REPRODUCTION.md's Fig. 5 puts momentum SGD at a smaller η beside the paper's: one curve per η, each named
+    with it (fig5 refused runs that differ in η); runs at one η keep their plain names."""
+    import shutil
+
+    root = tmp_path / "fig5"
+    for i in (2, 6):  # gem n = 2 seed 0; sgd
+        shutil.copytree(sweep / str(i), root / str(i))
+    fig = FIGURES["fig5"](root)
+    assert sorted(t.get_text() for t in fig.axes[0].get_legend().get_texts()) == [
+        "gem, n = 2 (1 seed)", "momentum SGD (1 seed)"]
+    _run(root / "7", ["algorithm=sgd", "workers=1", "lr=0.01"])
+    fig = FIGURES["fig5"](root)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    lr = f"{load.runs(sweep / '6')['lr'].iloc[0]:g}"
+    assert sorted(labels) == sorted([f"gem, n = 2, η = {lr} (1 seed)", f"momentum SGD, η = {lr} (1 seed)",
+                                     "momentum SGD, η = 0.01 (1 seed)"])
+    plots.plt.close("all")
