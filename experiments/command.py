@@ -257,6 +257,15 @@ def _single_run_note(config: DictConfig) -> str | None:
     return f"gem: note: this experiment sweeps {swept}; without -m only one job runs. Add -m to run the whole sweep."
 
 
+def jobs_at_once(config: DictConfig) -> int:
+    """How many of a sweep's jobs its launcher runs at a time on this machine: joblib's hydra.launcher.n_jobs
+    (-1: one per core), 1 for any other launcher."""
+    n = OmegaConf.select(config, "hydra.launcher.n_jobs")
+    if not isinstance(n, int) or n == 0:
+        return 1
+    return plan.cores() if n < 0 else n
+
+
 def heldout_seeds(config: DictConfig) -> list[int] | None:
     """A tuning sweep's held-out seeds (hydra.sweeper.heldout_seeds, "0,1,2"), or None for any other sweep."""
     seeds = OmegaConf.select(config, "hydra.sweeper.heldout_seeds")
@@ -279,7 +288,8 @@ def check_sweep(config: DictConfig, jobs: list[list[str]], compose_job=None) -> 
     _check_data(specs)
     actions = _check_sweep_dir(config, specs)
     if any(spec.cfg.plan for spec in specs):
-        plan.show(list(zip(jobs, specs, strict=True)), actions=actions, heldout_seeds=heldout_seeds(config))
+        plan.show(list(zip(jobs, specs, strict=True)), actions=actions, heldout_seeds=heldout_seeds(config),
+                  at_once=jobs_at_once(config))
         sys.exit(0)
     return specs
 

@@ -137,9 +137,10 @@ def duration(s: float) -> str:
     return f"{s / 3600:.1f} h"
 
 
-def job_size(spec, cost: Cost, commit_s: float) -> dict:
+def job_size(spec, cost: Cost, commit_s: float, job_cores: int | None = None) -> dict:
     """Commits, gradient steps, evaluations and the estimated seconds of one job (`commit_s`: one commit's
-    arithmetic, `_commit_cost`)."""
+    arithmetic, `_commit_cost`) on `job_cores` cores (all of this machine's by default; fewer when a launcher runs
+    several jobs at once)."""
     from types import SimpleNamespace
 
     from experiments.config import budget_of
@@ -163,10 +164,11 @@ def job_size(spec, cost: Cost, commit_s: float) -> dict:
         steps, commits = steps * cap // max(1, commits), cap
     evals = commits // cfg.logger.eval_every + 2  # every eval_every commits, at the start and at the end
     eval_examples = cost.val + min(cfg.logger.eval_train_size, cost.train)
+    job_cores = job_cores or cores()
     if cfg.engine.name == "sim":  # one process, torch's own threads: the faster of the two timings
-        compute = steps * min(cost.step_all_s, cost.step_s)
+        compute = steps * (min(cost.step_all_s, cost.step_s) if job_cores > 1 else cost.step_s)
     else:  # n processes, cores / n threads each: about min(n, cores) steps at once
-        compute = steps * cost.step_s / min(n, cores())
+        compute = steps * cost.step_s / min(n, job_cores)
     # commits go through the server one at a time on every engine
     training = compute + commits * commit_s
     evaluating = evals * eval_examples * cost.example_fwd_s
@@ -196,13 +198,16 @@ def _swept(jobs) -> set[str]:
 
 
 def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | None = None,
-         heldout_seeds: list[int] | None = None) -> float:
+         heldout_seeds: list[int] | None = None, at_once: int = 1) -> float:
     """Print the plan of `jobs` ((overrides, experiments.config.Spec) each); returns the estimated total seconds.
     `actions`: what a resumed sweep does with each job (experiments.rundir.sweep_action); a skipped job costs
     nothing, a resumed one is counted whole (an upper bound). `heldout_seeds`: the sweep is a tuning protocol's
     first stage (hydra.sweeper.heldout_seeds); its second, which `python -m analysis.tune` writes, runs each
     algorithm at each n at two settings at most (the paper's and the chosen one) on these seeds, so it is
-    estimated too, at the cost of that algorithm's and n's costliest trial."""
+    estimated too, at the cost of that algorithm's and n's costliest trial. `at_once`: how many jobs the launcher
+    runs at a time (joblib's hydra.launcher.n_jobs); above 1 the plan also gives the wall time, each job timed on
+    its share of the cores (two jobs on 2 cores run on one thread each: the held-out stage of the tuning protocol
+    took 2.2 times a plan that timed them on two, BENCHMARKS.md)."""
     import dataclasses
 
     from experiments.instantiate import display_name
@@ -213,6 +218,7 @@ def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | N
     rows = []
     costliest: dict[tuple[str, int], float] = {}  # per (algorithm, n): its costliest job (the held-out stage)
     swept = _swept(jobs)
+    shared: list[float] = []  # each job's seconds on its share of the cores, when several run at once
     for i, (overrides, spec) in enumerate(jobs):
         cfg = spec.cfg
         key, algo = _key(cfg), spec.algorithm
@@ -229,6 +235,8 @@ def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | N
             if actions[i] == "skip":
                 size["seconds"] = 0.0
         rows.append((label, cfg.engine.name, size))
+        if at_once > 1 and (actions is None or actions[i] != "skip"):
+            shared.append(job_size(spec, costs[key], commit_s[(key, algo)], max(1, cores() // at_once))["seconds"])
         trial = (spec.algorithm, spec.workers)
         costliest[trial] = max(costliest.get(trial, 0.0), size["seconds"])
     total = sum(r[2]["seconds"] for r in rows)
@@ -245,6 +253,12 @@ def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | N
     left = "" if actions is None else f" for the {sum(a != 'skip' for a in actions)} jobs left to run"
     out(f"total{left}: {commits:,} commits, about {duration(total)} one job after another on this machine "
         f"({cores()} cores)")
+    if at_once > 1 and shared:
+        k = min(at_once, len(shared))
+        wall = max(sum(shared) / k, max(shared))  # k at a time, and never less than the longest job
+        per = max(1, cores() // at_once)
+        out(f"  with {k} jobs at a time (hydra.launcher.n_jobs={at_once}): about {duration(wall)} of wall time, each "
+            f"job on {per} of the {cores()} cores")
     if heldout_seeds:
         held = 2 * len(heldout_seeds) * sum(costliest.values())
         out(f"then the held-out stage (python -m analysis.tune): at most {2 * len(heldout_seeds) * len(costliest)} "

@@ -228,3 +228,41 @@ def test_a_plan_names_a_setting_that_only_some_jobs_have():
             (["algorithm=agn", "algorithm.window=10", "lr=0.05", "seed=0"], None),
             (["algorithm=agn", "algorithm.window=10", "lr=0.05", "seed=1"], None)]
     assert _swept(jobs) == {"algorithm.window", "seed"}
+
+
+def test_a_plan_of_jobs_run_two_at_a_time_gives_their_wall_time_on_their_share_of_the_cores(
+        monkeypatch, capsys, quick_calibration):
+    """With a launcher that runs two jobs at once (joblib's n_jobs=2), each job gets one of 2 cores: the plan adds
+    the wall time, each job timed on one thread, and never less than the longest job; one at a time, no such line."""
+    from experiments import command, plan
+
+    monkeypatch.setattr(plan, "cores", lambda: 2)
+    step = {1: 0.010, 2: 0.004}  # a gradient step on 1 and on 2 threads: the sim jobs' cost depends on the share
+    monkeypatch.setattr(plan, "_timed", lambda fn, budget, at_least=3: step[__import__("torch").get_num_threads()])
+    monkeypatch.setattr(plan, "duration", lambda s: f"{s:.4f} s")  # the numbers, not their rounding
+    cmd = ["-m", "seed=0,1,2", *QUICK, "plan=true"]
+    with pytest.raises(SystemExit):
+        command.preflight(cmd)
+    alone = capsys.readouterr().out
+    assert "jobs at a time" not in alone
+    monkeypatch.setattr(command, "jobs_at_once", lambda config: 2)
+    with pytest.raises(SystemExit):
+        command.preflight(cmd)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "jobs at a time" in x)
+    assert line.strip().startswith("with 2 jobs at a time (hydra.launcher.n_jobs=2): about ")
+    assert line.endswith("each job on 1 of the 2 cores")
+    serial = float(next(x for x in out.splitlines() if x.startswith("total:")).split("about ")[1].split(" s")[0])
+    wall = float(line.split("about ")[1].split(" s")[0])
+    # three equal jobs two at a time: 1.5 jobs' length, each job slower than alone (10 ms a step, not 4 ms)
+    assert serial / 2 < wall < serial * 10 / 4 / 2
+
+
+def test_jobs_at_once_reads_the_joblib_launcher_s_n_jobs():
+    from omegaconf import OmegaConf
+
+    from experiments import command, plan
+
+    assert command.jobs_at_once(OmegaConf.create({"hydra": {"launcher": {"n_jobs": 3}}})) == 3
+    assert command.jobs_at_once(OmegaConf.create({"hydra": {"launcher": {"n_jobs": -1}}})) == plan.cores()
+    assert command.jobs_at_once(OmegaConf.create({"hydra": {"launcher": {"_target_": "basic"}}})) == 1
