@@ -259,11 +259,11 @@ def _single_run_note(config: DictConfig) -> str | None:
 
 def jobs_at_once(config: DictConfig) -> int:
     """How many of a sweep's jobs its launcher runs at a time on this machine: joblib's hydra.launcher.n_jobs
-    (-1: one per core), 1 for any other launcher."""
+    (joblib's rule for a negative one: -1 all the cores, -2 all but one, ...), 1 for any other launcher."""
     n = OmegaConf.select(config, "hydra.launcher.n_jobs")
     if not isinstance(n, int) or n == 0:
         return 1
-    return plan.cores() if n < 0 else n
+    return max(1, plan.cores() + 1 + n) if n < 0 else n
 
 
 def heldout_seeds(config: DictConfig) -> list[int] | None:

@@ -191,8 +191,9 @@ def _swept(jobs) -> set[str]:
     for overrides, _ in jobs:
         for o in overrides:
             key, _, value = o.partition("=")
-            values.setdefault(key.lstrip("+~"), set()).add(value)
-            present[key.lstrip("+~")] = present.get(key.lstrip("+~"), 0) + 1
+            key = key.lstrip("+~")
+            values.setdefault(key, set()).add(value)
+            present[key] = present.get(key, 0) + 1
     return {k for k, v in values.items()
             if (len(v) > 1 or present[k] < len(jobs)) and not k.startswith("hydra")}
 

@@ -265,4 +265,5 @@ def test_jobs_at_once_reads_the_joblib_launcher_s_n_jobs():
 
     assert command.jobs_at_once(OmegaConf.create({"hydra": {"launcher": {"n_jobs": 3}}})) == 3
     assert command.jobs_at_once(OmegaConf.create({"hydra": {"launcher": {"n_jobs": -1}}})) == plan.cores()
+    assert command.jobs_at_once(OmegaConf.create({"hydra": {"launcher": {"n_jobs": -2}}})) == max(1, plan.cores() - 1)
     assert command.jobs_at_once(OmegaConf.create({"hydra": {"launcher": {"_target_": "basic"}}})) == 1
