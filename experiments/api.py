@@ -35,6 +35,7 @@ import pandas as pd
 from experiments import command, runner
 from experiments.config import compose, composed, expand
 from experiments.rundir import Refused
+from experiments.runs import runs as runs_of
 from experiments.schema import CONF_DIR
 from gem.metrics import read_table
 
@@ -139,11 +140,9 @@ def run(*overrides: str, **values) -> Run | None:
 
 def sweep(*overrides: str, **values) -> pd.DataFrame:
     """A sweep, as `python run.py -m <overrides>` makes it (the command runs in a subprocess; its output is shown
-    as it comes). Returns its runs, one row a job (analysis.load.runs: config and summary columns, `run_dir`).
-    Raises Refused (one line) when the command refuses; a failed job is a row with its status, as on the command
-    line. `hydra.sweep.dir=<folder>` names the sweep's folder (default: multirun/<date>/<time> here)."""
-    from analysis import load  # above experiments/: read here, once the sweep has run
-
+    as it comes). Returns its runs, one row a job (experiments.runs.runs, which analysis.load re-exports: config and
+    summary columns, `run_dir`). Raises Refused (one line) when the command refuses; a failed job is a row with its
+    status, as on the command line. `hydra.sweep.dir=<folder>` names the sweep's folder (default: multirun/<date>/<time> here)."""
     argv = _argv(overrides, values)
     if not any(a.split("=", 1)[0] == "hydra.sweep.dir" for a in argv):
         argv.append(f"hydra.sweep.dir=multirun/{datetime.now():%Y-%m-%d/%H-%M-%S-%f}")
@@ -169,6 +168,6 @@ def sweep(*overrides: str, **values) -> pd.DataFrame:
     if code != 0 and not sweep_dir.exists():
         raise Refused(errors[0] if errors else f"python run.py -m exited with code {code}")
     if "plan=true" in argv:
-        return load.runs([])
-    return load.runs(sweep_dir)
+        return runs_of([])
+    return runs_of(sweep_dir)
 
