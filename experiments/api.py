@@ -142,7 +142,8 @@ def sweep(*overrides: str, **values) -> pd.DataFrame:
     """A sweep, as `python run.py -m <overrides>` makes it (the command runs in a subprocess; its output is shown
     as it comes). Returns its runs, one row a job (experiments.runs.runs, which analysis.load re-exports: config and
     summary columns, `run_dir`). Raises Refused (one line) when the command refuses; a failed job is a row with its
-    status, as on the command line. `hydra.sweep.dir=<folder>` names the sweep's folder (default: multirun/<date>/<time> here)."""
+    status, as on the command line. `hydra.sweep.dir=<folder>` names the sweep's folder (default:
+    multirun/<date>/<time> here)."""
     argv = _argv(overrides, values)
     if not any(a.split("=", 1)[0] == "hydra.sweep.dir" for a in argv):
         argv.append(f"hydra.sweep.dir=multirun/{datetime.now():%Y-%m-%d/%H-%M-%S-%f}")

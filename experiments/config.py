@@ -29,7 +29,8 @@ from experiments.instantiate import ConfigError
 from experiments.schema import CONF_DIR, GROUPS, TOP_LEVEL_PARAMS, WANDB_MODES, Config, DataConfig, options
 from gem import algorithms, engines, models
 from gem import data as gdata
-from gem.engines.sim import STALENESS_MODELS, TraceError, read_trace
+from gem.engines.options import EngineOptions, SimOptions, options_class
+from gem.engines.sim import TraceError, read_trace
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class Spec:
 
     cfg: DictConfig
     hp: Any  # the algorithm's Params: cfg.lr, cfg.momentum, cfg.workers (where it has that field), cfg.algorithm.*
-    engine: schema.EngineConfig
+    engine: EngineOptions  # the engine's options (gem.engines.options)
+    checkpoint_every: int  # engine.checkpoint_every: commits between checkpoints; 0: none
     data: DataConfig
     logger: schema.LoggerConfig
     model: Any  # the model's structure on the meta device: parameter count, input shape, output kind
@@ -62,6 +64,8 @@ def _merge_checked(schema, node, prefix: str, what: str):
         if "not in struct" in msg or "Key '" in msg and "not" in msg:
             raise ConfigError(f"{key} is not a key of {what}; its keys are: {allowed}") from None
         raise ConfigError(f"{key}: {msg}") from None
+    except ValueError as e:  # the record's __post_init__ (OmegaConf's own errors are ValueErrors too: above)
+        raise ConfigError(str(e)) from None
 
 
 # Params fields filled from top-level keys rather than from algorithm.*
@@ -121,24 +125,8 @@ def validate(cfg: DictConfig, here: bool = True) -> Spec:
     checked = {g: _merge_checked(s, _resolved(cfg[g], g), g, g) for g, s in schema.GROUP_SCHEMAS.items()
                if g != "data"}
     checked["data"] = _check_data(cfg.data)
-    eng, dat, log = checked["engine"], checked["data"], checked["logger"]
-    if eng.name not in engines.ENGINES:
-        raise ConfigError(f"engine={eng.name} is not an engine; choose one of: {', '.join(engines.ENGINES)}")
-    if eng.staleness not in STALENESS_MODELS:
-        raise ConfigError(f"engine.staleness={eng.staleness} is not allowed; choose one of: "
-                          f"{', '.join(STALENESS_MODELS)}")
-    if eng.name == "sim" and eng.staleness == "trace":
-        if not eng.trace:
-            raise ConfigError("engine.staleness=trace needs engine.trace=<the run directory of a process or "
-                              "distributed run>")
-        try:
-            read_trace(eng.trace)
-        except TraceError as e:
-            raise ConfigError(str(e)) from None
-        eng.trace = str(Path(eng.trace).resolve())  # the run records where it is, whatever directory resumes it
-    elif eng.trace and eng.name == "sim":
-        raise ConfigError(f"engine.trace is set but engine.staleness={eng.staleness}; add engine.staleness=trace to "
-                          f"replay it")
+    eng, checkpoint_every = engine_options(_resolved(cfg.engine, "engine"))
+    dat, log = checked["data"], checked["logger"]
     module = checked["model"] = instantiate.build_meta(cfg)
     checked["loss"] = instantiate.resolve_loss(cfg, module)
     fixed = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32), "fashion_mnist": (1, 28, 28), "cifar100": (3, 32, 32)}
@@ -158,13 +146,6 @@ def validate(cfg: DictConfig, here: bool = True) -> Spec:
         ("logger.eval_every", log.eval_every, log.eval_every >= 1, "an integer >= 1"),
         ("logger.eval_train_size", log.eval_train_size, log.eval_train_size >= 1, "an integer >= 1"),
         ("logger.wandb.log_every", log.wandb.log_every, log.wandb.log_every >= 1, "an integer >= 1"),
-        ("engine.straggler_fraction", eng.straggler_fraction, 0 < eng.straggler_fraction <= 1, "a number in (0, 1]"),
-        ("engine.straggler_slowdown", eng.straggler_slowdown, eng.straggler_slowdown >= 1, "a number >= 1"),
-        ("engine.cycle_cv", eng.cycle_cv, 0 <= eng.cycle_cv <= 10, "a number in [0, 10] (0: round robin)"),
-        ("engine.checkpoint_every", eng.checkpoint_every, eng.checkpoint_every >= 0, "an integer >= 0 (0: none)"),
-        ("engine.port", eng.port, 0 <= eng.port <= 65535, "an integer in [0, 65535] (0: a free port)"),
-        ("engine.timeout_s", eng.timeout_s, eng.timeout_s > 0, "a number of seconds > 0"),
-        ("engine.silent_cycles", eng.silent_cycles, eng.silent_cycles > 0, "a number > 0"),
         ("data.synthetic.train_size", dat.synthetic.train_size, dat.synthetic.train_size >= 1, "an integer >= 1"),
         ("data.synthetic.val_size", dat.synthetic.val_size, dat.synthetic.val_size >= 1, "an integer >= 1"),
         ("data.synthetic.test_size", dat.synthetic.test_size, dat.synthetic.test_size >= 0,
@@ -183,8 +164,29 @@ def validate(cfg: DictConfig, here: bool = True) -> Spec:
     workers = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
     if here:
         _check_memory(cfg, hp, workers, eng.name, dat, module)
-    return Spec(cfg=cfg, hp=hp, engine=eng, data=dat, logger=log, model=module, loss=checked["loss"],
-                workers=workers)
+    return Spec(cfg=cfg, hp=hp, engine=eng, checkpoint_every=checkpoint_every, data=dat, logger=log, model=module,
+                loss=checked["loss"], workers=workers)
+
+
+def engine_options(node: dict) -> tuple[EngineOptions, int]:
+    """The engine group: its engine's options (their keys, types, defaults and ranges are gem.engines.options's)
+    and the run's checkpoint schedule, `engine.checkpoint_every`. ConfigError in one line on a bad value; a trace
+    to replay is read now, and recorded by its absolute path, whatever directory later resumes the run."""
+    node = dict(node)
+    name = node.get("name")
+    if name not in engines.ENGINES:
+        raise ConfigError(f"engine={name} is not an engine; choose one of: {', '.join(engines.ENGINES)}")
+    every = node.pop("checkpoint_every", 0)
+    if type(every) is not int or every < 0:
+        raise ConfigError(f"engine.checkpoint_every={every} is not allowed; it must be an integer >= 0 (0: none)")
+    eng = _merge_checked(options_class(name), node, "engine", f"engine={name}")
+    if isinstance(eng, SimOptions) and eng.staleness == "trace":
+        try:
+            read_trace(eng.trace)
+        except TraceError as e:
+            raise ConfigError(str(e)) from None
+        eng = dataclasses.replace(eng, trace=str(Path(eng.trace).resolve()))
+    return eng, every
 
 
 

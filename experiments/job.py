@@ -34,14 +34,13 @@ def build_job(spec: Spec, log=print, run_dir: Path | None = None, resume: dict |
     # the loaded data meets the model: inputs, number of classes, loss; and the loaded size (cifar10, _target_)
     instantiate.check_pairing(model, spec.loss, dataset, cfg.seed)
     check_batch_size(cfg.batch_size, d.name, len(dataset.train_y))
-    engine = {k: v for k, v in dataclasses.asdict(spec.engine).items() if k != "checkpoint_every"}
     budget = budget_of(cfg)
     check_length(cfg, spec, len(dataset.train_y), budget)
     return Job(algorithm=spec.algorithm, hp=spec.hp, model=model, data=dataset, workers=spec.workers,
                batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed, device=cfg.device, loss=spec.loss,
-               precision=cfg.precision, engine=engine, eval_every=spec.logger.eval_every,
+               precision=cfg.precision, engine=spec.engine, eval_every=spec.logger.eval_every,
                eval_train_size=spec.logger.eval_train_size, run_dir=str(run_dir) if run_dir is not None else None,
-               checkpoint_every=spec.engine.checkpoint_every, resume=resume, data_source=source, budget=budget)
+               checkpoint_every=spec.checkpoint_every, resume=resume, data_source=source, budget=budget)
 
 
 def check_length(cfg, spec: Spec, train: int, budget: dict) -> None:

@@ -11,7 +11,6 @@ refused, `resume=true` continues it.
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import json
 import os
@@ -147,7 +146,7 @@ def _identity(spec: Spec):
                            precision=cfg.precision, workers=spec.workers, batch_size=cfg.batch_size,
                            epochs=cfg.epochs, seed=cfg.seed, device=cfg.device,
                            data=SimpleNamespace(name=spec.data.name), hp=spec.hp,
-                           engine=dataclasses.asdict(spec.engine))
+                           engine=spec.engine)
 
 
 def write_hydra(run_dir: Path, cfg, hydra=None) -> None:

@@ -58,29 +58,8 @@ class Config:
     plan: bool = MISSING  # list the jobs of the command and their estimated cost, run nothing (experiments.plan)
 
 
-# Group schemas, checked by `validate` (the algorithm's own keys come from its module's Params dataclass).
-@dataclass
-class EngineConfig:
-    name: str = "sim"
-    staleness: str = "gamma"
-    straggler_fraction: float = 0.25
-    straggler_slowdown: float = 4.0
-    cycle_cv: float = 0.25  # gamma: coefficient of variation of a worker's cycle time (0: round robin, 1: exponential)
-    trace: str = ""  # trace: the run directory of a process or distributed run whose cycle times are replayed
-    checkpoint_every: int = 500  # commits between checkpoints; 0: none
-    host: str = "127.0.0.1"  # engine=distributed, local launch: the address rank 0 listens on
-    allow_remote: bool = False  # ... an address other than loopback needs this opt-in
-    port: int = 0  # ... and its port; 0: a free one
-    shared_memory: bool = True  # engine=distributed: the workers on rank 0's host read θ from shared memory (and,
-    # launched locally, pass the server's turn among themselves there, as on engine=process)
-    theta_on_gpu: bool = True  # process, distributed's local launch: θ on the workers' GPU when they all compute
-    # on one (CUDA IPC)
-    # process, distributed: a worker that has not committed for silent_cycles x the median time between commits
-    # of a worker, and for at least timeout_s, is lost (killed, recorded; the run goes on with the others)
-    timeout_s: float = 60.0
-    silent_cycles: float = 10.0
-
-
+# Group schemas, checked by `validate` (the algorithm's own keys come from its module's Params dataclass, the
+# engine's from its options' record in gem.engines.options).
 @dataclass
 class SyntheticConfig:
     num_classes: int = 10
@@ -125,7 +104,9 @@ class LoggerConfig:
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
 
 
-GROUP_SCHEMAS = {"engine": EngineConfig, "data": DataConfig, "logger": LoggerConfig}  # model: any _target_
+# engine: its options' record, gem.engines.options.OPTIONS[name] (experiments.config.engine_options); model: any
+# _target_
+GROUP_SCHEMAS = {"data": DataConfig, "logger": LoggerConfig}
 
 
 def per_worker(total: int, *, _root_: DictConfig) -> int:

@@ -223,7 +223,8 @@ def _config(spec, job, run_dir: Path, experiment: str | None, choices: dict) -> 
     config.update(workers=job.workers, workers_requested=cfg.workers, loss=job.loss,
                   algorithm={"name": job.algorithm, **{k: v for k, v in dataclasses.asdict(job.hp).items()
                                                         if k not in TOP_LEVEL_PARAMS}},
-                  engine=dataclasses.asdict(spec.engine), model=model, data=data,
+                  engine={**dataclasses.asdict(spec.engine), "checkpoint_every": spec.checkpoint_every}, model=model,
+                  data=data,
                   logger=dataclasses.asdict(spec.logger), experiment=experiment, choices=choices,
                   run_dir=str(run_dir))
     return json.loads(json.dumps(config, default=str))

@@ -165,3 +165,19 @@ def test_real_command_prints_one_line_and_exits_2(tmp_path):
     warm = warm_run.run_py("lr=-1", cwd=tmp_path, script=str(ROOT / "run.py"))
     assert (warm.returncode, warm.stdout, warm.stderr) == (p.returncode, p.stdout, p.stderr)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["sim", "process", "distributed"])
+def test_an_engine_yaml_holds_its_options_defaults(name):
+    """conf/engine/<name>.yaml is what a user reads and edits; gem.engines.options is where each default is written:
+    they must agree, key for key (checkpoint_every is the run's schedule, a key of the group only)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from experiments.schema import CONF_DIR
+    from gem.engines.options import options_class
+
+    node = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "engine" / f"{name}.yaml"))
+    assert isinstance(node.pop("checkpoint_every"), int)
+    assert node == dataclasses.asdict(options_class(name)())

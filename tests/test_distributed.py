@@ -33,7 +33,7 @@ from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.distributed import address, launch, window
 from gem.engines.distributed import job as wire_job
 from gem.engines.distributed.address import _listener
-from gem.engines.distributed.job import _for_workers
+from gem.engines.distributed.job import Start, _for_workers, decode_start
 from gem.engines.distributed.launch import _Coordinator
 from gem.engines.distributed.link import _Waiting
 from gem.engines.distributed.server import _Server
@@ -529,13 +529,17 @@ def test_the_job_travels_as_json_and_raw_tensors(data, tmp_path):
               "synthetic": {"num_classes": 10, "train_size": 256, "val_size": 64, "seed": 1}}
     full = job(data, 3, hp=gem.Params(workers=3, kappa=2.5, proxy="global"), device="cpu", run_dir=str(tmp_path),
                checkpoint_every=7, resume={"step": 12, "dir": "step-12", "path": str(tmp_path)}, data_source=source)
-    full.engine.update(host="127.0.0.1", port=0, allow_remote=False, t0_wall=1.5e9, train_examples=256)
+    full = dataclasses.replace(full, engine={"name": "distributed", "host": "127.0.0.1", "port": 0,
+                                             "allow_remote": False, "timeout_s": 7.5, "shared_memory": False})
+    start = Start(t0_wall=1.5e9, train_examples=256, window={"path": "/dev/shm/x", "slots": 2})
     for original in (full, _for_workers(full), _for_workers(job(data, 2))):
-        text, tensors = distributed.encode_job(original)
+        text, tensors = distributed.encode_job(original, start)
         assert isinstance(json.loads(text), dict)
         assert tensors is None or set(tensors) - {"test_x", "test_y"} == {"train_x", "train_y", "val_x", "val_y"}
         assert original is full or tensors is None or "test_x" not in tensors  # a worker's job has no test split
         _every_field_equal(distributed.decode_job(text, tensors), original)
+        assert decode_start(text) == start  # the run's facts travel beside the job, not in its options
+    assert decode_start(distributed.encode_job(full)[0]) is None
 
 
 @pytest.mark.parametrize("algorithm", ["sgd", "downpour", "adaptive", "agn", "easgd", "eamsgd", "gem"])
@@ -672,7 +676,7 @@ def test_a_port_in_use_is_refused_in_one_line(held_port):
 def test_a_port_taken_after_the_check_fails_the_run_in_that_line(data, held_port, tmp_path):
     """The port was free at the preflight and is taken when rank 0 listens: the same line, not an OSError."""
     j = job(data, 2)
-    j.engine["port"] = held_port
+    j = dataclasses.replace(j, engine=dataclasses.replace(j.engine, port=held_port))
     with pytest.raises(ValueError) as e:
         run(j, tmp_path)
     assert str(e.value) == _in_use(held_port)

@@ -24,6 +24,7 @@ from gem.data import make_synthetic
 from gem.engines import Job, checkpoint, get
 from gem.engines.coordinator import Ledger, Silence
 from gem.engines.core import build_flat_model
+from gem.engines.options import ProcessOptions
 from gem.engines.server import Server
 from gem.engines.worker import Worker
 from gem.metrics import Recorder, read_table
@@ -54,7 +55,7 @@ def job(data, engine, workers, algorithm="gem", hp=None, epochs=1, batch_size=32
 def run(job_, d):
     rec = Recorder(d)
     try:
-        result = get(job_.engine["name"]).run(job_, rec)
+        result = get(job_.engine.name).run(job_, rec)
     finally:
         rec.close()
     return result, read_table(d)
@@ -502,7 +503,7 @@ def test_the_silence_rule():
     for k in range(4):
         slow.progress(0, 30.0 * k)
     assert slow.limit() == 300.0 and slow.silent(300.0) == [] and slow.silent(391.0) == [(0, 301.0)]
-    resumed = Silence.of({"timeout_s": 7, "silent_cycles": 4})  # the job's keys; the timers start anew
+    resumed = Silence.of(ProcessOptions(timeout_s=7, silent_cycles=4))  # the job's options; the timers start anew
     assert (resumed.floor, resumed.cycles, resumed.limit(), resumed.watched()) == (7.0, 4.0, 7.0, [])
     assert (Silence.of({}).floor, Silence.of({}).cycles) == (60.0, 10.0)
 
@@ -564,7 +565,7 @@ class _StoppingRecorder(Recorder):
 def _lost_one(job_, rec, lost):
     """Run; the run completes without worker `lost`, lost for its silence, as a killed worker is."""
     try:
-        result = get(job_.engine["name"]).run(job_, rec)
+        result = get(job_.engine.name).run(job_, rec)
     finally:
         rec.close()
     m, ev = read_table(rec.run_dir), read_table(rec.run_dir, "eval")

@@ -29,7 +29,7 @@ from gem.engines.coordinator import start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.distributed import doors, launch, link, server, wire
 from gem.engines.distributed import job as wire_job
-from gem.engines.distributed.job import _for_workers, _recv_job, decode_job, encode_job
+from gem.engines.distributed.job import Start, _for_workers, _recv_job, decode_job, encode_job
 from gem.engines.distributed.launch import _Coordinator
 from gem.engines.distributed.window import Window
 from gem.engines.distributed.wire import (
@@ -164,11 +164,10 @@ def rank0(j: Job, run_dir, pg, slots: int = 0):
     if window is not None:
         srv = window.adopt(srv)
     coord = _Coordinator(j, rec, srv, Evaluator(j, j.data), None)
-    coord.job = j = dataclasses.replace(j, engine={**j.engine, "t0_wall": coord.t0_wall,
-                                                   "train_examples": len(j.data.train_y),
-                                                   "window": window and window.described()})
+    start = Start(t0_wall=coord.t0_wall, train_examples=len(j.data.train_y), window=window and window.described())
     try:
-        return launch._serve(coord, pg, SECRET, encode_job(_for_workers(j)), {1: None, 2: None}, [], None, window)
+        return launch._serve(coord, pg, SECRET, encode_job(_for_workers(j), start), {1: None, 2: None}, [], None,
+                             window)
     finally:
         rec.close()
         if window is not None:
@@ -646,12 +645,13 @@ class OutsideNet(MnistCNN):
 def _naming(data, algorithm=None, model=None) -> tuple[bytes, dict]:
     """A job as rank 0 sends it, naming `algorithm` or `model` (JSON, as a peer speaking for rank 0 could)."""
     text, tensors = encode_job(_for_workers(job(data)))
-    fields = json.loads(text)
+    message = json.loads(text)
+    fields = message["job"]
     if algorithm is not None:
         fields["algorithm"] = algorithm
     if model is not None:
         fields["model"] = {"spec": dataclasses.asdict(model)}
-    return json.dumps(fields).encode(), tensors
+    return json.dumps(message).encode(), tensors
 
 
 def test_a_job_naming_code_outside_the_allowed_set_is_refused_before_any_import(data, monkeypatch):

@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-ENGINES = ("sim", "process", "distributed")
+from gem.engines import options as _options
+from gem.engines.options import EngineOptions
+
+ENGINES = tuple(_options.OPTIONS)  # sim, process, distributed
 
 
 @dataclass
@@ -29,7 +32,8 @@ class Job:
     device: str = "cpu"  # cpu, cuda (workers spread over the visible GPUs) or cuda:N (gem.engines.core.device_of)
     loss: str = "nll"  # nll (log-probabilities) or cross_entropy (logits)
     precision: str = "fp32"  # fp32, or bf16 for the workers' forward and backward passes
-    engine: dict = field(default_factory=dict)  # cfg.engine: its name and engine-specific options
+    # the engine and its options (gem.engines.options); a dict of some of them is made into its record
+    engine: EngineOptions = field(default_factory=_options.SimOptions)
     eval_every: int = 100  # commits between evaluations of the central variable
     eval_train_size: int = 2048  # training examples used for the periodic train-loss estimate
     run_dir: str | None = None  # where checkpoints go (<run_dir>/checkpoint/)
@@ -40,6 +44,9 @@ class Job:
     # how long the run lasts besides `epochs` (BUDGET_KEYS, each None unless set): `worker_steps` replaces epochs;
     # `commits`, `seconds` (process, distributed) and `sim_time` (sim) end it sooner (gem.engines.core.capped)
     budget: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.engine = _options.of(self.engine)
 
 
 BUDGET_KEYS = ("worker_steps", "commits", "seconds", "sim_time")

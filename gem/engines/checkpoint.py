@@ -42,8 +42,8 @@ class CheckpointError(ValueError):
 
 
 def fingerprint(job) -> dict:
-    engine = job.engine.get("name", "")
-    schedule = {k: job.engine.get(k) for k in SCHEDULE_KEYS} if engine == "sim" else {}
+    engine = job.engine.name
+    schedule = {k: getattr(job.engine, k) for k in SCHEDULE_KEYS} if engine == "sim" else {}
     return {**{k: getattr(job, k) for k in FINGERPRINT}, "model": model_name(job.model), "data": job.data.name,
             "hp": dataclasses.asdict(job.hp),
             "engine": engine, **schedule}

@@ -34,10 +34,10 @@ import torch
 from gem.engines import Result
 from gem.engines import checkpoint as ckpt
 from gem.engines.core import commits_per_worker, finite, stopped_by
+from gem.engines.options import EngineOptions, ProcessOptions
 from gem.engines.server import Server
 
 POLL_S = 0.5  # how often the loop looks at the workers when nothing arrives
-TIMEOUT_S, SILENT_CYCLES = 60.0, 10.0  # engine.timeout_s and engine.silent_cycles when a job does not set them
 
 
 def start_server(job, algo, theta: torch.Tensor) -> tuple[Server, dict | None]:
@@ -71,16 +71,20 @@ class Silence:
     run) starts every worker's timer; `forget` stops watching a worker that finished or was lost.
     """
 
-    def __init__(self, timeout_s: float = TIMEOUT_S, cycles: float = SILENT_CYCLES, samples: int = 1024):
+    def __init__(self, timeout_s: float = ProcessOptions.timeout_s, cycles: float = ProcessOptions.silent_cycles,
+                 samples: int = 1024):
         self.floor, self.cycles = float(timeout_s), float(cycles)
         self.gaps: deque[float] = deque(maxlen=samples)
         self.committed: dict[int, float] = {}  # each watched worker's last commit
         self.since: dict[int, float] = {}  # when its current silence began
 
     @classmethod
-    def of(cls, engine: dict) -> Silence:
-        """The rule with a job's `engine.timeout_s` and `engine.silent_cycles`."""
-        return cls(float(engine.get("timeout_s", TIMEOUT_S)), float(engine.get("silent_cycles", SILENT_CYCLES)))
+    def of(cls, engine: EngineOptions) -> Silence:
+        """The rule with a job's `engine.timeout_s` and `engine.silent_cycles` (the sim engine's workers are never
+        silent: its defaults, unused)."""
+        if isinstance(engine, ProcessOptions):
+            return cls(engine.timeout_s, engine.silent_cycles)
+        return cls()
 
     def start(self, workers, now: float) -> None:
         for w in workers:  # (the time to a worker's first commit is no cycle: it may have waited for the start)

@@ -32,7 +32,7 @@ def device_of(job, worker: int) -> torch.device:
     """The device worker `worker` computes on: the one place that decides it. `device=cuda` spreads the workers
     over the visible GPUs (worker w on GPU w mod count; a torchrun rank by its local rank, which is where the
     launcher placed it); `cuda:N` pins every worker to GPU N. The sim engine's workers share one model: GPU 0."""
-    if job.device == "cuda" and job.engine.get("name") != "sim":
+    if job.device == "cuda" and job.engine.name != "sim":
         local = os.environ.get("LOCAL_RANK")
         index = int(local) - 1 if local is not None and int(local) > 0 else worker
         return resolve_device("cuda", index)
@@ -59,7 +59,7 @@ def central_device(job) -> torch.device:
     them on its device at its commits (Worker.staged): workers spread over several GPUs, on the CPU, or a platform
     without CUDA IPC (`cuda_ipc`)."""
     devices = {device_of(job, w) for w in range(job.workers)}
-    if job.engine.get("theta_on_gpu", True) and len(devices) == 1 and cuda_ipc():
+    if job.engine.theta_on_gpu and len(devices) == 1 and cuda_ipc():
         (device,) = devices
         if device.type == "cuda":
             return device

@@ -405,7 +405,11 @@ class _Coordinator(Coordinator):
         for c in self.children:  # what the last workers sent before they exited
             self.drain(c)
         self.ledger.fill_gaps(self.server.t)
-        return self.conclude({"central_device": str(self.server.theta.device)})
+        central = self.server.theta.device
+        where = (f"θ on {central}, shared with the workers by CUDA IPC" if central.type == "cuda" else
+                 "θ in shared host memory")
+        return self.conclude({"central_device": str(central),
+                              "placement": f"{where}; the workers pass the server's turn among themselves"})
 
     # --- the turn, from the coordinator's side
 

@@ -38,10 +38,9 @@ from gem.engines import Job, Result
 from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model
+from gem.engines.options import STALENESS_MODELS, EngineOptions, SimOptions
 from gem.engines.server import Server
 from gem.engines.worker import Diverged, Worker
-
-STALENESS_MODELS = ("round_robin", "exponential", "stragglers", "gamma", "trace")
 
 
 class TraceError(ValueError):
@@ -163,20 +162,18 @@ class Schedule:
             self.used = [int(u) for u in state["trace_used"]]
 
 
-def describe(engine: dict) -> str:
+def describe(engine: EngineOptions) -> str:
     """The staleness model a run ran under, as the summary, reports and figures name it: `gamma (CV 0.25)`,
     `round_robin`, `stragglers (25% 4x slower)`, `trace (<run>)`; a real engine's is what its machine measured."""
-    if engine.get("name", "sim") != "sim":
-        return f"measured ({engine.get('name')})"
-    model = engine.get("staleness", "gamma")
-    if model == "gamma":
-        return f"gamma (CV {float(engine.get('cycle_cv', 0.25)):g})"
-    if model == "stragglers":
-        return (f"stragglers ({float(engine.get('straggler_fraction', 0.25)):.0%} "
-                f"{float(engine.get('straggler_slowdown', 4.0)):g}x slower)")
-    if model == "trace":
-        return f"trace ({engine.get('trace')})"
-    return str(model)
+    if not isinstance(engine, SimOptions):
+        return f"measured ({engine.name})"
+    if engine.staleness == "gamma":
+        return f"gamma (CV {engine.cycle_cv:g})"
+    if engine.staleness == "stragglers":
+        return f"stragglers ({engine.straggler_fraction:.0%} {engine.straggler_slowdown:g}x slower)"
+    if engine.staleness == "trace":
+        return f"trace ({engine.trace})"
+    return engine.staleness
 
 
 class _Link:
@@ -217,10 +214,10 @@ def run(job: Job, recorder) -> Result:
     # with a single worker its local copy can be the model's own buffer: no copy on load
     workers = [Worker(w, job, algo, model, x=model.param if n == 1 else server.theta.clone()) for w in range(n)]
     opts = job.engine
-    model_name = opts.get("staleness", "gamma")
-    schedule = Schedule(model_name, n, job.seed, opts.get("straggler_fraction", 0.25),
-                        opts.get("straggler_slowdown", 4.0), opts.get("cycle_cv", 0.25),
-                        read_trace(opts["trace"]) if model_name == "trace" else None)
+    if not isinstance(opts, SimOptions):
+        raise ValueError(f"engine=sim cannot run a job for engine={opts.name}")
+    schedule = Schedule(opts.staleness, n, job.seed, opts.straggler_fraction, opts.straggler_slowdown, opts.cycle_cv,
+                        read_trace(opts.trace) if opts.staleness == "trace" else None)
     # (simulated time the worker's first cycle, up to its first commit, ends; worker)
     queue = [(schedule.start(w, workers[w].window), w) for w in range(n)]
     heapq.heapify(queue)
@@ -275,7 +272,7 @@ def run(job: Job, recorder) -> Result:
             _checkpoint(coord, workers, schedule, queue, parked)
             if coord.diverged:
                 break
-    return coord.conclude()
+    return coord.conclude({"placement": f"θ on {server.theta.device}, in this process with every virtual worker"})
 
 
 def _checkpoint(coord: Coordinator, workers: list[Worker], schedule: Schedule, queue: list,

@@ -1,6 +1,8 @@
 """The job on the wire: rank 0 sends each worker the Job it runs, as JSON (its fields, the algorithm's
-hyperparameters) and raw tensors (the training set), never a pickle; the worker rebuilds the same Job. Then, on
-the same tag, the worker's saved state when the run resumes from a checkpoint. Rank 0 sends it only to a worker
+hyperparameters) and raw tensors (the training set), never a pickle; the worker rebuilds the same Job. The same
+JSON carries the run's `Start`: what rank 0 knows once the run has begun (its clock's origin, its training set's
+size, its shared memory), which is not an option of the job. Then, on the same tag, the worker's saved state when
+the run resumes from a checkpoint. Rank 0 sends it only to a worker
 that proved the run's secret (wire._admit, on the same tag, first).
 
 A job names code: an algorithm and a model factory by import path (a Hydra config's `_target_`s, when Hydra
@@ -35,6 +37,15 @@ TEST_TENSORS = ("test_x", "test_y")  # raw too where a job holds them (a worker'
 DONE = {"done": True}  # instead of a worker's state: the run resumes from a checkpoint in which it had no work left
 
 
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """What a worker learns from rank 0 about the run besides its job."""
+
+    t0_wall: float  # the run's origin on the wall clock: a commit row's time_s is time.time() - t0_wall
+    train_examples: int  # rank 0's training examples: a worker that loads its own data must find as many
+    window: dict | None = None  # rank 0's shared memory (window.Window.described()), for the workers on its host
+
+
 def _for_workers(job: Job) -> Job:
     """What travels to the workers: the job without the validation and test splits, and without the training set
     when the workers can load it themselves (job.data_source)."""
@@ -44,11 +55,13 @@ def _for_workers(job: Job) -> Job:
     return dataclasses.replace(job, data=data, resume=None)
 
 
-def encode_job(job: Job) -> tuple[bytes, dict[str, torch.Tensor] | None]:
+def encode_job(job: Job, start: Start | None = None) -> tuple[bytes, dict[str, torch.Tensor] | None]:
     """The job as JSON, and its dataset's tensors (None without a dataset), to be sent raw: every field of Job,
-    the algorithm's hyperparameters as a dict, the dataset's name and options. decode_job rebuilds it."""
+    the algorithm's hyperparameters and the engine's options as dicts, the dataset's name and options; and the
+    run's `start`. decode_job and decode_start rebuild them."""
     fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
     fields["hp"] = _hp_fields(job)
+    fields["engine"] = dataclasses.asdict(job.engine)
     if isinstance(job.model, ModelSpec):  # its name, factory and keyword arguments: JSON, rebuilt by decode_job
         fields["model"] = {"spec": dataclasses.asdict(job.model)}
     tensors = None
@@ -63,7 +76,8 @@ def encode_job(job: Job) -> tuple[bytes, dict[str, torch.Tensor] | None]:
             json.dumps(value)
         except (TypeError, ValueError) as e:
             raise TypeError(f"engine=distributed sends the job as JSON, and Job.{name} is not JSON ({e})") from None
-    return json.dumps(fields).encode(), tensors
+    message = {"job": fields, "start": dataclasses.asdict(start) if start is not None else None}
+    return json.dumps(message).encode(), tensors
 
 
 def _hp_fields(job: Job) -> dict:
@@ -84,7 +98,7 @@ def _hp_fields(job: Job) -> dict:
 def decode_job(text: bytes, tensors: dict[str, torch.Tensor] | None, allowed: frozenset[str] = frozenset()) -> Job:
     """The Job that encode_job encoded: the same value in every field. ValueError, before anything is imported,
     if it names an algorithm or a model outside gem's own and `allowed` (allowed_imports)."""
-    fields = json.loads(text)
+    fields = json.loads(text)["job"]
     model = fields["model"]
     spec = ModelSpec(**model["spec"]) if isinstance(model, dict) else model
     check_imports(named_imports(fields["algorithm"], spec), allowed)
@@ -96,6 +110,12 @@ def decode_job(text: bytes, tensors: dict[str, torch.Tensor] | None, allowed: fr
     if source is not None and source.get("shape") is not None:
         source["shape"] = tuple(source["shape"])  # the model's input shape: a tuple, which JSON makes a list
     return Job(**fields)
+
+
+def decode_start(text: bytes) -> Start | None:
+    """The run's Start that encode_job sent with the job (None where it sent none)."""
+    start = json.loads(text)["start"]
+    return None if start is None else Start(**start)
 
 
 def named_imports(algorithm, model) -> set[str]:

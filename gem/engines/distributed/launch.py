@@ -34,11 +34,11 @@ import torch.distributed as dist
 from gem import algorithms
 from gem.engines import Job, Result
 from gem.engines import checkpoint as ckpt
-from gem.engines.coordinator import POLL_S, TIMEOUT_S, Coordinator, start_server
+from gem.engines.coordinator import POLL_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model, central_device
 from gem.engines.distributed.address import _listener, _local_address, _warn_once, check_host
 from gem.engines.distributed.doors import cut_strangers, empty_store, listening, refuse_newcomers
-from gem.engines.distributed.job import DONE, _for_workers, _send_job, encode_job, named_imports
+from gem.engines.distributed.job import DONE, Start, _for_workers, _send_job, encode_job, named_imports
 from gem.engines.distributed.link import _local_worker
 from gem.engines.distributed.server import _Server
 from gem.engines.distributed.window import Window
@@ -68,27 +68,16 @@ SETTLE_S = 2.0  # rank 0's wait at its end for its threads in gloo's waits (_Ser
 
 def run(job: Job, recorder) -> Result:
     eng = job.engine
-    timeout_s = float(eng.get("timeout_s", TIMEOUT_S))
     n = job.workers
     algo = algorithms.get(job.algorithm)
     # θ on rank 0's host: gloo moves CPU tensors. A GPU worker stages θ on its device at its commits.
     server, resumed = start_server(job, algo, build_flat_model(job, device="cpu").param.clone())
-    # the workers on this host read θ from shared memory, not the wire (window.py): with a local launch all of
-    # them; under torchrun, the ranks after 0 on its node (static rendezvous puts ranks 0 .. LOCAL_WORLD_SIZE - 1
-    # there); a worker that cannot open the window uses the wire. The workers of a local launch also pass the
-    # server's turn among themselves there, as on engine=process (`turn`, below): one of them that cannot map the
-    # window says why and is lost. Those workers, rank 0's children, get θ and the server's tensors on their GPU
-    # instead where they all compute on one (`central_device`, engine.theta_on_gpu): shared by CUDA IPC as on
-    # engine=process, so a commit moves nothing between host and GPU; θ then reaches the wire (a PULL) as a copy
-    slots = min(n, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1) if launched() else n
-    central = torch.device("cpu") if launched() else central_device(job)
-    handed = not launched() and _hands_theta(central)
-    window = Window.create(server, slots, turn=not launched(), theta=not handed) \
-        if eng.get("shared_memory", True) else None
-    handed = handed and window is not None  # else the wire's workers receive θ from rank 0's host memory
-    central = central if handed else torch.device("cpu")
-    if handed:
-        server = server.to(central)
+    place = Placement.plan(job)
+    window = Window.create(server, place.slots, turn=place.local_turn, theta=not place.handed) if place.slots else None
+    if window is None:  # no /dev/shm, or no room in it (Window.create says so)
+        place = place.without_window()
+    if place.handed:
+        server = server.to(place.central)
     if window is not None:
         server = window.adopt(server)
     children: list = []
@@ -98,12 +87,12 @@ def run(job: Job, recorder) -> Result:
     ended = False
     try:
         coord = _Coordinator(job, recorder, server, Evaluator(job, job.data), resumed)
+        coord.placement = place
         saved = {w: ckpt.load_worker(job.resume, w) for w in coord.pending_workers()} if resumed else {}
-        job = dataclasses.replace(job, engine={**eng, "timeout_s": timeout_s, "t0_wall": coord.t0_wall,
-                                               "train_examples": len(job.data.train_y),
-                                               "window": window.described() if window is not None else None})
-        coord.job = job
-        encoded = encode_job(_for_workers(job))  # before any worker starts: a field that JSON cannot carry fails here
+        start = Start(t0_wall=coord.t0_wall, train_examples=len(job.data.train_y),
+                      window=window.described() if window is not None else None)
+        # before any worker starts: a field that JSON cannot carry fails here
+        encoded = encode_job(_for_workers(job), start)
         if launched():
             world = int(os.environ["WORLD_SIZE"])
             if world != n + 1:
@@ -113,9 +102,9 @@ def run(job: Job, recorder) -> Result:
             torch.set_num_threads(threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
             store, pg = _connect(lambda: _launched_group(START_TIMEOUT_S)[:2], [])
         else:
-            host, port = str(eng.get("host", "127.0.0.1")), int(eng.get("port", 0))
+            host, port = eng.host, eng.port
             # the config's validation has checked the address; again here for a caller of the engine itself
-            _warn_once(check_host(host, bool(eng.get("allow_remote", False))))
+            _warn_once(check_host(host, eng.allow_remote))
             before = listening()
             listener = _listener(host, port)
             port = listener.getsockname()[1]
@@ -137,13 +126,13 @@ def run(job: Job, recorder) -> Result:
             imports = tuple(sorted(named_imports(job.algorithm, job.model)))
             ctx = worker_context(job)
             # θ and the server's tensors on the workers' GPU travel as CUDA IPC handles (torch.multiprocessing)
-            theta_handed = {"theta": server.theta, "state": server.state} if handed else None
+            theta_handed = {"theta": server.theta, "state": server.state} if place.handed else None
             if window is not None:
                 # every worker is on this host, with θ in the window: they pass the server's turn among themselves,
                 # as on engine=process (the server thread is participant n, the coordinator n + 1), and the server
                 # thread holds it until every worker is ready. `here` stays open in this process alone: a worker
                 # waiting in line sees end of file on `alive` once rank 0 is gone
-                turn = Turn(ctx, n + 2, central)
+                turn = Turn(ctx, n + 2, place.central)
                 turn.state[0] = n
                 alive, here = ctx.Pipe(duplex=False)
             for r in range(1, n + 1):
@@ -181,7 +170,7 @@ def run(job: Job, recorder) -> Result:
             # (Headers.join): at once for a local launch's workers, stopped above; a worker elsewhere still
             # running is not waited on past this
             ps.settle(SETTLE_S)
-        if central.type == "cuda":  # the GPU memory the workers received by CUDA IPC and have let go of
+        if place.central.type == "cuda":  # the GPU memory the workers received by CUDA IPC and have let go of
             torch.cuda.ipc_collect()
 
 
@@ -189,6 +178,53 @@ def _hands_theta(central: torch.device) -> bool:
     """Whether a local launch hands θ and the server's tensors to its workers (on their GPU, by CUDA IPC) rather
     than keep them in the window. (The tests hand CPU tensors, shared memory, to run this path without a GPU.)"""
     return central.type == "cuda"
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where θ and the server's tensors live in this run, and how the workers reach them: decided once, by `plan`
+    (and `without_window` where the window cannot be made), and recorded in the summary (`placement`,
+    `central_device`, `local_turn`; `shared_memory_workers` says which workers did map the window).
+
+    A local launch (`python run.py engine=distributed`) has every worker on rank 0's host: with
+    `engine.shared_memory` they pass the server's turn among themselves in rank 0's window, as on engine=process,
+    and θ lives in the window, or on their GPU where they all compute on one (`central_device`,
+    `engine.theta_on_gpu`: handed to them by CUDA IPC). Under a launcher (torchrun, SLURM) rank 0 serves every
+    commit; the ranks after 0 on its node (static rendezvous puts ranks 0 .. LOCAL_WORLD_SIZE - 1 there) read θ from
+    the window instead of the wire, and every other worker exchanges it over the wire. θ is then in rank 0's host
+    memory: gloo moves CPU tensors."""
+
+    central: torch.device  # θ and the server's tensors
+    slots: int  # workers 0 .. slots - 1 may map rank 0's window; 0: no window, every worker uses the wire
+    local_turn: bool  # the workers pass the server's turn among themselves in the window (a local launch)
+    handed: bool  # θ is on the workers' GPU, handed to them by CUDA IPC (the window holds the clock and the log)
+
+    @classmethod
+    def plan(cls, job: Job) -> Placement:
+        cpu = torch.device("cpu")
+        if launched():
+            slots = min(job.workers, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1)
+            local, central = False, cpu
+        else:
+            slots, local, central = job.workers, True, central_device(job)
+        slots = slots if job.engine.shared_memory else 0
+        handed = local and slots > 0 and _hands_theta(central)
+        return cls(central if handed else cpu, max(0, slots), local and slots > 0, handed)
+
+    def without_window(self) -> Placement:
+        """No window after all: every worker exchanges θ with rank 0 over the wire, θ in rank 0's memory."""
+        return Placement(torch.device("cpu"), 0, False, False)
+
+    def describe(self) -> str:
+        if self.handed:
+            return (f"θ on {self.central}, handed to the workers by CUDA IPC; they pass the server's turn among "
+                    "themselves in shared memory")
+        if self.local_turn:
+            return "θ in shared memory on rank 0's host; the workers pass the server's turn among themselves there"
+        if self.slots:
+            return (f"θ in rank 0's memory, served by rank 0; workers 0-{self.slots - 1} (on its host) read it from "
+                    "shared memory, the others over the wire")
+        return "θ in rank 0's memory, served by rank 0; every worker exchanges it over the wire"
 
 
 def _serve(coord: _Coordinator, pg, secret: str, encoded, states: dict, children: list, store=None,
@@ -270,6 +306,7 @@ class _Coordinator(Coordinator):
         self.closed_at: float | None = None  # when every worker had finished or was lost
         self.turn: Turn | None = None  # the workers of a local launch pass the turn among themselves
         self.to_monotonic = self.t0_wall - time.time() + time.monotonic()  # a row's time_s, on time.monotonic
+        self.placement: Placement | None = None  # where θ lives (`run` decides it)
 
     def attach(self, pg, children: list, store=None, refused: dict[int, str] | None = None,
                window: Window | None = None, turn: Turn | None = None) -> None:
@@ -277,8 +314,7 @@ class _Coordinator(Coordinator):
         ranks = [w + 1 for w in range(self.job.workers)]
         job, server = self.job, self.server
         like = torch.empty_like(server.theta, device="cpu")  # sizes only: nothing of θ's, on the host
-        bounds = Bounds.of(server.algo, job.hp, like, len(self.ledger.tensor_names),
-                           int(job.engine.get("train_examples", len(job.data.train_y))))
+        bounds = Bounds.of(server.algo, job.hp, like, len(self.ledger.tensor_names), len(job.data.train_y))
         self.ps = _Server(pg, job, server, ranks, self.events, bounds, window, turn)
         self.children, self.store, self.turn = children, store, turn
         for w in set(range(self.job.workers)) - set(self.pending_workers()):  # done before the checkpoint
@@ -487,7 +523,8 @@ class _Coordinator(Coordinator):
         extra = {"server_commit_s": round(ps.busy_s / ps.served, 6) if served else None,
                  "server_busy": round(ps.busy_s / wall, 4) if served and wall > 0 else None,
                  "shared_memory_workers": sorted(r - 1 for r in ps.mapped),
-                 "local_turn": ps.turn is not None, "central_device": str(self.server.theta.device)}
+                 "local_turn": ps.turn is not None, "central_device": str(self.server.theta.device),
+                 "placement": self.placement.describe() if self.placement is not None else None}
         if self.write_error:  # every process has stopped and the rows are recorded: the runner says it, once
             raise WriteError(self.write_error)
         if self.fatal and not self.diverged:

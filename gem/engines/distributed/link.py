@@ -32,7 +32,7 @@ from gem.algorithms import Commit
 from gem.data import load_dataset
 from gem.engines import Job
 from gem.engines.distributed.doors import listening, refuse_newcomers
-from gem.engines.distributed.job import DONE, _recv_job, allowed_imports, decode_job
+from gem.engines.distributed.job import DONE, Start, _recv_job, allowed_imports, decode_job, decode_start
 from gem.engines.distributed.window import Window, log_entry
 from gem.engines.distributed.wire import (
     ASK,
@@ -126,7 +126,9 @@ def _work(pg, rank: int, threads: int, secret: str, allowed: frozenset[str], ign
               f"sends none to a worker that does not prove the run's secret ({SECRET_ENV})", file=sys.stderr)
         return 1
     try:
-        job = decode_job(text, tensors, allowed)
+        job, start = decode_job(text, tensors, allowed), decode_start(text)
+        if start is None:
+            raise ValueError("rank 0 sent no Start with the job")
     except (ValueError, TypeError, KeyError) as e:  # rank 0 records the worker lost, with this line
         why = f"{type(e).__name__}: {e}"
         print(f"gem: worker rank {rank} refuses its job: {why}", file=sys.stderr, flush=True)
@@ -137,7 +139,7 @@ def _work(pg, rank: int, threads: int, secret: str, allowed: frozenset[str], ign
         return 1
     if saved == DONE:  # a resumed run whose checkpoint has this worker finished, or lost: nothing to do
         return 0
-    link = _RemoteLink(pg, rank, job, store, turn, alive, handed)
+    link = _RemoteLink(pg, rank, job, start, store, turn, alive, handed)
     try:
         link.run(saved)
     except _ServerGone:
@@ -172,19 +174,20 @@ class _RemoteLink:
     the server step in place, notes the commit in the window's log, and hands the turn on; only its rows, a
     checkpoint's state and the barriers' pulls go over the wire."""
 
-    def __init__(self, pg, rank: int, job: Job, store=None, turn: Turn | None = None, alive=None,
+    def __init__(self, pg, rank: int, job: Job, start: Start, store=None, turn: Turn | None = None, alive=None,
                  handed: dict | None = None):
-        self.pg, self.rank, self.job, self.turn, self.alive, self.handed = pg, rank, job, turn, alive, handed
+        self.pg, self.rank, self.job, self.start = pg, rank, job, start
+        self.turn, self.alive, self.handed = turn, alive, handed
         self.holding = False  # this worker holds the turn (`turn` only)
         self.w = rank - 1  # the worker's index in metrics.parquet, as in the other engines
         self.waiting = _Waiting(store, rank) if store is not None else None
         if self.waiting is not None:
             self.waiting.start()
-        self.timeout = float(job.engine["timeout_s"])
+        self.timeout = job.engine.timeout_s
         # how long to wait for the server: twice its own patience with a worker, which each reply updates (it may
         # be held up by a silent worker until that one is lost)
         self.wait_s = 2.0 * _patience(self.timeout)
-        self.t0_wall = float(job.engine["t0_wall"])
+        self.t0_wall = start.t0_wall
         self.buffer: list = []
         self.sent_at = time.monotonic()
         self.reply = torch.zeros(4, dtype=torch.long)  # [kind, t, τ, the server's patience in ms]
@@ -344,9 +347,9 @@ class _RemoteLink:
             job = self.job
             data = job.data if job.data_source is None else load_dataset(**job.data_source)
             job = self.job = dataclasses.replace(job, data=data)
-            if len(data.train_y) != job.engine["train_examples"]:
+            if len(data.train_y) != self.start.train_examples:
                 raise ValueError(f"this rank loaded {len(data.train_y)} training examples of data={data.name}, rank "
-                                 f"0 has {job.engine['train_examples']}: every node needs the same data.root")
+                                 f"0 has {self.start.train_examples}: every node needs the same data.root")
             algo = algorithms.get(job.algorithm)
             worker = self.worker = Worker(self.w, job, algo)  # its model: θ₀ from the seed, as on every rank
             # the replica of the server's state stays on the host, where gloo sends and receives it; page-locked for
@@ -356,11 +359,11 @@ class _RemoteLink:
             self.server = self.replica = replica.pin_memory() if pin else replica
             if saved is not None:
                 worker.load_state_dict(saved)
-            if job.engine.get("window"):
-                self.window = Window.open(job.engine["window"], self.w, self.server, writable=self.turn is not None)
+            if self.start.window:
+                self.window = Window.open(self.start.window, self.w, self.server, writable=self.turn is not None)
             if self.turn is not None:
                 if self.window is None:
-                    where = (job.engine.get("window") or {}).get("path")
+                    where = (self.start.window or {}).get("path")
                     raise RuntimeError(f"cannot map rank 0's window {where}, where the workers of a local launch "
                                        "take their turn")
                 handed = self.handed

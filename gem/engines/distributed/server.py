@@ -82,7 +82,7 @@ class _Server(threading.Thread):
         super().__init__(name="gem-parameter-server", daemon=True)
         self.pg, self.job, self.server, self.events, self.bounds = pg, job, server, events, bounds
         # how long a wait on one worker may last (the coordinator keeps it at _patience of the silence limit)
-        self.wait_s = _patience(float(job.engine["timeout_s"]))
+        self.wait_s = _patience(job.engine.timeout_s)
         self.lock = threading.Lock()
         self.ranks = workers  # ranks 1..n
         self.pending: dict[int, deque] = {r: deque() for r in workers}  # commits whose rows have not come
