@@ -14,8 +14,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-import warm_run
-from procs import descendants, hold_meta_for, in_session, is_alive, processes, workers_of
+from helpers import warm_run
+from helpers.procs import descendants, hold_meta_for, in_session, is_alive, processes, workers_of
 from test_run import check_run_dir
 
 from gem import algorithms

@@ -2,7 +2,7 @@
 directory has one owner, and every fault ends with one clear line and a summary that says what happened.
 
 Most commands here go through `python run.py` in a process of its own, as a user types them (forked from
-tests/warm_run.py's server, which has imported torch once), on the `sim` engine and the embedded digits (fast);
+tests/helpers/warm_run.py's server, which has imported torch once), on the `sim` engine and the embedded digits (fast);
 generous timeouts because CI machines are shared.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import warm_run
-from conftest import ROOT
-from procs import workers_of
+from helpers import warm_run
+from helpers.paths import ROOT
+from helpers.procs import workers_of
 
 # the tests that share this module's costly fixtures (runs): under pytest-xdist they run in one process
 SHARED = pytest.mark.xdist_group("faults")
@@ -31,7 +31,7 @@ KILLED = [*QUICK, "epochs=10", "engine.checkpoint_every=40"]  # the run that `ki
 
 
 def run_py(*args, timeout=300, **kw):
-    """`python run.py <args>` from the warm server (tests/warm_run.py); a fresh interpreter where a test gives
+    """`python run.py <args>` from the warm server (tests/helpers/warm_run.py); a fresh interpreter where a test gives
     subprocess.run's own arguments (preexec_fn)."""
     if kw:
         return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,

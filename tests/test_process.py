@@ -3,7 +3,7 @@ processes' heap. The contract every engine keeps (every commit once, staleness, 
 signals, ...) is tested on all three engines in tests/test_engines.py."""
 
 import pytest
-from procs import frozen_inside_meta, stopped_process
+from helpers.procs import frozen_inside_meta, stopped_process
 from test_engines import job, run
 
 from gem.data import make_synthetic

@@ -5,7 +5,7 @@ import json
 
 import pandas as pd
 import pytest
-from warm_run import run_py
+from helpers.warm_run import run_py
 
 from experiments.config import compose
 from experiments.runner import run

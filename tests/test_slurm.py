@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import warm_run
-from procs import mentioning
+from helpers import warm_run
+from helpers.procs import mentioning
 from test_faults import refused_line, run_py
 from test_run import check_run_dir
 

@@ -5,8 +5,8 @@ import json
 import shutil
 
 import pytest
-import warm_run
-from conftest import ROOT
+from helpers import warm_run
+from helpers.paths import ROOT
 from test_faults import refused_line, run_py, snapshot
 
 QUICK = ["engine=sim", "epochs=1", "logger.wandb.mode=disabled", "logger.progress=false"]
