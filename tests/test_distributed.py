@@ -22,7 +22,7 @@ import torch.distributed as dist
 from helpers import warm_run
 from helpers.paths import ROOT
 from helpers.procs import frozen_inside_meta, is_cut, stranger
-from test_run import check_run_dir
+from helpers.rundir import check_run_dir
 
 from gem import algorithms
 from gem.algorithms import downpour, gem, ssgd

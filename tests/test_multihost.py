@@ -16,7 +16,7 @@ import time
 import pytest
 from helpers.netns import Hosts, Unavailable, remove_stale
 from helpers.paths import ROOT
-from test_run import check_run_dir
+from helpers.rundir import check_run_dir
 
 from gem.models import build_model_meta
 

@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 from helpers import warm_run
+from helpers.commands import refused_line, run_py, snapshot
 from helpers.paths import ROOT
-from test_faults import refused_line, run_py, snapshot
 
 QUICK = ["engine=sim", "epochs=1", "logger.wandb.mode=disabled", "logger.progress=false"]
 
