@@ -1,7 +1,7 @@
 """engine=distributed across a shaped link: the parameter server's commits per second against the link's limit.
 
-Two hosts are network namespaces of this machine (tests/netns.py) joined by one veth pair, shaped by tbf to a known
-rate R on both ends. Host 0 runs rank 0 alone (the parameter server, `--nproc_per_node=1`); host 1 runs the n
+Two hosts are network namespaces of this machine (tests/helpers/netns.py) joined by one veth pair, shaped by tbf to a
+known rate R on both ends. Host 0 runs rank 0 alone (the parameter server, `--nproc_per_node=1`); host 1 runs the n
 workers (`--nproc_per_node=n`), so that every commit crosses the link: θ from the server to the worker, Δ back, 2 × θ
 bytes in all (the bytes counted on the link are printed beside it). A link carries R each way at once (full duplex;
 tbf shapes each end's sending), so its limit is R / θ commits per second: both directions full. The server's turn
@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the namespaces helper, shared with tests/test_multihost.py
 
-from netns import Hosts, Unavailable  # noqa: E402
+from helpers.netns import Hosts, Unavailable  # noqa: E402
 
 from gem.metrics import read_table  # noqa: E402
 from gem.models import build_model_meta  # noqa: E402

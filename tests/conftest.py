@@ -1,19 +1,20 @@
 import os
 import sys
-from pathlib import Path
 
 import pytest
+
+# pytest rewrites the asserts of test modules only: the helpers' (check_run_dir's, say) report their values too,
+# as they did when the helpers were test modules. Registered before any helper is imported.
+pytest.register_assert_rewrite("helpers")
+
+from helpers.paths import ROOT, SHARED_DATA  # noqa: E402
 
 # One torch thread in every test process and every process a test starts (they inherit it). The suite runs its
 # tests side by side (pytest-xdist, pyproject.toml), and torch's threads spin while they wait for work: a run of two
 # threads per process took 15 s beside another run where it takes 6 s with one. Tests check behaviour, not speed.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-# Real MNIST digits live beside the checkout (../shared/data); GEM_SHARED_DATA can point elsewhere.
-SHARED_DATA = Path(os.environ.get("GEM_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
 
 @pytest.fixture

@@ -82,7 +82,7 @@ def test_a_damaged_run_file_is_one_line_naming_it(tmp_path, name, text, says):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from helpers.paths import ROOT
 
     run = tmp_path / "sweep" / "0"
     (run / ".hydra").mkdir(parents=True)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch.nn as nn
-from conftest import ROOT
+from helpers.paths import ROOT
 
 import __main__
 from experiments.api import Refused, run, sweep

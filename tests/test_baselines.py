@@ -7,7 +7,8 @@ import math
 import pandas as pd
 import pytest
 import torch
-from test_engines import run as run_on_engine
+from helpers.engines import Killed, StoppingRecorder
+from helpers.engines import run as run_on_engine
 from torch import nn
 
 from gem import algorithms
@@ -142,18 +143,16 @@ def test_ssgd_takes_the_same_gradients_on_every_engine_and_through_a_resume(cnn_
         # rounding (2.4e-7 apart here); the round's sum itself is in worker order on every engine (ssgd.py)
         pd.testing.assert_series_equal(_losses(m), _losses(m_ref), atol=1e-5, rtol=0)
 
-    from test_engines import _Killed
-
     real_finish = checkpoint.finish
 
     def finish_then_die(*args, **kw):
         real_finish(*args, **kw)
-        raise _Killed()
+        raise Killed()
 
     d = tmp_path / "resumed"
     make = lambda resume=None: cnn_job(cnn_data, "process", run_dir=str(d), checkpoint_every=4, resume=resume)  # noqa: E731
     monkeypatch.setattr(checkpoint, "finish", finish_then_die)
-    with pytest.raises(_Killed):
+    with pytest.raises(Killed):
         get("process").run(make(), Recorder(d, flush_every=5))
     monkeypatch.setattr(checkpoint, "finish", real_finish)
     manifest = checkpoint.read_manifest(d)
@@ -231,11 +230,9 @@ def test_a_lost_worker_fails_a_synchronous_run_instead_of_hanging(cnn_data, tmp_
     import signal
     import time
 
-    from test_engines import _StoppingRecorder
-
     j = dataclasses.replace(cnn_job(cnn_data, engine), epochs=40,
                             engine={"name": engine, "timeout_s": 5, "silent_cycles": 3})
-    rec = _StoppingRecorder(tmp_path, victim=2, after=5, sig=signal.SIGKILL)
+    rec = StoppingRecorder(tmp_path, victim=2, after=5, sig=signal.SIGKILL)
     began = time.monotonic()
     try:
         result = get(engine).run(j, rec)

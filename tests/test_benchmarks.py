@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, SHARED_DATA
+from helpers.paths import ROOT, SHARED_DATA
 
 DATA = SHARED_DATA  # the scripts fall back to the embedded digits where MNIST is absent; data_loading needs MNIST
 MNIST = DATA / "MNIST" / "raw" / "train-images-idx3-ubyte"

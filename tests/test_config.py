@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-import warm_run
-from conftest import ROOT
+from helpers import warm_run
+from helpers.paths import ROOT
 
 from experiments.command import preflight
 from experiments.config import ConfigError, check_job, compose, expand, options, validate
@@ -161,7 +161,7 @@ def test_real_command_prints_one_line_and_exits_2(tmp_path):
     assert p.stderr.strip() == "error: lr=-1.0 is not allowed; lr must be a finite number > 0"
     assert p.stdout == ""
     assert list(tmp_path.iterdir()) == [], "bad input must not create a run directory"
-    # the tests' run.py forked from a warm interpreter (tests/warm_run.py) answers exactly as a fresh one
+    # the tests' run.py forked from a warm interpreter (tests/helpers/warm_run.py) answers exactly as a fresh one
     warm = warm_run.run_py("lr=-1", cwd=tmp_path, script=str(ROOT / "run.py"))
     assert (warm.returncode, warm.stdout, warm.stderr) == (p.returncode, p.stdout, p.stderr)
     assert list(tmp_path.iterdir()) == []

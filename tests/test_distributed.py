@@ -19,10 +19,10 @@ import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
-import warm_run
-from conftest import ROOT
-from procs import frozen_inside_meta, is_cut, stranger
-from test_run import check_run_dir
+from helpers import warm_run
+from helpers.paths import ROOT
+from helpers.procs import frozen_inside_meta, is_cut, stranger
+from helpers.rundir import check_run_dir
 
 from gem import algorithms
 from gem.algorithms import downpour, gem, ssgd

@@ -2,7 +2,6 @@
 clock, windowed commits, the same losses on every engine with one worker, checkpoints and resume, divergence,
 lost workers and signals where an engine has real workers, and an algorithm the engines have never seen."""
 
-import dataclasses
 import json
 import multiprocessing
 import os
@@ -14,14 +13,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-import warm_run
-from procs import descendants, hold_meta_for, in_session, is_alive, processes, workers_of
-from test_run import check_run_dir
+from helpers import warm_run
+from helpers.engines import Killed, StoppingRecorder, hp_for, job, run
+from helpers.procs import descendants, hold_meta_for, in_session, is_alive, processes, workers_of
+from helpers.rundir import check_run_dir
 
 from gem import algorithms
 from gem.algorithms import downpour
 from gem.data import make_synthetic
-from gem.engines import Job, checkpoint, get
+from gem.engines import checkpoint, get
 from gem.engines.coordinator import Ledger, Silence
 from gem.engines.core import build_flat_model
 from gem.engines.options import ProcessOptions
@@ -37,28 +37,6 @@ TIMING = ["time_s", "wait_s", "apply_s", "wait_commits", "sim_time"]  # measured
 @pytest.fixture(scope="module")
 def data():
     return make_synthetic((1, 28, 28), train_size=256, val_size=64, seed=1)
-
-
-def hp_for(name, n, **kw):
-    params = algorithms.get(name).Params
-    fields = {f.name for f in dataclasses.fields(params)}
-    return params(**{**({"workers": n} if "workers" in fields else {}), **kw})
-
-
-def job(data, engine, workers, algorithm="gem", hp=None, epochs=1, batch_size=32, options=None, **kw):
-    return Job(algorithm=algorithm, hp=hp or hp_for(algorithm, workers), model="mnist_cnn", data=data,
-               workers=workers, batch_size=batch_size, epochs=epochs, seed=0,
-               engine={"name": engine, "timeout_s": 60, **(options or {})},
-               eval_every=kw.pop("eval_every", 16), eval_train_size=64, **kw)
-
-
-def run(job_, d):
-    rec = Recorder(d)
-    try:
-        result = get(job_.engine.name).run(job_, rec)
-    finally:
-        rec.close()
-    return result, read_table(d)
 
 
 # ------------------------------------------------------------------------------------------ completion
@@ -286,10 +264,6 @@ def test_divergence_stops_every_worker(data, tmp_path, engine):
 # ------------------------------------------------------------------------------------ checkpoints, resume
 
 
-class _Killed(Exception):
-    pass
-
-
 class _DyingRecorder(Recorder):
     """A recorder whose process is killed once `after` commits are recorded, and a checkpoint exists."""
 
@@ -301,7 +275,7 @@ class _DyingRecorder(Recorder):
         super().commit(row, tensors)
         if self.commits >= self.after and (self.run_dir / "checkpoint" / "manifest.json").exists():
             self.flush()
-            raise _Killed()
+            raise Killed()
 
 
 def test_a_checkpoints_server_tensors_of_another_shape_are_refused_not_broadcast(tmp_path):
@@ -334,7 +308,7 @@ def test_a_resumed_sim_run_is_the_uninterrupted_run(data, tmp_path, staleness):
 
     whole, m_whole = run(make(tmp_path / "whole"), tmp_path / "whole")
     d = tmp_path / "killed"
-    with pytest.raises(_Killed):
+    with pytest.raises(Killed):
         get("sim").run(make(d), _DyingRecorder(d, after=27))
     manifest = checkpoint.read_manifest(d)
     assert manifest["step"] == 20 and len(read_table(d)) > 20  # rows after the checkpoint were on disk
@@ -362,7 +336,7 @@ def test_resume_continues_every_worker_where_the_checkpoint_left_it(data, tmp_pa
 
     def finish_then_die(*args, **kw):
         real_finish(*args, **kw)
-        raise _Killed()
+        raise Killed()
 
     epochs = 8  # 64 steps per worker, 192 commits
     steps_each = epochs * 256 // 32
@@ -375,7 +349,7 @@ def test_resume_continues_every_worker_where_the_checkpoint_left_it(data, tmp_pa
                    eval_every=3 * steps_each, resume=resume)
 
     monkeypatch.setattr(checkpoint, "finish", finish_then_die)
-    with pytest.raises(_Killed):
+    with pytest.raises(Killed):
         get(engine).run(make(), Recorder(tmp_path, flush_every=5))
     monkeypatch.setattr(checkpoint, "finish", real_finish)
     assert not workers_of(os.getpid())
@@ -544,24 +518,6 @@ def test_a_killed_worker_is_recorded_and_the_run_goes_on(tmp_path, engine):
     assert set(summary["commit_shares"]) == {"0", "1", "2"}
 
 
-class _StoppingRecorder(Recorder):
-    """SIGSTOPs worker `victim`'s process once `after` of its commits are recorded: alive, frozen, silent (or
-    sends it another signal: `sig`)."""
-
-    def __init__(self, d, victim, after, sig=signal.SIGSTOP):
-        super().__init__(d)
-        self.victim, self.after, self.seen, self.stopped_at, self.sig = victim, after, 0, None, sig
-
-    def commit(self, row, tensors=None):
-        super().commit(row, tensors)
-        if row["worker"] == self.victim and self.stopped_at is None:
-            self.seen += 1
-            if self.seen >= self.after:
-                pid = next(p.pid for p in multiprocessing.active_children() if p.name == f"gem-worker-{self.victim}")
-                os.kill(pid, self.sig)
-                self.stopped_at = time.monotonic()
-
-
 def _lost_one(job_, rec, lost):
     """Run; the run completes without worker `lost`, lost for its silence, as a killed worker is."""
     try:
@@ -588,7 +544,7 @@ def test_a_frozen_worker_is_lost_and_the_run_completes(data, tmp_path, engine, c
     longer than max(engine.timeout_s, engine.silent_cycles x the median cycle) it is killed and recorded, as a
     killed worker is, and the run completes with the others. (distributed, launched locally: a worker often freezes
     holding the turn, as on process, and the others wait in line; they are not to blame.)"""
-    rec = _StoppingRecorder(tmp_path, victim=1, after=10)
+    rec = StoppingRecorder(tmp_path, victim=1, after=10)
     result, _ = _lost_one(job(data, engine, 3, epochs=8, options={"timeout_s": 5, "silent_cycles": 3}), rec, 1)
     assert rec.stopped_at is not None
     assert 5 <= float(result.reason.split("silent for ")[1].split()[0]) < 60, result.reason
@@ -740,8 +696,8 @@ def _wait_for_checkpoint(d, p, at_least):
     return json.loads(manifest.read_text())["step"]
 
 
-class _FrozenInMetaRecorder(_StoppingRecorder):
-    """As _StoppingRecorder, and the victim is frozen inside the turn's `meta` lock, its few instructions under it:
+class _FrozenInMetaRecorder(StoppingRecorder):
+    """As StoppingRecorder, and the victim is frozen inside the turn's `meta` lock, its few instructions under it:
     made so here by taking `meta` on its behalf (the engine's Turn, caught as it is made) once it is stopped."""
 
     def __init__(self, d, victim, after, turns, named=True):

@@ -2,11 +2,10 @@
 directory has one owner, and every fault ends with one clear line and a summary that says what happened.
 
 Most commands here go through `python run.py` in a process of its own, as a user types them (forked from
-tests/warm_run.py's server, which has imported torch once), on the `sim` engine and the embedded digits (fast);
+tests/helpers/warm_run.py's server, which has imported torch once), on the `sim` engine and the embedded digits (fast);
 generous timeouts because CI machines are shared.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -18,9 +17,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import warm_run
-from conftest import ROOT
-from procs import workers_of
+from helpers import warm_run
+from helpers.commands import refused_line, run_py, snapshot
+from helpers.paths import ROOT
+from helpers.procs import workers_of
 
 # the tests that share this module's costly fixtures (runs): under pytest-xdist they run in one process
 SHARED = pytest.mark.xdist_group("faults")
@@ -30,38 +30,11 @@ QUICK = ["engine=sim", "epochs=1", "logger.wandb.mode=disabled", "logger.progres
 KILLED = [*QUICK, "epochs=10", "engine.checkpoint_every=40"]  # the run that `killed_run` kills
 
 
-def run_py(*args, timeout=300, **kw):
-    """`python run.py <args>` from the warm server (tests/warm_run.py); a fresh interpreter where a test gives
-    subprocess.run's own arguments (preexec_fn)."""
-    if kw:
-        return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout, **kw)
-    return warm_run.run_py(*args, timeout=timeout)
-
-
-def snapshot(d: Path) -> dict:
-    """Every file under `d`, by content and modification time: equal snapshots mean nothing was touched."""
-    return {str(p.relative_to(d)): (hashlib.sha1(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(d.rglob("*")) if p.is_file()}
-
-
 def one_line(p) -> str:
     """A refusal: exit code 2 and exactly one line on stderr."""
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2, p.stderr
     assert len(lines) == 1, p.stderr
-    return lines[0]
-
-
-def refused_line(capsys, *argv) -> str:
-    """What `python run.py <argv>` says before Hydra starts (run.py's preflight, in this process): exit code 2
-    and one line."""
-    from experiments.command import preflight
-
-    with pytest.raises(SystemExit) as e:
-        preflight(list(argv))
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert e.value.code == 2 and len(lines) == 1, lines
     return lines[0]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import warm_run
+from helpers import warm_run
 from omegaconf import OmegaConf
 
 from analysis import from_wandb, load, plots, report, target

@@ -1,7 +1,7 @@
-"""engine=distributed across hosts: two network namespaces of this machine, joined by a veth pair, each with its
-own address (tests/netns.py), each running its torchrun node with the README's multi-machine command. The ranks of
-one host reach the other's only through the veth pair, so the run crosses a real (virtual) network: gloo's
-addresses, the store, the rendezvous. It is not two physical machines. Needs root and iproute2; skipped without.
+"""engine=distributed across hosts: two network namespaces of this machine, joined by a veth pair, each with its own
+address (tests/helpers/netns.py), each running its torchrun node with the README's multi-machine command. The ranks of
+one host reach the other's only through the veth pair, so the run crosses a real (virtual) network: gloo's addresses,
+the store, the rendezvous. It is not two physical machines. Needs root and iproute2; skipped without.
 
 How torchrun ranks the nodes: with the static rendezvous (`--master_addr`, `--master_port`, `--node_rank`), node i
 holds global ranks i*K ... i*K + K - 1 for --nproc_per_node=K, so rank 0, the parameter server that writes the run
@@ -14,9 +14,9 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT
-from netns import Hosts, Unavailable, remove_stale
-from test_run import check_run_dir
+from helpers.netns import Hosts, Unavailable, remove_stale
+from helpers.paths import ROOT
+from helpers.rundir import check_run_dir
 
 from gem.models import build_model_meta
 
@@ -141,10 +141,10 @@ def test_stale_namespaces_of_dead_processes_are_removed(hosts):
 
 @pytest.mark.slow  # a timing: 50 MB at 1 Gbit/s, 0.4 s each way
 def test_a_shaped_link_carries_its_rate(hosts):
-    """tbf on both ends (tests/netns.py): TCP gets the rate less the frames' headers, 1448/1514 of it. Never more
-    than the rate; at least 0.85 of it in the best of three transfers (the sender and receiver are processes that
-    need a core: with the suite keeping both busy, one transfer in CI got 0.68 Gbit/s)."""
-    from netns import transfer_s
+    """tbf on both ends (tests/helpers/netns.py): TCP gets the rate less the frames' headers, 1448/1514 of it. Never
+    more than the rate; at least 0.85 of it in the best of three transfers (the sender and receiver are processes
+    that need a core: with the suite keeping both busy, one transfer in CI got 0.68 Gbit/s)."""
+    from helpers.netns import transfer_s
 
     assert transfer_s(hosts, 1, 0, 10**7) < 0.4  # unshaped: 10 to 17 Gbit/s here
     hosts.shape(1000)
@@ -157,7 +157,7 @@ def test_a_shaped_link_carries_its_rate(hosts):
 
 
 def test_three_hosts_reach_one_another_through_the_hub():
-    from netns import transfer_s
+    from helpers.netns import transfer_s
 
     try:
         hosts = Hosts(3)

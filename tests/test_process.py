@@ -3,8 +3,8 @@ processes' heap. The contract every engine keeps (every commit once, staleness, 
 signals, ...) is tested on all three engines in tests/test_engines.py."""
 
 import pytest
-from procs import frozen_inside_meta, stopped_process
-from test_engines import job, run
+from helpers.engines import job, run
+from helpers.procs import frozen_inside_meta, stopped_process
 
 from gem.data import make_synthetic
 

@@ -219,7 +219,7 @@ def test_the_report_s_files_at_the_root_are_ignored_by_git():
     import shutil
     import subprocess
 
-    from conftest import ROOT
+    from helpers.paths import ROOT
 
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")

@@ -5,30 +5,11 @@ import json
 
 import pandas as pd
 import pytest
-from warm_run import run_py
+from helpers.rundir import check_run_dir
+from helpers.warm_run import run_py
 
 from experiments.config import compose
 from experiments.runner import run
-
-SUMMARY_KEYS = {"status", "algorithm", "engine", "workers", "steps", "final_train_loss", "val_loss",
-                "val_accuracy", "mean_staleness", "wall_time_s"}
-
-
-def check_run_dir(d, steps=None):
-    summary = json.loads((d / "summary.json").read_text())
-    assert SUMMARY_KEYS <= summary.keys()
-    m = pd.read_parquet(d / "metrics.parquet")
-    assert {"step", "worker", "worker_step", "staleness", "loss", "time_s"} <= set(m.columns)
-    assert len(m) == summary["steps"]
-    assert m["step"].tolist() == list(range(1, summary["steps"] + 1))  # each commit once, no gap
-    assert m["time_s"].is_monotonic_increasing
-    ev = pd.read_parquet(d / "eval.parquet")
-    assert {"step", "val_loss", "val_accuracy", "train_loss"} <= set(ev.columns)
-    assert ev["step"].iloc[0] == 0 and ev["step"].iloc[-1] == summary["steps"]
-    assert not (d / "metrics.parts").exists()
-    if steps is not None:
-        assert summary["steps"] == steps
-    return summary, m, ev
 
 
 @pytest.mark.slow
@@ -123,7 +104,7 @@ def test_online_init_failure_falls_back_to_offline_once_per_process(tmp_path, mo
 
 
 def test_batch_larger_than_the_loaded_cifar_shard_is_refused_with_one_line(tmp_path):
-    from test_data import write_cifar
+    from helpers.cifar import write_cifar
 
     from experiments.rundir import Refused
 

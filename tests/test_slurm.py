@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import warm_run
-from procs import mentioning
-from test_faults import refused_line, run_py
-from test_run import check_run_dir
+from helpers import warm_run
+from helpers.commands import refused_line, run_py
+from helpers.procs import mentioning
+from helpers.rundir import check_run_dir
 
 from experiments.config import compose
 

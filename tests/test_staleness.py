@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import warm_run
+from helpers import warm_run
 
 from gem.data import make_synthetic
 from gem.engines import Job, sim

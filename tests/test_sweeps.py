@@ -5,9 +5,9 @@ import json
 import shutil
 
 import pytest
-import warm_run
-from conftest import ROOT
-from test_faults import refused_line, run_py, snapshot
+from helpers import warm_run
+from helpers.commands import refused_line, run_py, snapshot
+from helpers.paths import ROOT
 
 QUICK = ["engine=sim", "epochs=1", "logger.wandb.mode=disabled", "logger.progress=false"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import warm_run
+from helpers import warm_run
 from omegaconf import OmegaConf
 
 from experiments import wandb_logger

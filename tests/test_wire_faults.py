@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from procs import is_cut, stranger
+from helpers.procs import is_cut, stranger
 
 from gem import algorithms
 from gem.algorithms import gem

@@ -17,7 +17,7 @@ limit a run's file sizes, and those under torchrun, start a fresh one):
   OMP_NUM_THREADS, NUMBA_*) is the server's: the environment of the test that started it. Each run gets the test's
   own environment in os.environ;
 - warnings shown while the server imported are not shown again, and a traceback has runpy's frames on top;
-- /proc/<pid>/cmdline of the run reads `python tests/warm_run.py`, not its arguments;
+- /proc/<pid>/cmdline of the run reads `python tests/helpers/warm_run.py`, not its arguments;
 - numpy's OpenBLAS has one thread, as in gem's worker processes (gem.engines.preload), and pyarrow's allocator
   returns freed memory as it goes rather than on a thread of its own;
 - Python's hash seed is the server's, the same for every run it starts.
@@ -40,7 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+# the checkout (not helpers.paths: the server runs this file as a script, where `helpers` is not importable)
+ROOT = Path(__file__).resolve().parents[2]
 
 PIPE, DEVNULL = subprocess.PIPE, subprocess.DEVNULL
 

@@ -21,7 +21,7 @@ framing allows); below 64 KiB it would also cut veth's GSO packets into segments
 shorter than a few buckets, or a link idle most of the time, is not held to the rate. `latency` bounds the queue
 behind the bucket (rate x latency).
 
-    python tests/netns.py [--rate MBIT ...] [--mbytes 200]   # measures TCP transfers between two namespaces
+    python tests/helpers/netns.py [--rate MBIT ...] [--mbytes 200]   # measures TCP transfers between two namespaces
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description="TCP transfer rates between two namespaces, unshaped and shaped")
     ap.add_argument("--rate", type=float, nargs="*", default=[1000, 10000], help="tbf rates to try, Mbit/s")
-    ap.add_argument("--burst", type=int, default=None, help="tbf burst in bytes (default: see tests/netns.py)")
+    ap.add_argument("--burst", type=int, default=None, help="tbf burst in bytes (default: see tests/helpers/netns.py)")
     ap.add_argument("--mbytes", type=float, default=200)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
