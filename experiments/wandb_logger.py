@@ -6,8 +6,8 @@
   and later runs of the same sweep go offline at once. If even offline fails, the run goes on without W&B.
 - `disabled`: nothing is imported or written.
 
-The runner asks this module what a run is called and what it logs (`group`, `run_name`, `config` below; README,
-"Weights & Biases"): the group is the experiment and the sweep's launch time
+The runner asks this module what a run is called and what it logs (`group`, `run_name`, `config` below;
+docs/logging.md, "Weights and Biases"): the group is the experiment and the sweep's launch time
 (`fig1 2026-11-21 13:52:44`), the name what the job's overrides set (`gem κ=2 n=10 s0`), the config every key with
 its default filled in, plus the group choices and the experiment. Rows go out as `train/<column>` (every
 `logger.wandb.log_every`-th commit row) and `eval/<column>` (every evaluation row, `eval/worker_step` included).

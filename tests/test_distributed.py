@@ -420,8 +420,8 @@ def _torchrun():
 
 @pytest.mark.slow
 def test_torchrun_launches_the_server_and_workers(tmp_path):
-    # README's one-machine torchrun command. --standalone: a free rendezvous port (torchrun's default 29500 was
-    # taken by the other torchrun test, run at the same time, on the GPU machine)
+    # docs/distributed.md's one-machine torchrun command. --standalone: a free rendezvous port (torchrun's default
+    # 29500 was taken by the other torchrun test, run at the same time, on the GPU machine)
     d = tmp_path / "run"
     p = subprocess.run([_torchrun(), "--standalone", "--nproc_per_node=4", "run.py", "engine=distributed",
                         "workers=3", "epochs=2", "logger.wandb.mode=disabled", f"hydra.run.dir={d}"],

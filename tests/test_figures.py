@@ -781,13 +781,13 @@ def test_momentum_sgd_run_once_per_n_by_a_fig6_sweep_counts_once(sweep, tmp_path
 
 @pytest.mark.slow
 @SHARED
-def test_the_readme_analysis_snippet_runs_and_its_figure_has_a_legend(sweep):
-    """The README's Analysis example, run as written on a small sweep (it drew curves without a legend)."""
-    text = (ROOT / "README.md").read_text()
-    code = text.split("## Analysis\n\n```python\n", 1)[1].split("```", 1)[0]
+def test_the_docs_analysis_snippet_runs_and_its_figure_has_a_legend(sweep):
+    """docs/analysis.md's first example, run as written on a small sweep (it drew curves without a legend)."""
+    text = (ROOT / "docs" / "analysis.md").read_text()
+    code = text.split("## A sweep in pandas\n\n```python\n", 1)[1].split("```", 1)[0]
     code = re.sub(r'load\.runs\("[^"]+"\)', f'load.runs(r"{sweep}")', code, count=1)
     namespace: dict = {}
-    exec(compile(code, "README.md (Analysis)", "exec"), namespace)
+    exec(compile(code, "docs/analysis.md (A sweep in pandas)", "exec"), namespace)
     labels = [t.get_text() for t in namespace["ax"].get_legend().get_texts()]
     assert labels and all(label.startswith("n = ") for label in labels), labels
     plots.plt.close("all")

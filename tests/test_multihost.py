@@ -1,11 +1,13 @@
-"""engine=distributed across hosts: two network namespaces of this machine, joined by a veth pair, each with its own
-address (tests/helpers/netns.py), each running its torchrun node with the README's multi-machine command. The ranks of
-one host reach the other's only through the veth pair, so the run crosses a real (virtual) network: gloo's addresses,
-the store, the rendezvous. It is not two physical machines. Needs root and iproute2; skipped without.
+"""engine=distributed across hosts: two network namespaces of this machine, joined by a veth pair, each with its
+own address (tests/helpers/netns.py), each running its torchrun node with the multi-machine command of
+docs/distributed.md. The ranks of one host reach the other's only through the veth pair, so the run crosses a real
+(virtual) network: gloo's addresses, the store, the rendezvous. It is not two physical machines. Needs root and
+iproute2; skipped without.
 
 How torchrun ranks the nodes: with the static rendezvous (`--master_addr`, `--master_port`, `--node_rank`), node i
 holds global ranks i*K ... i*K + K - 1 for --nproc_per_node=K, so rank 0, the parameter server that writes the run
-directory, is on node 0. (`--rdzv_backend=c10d` ignores --node_rank and orders the nodes by address: README.)"""
+directory, is on node 0. (`--rdzv_backend=c10d` ignores --node_rank and orders the nodes by address:
+docs/distributed.md.)"""
 
 import os
 import shutil
@@ -48,7 +50,7 @@ def _torchrun():
 
 
 def node(hosts, i, tmp_path, *overrides):
-    """Start host i's torchrun node, as the README says (each host: its own --node_rank and GLOO_SOCKET_IFNAME,
+    """Start host i's torchrun node, as docs/distributed.md says (each host: its own --node_rank and GLOO_SOCKET_IFNAME,
     the same secret); its output goes to tmp_path/node<i>.log."""
     h = hosts.hosts[i]
     argv = [_torchrun(), "--nnodes=2", f"--nproc_per_node={K}", f"--node_rank={i}", "--rdzv_backend=static",
@@ -102,7 +104,7 @@ def test_a_host_killed_mid_run_is_lost_and_the_run_completes_with_the_other(host
     thread of its own, which the closed connection wakes), whether it was in an exchange or between two; worker
     0 commits its whole budget, and the run completes with both lost. Host 0's torchrun then waits at its exit
     barrier for the dead host's agent, 300 s (torch's default, not a torchrun flag), and exits 0: not waited for
-    here (README, the failures table). engine.timeout_s=10 bounds the case where a connection does not close."""
+    here (docs/faults.md). engine.timeout_s=10 bounds the case where a connection does not close."""
     d = tmp_path / "run"
     procs = [node(hosts, i, tmp_path, "epochs=6", "engine.timeout_s=10", f"hydra.run.dir={d}") for i in range(2)]
     deadline = time.monotonic() + 300

@@ -69,7 +69,7 @@ def test_sgd_on_real_mnist(tmp_path, mnist_root):
                    "logger.wandb.mode=disabled"])
     summary = run(cfg, tmp_path)
     assert summary["status"] == "completed" and summary["steps"] == 4500 // 64  # 500 of 5,000 held out
-    # one epoch of 4,500 digits: well above chance, though below the 3-epoch figure in the README
+    # one epoch of 4,500 digits: well above chance
     assert summary["val_accuracy"] > 0.8 and summary["test_accuracy"] > 0.8  # chance: 0.1
 
 

@@ -2,7 +2,7 @@
 other ranks, on one machine or many, over TCP (docs/design.md, "Engines").
 
 Launch it with torchrun (`torchrun --nproc_per_node=N+1 run.py engine=distributed workers=N`, multi-node
-forms in the README), under SLURM with Hydra's submitit launcher, or from one command on one machine:
+forms in docs/distributed.md), under SLURM with Hydra's submitit launcher, or from one command on one machine:
 `python run.py engine=distributed workers=N` starts the N workers itself (from the forkserver of
 gem.engines.worker's `worker_context`, as the process engine does), bound to loopback.
 
