@@ -48,6 +48,9 @@ from gem.engines.core import Evaluator, build_flat_model, central_device
 from gem.engines.server import Server
 from gem.engines.turn import FLUSH, SAVE, Gone, Turn
 from gem.engines.worker import (
+    ROWS_PER_MESSAGE,
+    ROWS_SECONDS,
+    START_TIMEOUT_S,
     Diverged,
     Worker,
     barrier_pauses,
@@ -58,13 +61,8 @@ from gem.engines.worker import (
 )
 from gem.files import WriteError
 
-START_TIMEOUT_S = 300.0  # a worker unpickles its job and builds its model: slow on a loaded machine with many
-# workers; one not ready after this long is lost, and the others start without it
 TURN_TIMEOUT_S = 120.0  # the coordinator waits for the turn at most this long beyond the silence limit (a frozen
 # holder is lost at the limit, and its turn handed on: this bound is a backstop)
-# a worker sends its commit rows in batches of this many, or this often: each message wakes the coordinator,
-# which on a machine with as many workers as cores takes CPU from a worker
-ROWS_PER_MESSAGE, ROWS_SECONDS = 16, 0.25
 
 _ASKED = {SAVE: "SAVE", FLUSH: "FLUSH"}
 

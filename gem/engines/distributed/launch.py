@@ -44,7 +44,6 @@ from gem.engines.distributed.server import _Server
 from gem.engines.distributed.window import Window
 from gem.engines.distributed.wire import (
     BYE_TIMEOUT_S,
-    START_TIMEOUT_S,
     TAG_JOB,
     Bounds,
     Malformed,
@@ -60,7 +59,7 @@ from gem.engines.distributed.wire import (
     run_secret,
 )
 from gem.engines.turn import Gone, Turn
-from gem.engines.worker import interrupts_held, threads_per_process, worker_context
+from gem.engines.worker import START_TIMEOUT_S, interrupts_held, threads_per_process, worker_context
 from gem.files import WriteError
 
 SETTLE_S = 2.0  # rank 0's wait at its end for its threads in gloo's waits (_Server.settle)

@@ -44,11 +44,9 @@ from gem.engines.distributed.wire import (
     PULL,
     READY,
     ROWS,
-    ROWS_PER_MESSAGE,
     SAVE,
     SAVED,
     SECRET_ENV,
-    START_TIMEOUT_S,
     STOP,
     TAG_ASK,
     TAG_JOB,
@@ -70,10 +68,17 @@ from gem.engines.distributed.wire import (
 from gem.engines.server import Server
 from gem.engines.turn import SAVE as TURN_SAVE
 from gem.engines.turn import Gone, Turn
-from gem.engines.worker import Diverged, Worker, barrier_pauses, setup_process, threads_per_process
+from gem.engines.worker import (
+    ROWS_PER_MESSAGE,
+    ROWS_SECONDS,
+    START_TIMEOUT_S,
+    Diverged,
+    Worker,
+    barrier_pauses,
+    setup_process,
+    threads_per_process,
+)
 
-ROWS_SECONDS = 0.25  # a worker sends its commit rows in batches (as in the process engine): ROWS_PER_MESSAGE, or
-# what it holds once this long has passed
 WAIT_S = 0.02  # a worker told to WAIT while a checkpoint is being taken asks again after this long (at a barrier:
 # worker.barrier_pauses)
 WAITING_S = 0.5  # a worker waiting for the server says so on the store this often

@@ -54,7 +54,6 @@ from gem.engines.distributed.wire import (
     ROWS_PENDING,
     SAVE,
     SAVED,
-    START_TIMEOUT_S,
     STOP,
     TAG_X,
     WAIT,
@@ -70,6 +69,7 @@ from gem.engines.distributed.wire import (
 from gem.engines.server import Server
 from gem.engines.turn import SAVE as TURN_SAVE
 from gem.engines.turn import Turn
+from gem.engines.worker import START_TIMEOUT_S
 from gem.files import WriteError
 
 

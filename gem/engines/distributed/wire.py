@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from gem.engines.distributed.doors import ENDPOINTS_BYTES, held_endpoints, listening, parse_endpoints, refuse_newcomers
+from gem.engines.worker import ROWS_PER_MESSAGE
 
-START_TIMEOUT_S = 300.0  # a rank imports torch, loads the data and builds its model before it connects
 BYE_TIMEOUT_S = 30.0  # a worker waits this long for the server's last answer
 
 TAG_ASK, TAG_X, TAG_JOB = 1, 2, 3  # worker→server headers; one exchange's messages; the job
@@ -55,8 +55,6 @@ KINDS = {ASK: "ASK", READY: "READY", FINISHED: "FINISHED", DIVERGED: "DIVERGED",
 # the dtypes a state or payload may have on the wire
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                                torch.uint8, torch.bool)}
-ROWS_PER_MESSAGE = 16  # a worker sends its commit rows with its ASK once it holds this many (link), with any other
-# header at once: so no message carries more, and no more of its commits than that await their rows but briefly
 
 SECRET_ENV, SECRET_FILE_ENV = "GEM_RUN_SECRET", "GEM_RUN_SECRET_FILE"
 SECRET_MIN_CHARS = 16  # a proof travels in the clear: a short secret could be found from one by trying them all
