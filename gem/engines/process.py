@@ -48,9 +48,11 @@ from gem.engines.core import Evaluator, build_flat_model, central_device
 from gem.engines.server import Server
 from gem.engines.turn import FLUSH, SAVE, Gone, Turn
 from gem.engines.worker import (
+    EXIT_WAIT_S,
     ROWS_PER_MESSAGE,
     ROWS_SECONDS,
     START_TIMEOUT_S,
+    STOP_GRACE_S,
     Diverged,
     Worker,
     barrier_pauses,
@@ -237,7 +239,7 @@ def run(job: Job, recorder) -> Result:
             torch.cuda.ipc_collect()
 
 
-def _stop(children: list[_Child], turn: Turn, grace_s: float = 5.0) -> None:
+def _stop(children: list[_Child], turn: Turn, grace_s: float = STOP_GRACE_S) -> None:
     """Stop every child: ask, then terminate, then kill. Never waits forever."""
     for c in children:
         if c.process.is_alive():
@@ -249,10 +251,10 @@ def _stop(children: list[_Child], turn: Turn, grace_s: float = 5.0) -> None:
         if c.process.is_alive():
             c.process.terminate()
     for c in children:
-        c.process.join(2.0)
+        c.process.join(EXIT_WAIT_S)
         if c.process.is_alive():
             c.process.kill()
-            c.process.join(2.0)
+            c.process.join(EXIT_WAIT_S)
     for c in children:
         c.conn.close()
 

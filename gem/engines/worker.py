@@ -50,6 +50,9 @@ START_TIMEOUT_S = 300.0  # a worker's start: it unpickles its job (process) or i
 # distributed engine's wire a worker sends them with its ASK once it holds this many, and with any other header at
 # once: so no message carries more, and no more of its commits than that await their rows but briefly
 ROWS_PER_MESSAGE, ROWS_SECONDS = 16, 0.25
+STOP_GRACE_S = 5.0  # a worker process asked to stop, or answered at the end of the run, has this long to exit; then
+# it is terminated, and killed if it is still there EXIT_WAIT_S later
+EXIT_WAIT_S = 2.0  # how long a terminated or killed worker process is waited for
 
 
 class Diverged(Exception):

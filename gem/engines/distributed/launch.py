@@ -59,7 +59,14 @@ from gem.engines.distributed.wire import (
     run_secret,
 )
 from gem.engines.turn import Gone, Turn
-from gem.engines.worker import START_TIMEOUT_S, interrupts_held, threads_per_process, worker_context
+from gem.engines.worker import (
+    EXIT_WAIT_S,
+    START_TIMEOUT_S,
+    STOP_GRACE_S,
+    interrupts_held,
+    threads_per_process,
+    worker_context,
+)
 from gem.files import WriteError
 
 SETTLE_S = 2.0  # rank 0's wait at its end for its threads in gloo's waits (_Server.settle)
@@ -157,7 +164,7 @@ def run(job: Job, recorder) -> Result:
         if ps is not None and not ended:
             ps.written.set()  # a checkpoint being taken will not be written
             ps.stop("rank 0 is leaving")
-        _stop(children, grace_s=5.0 if ended else 0.0)
+        _stop(children, grace_s=STOP_GRACE_S if ended else 0.0)
         if here is not None:
             here.close()
         if window is not None:
@@ -272,7 +279,7 @@ def _connect(make, children: list):
     return out["pg"]
 
 
-def _stop(children: list, grace_s: float = 5.0) -> None:
+def _stop(children: list, grace_s: float = STOP_GRACE_S) -> None:
     """Local launch: every worker has had its answer and exits; any that does not is terminated, then killed."""
     deadline = time.monotonic() + grace_s
     for p in children:
@@ -281,10 +288,10 @@ def _stop(children: list, grace_s: float = 5.0) -> None:
         if p.is_alive():
             p.terminate()
     for p in children:
-        p.join(2.0)
+        p.join(EXIT_WAIT_S)
         if p.is_alive():
             p.kill()
-            p.join(2.0)
+            p.join(EXIT_WAIT_S)
 
 
 class _Coordinator(Coordinator):
