@@ -327,7 +327,7 @@ def _check_tasks(config: DictConfig, specs: list[Spec]) -> None:
                               f"{spec.workers}, which needs workers + 1 = {spec.workers + 1} (rank 0 is the parameter "
                               f"server): pass {fix}, or workers={tasks - 1}; sweep workers with one command per value")
     if nodes > 1:
-        from gem.engines.distributed.wire import SECRET_ENV, SECRET_HINT, run_secret
+        from gem.engines.distributed.secret import SECRET_ENV, SECRET_HINT, run_secret
 
         try:
             secret = run_secret()

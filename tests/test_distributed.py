@@ -33,11 +33,11 @@ from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.distributed import address, launch, window
 from gem.engines.distributed import job as wire_job
 from gem.engines.distributed.address import _listener
+from gem.engines.distributed.group import patience, waiting_key
 from gem.engines.distributed.job import Start, _for_workers, decode_start
 from gem.engines.distributed.launch import _Coordinator
 from gem.engines.distributed.link import _Waiting
 from gem.engines.distributed.server import _Server
-from gem.engines.distributed.wire import _patience, _waiting_key
 from gem.engines.server import Server
 from gem.metrics import Recorder, read_table
 
@@ -173,10 +173,10 @@ def test_once_the_group_has_formed_nobody_new_reaches_a_rank(data, tmp_path, mon
         seen["children"] = children
         return real_serve(coord, pg, secret, encoded, states, children, *args)
 
-    real_listener, real_admit, real_serve = launch._listener, launch._admit, launch._serve
+    real_listener, real_admit, real_serve = launch._listener, launch.admit, launch._serve
     real_cut = launch.cut_strangers
     monkeypatch.setattr(launch, "_listener", listener)
-    monkeypatch.setattr(launch, "_admit", admit)
+    monkeypatch.setattr(launch, "admit", admit)
     monkeypatch.setattr(launch, "cut_strangers", cut)
     monkeypatch.setattr(launch, "_serve", serve)
     try:
@@ -623,12 +623,12 @@ def test_gloo_listens_on_the_interfaces_gloo_socket_ifname_names(monkeypatch):
     """Across nodes each rank's gloo device is the interface GLOO_SOCKET_IFNAME names (torch's own default device
     ignores the variable: in tests/test_multihost.py's namespaces, whose host name resolves to 127.0.0.1, every
     rank then offered the others its loopback address, and the group timed out)."""
-    from gem.engines.distributed import wire
+    from gem.engines.distributed import group
 
     monkeypatch.setattr(dist.ProcessGroupGloo, "create_device", lambda **kw: kw)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1,ib0")
-    assert wire._devices(None) == [{"interface": "eth1"}, {"interface": "ib0"}]
-    assert wire._devices("127.0.0.1") == [{"hostname": "127.0.0.1"}]  # one node, or a local launch: loopback
+    assert group._devices(None) == [{"interface": "eth1"}, {"interface": "ib0"}]
+    assert group._devices("127.0.0.1") == [{"hostname": "127.0.0.1"}]  # one node, or a local launch: loopback
 
 
 def test_a_host_name_that_resolves_to_loopback_is_refused_across_nodes(monkeypatch):
@@ -636,16 +636,16 @@ def test_a_host_name_that_resolves_to_loopback_is_refused_across_nodes(monkeypat
     many /etc/hosts) would reach no other node: one line that names the variable, instead of a timeout."""
     import socket
 
-    from gem.engines.distributed import wire
+    from gem.engines.distributed import group
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **kw: [(2, 1, 6, "", ("127.0.1.1", 0))])
     with pytest.raises(ValueError, match="resolves to no address other nodes can reach .127.0.1.1.; set "
                                          "GLOO_SOCKET_IFNAME"):
-        wire._devices(None)
+        group._devices(None)
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **kw: [(2, 1, 6, "", ("10.1.2.3", 0))])
     monkeypatch.setattr(dist.ProcessGroupGloo, "create_default_device", lambda: "default")
-    assert wire._devices(None) == ["default"]
+    assert group._devices(None) == ["default"]
 
 
 @pytest.fixture
@@ -762,14 +762,14 @@ def test_the_coordinator_loses_a_silent_worker_by_the_shared_rule(data, tmp_path
     # ten seconds on: worker 0 committed every 0.1 s until now; worker 1 waited for the server; worker 2, nothing
     coord.silence.since = dict.fromkeys([0, 1, 2], now - 10.0)
     coord.ps.commits = [(0, now - 1.0 + 0.1 * k) for k in range(11)]
-    coord.store.add(_waiting_key(2), 3)
+    coord.store.add(waiting_key(2), 3)
     coord.last_watch = 0.0
     coord.watch()
     rec.close()
     assert coord.ps.lost == [3] and coord.lost_workers == [2]
     assert coord.lost[0].startswith("worker 2 lost at commit 0 (silent for 10."), coord.lost
     assert coord.lost[0].endswith("limit 2.0 s = max(engine.timeout_s, 4 x median cycle 0.1 s))"), coord.lost
-    assert coord.ps.wait_s == _patience(2.0)  # gloo's waits on a worker outlast the limit
+    assert coord.ps.wait_s == patience(2.0)  # gloo's waits on a worker outlast the limit
 
 
 def _checkpoint_with_a_line(data, tmp_path, ctx):
@@ -855,17 +855,17 @@ def test_rank_0_s_threads_in_gloo_s_waits_end_before_it_does(data, tmp_path, mon
     C++ cannot unwind (pytorch/pytorch#38228). Here each header thread is slow to take it back, as on a loaded
     machine (a C++ wait that releases the GIL, as gloo's does): run.py SIGTERMed so exited with 134 in 3 tries of
     3, and with 143 once rank 0 waits for these threads before it returns. They have all ended when it does."""
-    from gem.engines.distributed import wire
+    from gem.engines.distributed import headers
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
-    real = wire.Headers._receive
+    real = headers.Headers._receive
 
     def slow(self, rank):
         real(self, rank)
         with contextlib.suppress(RuntimeError):  # (DistStoreError: the wait timed out, as intended)
             store.wait(["never"], datetime.timedelta(seconds=0.2))  # the store serves one wait at a time
 
-    monkeypatch.setattr(wire.Headers, "_receive", slow)
+    monkeypatch.setattr(headers.Headers, "_receive", slow)
     rec = _Interrupted(tmp_path / "run", after=10)
     with pytest.raises(KeyboardInterrupt):
         try:
@@ -913,7 +913,7 @@ def test_a_local_worker_waiting_in_line_exits_once_rank_0_is_gone():
 
 def test_a_worker_waiting_for_the_server_says_so_on_the_store():
     store = dist.HashStore()
-    key = _waiting_key(2)
+    key = waiting_key(2)
     waiting = _Waiting(store, 2)
     waiting.start()
     time.sleep(3 * distributed.WAITING_S)

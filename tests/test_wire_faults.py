@@ -27,12 +27,12 @@ from gem.data import make_synthetic
 from gem.engines import Job
 from gem.engines.coordinator import start_server
 from gem.engines.core import Evaluator, build_flat_model
-from gem.engines.distributed import doors, launch, link, server, wire
+from gem.engines.distributed import bounds, doors, group, launch, link, secret, server
 from gem.engines.distributed import job as wire_job
+from gem.engines.distributed.group import form_group, timedelta_of
 from gem.engines.distributed.job import Start, _for_workers, _recv_job, decode_job, encode_job
 from gem.engines.distributed.launch import _Coordinator
-from gem.engines.distributed.window import Window
-from gem.engines.distributed.wire import (
+from gem.engines.distributed.messages import (
     ASK,
     ERROR,
     FINISHED,
@@ -43,13 +43,12 @@ from gem.engines.distributed.wire import (
     TAG_ASK,
     TAG_JOB,
     TAG_X,
-    _group,
-    _prove,
-    _recv_packed,
-    _send_bytes,
-    _td,
-    _wait,
+    recv_packed,
+    send_bytes,
+    wait,
 )
+from gem.engines.distributed.secret import prove
+from gem.engines.distributed.window import Window
 from gem.engines.server import Server
 from gem.metrics import Recorder, read_table
 from gem.models import MnistCNN, ModelSpec
@@ -87,9 +86,9 @@ class Peer:
         self.steps: list[int] = []  # the steps of its commits, from the GO replies
 
     def join(self) -> None:
-        _prove(self.pg, self.rank, self.secret, WAIT_S)
+        prove(self.pg, self.rank, self.secret, WAIT_S)
         text, tensors = _recv_job(self.pg, WAIT_S)
-        _recv_packed(self.pg, 0, TAG_JOB, WAIT_S)
+        recv_packed(self.pg, 0, TAG_JOB, WAIT_S)
         job = decode_job(text, tensors, self.allowed)
         theta = build_flat_model(job, device="cpu").param.clone()
         self.server = Server.create(algorithms.get(job.algorithm), job.hp, theta, job.workers)
@@ -97,12 +96,12 @@ class Peer:
     def header(self, kind: int, rows_nbytes: int = 0, rows_count: int = 0, extra_nbytes: int = 0) -> None:
         """A header, which rank 0's header thread for this rank takes."""
         h = torch.tensor([kind, rows_nbytes, rows_count, extra_nbytes], dtype=torch.long)
-        _wait(self.pg.send([h], 0, TAG_ASK), WAIT_S)
+        wait(self.pg.send([h], 0, TAG_ASK), WAIT_S)
 
     def send(self, data: bytes, taken: bool = False) -> None:
         """Bytes on the exchange's tag, waited on where rank 0 takes them."""
         if taken:
-            _send_bytes(self.pg, data, 0, TAG_X, WAIT_S)
+            send_bytes(self.pg, data, 0, TAG_X, WAIT_S)
         else:
             self.posted.append(self.pg.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], 0, TAG_X))
 
@@ -114,20 +113,20 @@ class Peer:
         """ASK, then GO with θ and the server's tensors (once every worker is ready)."""
         self.header(ASK)
         reply = torch.zeros(4, dtype=torch.long)
-        _wait(self.pg.recv([reply], 0, TAG_X), WAIT_S)
+        wait(self.pg.recv([reply], 0, TAG_X), WAIT_S)
         assert int(reply[0]) == GO, reply
         self.steps.append(int(reply[1]) + 1)  # the clock before this commit
         for t in (self.server.theta, *self.server.state.values()):
-            _wait(self.pg.recv([t], 0, TAG_X), WAIT_S)
+            wait(self.pg.recv([t], 0, TAG_X), WAIT_S)
 
     def commit(self, spec_nbytes: int = 0, refused: bool = False) -> None:
         """A commit of Δ = 0 announcing a payload spec of `spec_nbytes` bytes; `refused`: rank 0 will not take Δ."""
-        _wait(self.pg.send([torch.tensor([spec_nbytes, 0], dtype=torch.long)], 0, TAG_X), WAIT_S)
+        wait(self.pg.send([torch.tensor([spec_nbytes, 0], dtype=torch.long)], 0, TAG_X), WAIT_S)
         delta = torch.zeros_like(self.server.theta)
         if refused:
             self.posted.append(self.pg.send([delta], 0, TAG_X))
         else:
-            _wait(self.pg.send([delta], 0, TAG_X), WAIT_S)
+            wait(self.pg.send([delta], 0, TAG_X), WAIT_S)
 
     def rows(self, **changes) -> bytes:
         """The rows a real worker sends for its commits so far (with `changes` to each)."""
@@ -146,7 +145,7 @@ class Peer:
 def _groups(world: int) -> dict:
     """Every rank's gloo group, on one store, formed at once (each rank's constructor waits for the others)."""
     store, pgs = dist.HashStore(), {}
-    threads = [threading.Thread(target=lambda r=r: pgs.__setitem__(r, _group(store, r, world, "127.0.0.1", WAIT_S)))
+    threads = [threading.Thread(target=lambda r=r: pgs.__setitem__(r, form_group(store, r, world, "127.0.0.1", WAIT_S)))
                for r in range(world)]
     for t in threads:
         t.start()
@@ -314,8 +313,8 @@ def test_a_header_out_of_bounds_loses_only_that_worker(data, tmp_path, monkeypat
     announced and 10 bytes sent grew rank 0 to 9 GB. Now nothing that follows such a header is received or
     allocated, and what the banned Peer sends afterwards (three more ASKs) is read and dropped, never answered."""
     taken = []
-    real = server._recv_bytes
-    monkeypatch.setattr(server, "_recv_bytes", lambda pg, n, *a: taken.append(n) or real(pg, n, *a))
+    real = server.recv_bytes
+    monkeypatch.setattr(server, "recv_bytes", lambda pg, n, *a: taken.append(n) or real(pg, n, *a))
 
     def script(p):
         ready(p)
@@ -392,14 +391,14 @@ def test_a_worker_that_holds_back_its_rows_is_lost(data, tmp_path):
     a worker's commits waiting for their rows (their steps, and every later row, in memory)."""
     def script(p):
         ready(p)
-        for _ in range(wire.ROWS_PENDING + 1):
+        for _ in range(bounds.ROWS_PENDING + 1):
             p.turn()
             p.commit()
 
     result, m = serve(job(data), tmp_path, script)
-    lost_peer(result, m, f"no rows for its last {wire.ROWS_PENDING + 1} commits (at most {wire.ROWS_PENDING} may "
+    lost_peer(result, m, f"no rows for its last {bounds.ROWS_PENDING + 1} commits (at most {bounds.ROWS_PENDING} may "
                          "await rows)")
-    assert (m["worker"] == -1).sum() == wire.ROWS_PENDING + 1
+    assert (m["worker"] == -1).sum() == bounds.ROWS_PENDING + 1
 
 
 # ------------------------------------------------------------------------------------------------ the secret
@@ -409,7 +408,7 @@ def test_a_peer_without_the_runs_secret_is_refused_and_gets_nothing(data, tmp_pa
     job_header = torch.zeros(4, dtype=torch.long)
 
     def script(p):
-        _prove(p.pg, 2, "not-the-secret-but-long-enough", WAIT_S)
+        prove(p.pg, 2, "not-the-secret-but-long-enough", WAIT_S)
         p.posted.append(p.pg.recv([job_header], 0, TAG_JOB))  # the job's header: it never comes
 
     result, m = serve(job(data), tmp_path, script)
@@ -421,12 +420,12 @@ def test_a_peer_without_the_runs_secret_is_refused_and_gets_nothing(data, tmp_pa
 
 
 def test_the_proof_is_bound_to_the_secret_the_nonce_and_the_rank():
-    nonce = b"n" * wire.NONCE_BYTES
-    proof = wire._proof(SECRET, nonce, 2)
-    assert len(proof) == wire.PROOF_BYTES
-    assert proof == wire._proof(SECRET, nonce, 2)
-    for other in (wire._proof(SECRET + "x", nonce, 2), wire._proof(SECRET, b"m" * wire.NONCE_BYTES, 2),
-                  wire._proof(SECRET, nonce, 3)):
+    nonce = b"n" * secret.NONCE_BYTES
+    proof = secret._proof(SECRET, nonce, 2)
+    assert len(proof) == secret.PROOF_BYTES
+    assert proof == secret._proof(SECRET, nonce, 2)
+    for other in (secret._proof(SECRET + "x", nonce, 2), secret._proof(SECRET, b"m" * secret.NONCE_BYTES, 2),
+                  secret._proof(SECRET, nonce, 3)):
         assert other != proof
 
 
@@ -475,7 +474,7 @@ def _accepted(port: int, ends: set[str]) -> None:
 
 @linux_only
 def test_a_launched_rank_refuses_newcomers_once_its_group_has_formed(monkeypatch):
-    """torchrun's or SLURM's rank (`_launched_group`, here a group of one holding its env:// store): its listeners,
+    """torchrun's or SLURM's rank (`launched_group`, here a group of one holding its env:// store): its listeners,
     the store's and gloo's, complete no new connection; a listener it had before is left alone."""
     free = socket.create_server(("127.0.0.1", 0))
     port = free.getsockname()[1]
@@ -485,7 +484,7 @@ def test_a_launched_rank_refuses_newcomers_once_its_group_has_formed(monkeypatch
         monkeypatch.setenv(k, v)
     kept = socket.create_server(("127.0.0.1", 0))
     try:
-        store, pg, _, _ = wire._launched_group(WAIT_S)
+        store, pg, _, _ = group.launched_group(WAIT_S)
         assert store.port == port and not _connects(port)
         gloo = [q for q in _ports_listening() if q != kept.getsockname()[1]]
         assert gloo and not any(_connects(q) for q in gloo if q != port)
@@ -504,7 +503,7 @@ def test_rank_0_cuts_the_store_connections_no_admitted_worker_holds():
     """A store that torch made (listening on IPv6's any address: IPv4 peers show as ::ffff:...): a connection
     from another process is cut unless an admitted worker named its end (as that process sees it); rank 0's own
     connection to its store goes on working."""
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=_td(WAIT_S), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta_of(WAIT_S), wait_for_workers=False)
     admitted, its_end = stranger(store.port)
     other, other_end = stranger(store.port)
     try:
@@ -528,21 +527,21 @@ def test_rank_0_empties_its_store_once_the_workers_are_admitted(monkeypatch):
     """What anyone stored on rank 0's store before the workers were admitted (a stranger's values, the group's
     formation keys) is deleted, and its memory given back; gem's later keys work. Not where this process does not
     hold the store, nor with lazy gloo, whose pairs still need the formation's keys."""
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=_td(WAIT_S), wait_for_workers=False)
-    client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=_td(WAIT_S), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta_of(WAIT_S), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta_of(WAIT_S), wait_for_workers=False)
     for i in range(5):
         client.set(f"stranger/{i}", b"x" * 4096)
     monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
     assert doors.empty_store(store, store.port) == 0 and store.num_keys() >= 5
     monkeypatch.delenv("TORCH_GLOO_LAZY_INIT")
-    other = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=_td(WAIT_S), wait_for_workers=False)
+    other = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta_of(WAIT_S), wait_for_workers=False)
     other.set("k", b"v")
     with socket.create_server(("127.0.0.1", 0)) as gone:
         port = gone.getsockname()[1]
     assert doors.empty_store(other, port) == 0 and other.get("k") == b"v"  # a port this process does not listen on
     assert doors.empty_store(store, store.port) == 5
     assert not store.check([f"stranger/{i}" for i in range(5)]) and store.list_keys() == []
-    assert int(client.add(wire._waiting_key(1), 1)) == 1  # gem's own keys, after
+    assert int(client.add(group.waiting_key(1), 1)) == 1  # gem's own keys, after
 
 
 @linux_only
@@ -550,7 +549,7 @@ def test_a_store_that_cannot_list_its_keys_is_left_as_it_is_in_one_line(capsys):
     """A torch whose store has no list_keys (older than pip may find): rank 0 says so once, and goes on."""
     import types
 
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=_td(WAIT_S), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta_of(WAIT_S), wait_for_workers=False)
     store.set("k", b"v")
     assert doors.empty_store(types.SimpleNamespace(port=store.port), store.port) == 0
     err = capsys.readouterr().err.strip().splitlines()
@@ -592,7 +591,7 @@ def two_machines(monkeypatch):
     """This process as a rank of a torchrun launch over two machines of 2 ranks each, without a secret."""
     for k, v in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(k, v)
-    for k in (wire.SECRET_ENV, wire.SECRET_FILE_ENV):
+    for k in (secret.SECRET_ENV, secret.SECRET_FILE_ENV):
         monkeypatch.delenv(k, raising=False)
     return monkeypatch
 
@@ -617,22 +616,22 @@ def test_a_worker_without_the_secret_says_so_before_it_joins(two_machines, capsy
 
 
 def test_the_secret_comes_from_the_environment_or_a_file(two_machines, tmp_path):
-    two_machines.setenv(wire.SECRET_ENV, SECRET)
-    assert wire.launched_secret() == SECRET
-    two_machines.delenv(wire.SECRET_ENV)
+    two_machines.setenv(secret.SECRET_ENV, SECRET)
+    assert secret.launched_secret() == SECRET
+    two_machines.delenv(secret.SECRET_ENV)
     path = tmp_path / "secret"
     path.write_text(SECRET + "\n")
-    two_machines.setenv(wire.SECRET_FILE_ENV, str(path))
-    assert wire.launched_secret() == SECRET
+    two_machines.setenv(secret.SECRET_FILE_ENV, str(path))
+    assert secret.launched_secret() == SECRET
     path.write_text("short\n")
     with pytest.raises(ValueError, match=r"holds a secret of 5 characters, and the run's secret needs at least 16"):
-        wire.launched_secret()
-    two_machines.setenv(wire.SECRET_FILE_ENV, str(tmp_path / "none"))
+        secret.launched_secret()
+    two_machines.setenv(secret.SECRET_FILE_ENV, str(tmp_path / "none"))
     with pytest.raises(ValueError, match=r"^GEM_RUN_SECRET_FILE=.*none cannot be read"):
-        wire.launched_secret()
-    two_machines.delenv(wire.SECRET_FILE_ENV)
+        secret.launched_secret()
+    two_machines.delenv(secret.SECRET_FILE_ENV)
     two_machines.setenv("LOCAL_WORLD_SIZE", "4")  # one machine: gloo on loopback, and the secret is optional
-    assert wire.launched_secret() == ""
+    assert secret.launched_secret() == ""
 
 
 # --------------------------------------------------------------------------- what a job may make a worker import
@@ -709,7 +708,7 @@ def _ask_and_die(port: int, asked) -> None:
     """A worker process (rank 2) that sends its request for the turn and dies before rank 0 has taken it."""
     import os
 
-    pg = _group(dist.TCPStore("127.0.0.1", port, 3, False), 2, 3, "127.0.0.1", WAIT_S)
+    pg = form_group(dist.TCPStore("127.0.0.1", port, 3, False), 2, 3, "127.0.0.1", WAIT_S)
     p = Peer(pg)
     ready(p)
     p.posted.append(pg.send([torch.tensor([ASK, 0, 0, 0])], 0, TAG_ASK))
@@ -731,7 +730,7 @@ def test_a_worker_that_dies_with_its_request_on_the_way_is_lost_and_the_run_goes
     dying = ctx.Process(target=_ask_and_die, args=(store.port, asked), daemon=True)
     dying.start()
     pgs: dict = {}
-    threads = [threading.Thread(target=lambda r=r: pgs.__setitem__(r, _group(  # a store client each: one is not
+    threads = [threading.Thread(target=lambda r=r: pgs.__setitem__(r, form_group(  # a store client each: one is not
         dist.TCPStore("127.0.0.1", store.port, 3, False), r, 3, "127.0.0.1", WAIT_S))) for r in (0, 1)]  # shared
     for t in threads:
         t.start()

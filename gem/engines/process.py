@@ -48,6 +48,11 @@ from gem.engines.core import Evaluator, build_flat_model, central_device
 from gem.engines.server import Server
 from gem.engines.turn import FLUSH, SAVE, Gone, Turn
 from gem.engines.worker import (
+    EXIT_WAIT_S,
+    ROWS_PER_MESSAGE,
+    ROWS_SECONDS,
+    START_TIMEOUT_S,
+    STOP_GRACE_S,
     Diverged,
     Worker,
     barrier_pauses,
@@ -58,13 +63,8 @@ from gem.engines.worker import (
 )
 from gem.files import WriteError
 
-START_TIMEOUT_S = 300.0  # a worker unpickles its job and builds its model: slow on a loaded machine with many
-# workers; one not ready after this long is lost, and the others start without it
 TURN_TIMEOUT_S = 120.0  # the coordinator waits for the turn at most this long beyond the silence limit (a frozen
 # holder is lost at the limit, and its turn handed on: this bound is a backstop)
-# a worker sends its commit rows in batches of this many, or this often: each message wakes the coordinator,
-# which on a machine with as many workers as cores takes CPU from a worker
-ROWS_PER_MESSAGE, ROWS_SECONDS = 16, 0.25
 
 _ASKED = {SAVE: "SAVE", FLUSH: "FLUSH"}
 
@@ -239,7 +239,7 @@ def run(job: Job, recorder) -> Result:
             torch.cuda.ipc_collect()
 
 
-def _stop(children: list[_Child], turn: Turn, grace_s: float = 5.0) -> None:
+def _stop(children: list[_Child], turn: Turn, grace_s: float = STOP_GRACE_S) -> None:
     """Stop every child: ask, then terminate, then kill. Never waits forever."""
     for c in children:
         if c.process.is_alive():
@@ -251,10 +251,10 @@ def _stop(children: list[_Child], turn: Turn, grace_s: float = 5.0) -> None:
         if c.process.is_alive():
             c.process.terminate()
     for c in children:
-        c.process.join(2.0)
+        c.process.join(EXIT_WAIT_S)
         if c.process.is_alive():
             c.process.kill()
-            c.process.join(2.0)
+            c.process.join(EXIT_WAIT_S)
     for c in children:
         c.conn.close()
 

@@ -41,6 +41,19 @@ from gem.engines.pinned import Pinned, pinned_for
 from gem.engines.server import Server
 from gem.models import FlatModel
 
+# What every engine's worker processes keep to (process, distributed), defined here once:
+START_TIMEOUT_S = 300.0  # a worker's start: it unpickles its job (process) or imports torch, loads the data and
+# connects (distributed), and builds its model, slow on a loaded machine with many workers; one not ready after this
+# long is lost, and the others start without it
+# a worker sends its commit rows in batches of this many, or what it holds once this long has passed: each message
+# wakes the coordinator, which on a machine with as many workers as cores takes CPU from a worker. Over the
+# distributed engine's wire a worker sends them with its ASK once it holds this many, and with any other header at
+# once: so no message carries more, and no more of its commits than that await their rows but briefly
+ROWS_PER_MESSAGE, ROWS_SECONDS = 16, 0.25
+STOP_GRACE_S = 5.0  # a worker process asked to stop, or answered at the end of the run, has this long to exit; then
+# it is terminated, and killed if it is still there EXIT_WAIT_S later
+EXIT_WAIT_S = 2.0  # how long a terminated or killed worker process is waited for
+
 
 class Diverged(Exception):
     """A non-finite loss: the run stops with status diverged."""

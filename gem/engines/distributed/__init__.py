@@ -37,9 +37,13 @@ The engine by concern, each file read top to bottom; each imports only those abo
     doors.py     once a rank's group has formed, nobody new reaches it: its listeners (gloo's, the store's)
                  refuse new connections, and rank 0 cuts store connections that no admitted worker holds and
                  empties its store
-    wire.py      the group, the messages (kinds, headers, tensors as JSON specs and raw bytes), the timeouts,
-                 the run's secret and its proof, rank 0's threads that take the headers (Headers), and what
-                 rank 0 accepts from a worker (Bounds)
+    group.py     the group every rank joins: the launcher's environment (torchrun's, submitit's), gloo's
+                 devices, the group itself, and how long its waits last (rank 0's patience with a worker)
+    messages.py  the messages: tags, kinds, the header's layout; bytes, nested dicts of tensors (a JSON spec
+                 and raw tensors) and rows as JSON; Malformed, for what rank 0 does not accept
+    secret.py    the run's secret, a worker's proof of it, and rank 0's admission of the workers
+    headers.py   rank 0's threads that take the workers' headers, one per rank, in arrival order (Headers)
+    bounds.py    what rank 0 accepts from a worker: every limit, with its reason, and the checks (Bounds)
     job.py       the job on the wire: JSON and raw tensors, rebuilt field for field by the worker, which imports
                  only what its own side allows
     address.py   a local launch's address: loopback unless engine.allow_remote=true; the port and, for a
@@ -53,10 +57,11 @@ The engine by concern, each file read top to bottom; each imports only those abo
 """
 
 from gem.engines.distributed.address import check_address, check_host, check_port
+from gem.engines.distributed.group import export_submitit_env, launched, launched_rank
 from gem.engines.distributed.job import decode_job, encode_job
 from gem.engines.distributed.launch import run
 from gem.engines.distributed.link import WAITING_S, worker_main
-from gem.engines.distributed.wire import ASK, export_submitit_env, launched, launched_rank
+from gem.engines.distributed.messages import ASK
 
 __all__ = ["run", "worker_main", "launched", "launched_rank", "export_submitit_env", "check_address", "check_host",
            "check_port", "encode_job", "decode_job", "ASK", "WAITING_S"]

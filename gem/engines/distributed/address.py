@@ -1,6 +1,6 @@
 """Who can reach the run. A local launch listens on loopback; another address (`engine.host=0.0.0.0`) lets anyone
 who can reach it connect to the run, so it needs `engine.allow_remote=true`; only the launch's own workers, which
-it hands the run's secret, can join it as workers (wire._admit). A launch over several machines needs the secret
+it hands the run's secret, can join it as workers (secret.admit). A launch over several machines needs the secret
 in every rank's environment (GEM_RUN_SECRET). The address, an explicit `engine.port` and the secret are checked
 before anything starts (check_address, called by the config's validation), and rank 0 binds its listening socket
 the same way (`_listener`)."""
@@ -12,14 +12,15 @@ import ipaddress
 import socket
 import sys
 
-from gem.engines.distributed.wire import launched, launched_secret
+from gem.engines.distributed.group import launched
+from gem.engines.distributed.secret import launched_secret
 
 
 def check_address(host: str, port: int, allow_remote: bool) -> None:
     """engine=distributed: refuse, in one line (ValueError), an address a local launch must not or cannot listen
     on, before anything starts; print the warning for an exposed one (once). Under a launcher the addresses are
     the launcher's (MASTER_ADDR, MASTER_PORT), and what is checked is the run's secret, which a launch over
-    several machines needs (wire.launched_secret)."""
+    several machines needs (secret.launched_secret)."""
     if launched():
         launched_secret()
         return

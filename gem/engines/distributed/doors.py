@@ -41,7 +41,7 @@ import sys
 
 LINUX = sys.platform.startswith("linux")
 SO_ATTACH_FILTER = 26  # <asm-generic/socket.h>; Python's socket module does not name it
-ENDPOINTS_BYTES = 512  # a worker's store endpoints, JSON padded with spaces, after its proof (wire._prove)
+ENDPOINTS_BYTES = 512  # a worker's store endpoints, JSON padded with spaces, after its proof (secret.prove)
 MAX_ENDPOINTS = 8
 
 

@@ -3,7 +3,7 @@ hyperparameters) and raw tensors (the training set), never a pickle; the worker 
 JSON carries the run's `Start`: what rank 0 knows once the run has begun (its clock's origin, its training set's
 size, its shared memory), which is not an option of the job. Then, on the same tag, the worker's saved state when
 the run resumes from a checkpoint. Rank 0 sends it only to a worker
-that proved the run's secret (wire._admit, on the same tag, first).
+that proved the run's secret (secret.admit, on the same tag, first).
 
 A job names code: an algorithm and a model factory by import path (a Hydra config's `_target_`s, when Hydra
 instantiates the model). A worker imports only what its own side allows (`allowed_imports`): gem's own algorithms
@@ -25,7 +25,7 @@ import torch
 from gem import algorithms
 from gem.data import Dataset
 from gem.engines import Job
-from gem.engines.distributed.wire import HEADER, TAG_JOB, _recv_bytes, _recv_packed, _send_bytes, _send_packed, _wait
+from gem.engines.distributed.messages import HEADER, TAG_JOB, recv_bytes, recv_packed, send_bytes, send_packed, wait
 from gem.models import MODELS, ModelSpec
 
 IMPORTS_ENV = "GEM_ALLOWED_IMPORTS"  # comma-separated import paths a worker may import besides gem's own
@@ -163,16 +163,16 @@ def _normal(path: str) -> str:
 
 def _send_job(pg, encoded: tuple[bytes, dict | None], dst: int, timeout_s: float) -> None:
     text, tensors = encoded
-    _wait(pg.send([torch.tensor([len(text), 0, 0, 0], dtype=torch.long)], dst, TAG_JOB), timeout_s)
-    _send_bytes(pg, text, dst, TAG_JOB, timeout_s)
-    _send_packed(pg, tensors, dst, TAG_JOB, timeout_s)
+    wait(pg.send([torch.tensor([len(text), 0, 0, 0], dtype=torch.long)], dst, TAG_JOB), timeout_s)
+    send_bytes(pg, text, dst, TAG_JOB, timeout_s)
+    send_packed(pg, tensors, dst, TAG_JOB, timeout_s)
 
 
 def _recv_job(pg, timeout_s: float) -> tuple[bytes, dict | None]:
     """The job as it came (decode_job rebuilds it): every message rank 0 sends is received before the worker
     judges it, so that rank 0 waits on none."""
     header = torch.zeros(HEADER, dtype=torch.long)
-    _wait(pg.recv([header], 0, TAG_JOB), timeout_s)
-    text = _recv_bytes(pg, int(header[0]), 0, TAG_JOB, timeout_s)
-    return text, _recv_packed(pg, 0, TAG_JOB, timeout_s)
+    wait(pg.recv([header], 0, TAG_JOB), timeout_s)
+    text = recv_bytes(pg, int(header[0]), 0, TAG_JOB, timeout_s)
+    return text, recv_packed(pg, 0, TAG_JOB, timeout_s)
 

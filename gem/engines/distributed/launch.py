@@ -2,7 +2,7 @@
 forked from gem.engines.worker's `worker_context` and bound to `engine.host`), has each worker prove the run's
 secret, sends each worker that did its job, and hands over to the coordinator (`_serve`). A local launch makes
 its own secret and hands it to its workers as they start; a launched run takes it from the environment
-(wire.launched_secret).
+(secret.launched_secret).
 
 The server's exchanges run on a thread of rank 0 (gem.engines.distributed.server); its main thread, the
 coordinator (`_Coordinator`, on gem.engines.coordinator's loop), records rows in clock order, evaluates θ, writes
@@ -14,7 +14,7 @@ recorded and the run goes on. Silent is the `process` engine's rule, written onc
 `Silence`): no progress for longer than max(engine.timeout_s, engine.silent_cycles x the median time between two
 commits of a worker), where rank 0 times every commit it applies; a worker that says on the job's store that it
 waits for the server is not to blame. A silent worker of a local launch is killed, which closes its connection
-and ends any wait on it. The coordinator keeps the server's waits on a worker at `_patience` of the silence limit.
+and ends any wait on it. The coordinator keeps the server's waits on a worker at `group.patience` of the silence limit.
 At the end every worker gets an answer (BYE or STOP) and exits; workers also exit when the server disappears.
 """
 
@@ -37,30 +37,32 @@ from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model, central_device
 from gem.engines.distributed.address import _listener, _local_address, _warn_once, check_host
+from gem.engines.distributed.bounds import Bounds
 from gem.engines.distributed.doors import cut_strangers, empty_store, listening, refuse_newcomers
+from gem.engines.distributed.group import (
+    BYE_TIMEOUT_S,
+    form_group,
+    launched,
+    launched_group,
+    patience,
+    timedelta_of,
+    waiting_key,
+)
 from gem.engines.distributed.job import DONE, Start, _for_workers, _send_job, encode_job, named_imports
 from gem.engines.distributed.link import _local_worker
+from gem.engines.distributed.messages import TAG_JOB, Malformed, send_packed
+from gem.engines.distributed.secret import admit, launched_secret, run_secret
 from gem.engines.distributed.server import _Server
 from gem.engines.distributed.window import Window
-from gem.engines.distributed.wire import (
-    BYE_TIMEOUT_S,
-    START_TIMEOUT_S,
-    TAG_JOB,
-    Bounds,
-    Malformed,
-    _admit,
-    _group,
-    _launched_group,
-    _patience,
-    _send_packed,
-    _td,
-    _waiting_key,
-    launched,
-    launched_secret,
-    run_secret,
-)
 from gem.engines.turn import Gone, Turn
-from gem.engines.worker import interrupts_held, threads_per_process, worker_context
+from gem.engines.worker import (
+    EXIT_WAIT_S,
+    START_TIMEOUT_S,
+    STOP_GRACE_S,
+    interrupts_held,
+    threads_per_process,
+    worker_context,
+)
 from gem.files import WriteError
 
 SETTLE_S = 2.0  # rank 0's wait at its end for its threads in gloo's waits (_Server.settle)
@@ -100,7 +102,7 @@ def run(job: Job, recorder) -> Result:
                                  f"workers + 1 (rank 0 is the parameter server): pass workers={world - 1}")
             secret = launched_secret()  # the config's validation has refused a multi-node launch without one
             torch.set_num_threads(threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-            store, pg = _connect(lambda: _launched_group(START_TIMEOUT_S)[:2], [])
+            store, pg = _connect(lambda: launched_group(START_TIMEOUT_S)[:2], [])
         else:
             host, port = eng.host, eng.port
             # the config's validation has checked the address; again here for a caller of the engine itself
@@ -108,8 +110,8 @@ def run(job: Job, recorder) -> Result:
             before = listening()
             listener = _listener(host, port)
             port = listener.getsockname()[1]
-            store = dist.TCPStore(host, port, n + 1, True, timeout=_td(START_TIMEOUT_S), wait_for_workers=False,
-                                  master_listen_fd=listener.fileno())
+            store = dist.TCPStore(host, port, n + 1, True, timeout=timedelta_of(START_TIMEOUT_S),
+                                  wait_for_workers=False, master_listen_fd=listener.fileno())
             # the store owns the listening socket now and closes it when it goes. Closed here as well, its number
             # could belong to another file by then (a parquet part being read, seen as EBADF in the tests)
             listener.detach()
@@ -144,7 +146,7 @@ def run(job: Job, recorder) -> Result:
                     children.append(p)
             if alive is not None:
                 alive.close()
-            pg = _connect(lambda: _group(store, 0, n + 1, local, START_TIMEOUT_S), children)
+            pg = _connect(lambda: form_group(store, 0, n + 1, local, START_TIMEOUT_S), children)
             refuse_newcomers(before)  # the store's and gloo's listeners: nobody is left to connect (doors.py)
         states = {r: saved.get(r - 1, DONE if resumed else None) for r in range(1, n + 1)}
         result = _serve(coord, pg, secret, encoded, states, children, store, window, turn)
@@ -158,7 +160,7 @@ def run(job: Job, recorder) -> Result:
         if ps is not None and not ended:
             ps.written.set()  # a checkpoint being taken will not be written
             ps.stop("rank 0 is leaving")
-        _stop(children, grace_s=5.0 if ended else 0.0)
+        _stop(children, grace_s=STOP_GRACE_S if ended else 0.0)
         if here is not None:
             here.close()
         if window is not None:
@@ -229,10 +231,10 @@ class Placement:
 
 def _serve(coord: _Coordinator, pg, secret: str, encoded, states: dict, children: list, store=None,
            window: Window | None = None, turn: Turn | None = None) -> Result:
-    """The run, once the group has formed: each worker proves the run's secret (wire._admit); each that did gets
+    """The run, once the group has formed: each worker proves the run's secret (secret.admit); each that did gets
     its job and its saved state (`states`, by rank); one that did not gets nothing and is recorded lost. Then the
     coordinator serves the run to its end."""
-    refused, held = _admit(pg, sorted(states), secret, START_TIMEOUT_S)
+    refused, held = admit(pg, sorted(states), secret, START_TIMEOUT_S)
     # the job's store, when this process holds it, keeps only its own and the admitted workers' connections
     cut = cut_strangers(getattr(store, "port", None), held)
     empty_store(store, getattr(store, "port", None))  # and what anyone stored there goes with its keys (doors.py)
@@ -242,7 +244,7 @@ def _serve(coord: _Coordinator, pg, secret: str, encoded, states: dict, children
     for r, state in states.items():
         if r not in refused:
             _send_job(pg, encoded, r, START_TIMEOUT_S)
-            _send_packed(pg, state, r, TAG_JOB, START_TIMEOUT_S)
+            send_packed(pg, state, r, TAG_JOB, START_TIMEOUT_S)
     coord.attach(pg, children, store, refused, window, turn)
     return coord.serve()
 
@@ -273,7 +275,7 @@ def _connect(make, children: list):
     return out["pg"]
 
 
-def _stop(children: list, grace_s: float = 5.0) -> None:
+def _stop(children: list, grace_s: float = STOP_GRACE_S) -> None:
     """Local launch: every worker has had its answer and exits; any that does not is terminated, then killed."""
     deadline = time.monotonic() + grace_s
     for p in children:
@@ -282,10 +284,10 @@ def _stop(children: list, grace_s: float = 5.0) -> None:
         if p.is_alive():
             p.terminate()
     for p in children:
-        p.join(2.0)
+        p.join(EXIT_WAIT_S)
         if p.is_alive():
             p.kill()
-            p.join(2.0)
+            p.join(EXIT_WAIT_S)
 
 
 class _Coordinator(Coordinator):
@@ -423,7 +425,7 @@ class _Coordinator(Coordinator):
             self.silence.seen(r - 1, max(ps.heard[r], arrived.get(r, 0.0)))
             if self.waited_since_last_look(r) or r - 1 in line:
                 self.silence.seen(r - 1, now)
-        ps.wait_s = _patience(self.silence.limit())
+        ps.wait_s = patience(self.silence.limit())
         for r in ps.ranks:
             if r not in ps.done and self.children and self.children[r - 1].exitcode is not None:
                 self.lose_rank(r, f"process died, exit code {self.children[r - 1].exitcode}")
@@ -446,7 +448,7 @@ class _Coordinator(Coordinator):
         if self.store is None or rank in self.ps.done:
             return False
         try:
-            count = int(self.store.add(_waiting_key(rank), 0))
+            count = int(self.store.add(waiting_key(rank), 0))
         except Exception:  # noqa: BLE001 - no store, no excuse: the rule still holds
             return False
         waited, self.waited[rank] = count != self.waited.get(rank, 0), count

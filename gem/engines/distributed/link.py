@@ -31,12 +31,12 @@ from gem import algorithms
 from gem.algorithms import Commit
 from gem.data import load_dataset
 from gem.engines import Job
+from gem.engines.distributed.bounds import TEXT_BYTES
 from gem.engines.distributed.doors import listening, refuse_newcomers
+from gem.engines.distributed.group import BYE_TIMEOUT_S, form_group, launched_group, patience, timedelta_of, waiting_key
 from gem.engines.distributed.job import DONE, Start, _recv_job, allowed_imports, decode_job, decode_start
-from gem.engines.distributed.window import Window, log_entry
-from gem.engines.distributed.wire import (
+from gem.engines.distributed.messages import (
     ASK,
-    BYE_TIMEOUT_S,
     DIVERGED,
     ERROR,
     FINISHED,
@@ -44,36 +44,34 @@ from gem.engines.distributed.wire import (
     PULL,
     READY,
     ROWS,
-    ROWS_PER_MESSAGE,
     SAVE,
     SAVED,
-    SECRET_ENV,
-    START_TIMEOUT_S,
     STOP,
     TAG_ASK,
     TAG_JOB,
     TAG_X,
-    TEXT_BYTES,
-    _group,
-    _launched_group,
-    _pack,
-    _patience,
-    _prove,
-    _recv_packed,
-    _rows_json,
-    _send_bytes,
-    _td,
-    _wait,
-    _waiting_key,
-    launched_secret,
+    pack,
+    recv_packed,
+    rows_json,
+    send_bytes,
+    wait,
 )
+from gem.engines.distributed.secret import SECRET_ENV, launched_secret, prove
+from gem.engines.distributed.window import Window, log_entry
 from gem.engines.server import Server
 from gem.engines.turn import SAVE as TURN_SAVE
 from gem.engines.turn import Gone, Turn
-from gem.engines.worker import Diverged, Worker, barrier_pauses, setup_process, threads_per_process
+from gem.engines.worker import (
+    ROWS_PER_MESSAGE,
+    ROWS_SECONDS,
+    START_TIMEOUT_S,
+    Diverged,
+    Worker,
+    barrier_pauses,
+    setup_process,
+    threads_per_process,
+)
 
-ROWS_SECONDS = 0.25  # a worker sends its commit rows in batches (as in the process engine): ROWS_PER_MESSAGE, or
-# what it holds once this long has passed
 WAIT_S = 0.02  # a worker told to WAIT while a checkpoint is being taken asks again after this long (at a barrier:
 # worker.barrier_pauses)
 WAITING_S = 0.5  # a worker waiting for the server says so on the store this often
@@ -88,7 +86,7 @@ def worker_main(timeout_s: float = START_TIMEOUT_S, allowed=()) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     threads = threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    store, pg, rank, _world = _launched_group(timeout_s)
+    store, pg, rank, _world = launched_group(timeout_s)
     return _work(pg, rank, threads, secret, allowed_imports(allowed), ignore_sigint=False, store=store)
 
 
@@ -101,8 +99,8 @@ def _local_worker(rank: int, world: int, host: str, port: int, timeout_s: float,
     `handed`: θ and the server's tensors where they live on the workers' GPU (CUDA IPC handles)."""
     try:
         before = listening()
-        store = dist.TCPStore(host, port, world, False, timeout=_td(timeout_s))
-        pg = _group(store, rank, world, host, timeout_s)
+        store = dist.TCPStore(host, port, world, False, timeout=timedelta_of(timeout_s))
+        pg = form_group(store, rank, world, host, timeout_s)
         refuse_newcomers(before)  # gloo's listener: nobody is left to connect to it (doors.py)
         _work(pg, rank, threads, secret, allowed_imports(allowed), store=store, turn=turn, alive=alive,
               handed=handed)
@@ -118,9 +116,9 @@ def _work(pg, rank: int, threads: int, secret: str, allowed: frozenset[str], ign
           store=None, turn: Turn | None = None, alive=None, handed: dict | None = None) -> int:
     setup_process(threads, ignore_sigint)
     try:
-        _prove(pg, rank, secret, START_TIMEOUT_S, getattr(store, "port", None))
+        prove(pg, rank, secret, START_TIMEOUT_S, getattr(store, "port", None))
         text, tensors = _recv_job(pg, START_TIMEOUT_S)
-        saved = _recv_packed(pg, 0, TAG_JOB, START_TIMEOUT_S)  # this worker's state, when the run resumes
+        saved = recv_packed(pg, 0, TAG_JOB, START_TIMEOUT_S)  # this worker's state, when the run resumes
     except RuntimeError as e:
         print(f"gem: worker rank {rank}: no job from rank 0 ({str(e).splitlines()[0] if str(e) else e!r}); rank 0 "
               f"sends none to a worker that does not prove the run's secret ({SECRET_ENV})", file=sys.stderr)
@@ -150,11 +148,11 @@ def _work(pg, rank: int, threads: int, secret: str, allowed: frozenset[str], ign
 def _header(pg, kind: int, rows: bytes, count: int, extra: bytes, timeout_s: float) -> None:
     """A header to the server, then the rows and the extra bytes it announces."""
     h = torch.tensor([kind, len(rows), count, len(extra)], dtype=torch.long)
-    _wait(pg.send([h], 0, TAG_ASK), timeout_s)
+    wait(pg.send([h], 0, TAG_ASK), timeout_s)
     if rows:
-        _send_bytes(pg, rows, 0, TAG_X, timeout_s)
+        send_bytes(pg, rows, 0, TAG_X, timeout_s)
     if extra:
-        _send_bytes(pg, extra, 0, TAG_X, timeout_s)
+        send_bytes(pg, extra, 0, TAG_X, timeout_s)
 
 
 class _ServerGone(Exception):
@@ -186,7 +184,7 @@ class _RemoteLink:
         self.timeout = job.engine.timeout_s
         # how long to wait for the server: twice its own patience with a worker, which each reply updates (it may
         # be held up by a silent worker until that one is lost)
-        self.wait_s = 2.0 * _patience(self.timeout)
+        self.wait_s = 2.0 * patience(self.timeout)
         self.t0_wall = start.t0_wall
         self.buffer: list = []
         self.sent_at = time.monotonic()
@@ -203,7 +201,7 @@ class _RemoteLink:
         in batches, so that most ASKs are one small message."""
         batch = rows or kind != ASK or len(self.buffer) >= ROWS_PER_MESSAGE or \
             time.monotonic() - self.sent_at > ROWS_SECONDS
-        rows = _rows_json(self.buffer) if batch and self.buffer else b""
+        rows = rows_json(self.buffer) if batch and self.buffer else b""
         try:
             _header(self.pg, kind, rows, len(self.buffer) if rows else 0, extra, self.wait_s)
         except RuntimeError as e:
@@ -214,7 +212,7 @@ class _RemoteLink:
     def _recv(self, tensors: list[torch.Tensor], timeout: float) -> None:
         try:
             for t in tensors:
-                _wait(self.pg.recv([t], 0, TAG_X), timeout)
+                wait(self.pg.recv([t], 0, TAG_X), timeout)
         except RuntimeError as e:
             raise _ServerGone() from e
 
@@ -222,7 +220,7 @@ class _RemoteLink:
         try:
             works = [self.pg.send([t], 0, TAG_X) for t in tensors]
             for work in works:
-                _wait(work, self.wait_s)
+                wait(work, self.wait_s)
         except RuntimeError as e:
             raise _ServerGone() from e
 
@@ -279,7 +277,7 @@ class _RemoteLink:
                 self.header(kind, extra, rows)
                 self._recv([self.reply], self.wait_s)
                 answer, t, staleness, patience_ms = (int(v) for v in self.reply)
-                self.wait_s = 2.0 * max(patience_ms / 1000, _patience(self.timeout))
+                self.wait_s = 2.0 * max(patience_ms / 1000, patience(self.timeout))
                 if answer == STOP:
                     raise _Stopped()
                 if answer == GO:
@@ -308,7 +306,7 @@ class _RemoteLink:
 
     def _save(self) -> None:
         """A checkpoint: our state as of before the gradient in hand (or at the barrier)."""
-        spec, tensors = _pack(self.worker.state_dict(in_hand=True))
+        spec, tensors = pack(self.worker.state_dict(in_hand=True))
         self.header(SAVED, json.dumps(spec).encode())
         self._send(tensors)
 
@@ -317,7 +315,7 @@ class _RemoteLink:
             log = self.window.log
             log[view.t % log.numel()] = log_entry(view.t, self.w)
             return
-        spec, payload = _pack(commit.payload)
+        spec, payload = pack(commit.payload)
         spec = json.dumps(spec).encode() if commit.payload else b""
         tensors = [torch.tensor([len(spec), 0], dtype=torch.long)]
         if self.window is not None:  # Δ into our slot, which rank 0 reads once the header has come
@@ -398,7 +396,7 @@ class _Waiting(threading.Thread):
 
     def __init__(self, store, rank: int):
         super().__init__(name="gem-waiting", daemon=True)
-        self.store, self.key, self.rank = store, _waiting_key(rank), rank
+        self.store, self.key, self.rank = store, waiting_key(rank), rank
         self.waiting = False
 
     def run(self) -> None:

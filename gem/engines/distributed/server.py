@@ -9,7 +9,7 @@ handed out again. (A worker is not left waiting on a reply: the server would wai
 lost mid-exchange, or between two (its connection closes), is recorded and the run goes on: its commits whose rows
 never came are marked (`lost_row`).
 
-Headers are taken first come, first served by a thread per worker (wire.Headers), each blocked in a receive from
+Headers are taken first come, first served by a thread per worker (headers.Headers), each blocked in a receive from
 its own rank, which hands what it gets to the server in arrival order.
 
 The workers of a local launch take no exchange (`turn`): they pass the turn among themselves and commit to θ in
@@ -19,7 +19,7 @@ takes it for a checkpoint (the workers are asked SAVE through the turn, and send
 line) and to pull θ for a barrier, and reads who made each commit from the window's log (`sync_log`). Stopping the
 run stops the workers' turns; each sends its last rows with one ASK, answered STOP.
 
-A worker is held to what the server expects of it (wire.Bounds): a header's kind must be one it may send now (SAVED
+A worker is held to what the server expects of it (bounds.Bounds): a header's kind must be one it may send now (SAVED
 only while a checkpoint is taken, and only from a worker told SAVE; READY once), and every size it announces must
 be within the bounds before anything that follows is received; a commit's payload must be exactly the algorithm's;
 its rows are checked by the coordinator, which decodes them. A worker that sends anything else is lost for what it
@@ -41,8 +41,10 @@ from gem.algorithms import Commit
 from gem.engines import Job
 from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S
-from gem.engines.distributed.window import LOG_WORKERS, Window
-from gem.engines.distributed.wire import (
+from gem.engines.distributed.bounds import ROWS_PENDING, Bounds
+from gem.engines.distributed.group import patience
+from gem.engines.distributed.headers import Headers
+from gem.engines.distributed.messages import (
     ASK,
     BYE,
     DIVERGED,
@@ -51,25 +53,22 @@ from gem.engines.distributed.wire import (
     GO,
     PULL,
     READY,
-    ROWS_PENDING,
     SAVE,
     SAVED,
-    START_TIMEOUT_S,
     STOP,
     TAG_X,
     WAIT,
-    Bounds,
-    Headers,
     Malformed,
-    _closed,
-    _patience,
-    _recv_bytes,
-    _recv_tensors,
-    _wait,
+    connection_closed,
+    recv_bytes,
+    recv_tensors,
+    wait,
 )
+from gem.engines.distributed.window import LOG_WORKERS, Window
 from gem.engines.server import Server
 from gem.engines.turn import SAVE as TURN_SAVE
 from gem.engines.turn import Turn
+from gem.engines.worker import START_TIMEOUT_S
 from gem.files import WriteError
 
 
@@ -81,8 +80,8 @@ class _Server(threading.Thread):
                  window: Window | None = None, turn: Turn | None = None):
         super().__init__(name="gem-parameter-server", daemon=True)
         self.pg, self.job, self.server, self.events, self.bounds = pg, job, server, events, bounds
-        # how long a wait on one worker may last (the coordinator keeps it at _patience of the silence limit)
-        self.wait_s = _patience(job.engine.timeout_s)
+        # how long a wait on one worker may last (the coordinator keeps it at group.patience of the silence limit)
+        self.wait_s = patience(job.engine.timeout_s)
         self.lock = threading.Lock()
         self.ranks = workers  # ranks 1..n
         self.pending: dict[int, deque] = {r: deque() for r in workers}  # commits whose rows have not come
@@ -283,7 +282,7 @@ class _Server(threading.Thread):
         self.last_header = time.monotonic()
         if got is None or isinstance(got, torch.Tensor):
             return src, got
-        if not _closed(got):
+        if not connection_closed(got):
             raise RuntimeError(f"worker rank {src}'s header: {got}")
         if src not in self.done:
             self.gone(src, got)
@@ -299,12 +298,12 @@ class _Server(threading.Thread):
             return  # banned, or finished or stopped (it exits): what it sends now is no message of the protocol
         try:
             self.admit(src, kind, rows_nbytes, rows_count, extra_nbytes)
-            rows = _recv_bytes(self.pg, rows_nbytes, src, TAG_X, self.wait_s) if rows_nbytes else b""
-            extra = _recv_bytes(self.pg, extra_nbytes, src, TAG_X, self.wait_s) if extra_nbytes else b""
+            rows = recv_bytes(self.pg, rows_nbytes, src, TAG_X, self.wait_s) if rows_nbytes else b""
+            extra = recv_bytes(self.pg, extra_nbytes, src, TAG_X, self.wait_s) if extra_nbytes else b""
             barrier = self.bounds.clock(extra) if kind == PULL else None
             state = None
             if kind == SAVED:
-                state = _recv_tensors(self.pg, self.bounds.state(extra), src, TAG_X, self.wait_s)
+                state = recv_tensors(self.pg, self.bounds.state(extra), src, TAG_X, self.wait_s)
         except (RuntimeError, ValueError) as e:
             self.gone(src, e)
             return
@@ -330,7 +329,7 @@ class _Server(threading.Thread):
             self.on_end(src, kind, extra.decode("utf-8", errors="replace"))
 
     def admit(self, src: int, kind: int, rows_nbytes: int, rows_count: int, extra_nbytes: int) -> None:
-        """Malformed unless `src` may send a header of this kind now, of these sizes (wire.Bounds). A worker given
+        """Malformed unless `src` may send a header of this kind now, of these sizes (bounds.Bounds). A worker given
         up for lost and back may still send the rows it holds, which are read and dropped."""
         if kind == READY and src in self.ready:
             raise Malformed("READY a second time")
@@ -457,18 +456,18 @@ class _Server(threading.Thread):
         go = torch.tensor([GO, view.t, view.staleness, int(wait_s * 1000)], dtype=torch.long)
         sends = [self.pg.send([v], src, TAG_X) for v in (go, *state)]
         for s in sends:
-            _wait(s, wait_s)
-        _wait(self.pg.recv([header], src, TAG_X), wait_s)
+            wait(s, wait_s)
+        wait(self.pg.recv([header], src, TAG_X), wait_s)
         spec_nbytes = int(header[0])
         self.bounds.commit(spec_nbytes)
         if mapped:  # into rank 0's own memory: the worker can no more change Δ while the server rule reads it
             self.delta.copy_(self.window.slot(src - 1))
         else:
-            _wait(self.pg.recv([self.delta], src, TAG_X), wait_s)  # Δ: θ's size, always
+            wait(self.pg.recv([self.delta], src, TAG_X), wait_s)  # Δ: θ's size, always
         if not spec_nbytes:
             return {}
-        spec = self.bounds.payload_of(_recv_bytes(self.pg, spec_nbytes, src, TAG_X, wait_s))
-        return _recv_tensors(self.pg, spec, src, TAG_X, wait_s)
+        spec = self.bounds.payload_of(recv_bytes(self.pg, spec_nbytes, src, TAG_X, wait_s))
+        return recv_tensors(self.pg, spec, src, TAG_X, wait_s)
 
     def apply(self, src: int, view, payload: dict) -> None:
         """The server rule on θ; the commit is pending until `src`'s row for it comes."""
@@ -511,7 +510,7 @@ class _Server(threading.Thread):
             go = torch.tensor([GO, view.t, 0, int(self.wait_s * 1000)], dtype=torch.long)
             sends = [self.pg.send([v], src, TAG_X) for v in (go, theta, *state.values())]
             for s in sends:
-                _wait(s, self.wait_s)
+                wait(s, self.wait_s)
         except RuntimeError as e:
             self.gone(src, e)
 
@@ -522,7 +521,7 @@ class _Server(threading.Thread):
             return False
         try:
             reply = torch.tensor([kind, t, staleness, int(self.wait_s * 1000)], dtype=torch.long)
-            _wait(self.pg.send([reply], src, TAG_X), self.wait_s)
+            wait(self.pg.send([reply], src, TAG_X), self.wait_s)
             return True
         except RuntimeError as e:
             self.gone(src, e)
@@ -548,7 +547,7 @@ class _Server(threading.Thread):
         if isinstance(e, ValueError):
             self.ban(src, str(e) if isinstance(e, Malformed) else f"what cannot be read ({e})")
             return
-        if not _closed(e):
+        if not connection_closed(e):
             raise RuntimeError(f"worker rank {src} did not answer for {self.wait_s:.0f} s (twice the silence limit "
                                "+ 10 s); gloo gives up on the whole group after such a wait") from None
         self.done_with(src)  # now: a checkpoint in progress must not wait for it

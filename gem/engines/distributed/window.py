@@ -52,7 +52,8 @@ from gem.engines.server import Server
 SHM = Path("/dev/shm")
 PREFIX = "gem-theta-"
 NAME = re.compile(rf"{PREFIX}(\d{{1,10}})-[0-9a-f]{{16}}")  # gem-theta-<rank 0's pid>-<random>
-NONCE_BYTES = 32
+NONCE_BYTES = 32  # the file's own random first bytes, which the job names: a worker maps only its run's window
+# (not the admission's challenge, secret.NONCE_BYTES, though of the same size)
 PAGE = mmap.ALLOCATIONGRANULARITY  # every part starts on a page: a worker maps its own slot alone, writable
 LOG = 1 << 17  # the commit log's entries (at least; 64 per worker), a ring. Rank 0 reads it at each ROWS header,
 # and a worker whose rows rank 0 has not taken waits for it after 16 more commits: at most about 33 x n commits come
