@@ -52,8 +52,9 @@ def runs(path: str, filters: dict | None = None, api=None) -> pd.DataFrame:
     return pd.DataFrame.from_records([_record(r) for r in _api(api).runs(path, filters=filters)])
 
 
-def commits(path: str, table: str = "metrics", filters: dict | None = None, api=None,
-            columns: Iterable[str] | None = None) -> pd.DataFrame:
+def commits(
+    path: str, table: str = "metrics", filters: dict | None = None, api=None, columns: Iterable[str] | None = None
+) -> pd.DataFrame:
     """The logged rows of `table` ("metrics": commit rows, "eval": evaluations) of every run, each with its
     run's columns, via `scan_history` (which pages through the whole history, unsampled)."""
     if table not in PREFIX:
@@ -66,7 +67,7 @@ def commits(path: str, table: str = "metrics", filters: dict | None = None, api=
             rec = {k: rec.get(k) for k in [*columns, "run_dir"]}
         rows = []
         for row in run.scan_history():
-            values = {k[len(prefix):]: v for k, v in row.items() if k.startswith(prefix)}
+            values = {k[len(prefix) :]: v for k, v in row.items() if k.startswith(prefix)}
             if values:  # a W&B row can hold a commit and an evaluation at the same step
                 rows.append({"step": int(row["_step"]), **values})
         if rows:

@@ -30,9 +30,19 @@ from experiments.runs import (  # noqa: F401 - reading a run directory lives bes
 from gem.metrics import read_table
 
 # Columns that may differ between the seeds of one curve: the seed itself, results, and where things live.
-NOT_SETTINGS = {"seed", "run_dir", "experiment", "data.root", "data.download", "resume", "plan", "device",
-                "train_examples", "workers_requested",
-                *SUMMARY_COLUMNS}
+NOT_SETTINGS = {
+    "seed",
+    "run_dir",
+    "experiment",
+    "data.root",
+    "data.download",
+    "resume",
+    "plan",
+    "device",
+    "train_examples",
+    "workers_requested",
+    *SUMMARY_COLUMNS,
+}
 
 
 def varying(runs: pd.DataFrame, keys) -> list[str]:
@@ -71,8 +81,7 @@ def repeated_seeds(runs: pd.DataFrame, keys) -> str:
         if len(g) > 1:
             what = ", ".join(f"{k}={v}" for k, v in zip([*keys, "seed"], values, strict=True))
             dirs = " and ".join(sorted(g["run_dir"])[:3]) + (" ..." if len(g) > 3 else "")
-            return (f"{len(g)} runs share {what} ({dirs}): the same seed twice is not two seeds; pass each run "
-                    "once")
+            return f"{len(g)} runs share {what} ({dirs}): the same seed twice is not two seeds; pass each run once"
     return ""
 
 
@@ -91,8 +100,13 @@ def planned_jobs(sweep: str | os.PathLike) -> int | None:
         target = str(hydra["sweeper"].get("_target_", ""))
         if "basic_sweeper" not in target and "GemSweeper" not in target:
             return None
-        return len(jobs_of(dict(hydra["sweeper"].get("params") or {}), list(hydra["overrides"]["task"]),
-                           hydra["sweeper"].get("grids")))
+        return len(
+            jobs_of(
+                dict(hydra["sweeper"].get("params") or {}),
+                list(hydra["overrides"]["task"]),
+                hydra["sweeper"].get("grids"),
+            )
+        )
     except Exception:  # no multirun.yaml, or not one this can count
         return None
 
@@ -114,8 +128,10 @@ def unstarted(r: pd.DataFrame, short: bool = False) -> str:
         if planned > found and short:
             out.append(f"{planned - found} of the {planned} jobs of sweep {Path(sweep).name} have not run")
         elif planned > found:
-            out.append(f"{planned - found} of the {planned} jobs of sweep {sweep} have not run (to run them: the "
-                       f"identical -m command with hydra.sweep.dir={sweep} resume=true)")
+            out.append(
+                f"{planned - found} of the {planned} jobs of sweep {sweep} have not run (to run them: the "
+                f"identical -m command with hydra.sweep.dir={sweep} resume=true)"
+            )
     return "; ".join(out)
 
 
@@ -133,8 +149,9 @@ def describe(r: pd.DataFrame) -> str:
     return f"{line}; {missing}" if missing else line
 
 
-def commits(paths, table: str = "metrics", columns: Iterable[str] | None = None,
-            meta: pd.DataFrame | None = None) -> pd.DataFrame:
+def commits(
+    paths, table: str = "metrics", columns: Iterable[str] | None = None, meta: pd.DataFrame | None = None
+) -> pd.DataFrame:
     """The rows of `table` (metrics, eval or tensors) of every run, each joined with its run's columns
     (`columns`, default: every config and summary column). Runs without that table add no rows. `meta`: the
     runs frame of `paths`, when the caller has already loaded it."""

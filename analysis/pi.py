@@ -46,9 +46,12 @@ def by_run(m: pd.DataFrame, by) -> pd.DataFrame:
     by = list(by)
     require(m, by, "analysis.pi.by_run")
     h = settled(m)
-    per = h.groupby([*by, "run_dir"], dropna=False).agg(pi_median=("pi_median", "mean"),
-                                                         pi_zero_frac=("pi_zero_frac", "mean"),
-                                                         tau_mean=("staleness", "mean"), tau_sd=("staleness", "std"))
+    per = h.groupby([*by, "run_dir"], dropna=False).agg(
+        pi_median=("pi_median", "mean"),
+        pi_zero_frac=("pi_zero_frac", "mean"),
+        tau_mean=("staleness", "mean"),
+        tau_sd=("staleness", "std"),
+    )
     grouped = per.groupby(level=by, dropna=False)
     out = grouped.agg(["mean", "std"])
     out.columns = [f"{a}_{b}" if b == "std" else a for a, b in out.columns]
@@ -68,9 +71,11 @@ def by_staleness(m: pd.DataFrame, by=("workers",)) -> pd.DataFrame:
     h = h[h["workers"] > 1]
     rel = h["staleness"] / (h["workers"] - 1)
     h = h.assign(tau_rel=np.floor(rel / BUCKET + 0.5) * BUCKET)  # halves up, not to even
-    out = h.groupby([*by, "tau_rel"], dropna=False).agg(pi_median=("pi_median", "mean"),
-                                                        pi_zero_frac=("pi_zero_frac", "mean"),
-                                                        commits=("pi_median", "size")).reset_index()
+    out = (
+        h.groupby([*by, "tau_rel"], dropna=False)
+        .agg(pi_median=("pi_median", "mean"), pi_zero_frac=("pi_zero_frac", "mean"), commits=("pi_median", "size"))
+        .reset_index()
+    )
     return out[out["commits"] >= MIN_COMMITS]
 
 
@@ -91,13 +96,19 @@ def main(argv=None) -> int:
         return 1
     missing = [k for k in args.by if k not in r.columns]
     if missing:
-        print(f"error: --by {' '.join(missing)}: not a setting of these runs; settings are dotted config keys "
-              f"such as workers, engine.cycle_cv, algorithm.kappa", file=sys.stderr)
+        print(
+            f"error: --by {' '.join(missing)}: not a setting of these runs; settings are dotted config keys "
+            f"such as workers, engine.cycle_cv, algorithm.kappa",
+            file=sys.stderr,
+        )
         return 2
     mixed = load.varying(r, args.by)
     if mixed:
-        print(f"error: runs with the same {', '.join(args.by)} differ in {', '.join(mixed[:3])}: add them to --by, or "
-              f"pass folders that differ only in {', '.join(args.by)} and seed", file=sys.stderr)
+        print(
+            f"error: runs with the same {', '.join(args.by)} differ in {', '.join(mixed[:3])}: add them to --by, or "
+            f"pass folders that differ only in {', '.join(args.by)} and seed",
+            file=sys.stderr,
+        )
         return 2
     m = load.commits(args.paths, columns=list(dict.fromkeys([*args.by, "workers", "status"])), meta=r)
     unfinished = r[r["status"] != "completed"]
@@ -105,12 +116,16 @@ def main(argv=None) -> int:
         left = (f"{d} ({s})" for d, s in zip(unfinished["run_dir"], unfinished["status"], strict=True))
         print(f"left out, not completed: {', '.join(left)}\n")
     by = ", ".join(args.by)
-    print(f"## π by run: per {by}, the mean over seeds of each run's mean median π and zero fraction over the "
-          "second half of its commits\n")
+    print(
+        f"## π by run: per {by}, the mean over seeds of each run's mean median π and zero fraction over the "
+        "second half of its commits\n"
+    )
     print(markdown(by_run(m, args.by)))
-    print(f"\n## π by each commit's own staleness: per {by} and τ/(n − 1) bucket (`tau_rel`, its centre), the "
-          f"mean of the per-commit median π over the second half of every run (buckets of fewer than {MIN_COMMITS} "
-          "commits left out)\n")
+    print(
+        f"\n## π by each commit's own staleness: per {by} and τ/(n − 1) bucket (`tau_rel`, its centre), the "
+        f"mean of the per-commit median π over the second half of every run (buckets of fewer than {MIN_COMMITS} "
+        "commits left out)\n"
+    )
     print(markdown(by_staleness(m, args.by)))
     return 0
 

@@ -38,8 +38,17 @@ from matplotlib import ticker  # noqa: E402
 from analysis.stats import ci_frame, mean_ci  # noqa: E402
 
 # Text sizes for figures about 10 in wide, two panels to a row, shown at the width of a page
-plt.rcParams.update({"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "xtick.labelsize": 10,
-                     "ytick.labelsize": 10, "legend.fontsize": 9, "figure.titlesize": 12})
+plt.rcParams.update(
+    {
+        "font.size": 11,
+        "axes.titlesize": 12,
+        "axes.labelsize": 11,
+        "xtick.labelsize": 10,
+        "ytick.labelsize": 10,
+        "legend.fontsize": 9,
+        "figure.titlesize": 12,
+    }
+)
 
 OFF_SCALE = 10.0  # loss axes stop at 10x the starting loss; a run beyond it is diverging, marked, not scaled to
 BINS = 200  # points per curve: enough to show a spike, few enough to average the commits of 30 workers
@@ -55,17 +64,25 @@ LABELS = {
     "workers": "n",
     "algorithm.kappa": "κ",
 }
-BANDS = {"minmax": "min–max over seeds",
-         "ci": "95% t interval of the mean over seeds (on a log axis its lower edge stops at the lowest seed)",
-         None: "no band"}
+BANDS = {
+    "minmax": "min–max over seeds",
+    "ci": "95% t interval of the mean over seeds (on a log axis its lower edge stops at the lowest seed)",
+    None: "no band",
+}
 # How a run that is not averaged in is drawn: line style and the marker at its last point
 APART = {"diverged": ("--", "x"), "failed": (":", "s"), "incomplete": (":", "o")}
 
 
 def end_marker(marker: str, colour) -> dict:
     """How the last point of a run drawn apart is marked (by `curves`, and in a legend entry for such runs)."""
-    return {"marker": marker, "ms": 7 if marker == "x" else 5, "mew": 2 if marker == "x" else 1.2,
-            "mfc": "white" if marker == "o" else colour}
+    return {
+        "marker": marker,
+        "ms": 7 if marker == "x" else 5,
+        "mew": 2 if marker == "x" else 1.2,
+        "mfc": "white" if marker == "o" else colour,
+    }
+
+
 LOG_Y = ("loss", "val_loss", "train_loss", "final_train_loss")
 
 
@@ -105,8 +122,9 @@ def band_kind(band) -> str | None:
 def band_text(band) -> str:
     """What a figure's curves are, for its title: the mean over completed seeds and the band."""
     kind = band_kind(band)
-    return ("lines: mean over the completed seeds (how many: legend); "
-            + ("no band" if kind is None else f"band: {BANDS[kind]}"))
+    return "lines: mean over the completed seeds (how many: legend); " + (
+        "no band" if kind is None else f"band: {BANDS[kind]}"
+    )
 
 
 def seeds_text(k: int) -> str:
@@ -133,8 +151,7 @@ def log_y(ax) -> None:
 
 def note(ax, text: str) -> None:
     """Say in the middle of a panel why it has no curve (never an empty panel without a word)."""
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=11, color="dimgrey",
-            wrap=True)
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=11, color="dimgrey", wrap=True)
 
 
 def legend(ax, **kwargs) -> None:
@@ -216,9 +233,21 @@ def aggregate(frame: pd.DataFrame, x: str, y: str, hue: str, bins: int = BINS) -
         if per_run.empty:
             continue
         ci = ci_frame(per_run)
-        out.append(pd.DataFrame({hue: key, x: per_run.index, "mean": ci["mean"], "lo": per_run.min(axis=1),
-                                 "hi": per_run.max(axis=1), "ci_lo": ci["lo"], "ci_hi": ci["hi"],
-                                 "runs": ci["runs"], "seeds": per_run.shape[1]}))
+        out.append(
+            pd.DataFrame(
+                {
+                    hue: key,
+                    x: per_run.index,
+                    "mean": ci["mean"],
+                    "lo": per_run.min(axis=1),
+                    "hi": per_run.max(axis=1),
+                    "ci_lo": ci["lo"],
+                    "ci_hi": ci["hi"],
+                    "runs": ci["runs"],
+                    "seeds": per_run.shape[1],
+                }
+            )
+        )
     return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=[hue, x, *AGGREGATE])
 
 
@@ -267,9 +296,18 @@ def _band(c: pd.DataFrame, kind: str, bottom: float | None) -> tuple[pd.Series, 
     return lo, c["ci_hi"]
 
 
-def curves(frame: pd.DataFrame, ax, x: str = "worker_step", y: str = "loss", hue: str = "workers",
-           log: bool | None = None, bins: int = BINS, palette: dict | None = None, band="minmax",
-           seeds: bool = True) -> pd.DataFrame:
+def curves(
+    frame: pd.DataFrame,
+    ax,
+    x: str = "worker_step",
+    y: str = "loss",
+    hue: str = "workers",
+    log: bool | None = None,
+    bins: int = BINS,
+    palette: dict | None = None,
+    band="minmax",
+    seeds: bool = True,
+) -> pd.DataFrame:
     """Mean over the completed seeds, one line per value of `hue`, labelled with how many seeds (`seeds`), and
     a band (`band`: "minmax", "ci" or None; True/False as "minmax"/None); every other run on its own (the
     module's docstring says how). Returns the aggregated frame (`aggregate`: completed runs only)."""
@@ -320,8 +358,14 @@ def curves(frame: pd.DataFrame, ax, x: str = "worker_step", y: str = "loss", hue
             name = f"{_fmt(hue, v)} ({what})"
             labelled.add(v)
         ax.plot(d[x], shown, color=palette[v], lw=0.9, ls=ls, alpha=0.8, label=name)
-        ax.plot(d[x].iloc[-1:], shown.iloc[-1:], color=palette[v], ls="none", clip_on=False,
-                **end_marker(marker, palette[v]))
+        ax.plot(
+            d[x].iloc[-1:],
+            shown.iloc[-1:],
+            color=palette[v],
+            ls="none",
+            clip_on=False,
+            **end_marker(marker, palette[v]),
+        )
     if top is not None:
         ax.set_ylim(top=top)
     if agg.empty:
@@ -367,8 +411,15 @@ def bar(values, band) -> tuple[float, float, float, int]:
     return a.mean, a.mean, a.mean, a.k
 
 
-def final_loss(runs: pd.DataFrame, ax, x: str = "workers", hue: str = "algorithm",
-               y: str = "final_train_loss", palette: dict | None = None, band="minmax") -> pd.DataFrame:
+def final_loss(
+    runs: pd.DataFrame,
+    ax,
+    x: str = "workers",
+    hue: str = "algorithm",
+    y: str = "final_train_loss",
+    palette: dict | None = None,
+    band="minmax",
+) -> pd.DataFrame:
     """Fig. 1(d): a run's final loss against n, the mean over the completed seeds with error bars (`band`:
     min–max, the 95% t interval, or none), one line per hue labelled with how many seeds. Only completed runs
     count: a diverged run has no final loss worth averaging (curves marks it), a killed one has none. Returns one
@@ -377,9 +428,10 @@ def final_loss(runs: pd.DataFrame, ax, x: str = "workers", hue: str = "algorithm
     kind = band_kind(band)
     r = completed(runs)
     r = r[np.isfinite(pd.to_numeric(r[y], errors="coerce"))]
-    rows = [{hue: h, x: v, "min": g[y].min(), **dict(zip(("mean", "lo", "hi", "count"), bar(g[y], band),
-                                                          strict=True))}
-            for (h, v), g in r.groupby([hue, x])]
+    rows = [
+        {hue: h, x: v, "min": g[y].min(), **dict(zip(("mean", "lo", "hi", "count"), bar(g[y], band), strict=True))}
+        for (h, v), g in r.groupby([hue, x])
+    ]
     agg = pd.DataFrame(rows, columns=[hue, x, "min", "mean", "lo", "hi", "count"])
     palette = palette or colours(sorted(agg[hue].unique()))
     log_y(ax)
@@ -393,8 +445,9 @@ def final_loss(runs: pd.DataFrame, ax, x: str = "workers", hue: str = "algorithm
         ax.errorbar(g[x], g["mean"], yerr=yerr, marker="o", capsize=3, color=palette[v], label=f"{v} ({ks})")
         for at, mean, count in zip(g[x], g["mean"], g["count"], strict=True):
             if count < k[-1]:  # fewer seeds here than elsewhere on this line: say how many
-                ax.annotate(f"k={count}", (at, mean), textcoords="offset points", xytext=(5, 4), fontsize=8,
-                            color=palette[v])
+                ax.annotate(
+                    f"k={count}", (at, mean), textcoords="offset points", xytext=(5, 4), fontsize=8, color=palette[v]
+                )
     if agg.empty:
         note(ax, "no completed run")
     ax.set_xlabel(label(x))
@@ -404,8 +457,15 @@ def final_loss(runs: pd.DataFrame, ax, x: str = "workers", hue: str = "algorithm
     return agg
 
 
-def pi_heatmap(tensors: pd.DataFrame, ax, value: str = "pi_median", bins: int = BINS, vmax: float | None = None,
-               quantile: float | None = None, gamma: float = 1.0):
+def pi_heatmap(
+    tensors: pd.DataFrame,
+    ax,
+    value: str = "pi_median",
+    bins: int = BINS,
+    vmax: float | None = None,
+    quantile: float | None = None,
+    gamma: float = 1.0,
+):
     """Figs. 9/10: the per-tensor median π (rows, in the model's order) against parameter-server updates
     (columns, binned: the mean over the commits in a bin, as a downsampled image would). Colours run from 0 to
     `vmax`, or to the `quantile` of the cells drawn (so that a few spikes do not wash the rest out), or to the
@@ -415,24 +475,43 @@ def pi_heatmap(tensors: pd.DataFrame, ax, value: str = "pi_median", bins: int = 
     t = tensors.sort_values("tensor_index")
     names = t.drop_duplicates("tensor_index").set_index("tensor_index")["tensor"]
     edges = edges_for(t["step"], bins)
-    grid = (t.assign(bin=bin_of(t["step"], edges)).groupby(["tensor_index", "bin"])[value].mean().unstack("bin")
-            .reindex(index=names.index, columns=range(len(edges) - 1))).to_numpy(dtype=float)
+    grid = (
+        t.assign(bin=bin_of(t["step"], edges))
+        .groupby(["tensor_index", "bin"])[value]
+        .mean()
+        .unstack("bin")
+        .reindex(index=names.index, columns=range(len(edges) - 1))
+    ).to_numpy(dtype=float)
     finite = grid[np.isfinite(grid)]
     if vmax is None and quantile is not None and finite.size:
         vmax = float(np.quantile(finite, quantile))
     if vmax is None or not np.isfinite(vmax) or vmax <= 0:
         vmax = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
     norm = matplotlib.colors.PowerNorm(gamma, vmin=0.0, vmax=vmax)
-    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="magma", norm=norm, origin="upper",
-                      extent=(edges[0], edges[-1], len(names) - 0.5, -0.5))
+    image = ax.imshow(
+        grid,
+        aspect="auto",
+        interpolation="nearest",
+        cmap="magma",
+        norm=norm,
+        origin="upper",
+        extent=(edges[0], edges[-1], len(names) - 0.5, -0.5),
+    )
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels(names.tolist(), fontsize=8)
     ax.set_xlabel(label("step"))
     return image
 
 
-def time_to_target(frame: pd.DataFrame, target: float, x: str = "worker_step", y: str = "loss",
-                   bins: int = BINS, window: int = 5, group: str | None = None) -> pd.DataFrame:
+def time_to_target(
+    frame: pd.DataFrame,
+    target: float,
+    x: str = "worker_step",
+    y: str = "loss",
+    bins: int = BINS,
+    window: int = 5,
+    group: str | None = None,
+) -> pd.DataFrame:
     """For each run, the first x (and the seconds) at which its curve is at or below `target`; NaN when it never
     gets there. The curve is the one `curves` draws (bins shared by the runs of a `group`, e.g. one n), smoothed
     over `window` bins so that one lucky batch does not count as arriving. Every run is measured, whatever its
@@ -464,8 +543,9 @@ def common_target(frame: pd.DataFrame, x: str, hue: str, y: str = "loss", window
     return float(max(ends)) * 1.05 if ends else math.nan
 
 
-def speedup(frame: pd.DataFrame, target: float, x: str = "time_s", by: str = "workers",
-            base=1, window: int = 5) -> pd.DataFrame:
+def speedup(
+    frame: pd.DataFrame, target: float, x: str = "time_s", by: str = "workers", base=1, window: int = 5
+) -> pd.DataFrame:
     """Per value of `by`: the median time to `target` over the runs that ended (completed or diverged: a
     failed or killed run is left out, it might have got there), how many of them reached it, and the speedup
     over `by == base`. A value where not every run got there has no speedup (NaN): the median of the survivors

@@ -66,17 +66,30 @@ SUFFIXES = (".html", ".md", ".csv", ".tex")
 STATUSES = ("completed", "diverged", "failed", "incomplete")
 ENDED = target.ENDED  # the runs the time to the target is measured over
 # summary column: (the table's heading, its format, the scale of its interval: analysis.stats)
-QUANTITIES = {"final_train_loss": ("final train loss", ".3f", "log"),
-              "val_loss": ("val loss", ".4f", "log"), "val_accuracy": ("val accuracy", ".4f", "logit"),
-              "test_loss": ("test loss", ".4f", "log"), "test_accuracy": ("test accuracy", ".4f", "logit"),
-              "mean_staleness": ("mean staleness", ".2f", "log"), "wall_time_s": ("wall time (s)", ".0f", "log")}
-INTERVAL = (f"mean and its {LEVEL:.0%} confidence interval [lo, hi] (Student's t over the seeds, on the log scale "
-            "for a loss, a time or τ and on the logit scale for an accuracy, so that no interval leaves the "
-            "quantity's range), k = the number of completed seeds it is over")
+QUANTITIES = {
+    "final_train_loss": ("final train loss", ".3f", "log"),
+    "val_loss": ("val loss", ".4f", "log"),
+    "val_accuracy": ("val accuracy", ".4f", "logit"),
+    "test_loss": ("test loss", ".4f", "log"),
+    "test_accuracy": ("test accuracy", ".4f", "logit"),
+    "mean_staleness": ("mean staleness", ".2f", "log"),
+    "wall_time_s": ("wall time (s)", ".0f", "log"),
+}
+INTERVAL = (
+    f"mean and its {LEVEL:.0%} confidence interval [lo, hi] (Student's t over the seeds, on the log scale "
+    "for a loss, a time or τ and on the logit scale for an accuracy, so that no interval leaves the "
+    "quantity's range), k = the number of completed seeds it is over"
+)
 LEFT_OUT = "Runs left out of the means"
 # the figure: panels readable at a page's width (at most 3 a row), fonts that stay legible once scaled to it
-STYLE = {"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "xtick.labelsize": 10,
-         "ytick.labelsize": 10, "legend.fontsize": 10}
+STYLE = {
+    "font.size": 11,
+    "axes.titlesize": 12,
+    "axes.labelsize": 11,
+    "xtick.labelsize": 10,
+    "ytick.labelsize": 10,
+    "legend.fontsize": 10,
+}
 PANEL = (5.0, 3.6)  # inches
 BAND = "minmax"  # the curves' band and the final losses' error bars, unless --band says otherwise
 DPI = 110
@@ -108,20 +121,25 @@ def check_target(given: float | None) -> None:
         raise ValueError(f"--target={given:g} is not allowed; it must be a validation loss > 0")
 
 
-def targets_for(runs: pd.DataFrame, given: float | None = None, source: str | Path | None = None
-                ) -> tuple[pd.DataFrame | float, str]:
+def targets_for(
+    runs: pd.DataFrame, given: float | None = None, source: str | Path | None = None
+) -> tuple[pd.DataFrame | float, str]:
     """The targets the report measures against, and a sentence on where they come from: a number given, targets
     announced in a file (`source`: a tuning sweep's targets.csv), or set from these very runs."""
     if given is not None:
         return float(given), f"the validation loss {given:g}, given on the command line"
     if source is not None:
         t = target.read_targets(source)
-        return t, (f"announced before these runs: {Path(source)} (per workload, the best tuned method's median final "
-                   "validation loss, AlgoPerf's rule)")
+        return t, (
+            f"announced before these runs: {Path(source)} (per workload, the best tuned method's median final "
+            "validation loss, AlgoPerf's rule)"
+        )
     t = target.announce(runs.assign(variant=variants(runs)[0]))  # per variant: κ = 1 and κ = 4 are two methods
-    return t, ("set from these very runs (per workload, the best method's median final validation loss, AlgoPerf's "
-               "rule): not announced in advance, so the method that sets a target reaches it by construction; "
-               "pass --target-from <tuning sweep> to measure against targets chosen before")
+    return t, (
+        "set from these very runs (per workload, the best method's median final validation loss, AlgoPerf's "
+        "rule): not announced in advance, so the method that sets a target reaches it by construction; "
+        "pass --target-from <tuning sweep> to measure against targets chosen before"
+    )
 
 
 def summary(runs: pd.DataFrame, hit: pd.DataFrame) -> pd.DataFrame:
@@ -130,30 +148,44 @@ def summary(runs: pd.DataFrame, hit: pd.DataFrame) -> pd.DataFrame:
     `analysis.target.times` of the runs."""
     label, extra = variants(runs)
     runs = runs.assign(variant=label)
-    r = runs.merge(hit, on="run_dir", how="left") if len(hit) else runs.assign(
-        target=np.nan, reached=False, worker_step=np.nan, time=np.nan, clock=None)
+    r = (
+        runs.merge(hit, on="run_dir", how="left")
+        if len(hit)
+        else runs.assign(target=np.nan, reached=False, worker_step=np.nan, time=np.nan, clock=None)
+    )
     rows = []
     for (a, n, _), g in r.groupby(["algorithm", "workers", "variant"], sort=True):
         done = g[g["status"] == "completed"]
-        row = {"algorithm": a, **{c.removeprefix("algorithm."): g[c].iloc[0] for c in extra}, "n": int(n),
-               "workload": target.describe_workload(g.iloc[0]), "runs": len(g),
-               **{s: int((g["status"] == s).sum()) for s in STATUSES}}
+        row = {
+            "algorithm": a,
+            **{c.removeprefix("algorithm."): g[c].iloc[0] for c in extra},
+            "n": int(n),
+            "workload": target.describe_workload(g.iloc[0]),
+            "runs": len(g),
+            **{s: int((g["status"] == s).sum()) for s in STATUSES},
+        }
         for q, (_, _, scale) in QUANTITIES.items():
             agg = mean_ci(_numbers(done[q]) if q in done else [], scale=scale)
             row.update({f"{q}_mean": agg.mean, f"{q}_ci_lo": agg.lo, f"{q}_ci_hi": agg.hi, f"{q}_k": agg.k})
         ended = g[g["status"].isin(ENDED) & (_numbers(g["time"]).notna())]
-        row.update({"target": float(g["target"].iloc[0]) if g["target"].notna().any() else math.nan,
-                    "target_runs": len(ended), "reached": int(ended["reached"].sum()) if len(ended) else 0,
-                    "worker_steps_to_target_median": target.lower_median(ended["worker_step"]),
-                    "time_to_target_median": target.lower_median(ended["time"]),
-                    "clock": ended["clock"].iloc[0] if len(ended) else None})
+        row.update(
+            {
+                "target": float(g["target"].iloc[0]) if g["target"].notna().any() else math.nan,
+                "target_runs": len(ended),
+                "reached": int(ended["reached"].sum()) if len(ended) else 0,
+                "worker_steps_to_target_median": target.lower_median(ended["worker_step"]),
+                "time_to_target_median": target.lower_median(ended["time"]),
+                "clock": ended["clock"].iloc[0] if len(ended) else None,
+            }
+        )
         rows.append(row)
     out = pd.DataFrame(rows)
     if out.empty:
         return out
     order = ["n", "algorithm", *[c.removeprefix("algorithm.") for c in extra]]
-    return out.sort_values(order, key=lambda c: c.map(plots.algorithm_order) if c.name == "algorithm" else c,
-                           kind="stable").reset_index(drop=True)
+    return out.sort_values(
+        order, key=lambda c: c.map(plots.algorithm_order) if c.name == "algorithm" else c, kind="stable"
+    ).reset_index(drop=True)
 
 
 def _status(row) -> str:
@@ -183,19 +215,20 @@ def table(runs: pd.DataFrame, hit: pd.DataFrame, numbers: pd.DataFrame | None = 
     s = summary(runs, hit) if numbers is None else numbers
     if s.empty:
         return s
-    first = [c for c in s.columns[:s.columns.get_loc("runs") + 1] if c != "workload"]
+    first = [c for c in s.columns[: s.columns.get_loc("runs") + 1] if c != "workload"]
     out = s[first].copy()
     out["status"] = s.apply(_status, axis=1)
     for q, (heading, fmt, _) in QUANTITIES.items():
         out[heading] = s.apply(_aggregate, axis=1, q=q, fmt=fmt)
     out["target val loss"] = s["target"].map(lambda v: "n/a" if pd.isna(v) else f"{v:.4f}")
-    out["worker steps to target"] = [_reached(v, k, t, ".0f") for v, k, t in
-                                     zip(s["worker_steps_to_target_median"], s["reached"], s["target_runs"],
-                                         strict=True)]
-    out["time to target"] = [_reached(v, k, t, ".1f" if c == "sim_time" else ".0f",
-                                      f" {CLOCKS.get(c, '')}".rstrip() if c else "")
-                             for v, k, t, c in zip(s["time_to_target_median"], s["reached"], s["target_runs"],
-                                                   s["clock"], strict=True)]
+    out["worker steps to target"] = [
+        _reached(v, k, t, ".0f")
+        for v, k, t in zip(s["worker_steps_to_target_median"], s["reached"], s["target_runs"], strict=True)
+    ]
+    out["time to target"] = [
+        _reached(v, k, t, ".1f" if c == "sim_time" else ".0f", f" {CLOCKS.get(c, '')}".rstrip() if c else "")
+        for v, k, t, c in zip(s["time_to_target_median"], s["reached"], s["target_runs"], s["clock"], strict=True)
+    ]
     for c in ("worker steps to target", "time to target"):  # targets announced for other workloads only
         out[c] = out[c].where(s["target"].notna(), "n/a (no target announced for this workload)")
     return out
@@ -221,8 +254,16 @@ def left_out(runs: pd.DataFrame, m: pd.DataFrame, paths) -> pd.DataFrame:
     label, extra = variants(runs)
     runs = runs.assign(variant=label)
     bad = runs[runs["status"] != "completed"]
-    cols = ["run", "algorithm", *[c.removeprefix("algorithm.") for c in extra], "n", "seed", "status", "steps",
-            "reason"]
+    cols = [
+        "run",
+        "algorithm",
+        *[c.removeprefix("algorithm.") for c in extra],
+        "n",
+        "seed",
+        "status",
+        "steps",
+        "reason",
+    ]
     if bad.empty:
         return pd.DataFrame(columns=cols)
     roots = [Path(p).resolve() for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
@@ -232,16 +273,18 @@ def left_out(runs: pd.DataFrame, m: pd.DataFrame, paths) -> pd.DataFrame:
     def whole(v):
         return "" if pd.isna(v) else str(int(v))
 
-    out = pd.DataFrame({
-        "run": [_relative(d, roots) for d in bad["run_dir"]],
-        "algorithm": bad["algorithm"].fillna("?").astype(str),
-        **{c.removeprefix("algorithm."): bad[c] for c in extra},
-        "n": bad["workers"].map(whole) if "workers" in bad else "",
-        "seed": bad["seed"].map(whole) if "seed" in bad else "",
-        "status": bad["status"],
-        "steps": steps.map(whole),
-        "reason": bad["reason"].fillna("").astype(str).str.replace(r"\s+", " ", regex=True).str.strip(),
-    })
+    out = pd.DataFrame(
+        {
+            "run": [_relative(d, roots) for d in bad["run_dir"]],
+            "algorithm": bad["algorithm"].fillna("?").astype(str),
+            **{c.removeprefix("algorithm."): bad[c] for c in extra},
+            "n": bad["workers"].map(whole) if "workers" in bad else "",
+            "seed": bad["seed"].map(whole) if "seed" in bad else "",
+            "status": bad["status"],
+            "steps": steps.map(whole),
+            "reason": bad["reason"].fillna("").astype(str).str.replace(r"\s+", " ", regex=True).str.strip(),
+        }
+    )
     out.loc[(out["status"] == "incomplete") & (out["reason"] == ""), "reason"] = "no summary.json (killed?)"
     order = out["status"].map({s: i for i, s in enumerate(STATUSES)})
     return out.assign(_o=order).sort_values(["_o", "run"], kind="stable").drop(columns="_o").reset_index(drop=True)
@@ -255,10 +298,13 @@ def headline(runs: pd.DataFrame) -> str:
     missing = f" {missing[0].upper()}{missing[1:]}." if missing else ""
     if bad == 0:
         return f"Every run completed ({len(runs)} of {len(runs)}): none is left out of the means.{missing}"
-    kinds = ", ".join(f"{counts[s]} {s}" for s in [*STATUSES[1:], *sorted(set(counts.index) - set(STATUSES))]
-                      if counts.get(s, 0))
-    return (f"{bad} of {len(runs)} runs {'is' if bad == 1 else 'are'} not completed ({kinds}) and "
-            f"{'is' if bad == 1 else 'are'} left out of the means: see “{LEFT_OUT}” below.{missing}")
+    kinds = ", ".join(
+        f"{counts[s]} {s}" for s in [*STATUSES[1:], *sorted(set(counts.index) - set(STATUSES))] if counts.get(s, 0)
+    )
+    return (
+        f"{bad} of {len(runs)} runs {'is' if bad == 1 else 'are'} not completed ({kinds}) and "
+        f"{'is' if bad == 1 else 'are'} left out of the means: see “{LEFT_OUT}” below.{missing}"
+    )
 
 
 # ------------------------------------------------------------------------------------------ the figures
@@ -274,9 +320,16 @@ def _target_line(ax, value: float) -> None:
         ax.set_ylim(lo, hi)
     else:
         where = "below" if value < lo else "above"
-        ax.text(0.98, 0.03 if where == "below" else 0.97, f"target {value:.3g} {where} the range",
-                transform=ax.transAxes, ha="right", va="bottom" if where == "below" else "top", fontsize=9,
-                color="dimgrey")
+        ax.text(
+            0.98,
+            0.03 if where == "below" else 0.97,
+            f"target {value:.3g} {where} the range",
+            transform=ax.transAxes,
+            ha="right",
+            va="bottom" if where == "below" else "top",
+            fontsize=9,
+            color="dimgrey",
+        )
 
 
 def _tight_bottom(axes, room: float = 2.0) -> None:
@@ -303,21 +356,25 @@ def curves_figure(runs: pd.DataFrame, ev: pd.DataFrame, hit: pd.DataFrame, band=
     runs = runs.assign(variant=label)
     ev = ev.merge(runs[["run_dir", "variant"]], on="run_dir")
     ns = sorted(ev["workers"].unique())
-    names = sorted(set(ev["variant"]) | set(runs.loc[runs["status"] == "completed", "variant"]),
-                   key=lambda v: (plots.algorithm_order(v.split(" ")[0]), v))
+    names = sorted(
+        set(ev["variant"]) | set(runs.loc[runs["status"] == "completed", "variant"]),
+        key=lambda v: (plots.algorithm_order(v.split(" ")[0]), v),
+    )
     palette = plots.colours(names)
     goal = runs[["run_dir", "workers"]].merge(hit[["run_dir", "target"]], on="run_dir") if len(hit) else None
     cells = len(ns) + 1
     cols = 2 if cells <= 6 else 3  # two panels a row stay readable at a page's width; three for many n
     rows = math.ceil(cells / cols)
     with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(rows, cols, figsize=(PANEL[0] * cols, PANEL[1] * rows + 0.6), squeeze=False,
-                                 layout="constrained")
+        fig, axes = plt.subplots(
+            rows, cols, figsize=(PANEL[0] * cols, PANEL[1] * rows + 0.6), squeeze=False, layout="constrained"
+        )
         axes = axes.ravel()
-        loss_axes = axes[:len(ns)]
+        loss_axes = axes[: len(ns)]
         for ax, n in zip(loss_axes, ns, strict=True):
-            plots.curves(ev[ev["workers"] == n], ax, x="worker_step", y="val_loss", hue="variant", palette=palette,
-                         band=band)
+            plots.curves(
+                ev[ev["workers"] == n], ax, x="worker_step", y="val_loss", hue="variant", palette=palette, band=band
+            )
             ax.set_title(f"n = {n}")
         _tight_bottom(loss_axes)
         plots.same_y(loss_axes)
@@ -336,8 +393,17 @@ def curves_figure(runs: pd.DataFrame, ev: pd.DataFrame, hit: pd.DataFrame, band=
         shown = plots.statuses(ev.drop_duplicates("run_dir"))
         for status, (ls, marker) in plots.APART.items():  # how `plots.curves` draws a run it does not average
             if (shown == status).any():
-                handles.append(Line2D([], [], color="grey", lw=1, ls=ls, **plots.end_marker(marker, "grey"),
-                                      label=f"a {status} run" if status != "incomplete" else "an incomplete run"))
+                handles.append(
+                    Line2D(
+                        [],
+                        [],
+                        color="grey",
+                        lw=1,
+                        ls=ls,
+                        **plots.end_marker(marker, "grey"),
+                        label=f"a {status} run" if status != "incomplete" else "an incomplete run",
+                    )
+                )
         handles.append(Line2D([], [], color="grey", lw=1.2, ls=":", label="target (validation loss)"))
         if rows * cols > cells:  # a free cell: the legend goes there
             axes[cells].legend(handles=handles, loc="center", frameon=False, ncol=1 if len(handles) <= 12 else 2)
@@ -352,9 +418,12 @@ def curves_figure(runs: pd.DataFrame, ev: pd.DataFrame, hit: pd.DataFrame, band=
             fig.set_size_inches(width, height + 0.22 * math.ceil(len(handles) / ncol))
         kind = plots.band_kind(band)
         what = "no band" if kind is None else f"band: {plots.BANDS[kind]}"
-        fig.suptitle(f"Validation loss of the central variable against worker steps: the mean over the completed "
-                     f"seeds, {what};\neach run left out of the means drawn on its own. Last panel: the final "
-                     f"validation loss, mean and {bars}.", fontsize=11)
+        fig.suptitle(
+            f"Validation loss of the central variable against worker steps: the mean over the completed "
+            f"seeds, {what};\neach run left out of the means drawn on its own. Last panel: the final "
+            f"validation loss, mean and {bars}.",
+            fontsize=11,
+        )
     return fig
 
 
@@ -374,22 +443,30 @@ def profile_png(runs: pd.DataFrame, hit: pd.DataFrame) -> tuple[bytes | None, st
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(10.0, 4.6), layout="constrained")  # wider: the legend goes beside
         k = int(prof["workloads"].max())
-        target.profile_figure(prof, ax, plots.colours(names),
-                              title=f"Performance profile over {k} workload{'s' if k != 1 else ''}: time "
-                                    f"({' / '.join(CLOCKS.get(c, c) for c in clocks)}) to the validation target")
+        target.profile_figure(
+            prof,
+            ax,
+            plots.colours(names),
+            title=f"Performance profile over {k} workload{'s' if k != 1 else ''}: time "
+            f"({' / '.join(CLOCKS.get(c, c) for c in clocks)}) to the validation target",
+        )
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=DPI)
         plt.close(fig)
-    note = ("Each method's time on a workload is the median over its seeds (a seed that never reached the target "
-            "counts as infinite); ρ(τ) is the fraction of workloads on which it is within τ times the fastest "
-            "method's.")
+    note = (
+        "Each method's time on a workload is the median over its seeds (a seed that never reached the target "
+        "counts as infinite); ρ(τ) is the fraction of workloads on which it is within τ times the fastest "
+        "method's."
+    )
     if dropped:
         note += f" Left out, as no method reached their target: {'; '.join(dropped)}."
     untargeted = runs.merge(hit, on="run_dir")
     untargeted = untargeted[untargeted["target"].isna()].drop_duplicates(target.workload_keys(runs))
     if len(untargeted):
-        note += (" Left out, as no target was announced for them: "
-                 f"{'; '.join(target.describe_workload(r) for _, r in untargeted.iterrows())}.")
+        note += (
+            " Left out, as no target was announced for them: "
+            f"{'; '.join(target.describe_workload(r) for _, r in untargeted.iterrows())}."
+        )
     return buf.getvalue(), note
 
 
@@ -435,8 +512,18 @@ def command(paths, out: Path, given: float | None, source) -> str:
     return f"python -m analysis.report {' '.join(map(str, paths))} --out {out}{extra}"
 
 
-_TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
-        "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+_TEX = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+}
 
 
 def tex_escape(text) -> str:
@@ -450,8 +537,14 @@ def to_tex(tab: pd.DataFrame, caption: str, cmd: str) -> str:
     and give a caption to use."""
     numeric = {"n", "runs"}
     spec = "".join("r" if c in numeric else "l" for c in tab.columns)
-    lines = [f"% generated by {cmd}", f"% \\caption{{{tex_escape(caption)}}}", f"\\begin{{tabular}}{{{spec}}}",
-             r"\toprule", " & ".join(tex_escape(c) for c in tab.columns) + r" \\", r"\midrule"]
+    lines = [
+        f"% generated by {cmd}",
+        f"% \\caption{{{tex_escape(caption)}}}",
+        f"\\begin{{tabular}}{{{spec}}}",
+        r"\toprule",
+        " & ".join(tex_escape(c) for c in tab.columns) + r" \\",
+        r"\midrule",
+    ]
     previous = None
     for _, row in tab.iterrows():
         if previous is not None and row["n"] != previous:
@@ -490,48 +583,72 @@ def _write(paths, out: str | Path, given: float | None, source, band=BAND) -> tu
     suffix = out.suffix.lower()
     out.parent.mkdir(parents=True, exist_ok=True)
     name = title(runs, paths)
-    intro = (f"Each quantity: {INTERVAL}. Only completed runs count: diverged, failed and incomplete runs are "
-             f"left out of the means (the status column counts them). The test split is evaluated once, on the "
-             f"final central variable; every choice (the targets, a tuning) is made on the validation split. "
-             f"Targets: {whence}. Worker steps and time to the target: the median over the runs that ended "
-             f"(completed or diverged), a run that never got there counting as infinite, with how many got there; "
-             f"time is wall-clock seconds from a run's first commit on process and distributed, the simulated "
-             f"time on sim (mean cycles of one local step; never the sim engine's machine seconds). Wall time is a "
-             f"run's seconds from start to end on its machine: on sim the simulation's compute, which measures the "
-             f"machine and what else ran on it, not the method.")
+    intro = (
+        f"Each quantity: {INTERVAL}. Only completed runs count: diverged, failed and incomplete runs are "
+        f"left out of the means (the status column counts them). The test split is evaluated once, on the "
+        f"final central variable; every choice (the targets, a tuning) is made on the validation split. "
+        f"Targets: {whence}. Worker steps and time to the target: the median over the runs that ended "
+        f"(completed or diverged), a run that never got there counting as infinite, with how many got there; "
+        f"time is wall-clock seconds from a run's first commit on process and distributed, the simulated "
+        f"time on sim (mean cycles of one local step; never the sim engine's machine seconds). Wall time is a "
+        f"run's seconds from start to end on its machine: on sim the simulation's compute, which measures the "
+        f"machine and what else ran on it, not the method."
+    )
     numbers = numbers.assign(target_source=whence.split(":")[0] if len(numbers) else None)
     if suffix == ".csv":
         write_atomic(out, numbers.to_csv(index=False))
         return out, runs
     if suffix == ".tex":
-        caption = (f"{name}: mean and its {LEVEL:.0%} confidence interval (Student's t over seeds, on the log or "
-                   f"logit scale), k = the number of completed seeds; diverged, failed and incomplete runs are left "
-                   f"out of the means. Time to the target: the median over the runs that ended.")
+        caption = (
+            f"{name}: mean and its {LEVEL:.0%} confidence interval (Student's t over seeds, on the log or "
+            f"logit scale), k = the number of completed seeds; diverged, failed and incomplete runs are left "
+            f"out of the means. Time to the target: the median over the runs that ended."
+        )
         write_atomic(out, to_tex(tab, caption, command(paths, out, given, source)))
         return out, runs
     fig = figure_png(runs, ev, hit, band) if len(ev) else None
     prof, prof_note = profile_png(runs, hit)
-    missing = left_out(runs, load.commits(paths, columns=["algorithm", "workers", "seed", "status"], meta=runs)
-                       if (runs["status"] == "incomplete").any() else pd.DataFrame(), paths)
+    missing = left_out(
+        runs,
+        load.commits(paths, columns=["algorithm", "workers", "seed", "status"], meta=runs)
+        if (runs["status"] == "incomplete").any()
+        else pd.DataFrame(),
+        paths,
+    )
     sources = ", ".join(sorted({str(Path(d).parent) for d in runs["run_dir"]}))
     about = f"{len(runs)} run{'s' if len(runs) != 1 else ''} from {sources}. {_describe(runs)}. {intro}"
-    gone = (f"{LEFT_OUT}: every run that did not complete, with its directory relative to its sweep, the commits "
-            "it applied (for an incomplete run, the last step it logged) and why it stopped.")
+    gone = (
+        f"{LEFT_OUT}: every run that did not complete, with its directory relative to its sweep, the commits "
+        "it applied (for an incomplete run, the last step it logged) and why it stopped."
+    )
     if suffix == ".html":
-        img = (f'<img alt="validation loss curves" src="data:image/png;base64,{base64.b64encode(fig).decode()}">'
-               if fig else "<p>No evaluation rows to plot.</p>")
-        pimg = (f'<img alt="performance profile" src="data:image/png;base64,{base64.b64encode(prof).decode()}">'
-                if prof else "")
-        missing_html = (f"<p>{html.escape(gone)}</p>{missing.to_html(index=False, escape=True)}" if len(missing)
-                        else "<p>Every run completed: none is left out.</p>")
-        write_atomic(out, (
-            f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(name)}</title><style>"
-            "body{font-family:sans-serif;margin:2em;max-width:100%} table{border-collapse:collapse;font-size:13px}"
-            "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right} img{max-width:100%}</style></head><body>"
-            f"<h1>{html.escape(name)}</h1><p><strong>{html.escape(headline(runs))}</strong></p>"
-            f"<p>{html.escape(about)}</p>{tab.to_html(index=False, escape=True) if len(tab) else ''}"
-            f"<h2>{LEFT_OUT}</h2>{missing_html}<h2>Validation loss</h2>{img}"
-            f"<h2>Time to the target</h2><p>{html.escape(prof_note)}</p>{pimg}</body></html>\n"))
+        img = (
+            f'<img alt="validation loss curves" src="data:image/png;base64,{base64.b64encode(fig).decode()}">'
+            if fig
+            else "<p>No evaluation rows to plot.</p>"
+        )
+        pimg = (
+            f'<img alt="performance profile" src="data:image/png;base64,{base64.b64encode(prof).decode()}">'
+            if prof
+            else ""
+        )
+        missing_html = (
+            f"<p>{html.escape(gone)}</p>{missing.to_html(index=False, escape=True)}"
+            if len(missing)
+            else "<p>Every run completed: none is left out.</p>"
+        )
+        write_atomic(
+            out,
+            (
+                f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(name)}</title><style>"
+                "body{font-family:sans-serif;margin:2em;max-width:100%} table{border-collapse:collapse;font-size:13px}"
+                "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right} img{max-width:100%}</style></head><body>"
+                f"<h1>{html.escape(name)}</h1><p><strong>{html.escape(headline(runs))}</strong></p>"
+                f"<p>{html.escape(about)}</p>{tab.to_html(index=False, escape=True) if len(tab) else ''}"
+                f"<h2>{LEFT_OUT}</h2>{missing_html}<h2>Validation loss</h2>{img}"
+                f"<h2>Time to the target</h2><p>{html.escape(prof_note)}</p>{pimg}</body></html>\n"
+            ),
+        )
     else:
         png, ppng = out.with_suffix(".png"), out.with_name(out.stem + "_profile.png")
         if fig:
@@ -539,30 +656,43 @@ def _write(paths, out: str | Path, given: float | None, source, band=BAND) -> tu
         if prof:
             write_atomic(ppng, prof)
         missing_md = f"{gone}\n\n{_markdown(missing)}" if len(missing) else "Every run completed: none is left out."
-        write_atomic(out, (
-            f"# {name}\n\n**{headline(runs)}**\n\n{about}\n\n"
-            + (f"{_markdown(tab)}\n\n" if len(tab) else "")
-            + f"## {LEFT_OUT}\n\n{missing_md}\n\n## Validation loss\n\n"
-            + (f"![validation loss curves]({png.name})\n" if fig else "No evaluation rows to plot.\n")
-            + f"\n## Time to the target\n\n{prof_note}\n\n"
-            + (f"![performance profile]({ppng.name})\n" if prof else "")))
+        write_atomic(
+            out,
+            (
+                f"# {name}\n\n**{headline(runs)}**\n\n{about}\n\n"
+                + (f"{_markdown(tab)}\n\n" if len(tab) else "")
+                + f"## {LEFT_OUT}\n\n{missing_md}\n\n## Validation loss\n\n"
+                + (f"![validation loss curves]({png.name})\n" if fig else "No evaluation rows to plot.\n")
+                + f"\n## Time to the target\n\n{prof_note}\n\n"
+                + (f"![performance profile]({ppng.name})\n" if prof else "")
+            ),
+        )
     return out, runs
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.splitlines()[0])
     p.add_argument("sweeps", nargs="+", help="sweep or run directories")
-    p.add_argument("--out", default="baselines.html",
-                   help="the report: .html (self-contained), .md (PNGs beside it), .csv (tidy numbers) or .tex "
-                        "(booktabs table)")
+    p.add_argument(
+        "--out",
+        default="baselines.html",
+        help="the report: .html (self-contained), .md (PNGs beside it), .csv (tidy numbers) or .tex (booktabs table)",
+    )
     group = p.add_mutually_exclusive_group()
     group.add_argument("--target", type=float, help="one validation loss to measure the time to, for every workload")
-    group.add_argument("--target-from", metavar="SWEEP_OR_CSV",
-                       help="targets announced before: a tuning sweep (its targets.csv, written by analysis.tune) "
-                            "or the file itself; default: set from these runs, and said so")
-    p.add_argument("--band", choices=("minmax", "ci", "none"), default=BAND,
-                   help="the curves' band and the final losses' bars: min–max over seeds (default), the 95%% t "
-                        "interval of the mean, or none (the table always gives the t interval)")
+    group.add_argument(
+        "--target-from",
+        metavar="SWEEP_OR_CSV",
+        help="targets announced before: a tuning sweep (its targets.csv, written by analysis.tune) "
+        "or the file itself; default: set from these runs, and said so",
+    )
+    p.add_argument(
+        "--band",
+        choices=("minmax", "ci", "none"),
+        default=BAND,
+        help="the curves' band and the final losses' bars: min–max over seeds (default), the 95%% t "
+        "interval of the mean, or none (the table always gives the t interval)",
+    )
     args = p.parse_args(argv)
     try:
         check_target(args.target)

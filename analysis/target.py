@@ -33,7 +33,6 @@ the median over its seeds (with an infinite time for a seed that never reached t
 reached it on fewer than half of its seeds has none).
 """
 
-
 from __future__ import annotations
 
 import math
@@ -102,8 +101,14 @@ def announce(runs: pd.DataFrame, method: str = "variant") -> pd.DataFrame:
         if finite.empty:
             continue
         best = finite.idxmin()
-        rows.append({**dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True)),
-                     "target": float(finite.min()), "set_by": best, "from_runs": len(g)})
+        rows.append(
+            {
+                **dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True)),
+                "target": float(finite.min()),
+                "set_by": best,
+                "from_runs": len(g),
+            }
+        )
     return pd.DataFrame(rows, columns=[*keys, "target", "set_by", "from_runs"])
 
 
@@ -155,9 +160,17 @@ def times(runs: pd.DataFrame, evals: pd.DataFrame, targets: pd.DataFrame | float
     for run in r.to_dict("records"):
         engine = run.get("engine")
         clock = "sim_time" if engine == "sim" else "seconds"
-        rec = {"run_dir": run["run_dir"], "target": run["target"], "clock": clock, "reached": False,
-               "worker_step": math.nan, "step": math.nan, "seconds": math.nan, "sim_time": math.nan,
-               "time": math.nan}
+        rec = {
+            "run_dir": run["run_dir"],
+            "target": run["target"],
+            "clock": clock,
+            "reached": False,
+            "worker_step": math.nan,
+            "step": math.nan,
+            "seconds": math.nan,
+            "sim_time": math.nan,
+            "time": math.nan,
+        }
         ev = by_run.get(run["run_dir"])
         ended = run.get("status") in ENDED
         if ev is not None and len(ev) and np.isfinite(run["target"]) and METRIC in ev:
@@ -187,10 +200,18 @@ def per_method(runs: pd.DataFrame, hit: pd.DataFrame, method: str = "variant") -
     r = r[np.isfinite(r["time"]) | np.isinf(r["time"])]  # ended runs only (NaN: it might have got there)
     rows = []
     for key, g in r.groupby([*keys, method], dropna=False, sort=True):
-        rows.append({**dict(zip([*keys, method], key, strict=True)), "method": key[-1],
-                     "time": lower_median(g["time"]), "worker_step": lower_median(g["worker_step"]),
-                     "clock": g["clock"].iloc[0], "reached": int(g["reached"].sum()), "runs": len(g),
-                     "target": float(g["target"].iloc[0])})
+        rows.append(
+            {
+                **dict(zip([*keys, method], key, strict=True)),
+                "method": key[-1],
+                "time": lower_median(g["time"]),
+                "worker_step": lower_median(g["worker_step"]),
+                "clock": g["clock"].iloc[0],
+                "reached": int(g["reached"].sum()),
+                "runs": len(g),
+                "target": float(g["target"].iloc[0]),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -205,8 +226,7 @@ def profile(methods: pd.DataFrame, taus: np.ndarray | None = None) -> tuple[pd.D
     for key, g in methods.groupby(keys, dropna=False, sort=True) if keys else [((), methods)]:
         best = g["time"].min()
         if not np.isfinite(best):
-            dropped.append(describe_workload(dict(zip(keys, key if isinstance(key, tuple) else (key,),
-                                                      strict=True))))
+            dropped.append(describe_workload(dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True))))
             continue
         for _, row in g.iterrows():
             # a best time of 0 (reached at the first evaluation): the others' ratios are taken against one unit
@@ -217,8 +237,14 @@ def profile(methods: pd.DataFrame, taus: np.ndarray | None = None) -> tuple[pd.D
     for m, rs in ratios.items():
         rs = np.asarray(rs, dtype=float)
         for tau in taus:
-            rows.append({"method": m, "tau": float(tau), "rho": float((rs <= tau * (1 + 1e-12)).mean())
-                         if len(rs) else math.nan, "workloads": len(rs)})
+            rows.append(
+                {
+                    "method": m,
+                    "tau": float(tau),
+                    "rho": float((rs <= tau * (1 + 1e-12)).mean()) if len(rs) else math.nan,
+                    "workloads": len(rs),
+                }
+            )
     return pd.DataFrame(rows), dropped
 
 
@@ -232,8 +258,14 @@ def profile_figure(prof: pd.DataFrame, ax, palette: dict | None = None, title: s
     for i, m in enumerate(methods):
         g = prof[prof["method"] == m].sort_values("tau")
         # methods that tie would hide each other: each is nudged by a hair, in drawing order
-        ax.step(g["tau"], g["rho"] + (i - len(methods) / 2) * 0.004, where="post", color=palette.get(m),
-                lw=2, label=f"{m} ({g['rho'].iloc[-1]:.0%} at τ = {RATIO_MAX:g})")
+        ax.step(
+            g["tau"],
+            g["rho"] + (i - len(methods) / 2) * 0.004,
+            where="post",
+            color=palette.get(m),
+            lw=2,
+            label=f"{m} ({g['rho'].iloc[-1]:.0%} at τ = {RATIO_MAX:g})",
+        )
     ax.set_xscale("log")
     ax.set_xlim(1, RATIO_MAX)
     ticks = [t for t in (1, 1.5, 2, 3, 4, 6, 8) if t <= RATIO_MAX]

@@ -85,18 +85,24 @@ def _check_finished(runs: pd.DataFrame, sweep) -> None:
     bad = runs[~runs["status"].isin(["completed", "diverged"])]
     if len(bad):
         first = bad.iloc[0]
-        raise ValueError(f"{sweep}: {len(bad)} run(s) {'/'.join(sorted(set(bad['status'])))} ({first['run_dir']}, "
-                         f"...); finish them first: the identical -m command with resume=true")
+        raise ValueError(
+            f"{sweep}: {len(bad)} run(s) {'/'.join(sorted(set(bad['status'])))} ({first['run_dir']}, "
+            f"...); finish them first: the identical -m command with resume=true"
+        )
 
 
 def check_select(select: str) -> str:
     """`--select`: a validation quantity (SCORES); the test split is refused in one line, as anything else."""
     if select not in SCORES:
-        why = (" the tuning protocol chooses on the validation split; the test split is kept for the held-out "
-               "report (--heldout gives its test loss), and a choice made on it would leak into the result"
-               if select.startswith("test") else "")
-        raise ValueError(f"--select={select} is not allowed; choose one of: {', '.join(SCORES)}" + (";" + why
-                                                                                              if why else ""))
+        why = (
+            " the tuning protocol chooses on the validation split; the test split is kept for the held-out "
+            "report (--heldout gives its test loss), and a choice made on it would leak into the result"
+            if select.startswith("test")
+            else ""
+        )
+        raise ValueError(
+            f"--select={select} is not allowed; choose one of: {', '.join(SCORES)}" + (";" + why if why else "")
+        )
     return select
 
 
@@ -119,9 +125,18 @@ def trials(runs: pd.DataFrame, select: str = SCORE) -> pd.DataFrame:
             values = pd.to_numeric(t[select], errors="coerce")
             mean = float(values[t["status"] == "completed"].mean()) if diverged < len(t) else math.nan
             score = mean if SCORES[select] == "lower" else 1.0 - mean
-            rows.append({"algorithm": algorithm, "workers": int(n), **{c: first[c] for c in columns},
-                         "setting": describe(_setting(first, columns)), "seeds": len(t), "diverged": diverged,
-                         f"{select}_mean": mean, "score": math.inf if diverged or not np.isfinite(mean) else score})
+            rows.append(
+                {
+                    "algorithm": algorithm,
+                    "workers": int(n),
+                    **{c: first[c] for c in columns},
+                    "setting": describe(_setting(first, columns)),
+                    "seeds": len(t),
+                    "diverged": diverged,
+                    f"{select}_mean": mean,
+                    "score": math.inf if diverged or not np.isfinite(mean) else score,
+                }
+            )
     out = pd.DataFrame(rows)
     if out.empty:
         return out
@@ -151,8 +166,9 @@ def _same(a: dict, b: dict) -> bool:
     return {k: _text(v) for k, v in a.items()} == {k: _text(v) for k, v in b.items() if k in a}
 
 
-def heldout_experiment(chosen: pd.DataFrame, columns: list[str], experiment: str, seeds,
-                       select: str = SCORE) -> tuple[str, int]:
+def heldout_experiment(
+    chosen: pd.DataFrame, columns: list[str], experiment: str, seeds, select: str = SCORE
+) -> tuple[str, int]:
     """The held-out stage as an experiment file's text: every algorithm at the paper's setting, and each chosen
     setting that is not the paper's, at its n, on `seeds`. Returns the text and how many of the chosen settings
     are the paper's."""
@@ -160,26 +176,32 @@ def heldout_experiment(chosen: pd.DataFrame, columns: list[str], experiment: str
     for algorithm, g in chosen.groupby("algorithm", sort=False):
         paper = paper_setting(algorithm, experiment, columns)
         workers = ",".join(str(int(n)) for n in g["workers"])
-        grids.append(f"      - {{algorithm: {algorithm}, workers: \"{workers}\", lr: {_text(paper['lr'])}}}"
-                     "  # the paper's protocol")
+        grids.append(
+            f'      - {{algorithm: {algorithm}, workers: "{workers}", lr: {_text(paper["lr"])}}}'
+            "  # the paper's protocol"
+        )
         for _, row in g.iterrows():
             setting = _setting(row, columns)
             if _same(setting, paper):
                 same += 1
                 continue
             keys = ", ".join(f"{k}: {_text(v)}" for k, v in setting.items())
-            grids.append(f"      - {{algorithm: {algorithm}, workers: {int(row['workers'])}, {keys}}}"
-                         f"  # tuned: {select.replace('_', ' ')} {row[f'{select}_mean']:.4f} over {row['seeds']} "
-                         "seeds")
-    text = (f"# @package _global_\n"
-            f"# The tuning protocol's held-out stage, written by `python -m analysis.tune` from a sweep of "
-            f"experiment={experiment}:\n"
-            f"# each algorithm at the paper's setting and, at each n, at the setting the tuning chose (where it "
-            f"differs),\n# on seeds the tuning did not use. Then: python -m analysis.tune <tuning sweep> --heldout "
-            f"<this sweep>\ndefaults:\n  - {experiment}\n\nhydra:\n  sweeper:\n    params:\n"
-            f"      seed: {','.join(str(s) for s in seeds)}\n"
-            f"    heldout_seeds: null  # this is the held-out stage: nothing is held out of it\n"
-            f"    grids:\n" + "\n".join(grids) + "\n")
+            grids.append(
+                f"      - {{algorithm: {algorithm}, workers: {int(row['workers'])}, {keys}}}"
+                f"  # tuned: {select.replace('_', ' ')} {row[f'{select}_mean']:.4f} over {row['seeds']} "
+                "seeds"
+            )
+    text = (
+        f"# @package _global_\n"
+        f"# The tuning protocol's held-out stage, written by `python -m analysis.tune` from a sweep of "
+        f"experiment={experiment}:\n"
+        f"# each algorithm at the paper's setting and, at each n, at the setting the tuning chose (where it "
+        f"differs),\n# on seeds the tuning did not use. Then: python -m analysis.tune <tuning sweep> --heldout "
+        f"<this sweep>\ndefaults:\n  - {experiment}\n\nhydra:\n  sweeper:\n    params:\n"
+        f"      seed: {','.join(str(s) for s in seeds)}\n"
+        f"    heldout_seeds: null  # this is the held-out stage: nothing is held out of it\n"
+        f"    grids:\n" + "\n".join(grids) + "\n"
+    )
     return text, same
 
 
@@ -191,14 +213,20 @@ def announce(runs: pd.DataFrame, trial_table: pd.DataFrame, columns: list[str]) 
     for _, t in chosen.iterrows():
         here = runs[(runs["algorithm"] == t["algorithm"]) & (runs["workers"] == t["workers"])]
         setting = _setting(t, columns)
-        keep.append(here[here.apply(lambda r, s=setting: _same(s, _setting(r, list(s))), axis=1)] if len(here)
-                    else here)
+        keep.append(
+            here[here.apply(lambda r, s=setting: _same(s, _setting(r, list(s))), axis=1)] if len(here) else here
+        )
     picked = pd.concat(keep) if keep else runs.iloc[:0]
     return target.announce(picked, method="algorithm")
 
 
-def compare(trial_table: pd.DataFrame, heldout: pd.DataFrame, experiment: str | None,
-            columns: list[str], hit: pd.DataFrame | None = None) -> pd.DataFrame:
+def compare(
+    trial_table: pd.DataFrame,
+    heldout: pd.DataFrame,
+    experiment: str | None,
+    columns: list[str],
+    hit: pd.DataFrame | None = None,
+) -> pd.DataFrame:
     """Per algorithm and n: the held-out runs at the paper's setting and at the chosen one, side by side (the
     same runs when the choice is the paper's setting): final test loss and accuracy (the split no choice saw), the
     validation loss, and (`hit`: `analysis.target.times` of the held-out runs) the worker steps and time to the
@@ -213,28 +241,41 @@ def compare(trial_table: pd.DataFrame, heldout: pd.DataFrame, experiment: str | 
         paper = {k: v for k, v in papers[algorithm].items() if k in tuned}
         row = {"algorithm": algorithm, "n": n}
         for name, setting in (("paper", paper), ("tuned", tuned)):
-            match = here[here.apply(lambda r, s=setting: _same(s, _setting(r, list(s))), axis=1)] if len(here) \
-                else here
+            match = here[here.apply(lambda r, s=setting: _same(s, _setting(r, list(s))), axis=1)] if len(here) else here
             done = match[match["status"] == "completed"]
 
             def q(column, scale="log", done=done):
                 return mean_ci(pd.to_numeric(done[column], errors="coerce") if column in done else [], scale=scale)
 
             test, acc, val = q("test_loss"), q("test_accuracy", "logit"), q(SCORE)
-            row.update({f"{name} setting": describe(setting), f"{name} runs": len(match),
-                        f"{name} diverged": int((match["status"] == "diverged").sum()),
-                        f"{name} test loss": test.text(".4f"), f"{name} test accuracy": acc.text(".4f"),
-                        f"{name} val loss": val.text(".4f"),
-                        f"{name}_test_loss_mean": test.mean, f"{name}_test_loss_ci_lo": test.lo,
-                        f"{name}_test_loss_ci_hi": test.hi, f"{name}_{SCORE}_mean": val.mean, f"{name}_k": test.k})
+            row.update(
+                {
+                    f"{name} setting": describe(setting),
+                    f"{name} runs": len(match),
+                    f"{name} diverged": int((match["status"] == "diverged").sum()),
+                    f"{name} test loss": test.text(".4f"),
+                    f"{name} test accuracy": acc.text(".4f"),
+                    f"{name} val loss": val.text(".4f"),
+                    f"{name}_test_loss_mean": test.mean,
+                    f"{name}_test_loss_ci_lo": test.lo,
+                    f"{name}_test_loss_ci_hi": test.hi,
+                    f"{name}_{SCORE}_mean": val.mean,
+                    f"{name}_k": test.k,
+                }
+            )
             if hit is not None:
                 times = hit[hit["run_dir"].isin(match["run_dir"]) & hit["time"].notna()]
                 steps, when = target.lower_median(times["worker_step"]), target.lower_median(times["time"])
                 unit = " sim time" if len(times) and times["clock"].iloc[0] == "sim_time" else " s"
-                row.update({f"{name} steps to target": _when(steps, times, ".0f", ""),
-                            f"{name} time to target": _when(when, times, ".1f", unit),
-                            f"{name}_worker_steps_to_target": steps, f"{name}_time_to_target": when,
-                            "target": float(times["target"].iloc[0]) if len(times) else math.nan})
+                row.update(
+                    {
+                        f"{name} steps to target": _when(steps, times, ".0f", ""),
+                        f"{name} time to target": _when(when, times, ".1f", unit),
+                        f"{name}_worker_steps_to_target": steps,
+                        f"{name}_time_to_target": when,
+                        "target": float(times["target"].iloc[0]) if len(times) else math.nan,
+                    }
+                )
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -282,14 +323,22 @@ def sensitivity_figure(trial_table: pd.DataFrame, out: Path) -> Path:
         ax.set_title(f"n = {n}")
         ax.set_xlabel("η (learning rate)")
         ax.axhline(top, color="lightgrey", lw=0.8, zorder=0)
-        ax.text(0.01, top, " ×: at this η, every trial of the algorithm had a diverged seed", va="bottom",
-                fontsize=7, color="grey", transform=ax.get_yaxis_transform())
+        ax.text(
+            0.01,
+            top,
+            " ×: at this η, every trial of the algorithm had a diverged seed",
+            va="bottom",
+            fontsize=7,
+            color="grey",
+            transform=ax.get_yaxis_transform(),
+        )
         ax.grid(True, which="major", alpha=0.3)
     plots.log_y(axes[0][0])
     axes[0][0].set_ylabel("final validation loss (mean over tuning seeds)")
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    fig.suptitle("Sensitivity to η: each algorithm's best knob value at each η (circled: chosen; ×: diverged)",
-                 fontsize=11)
+    fig.suptitle(
+        "Sensitivity to η: each algorithm's best knob value at each η (circled: chosen; ×: diverged)", fontsize=11
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=130, bbox_inches="tight")
     plt.close(fig)
@@ -303,13 +352,20 @@ def _markdown(frame: pd.DataFrame) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.tune", description=__doc__.splitlines()[0])
     p.add_argument("sweep", help="the tuning sweep (python run.py -m experiment=tune ...)")
-    p.add_argument("--seeds", help="the held-out seeds, none of them a tuning seed (default: the tuning sweep's "
-                   "hydra.sweeper.heldout_seeds, else 0,1,2)")
+    p.add_argument(
+        "--seeds",
+        help="the held-out seeds, none of them a tuning seed (default: the tuning sweep's "
+        "hydra.sweeper.heldout_seeds, else 0,1,2)",
+    )
     p.add_argument("--force", action="store_true", help="overwrite the held-out experiment file if it exists")
     p.add_argument("--heldout", help="the held-out sweep: print and write the two protocols side by side")
     p.add_argument("--out", help="with --heldout: the table, .md or .csv (default <held-out sweep>/protocols.md)")
-    p.add_argument("--select", default=SCORE, help=f"what a trial is chosen on: {' or '.join(SCORES)} (the "
-                   "validation split; default val_loss), averaged over the tuning seeds")
+    p.add_argument(
+        "--select",
+        default=SCORE,
+        help=f"what a trial is chosen on: {' or '.join(SCORES)} (the "
+        "validation split; default val_loss), averaged over the tuning seeds",
+    )
     args = p.parse_args(argv)
     try:
         return _main(args)
@@ -329,12 +385,15 @@ def _main(args) -> int:
     try:
         seeds = sorted({int(s) for s in given.split(",") if s.strip()})
     except ValueError:
-        raise ValueError(f"--seeds={given} is not allowed; it must be integers separated by commas, such as 0,1,2") \
-            from None
+        raise ValueError(
+            f"--seeds={given} is not allowed; it must be integers separated by commas, such as 0,1,2"
+        ) from None
     used = sorted(set(seeds) & set(int(s) for s in runs["seed"]))
     if used:
-        raise ValueError(f"--seeds={','.join(map(str, seeds))} is not allowed; seed {used[0]} was a tuning seed, "
-                         "the held-out seeds must be new")
+        raise ValueError(
+            f"--seeds={','.join(map(str, seeds))} is not allowed; seed {used[0]} was a tuning seed, "
+            "the held-out seeds must be new"
+        )
     table = trials(runs, select)
     columns = settings_of(runs)
     chosen = table[table["chosen"]]
@@ -361,27 +420,38 @@ def _main(args) -> int:
     figure = sensitivity_figure(table, sweep / "sensitivity.png") if select == SCORE else None
     show = chosen[["algorithm", "workers", "setting", "seeds", "diverged", f"{select}_mean"]]
     best = "lowest mean validation loss" if select == SCORE else "highest mean validation accuracy"
-    print(f"tuning: {len(table)} trials of {table['algorithm'].nunique()} algorithms in {sweep} "
-          f"({len(runs)} runs); the chosen setting of each algorithm at each n ({best}, on the tuning seeds):")
-    print(_markdown(show.rename(columns={"workers": "n", f"{select}_mean": f"{select.replace('_', ' ')} "
-                                                                           "(tuning seeds)"})))
-    print(f"trials: {sweep / 'tuning.csv'}; targets announced for the held-out comparison: {sweep / 'targets.csv'} ("
-          + "; ".join(f"{target.describe_workload(r)}: {r['target']:.4f}, set by {r['set_by']}"
-                      for _, r in goals.iterrows()) + ")" + (f"; sensitivity figure: {figure}" if figure else ""))
+    print(
+        f"tuning: {len(table)} trials of {table['algorithm'].nunique()} algorithms in {sweep} "
+        f"({len(runs)} runs); the chosen setting of each algorithm at each n ({best}, on the tuning seeds):"
+    )
+    print(
+        _markdown(show.rename(columns={"workers": "n", f"{select}_mean": f"{select.replace('_', ' ')} (tuning seeds)"}))
+    )
+    print(
+        f"trials: {sweep / 'tuning.csv'}; targets announced for the held-out comparison: {sweep / 'targets.csv'} ("
+        + "; ".join(
+            f"{target.describe_workload(r)}: {r['target']:.4f}, set by {r['set_by']}" for _, r in goals.iterrows()
+        )
+        + ")"
+        + (f"; sensitivity figure: {figure}" if figure else "")
+    )
     if args.heldout:
-        ev = load.commits(heldout, table="eval", columns=["algorithm", "workers", "seed", "status", "engine"],
-                          meta=held)
+        ev = load.commits(
+            heldout, table="eval", columns=["algorithm", "workers", "seed", "status", "engine"], meta=held
+        )
         hit = target.times(held, ev, goals)
         _write_comparison(compare(table, held, experiment, columns, hit), sweep, heldout, out, goals)
         return 0
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, text.encode())
-    print(f"held-out stage: {path} ({len(chosen)} chosen settings, {same} of them the paper's; seeds "
-          f"{','.join(map(str, seeds))}). Run it, then compare:\n"
-          f"  python run.py -m experiment={name} data.root=<folder with MNIST/raw> plan=true\n"
-          f"  python run.py -m experiment={name} data.root=<folder with MNIST/raw> hydra/launcher=joblib "
-          f"hydra.launcher.n_jobs=2\n"
-          f"  python -m analysis.tune {sweep} --heldout <its sweep folder>")
+    print(
+        f"held-out stage: {path} ({len(chosen)} chosen settings, {same} of them the paper's; seeds "
+        f"{','.join(map(str, seeds))}). Run it, then compare:\n"
+        f"  python run.py -m experiment={name} data.root=<folder with MNIST/raw> plan=true\n"
+        f"  python run.py -m experiment={name} data.root=<folder with MNIST/raw> hydra/launcher=joblib "
+        f"hydra.launcher.n_jobs=2\n"
+        f"  python -m analysis.tune {sweep} --heldout <its sweep folder>"
+    )
     return 0
 
 
@@ -408,23 +478,33 @@ def _declared_seeds(sweep: Path) -> str:
 def _write_comparison(c: pd.DataFrame, sweep: Path, heldout: Path, out: Path, goals: pd.DataFrame) -> None:
     cols = ["algorithm", "n"]
     for name in ("paper", "tuned"):
-        cols += [f"{name} setting", f"{name} test loss", f"{name} test accuracy", f"{name} diverged",
-                 *([f"{name} steps to target", f"{name} time to target"] if f"{name} steps to target" in c else [])]
+        cols += [
+            f"{name} setting",
+            f"{name} test loss",
+            f"{name} test accuracy",
+            f"{name} diverged",
+            *([f"{name} steps to target", f"{name} time to target"] if f"{name} steps to target" in c else []),
+        ]
     text = _markdown(c[[x for x in cols if x in c]])
-    targets = "; ".join(f"{target.describe_workload(r)}: val loss {r['target']:.4f} (set by {r['set_by']})"
-                        for _, r in goals.iterrows())
-    page = (f"# The tuning protocol: the paper's setting and the tuned one, on held-out seeds\n\n"
-            f"Each algorithm at each n, at the paper's setting (η as the experiment sets it, every knob at its "
-            f"default) and at the setting chosen on the tuning sweep {sweep} (lowest mean validation loss over its "
-            f"seeds), both rerun on the held-out seeds ({heldout}). Test loss and accuracy: the final central "
-            f"variable on the test split, which no choice has seen; the mean and its 95% t interval over the k "
-            f"completed seeds (log scale for the loss, logit for the accuracy). Steps and time to target: the "
-            f"median over the held-out runs that ended of when the validation loss first reached the target "
-            f"announced from the tuning seeds ({targets}; analysis.target), a run that never did counting as "
-            f"infinite, with how many got there. Written by `python -m analysis.tune`.\n\n{text}\n")
+    targets = "; ".join(
+        f"{target.describe_workload(r)}: val loss {r['target']:.4f} (set by {r['set_by']})" for _, r in goals.iterrows()
+    )
+    page = (
+        f"# The tuning protocol: the paper's setting and the tuned one, on held-out seeds\n\n"
+        f"Each algorithm at each n, at the paper's setting (η as the experiment sets it, every knob at its "
+        f"default) and at the setting chosen on the tuning sweep {sweep} (lowest mean validation loss over its "
+        f"seeds), both rerun on the held-out seeds ({heldout}). Test loss and accuracy: the final central "
+        f"variable on the test split, which no choice has seen; the mean and its 95% t interval over the k "
+        f"completed seeds (log scale for the loss, logit for the accuracy). Steps and time to target: the "
+        f"median over the held-out runs that ended of when the validation loss first reached the target "
+        f"announced from the tuning seeds ({targets}; analysis.target), a run that never did counting as "
+        f"infinite, with how many got there. Written by `python -m analysis.tune`.\n\n{text}\n"
+    )
     write_atomic(out, (c.to_csv(index=False) if out.suffix == ".csv" else page).encode())
-    print("held-out seeds: final test loss and accuracy, mean [95% t interval] (k seeds), and the time to the "
-          "announced target; the paper's protocol and the tuned one")
+    print(
+        "held-out seeds: final test loss and accuracy, mean [95% t interval] (k seeds), and the time to the "
+        "announced target; the paper's protocol and the tuned one"
+    )
     print(text)
     print(f"table: {out}")
 

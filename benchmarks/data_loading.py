@@ -70,13 +70,22 @@ def tensor_feed(root: str, limit: int | None = None):
 def dataloader_feed(root: str, num_workers: int, limit: int | None = None):
     """(B) torchvision's MNIST (or its first `limit` images) with PIL per-sample transforms, through a
     DataLoader."""
-    dataset = datasets.MNIST(root, train=True, download=False, transform=transforms.Compose(
-        [transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))]))
+    dataset = datasets.MNIST(
+        root,
+        train=True,
+        download=False,
+        transform=transforms.Compose([transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))]),
+    )
     if limit is not None:
         dataset = torch.utils.data.Subset(dataset, range(limit))
-    loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, drop_last=True,
-                                         num_workers=num_workers,
-                                         generator=torch.Generator().manual_seed(SEED))
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=BATCH_SIZE,
+        shuffle=True,
+        drop_last=True,
+        num_workers=num_workers,
+        generator=torch.Generator().manual_seed(SEED),
+    )
 
     def epoch():
         return iter(loader)
@@ -137,10 +146,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root", required=True, help="folder holding MNIST/raw/ (torchvision layout)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads in the training process, the same for every variant")
-    p.add_argument("--smoke", action="store_true", help="the first 640 training images only, to check that the "
-                   "script runs (tests/test_benchmarks.py): its numbers mean nothing")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads in the training process, the same for every variant",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the first 640 training images only, to check that the "
+        "script runs (tests/test_benchmarks.py): its numbers mean nothing",
+    )
     args = p.parse_args()
     limit = 10 * BATCH_SIZE if args.smoke else None
     if args.smoke:
@@ -148,8 +165,10 @@ def main() -> None:
 
     raw = os.path.join(args.root, "MNIST", "raw")
     if not os.path.isdir(raw):
-        sys.exit(f"MNIST not found: expected the IDX files in {os.path.abspath(raw)} "
-                 f"(pass --root pointing at the folder that contains MNIST/raw/)")
+        sys.exit(
+            f"MNIST not found: expected the IDX files in {os.path.abspath(raw)} "
+            f"(pass --root pointing at the folder that contains MNIST/raw/)"
+        )
 
     # One setting for every variant, and 1 by default, for two reasons. On 2 cores, DataLoader workers need
     # cores of their own: an intra-op pool as wide as the machine would be oversubscribed by them, which
@@ -188,7 +207,7 @@ def main() -> None:
     expected = (len(data.train_y) // BATCH_SIZE) * BATCH_SIZE
     load_before = os.getloadavg()[0]
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]  # rotate so no variant always goes first
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate so no variant always goes first
         # Kind outermost: the measurements that a ratio pairs run back to back, close together in time.
         for kind in ("data", "train"):
             for name in order:
@@ -207,9 +226,11 @@ def main() -> None:
         rs = [a / b for a, b in zip(times[name][kind], times[baseline][kind], strict=True)]
         return statistics.median(rs), min(rs), max(rs)
 
-    print(f"\nMNIST train: {len(data.train_y)} images, {expected // BATCH_SIZE} batches of {BATCH_SIZE} per "
-          f"epoch; torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
-          f"{args.rounds} rounds (median; ratio range in brackets)\n")
+    print(
+        f"\nMNIST train: {len(data.train_y)} images, {expected // BATCH_SIZE} batches of {BATCH_SIZE} per "
+        f"epoch; torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
+        f"{args.rounds} rounds (median; ratio range in brackets)\n"
+    )
     print("| feed | training ratio | data-only ratio | training s | data-only s |")
     print("|---|---|---|---|---|")
     for name in names:
@@ -219,12 +240,16 @@ def main() -> None:
             cells.append(f"**{med:.2f}x** [{lo:.2f}-{hi:.2f}]" if name != baseline else "1.00x")
         abs_cells = [f"{statistics.median(times[name][k]):.3f}" for k in ("train", "data")]
         print(f"| {name} | {cells[0]} | {cells[1]} | {abs_cells[0]} | {abs_cells[1]} |")
-    print(f"\nratio = variant time / tensor time for the same epoch (higher: the tensor path is faster). "
-          f"One-time setup (not in the table): load_mnist {setup_tensor:.2f} s, "
-          f"torchvision MNIST dataset {setup_dl:.2f} s.")
+    print(
+        f"\nratio = variant time / tensor time for the same epoch (higher: the tensor path is faster). "
+        f"One-time setup (not in the table): load_mnist {setup_tensor:.2f} s, "
+        f"torchvision MNIST dataset {setup_dl:.2f} s."
+    )
     # Other processes on the machine make every number noisier; say how busy it was.
-    print(f"Load average (1 min) before / after the timed rounds: {load_before:.2f} / {load_after:.2f} "
-          f"on {os.cpu_count()} cores.")
+    print(
+        f"Load average (1 min) before / after the timed rounds: {load_before:.2f} / {load_after:.2f} "
+        f"on {os.cpu_count()} cores."
+    )
     if why_not is not None:
         print(f"DataLoader with num_workers=2 skipped: {why_not}")
 

@@ -42,8 +42,11 @@ from gem.engines.worker import threads_per_process  # noqa: E402
 
 # (label, engine, options): `distributed` as a user runs it (θ in shared memory for its local workers), and over
 # the wire (engine.shared_memory=false), as every worker on another host
-ENGINES = [("process", process, None), ("distributed", distributed, {"timeout_s": 120}),
-           ("wire", distributed, {"timeout_s": 120, "shared_memory": False})]
+ENGINES = [
+    ("process", process, None),
+    ("distributed", distributed, {"timeout_s": 120}),
+    ("wire", distributed, {"timeout_s": 120, "shared_memory": False}),
+]
 
 
 def main() -> int:
@@ -52,8 +55,12 @@ def main() -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[4])
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--smoke", action="store_true", help="a few steps of every part, to check that the script runs "
-                    "(tests/test_benchmarks.py): its numbers mean nothing")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a few steps of every part, to check that the script runs "
+        "(tests/test_benchmarks.py): its numbers mean nothing",
+    )
     args = ap.parse_args()
     steps = 10 if args.smoke else 150
     name = "digits" if args.smoke else "mnist"  # --smoke: the embedded digits, a short epoch
@@ -63,10 +70,14 @@ def main() -> int:
         data, name = load_dataset("digits", args.root, download=False), "digits"
     if args.smoke:  # 8 batches per worker and epoch
         print("--smoke: tiny sizes, to check that the script runs; its numbers mean nothing")
-        data = dataclasses.replace(data, train_x=data.train_x[:512], train_y=data.train_y[:512],
-                                   val_x=data.val_x[:64], val_y=data.val_y[:64])
-    print(f"data={name} ({len(data.train_y)} train), mnist_cnn, b=64, torch {torch.__version__}, "
-          f"{threads_per_process(1)} cores", flush=True)
+        data = dataclasses.replace(
+            data, train_x=data.train_x[:512], train_y=data.train_y[:512], val_x=data.val_x[:64], val_y=data.val_y[:64]
+        )
+    print(
+        f"data={name} ({len(data.train_y)} train), mnist_cnn, b=64, torch {torch.__version__}, "
+        f"{threads_per_process(1)} cores",
+        flush=True,
+    )
 
     # 1. throughput, distributed against process
     rows: dict[tuple[str, int], dict[str, list[float]]] = {}
@@ -84,37 +95,55 @@ def main() -> int:
                 for label in ("distributed", "wire"):
                     got.setdefault(f"{label} / process", []).append(rates[label][0] / rates["process"][0])
                 got.setdefault("distributed / process, while all run", []).append(
-                    rates["distributed"][1] / rates["process"][1])
-                print(f"round {r + 1}: {algo} n={n}: process {rates['process'][0]:.1f}, distributed "
-                      f"{rates['distributed'][0]:.1f} ({rates['wire'][0]:.1f} over the wire) worker steps/s: "
-                      f"{rates['distributed'][0] / rates['process'][0]:.2f}x "
-                      f"({rates['wire'][0] / rates['process'][0]:.2f}x)", flush=True)
-    print(f"\n| n | algorithm | distributed / process | while all run | shared_memory=false / process | "
-          f"process / sequential | distributed / sequential |  (median [range] over {args.rounds} rounds)")
+                    rates["distributed"][1] / rates["process"][1]
+                )
+                print(
+                    f"round {r + 1}: {algo} n={n}: process {rates['process'][0]:.1f}, distributed "
+                    f"{rates['distributed'][0]:.1f} ({rates['wire'][0]:.1f} over the wire) worker steps/s: "
+                    f"{rates['distributed'][0] / rates['process'][0]:.2f}x "
+                    f"({rates['wire'][0] / rates['process'][0]:.2f}x)",
+                    flush=True,
+                )
+    print(
+        f"\n| n | algorithm | distributed / process | while all run | shared_memory=false / process | "
+        f"process / sequential | distributed / sequential |  (median [range] over {args.rounds} rounds)"
+    )
     print("|---|---|---|---|---|---|---|")
 
     def cell(v):
         return f"**{statistics.median(v):.2f}x** [{min(v):.2f}-{max(v):.2f}]"
 
     for (algo, n), got in rows.items():
-        print(f"| {n} | {algo} | {cell(got['distributed / process'])} | "
-              f"{cell(got['distributed / process, while all run'])} | {cell(got['wire / process'])} | "
-              f"{cell(got['process / sequential'])} | {cell(got['distributed / sequential'])} |")
+        print(
+            f"| {n} | {algo} | {cell(got['distributed / process'])} | "
+            f"{cell(got['distributed / process, while all run'])} | {cell(got['wire / process'])} | "
+            f"{cell(got['process / sequential'])} | {cell(got['distributed / sequential'])} |"
+        )
 
     # 2. parameter-server capacity, alexnet_cifar
     syn = make_synthetic((3, 32, 32), num_classes=10, train_size=64, val_size=16, seed=0)
     for r in range(args.rounds):
         step = sgd_step_seconds("alexnet_cifar", reps=1 if args.smoke else 5, warmup=1 if args.smoke else 3)
         for shared in (False,):
-            m, result = engine_run(syn, "downpour", 2 if args.smoke else 4, epochs=1 if args.smoke else 4,
-                                   model="alexnet_cifar", batch_size=16, engine=distributed,
-                                   options={"timeout_s": 300, "shared_memory": shared}, with_result=True,
-                                   lr=ALEXNET_LR)
+            m, result = engine_run(
+                syn,
+                "downpour",
+                2 if args.smoke else 4,
+                epochs=1 if args.smoke else 4,
+                model="alexnet_cifar",
+                batch_size=16,
+                engine=distributed,
+                options={"timeout_s": 300, "shared_memory": shared},
+                with_result=True,
+                lr=ALEXNET_LR,
+            )
             commit_s = result.extra["server_commit_s"]
-            print(f"alexnet_cifar round {r + 1}, shared_memory={str(shared).lower()}: server {commit_s * 1e3:.1f} ms "
-                  f"per commit ({1 / commit_s:.1f} commits/s, busy {result.extra['server_busy']:.2f}), one SGD step "
-                  f"at b=64 on 1 thread {step * 1e3:.0f} ms: **{step / commit_s:.1f} commits per SGD step**",
-                  flush=True)
+            print(
+                f"alexnet_cifar round {r + 1}, shared_memory={str(shared).lower()}: server {commit_s * 1e3:.1f} ms "
+                f"per commit ({1 / commit_s:.1f} commits/s, busy {result.extra['server_busy']:.2f}), one SGD step "
+                f"at b=64 on 1 thread {step * 1e3:.0f} ms: **{step / commit_s:.1f} commits per SGD step**",
+                flush=True,
+            )
     return 0
 
 

@@ -42,14 +42,30 @@ def record_commits(data, commits: int, every: int = 3) -> list[dict]:
 
     def recording(state, x, grad, view, hp):
         if len(kept) < commits and view.t % every == 0:
-            kept.append({"m": state["m"].clone(), "stale": state["stale"].clone(), "theta": view.theta.clone(),
-                         "grad": grad.clone()})
+            kept.append(
+                {
+                    "m": state["m"].clone(),
+                    "stale": state["stale"].clone(),
+                    "theta": view.theta.clone(),
+                    "grad": grad.clone(),
+                }
+            )
         return rule(state, x, grad, view, hp)
 
     hp = gem.Params()
-    job = Job(algorithm="gem", hp=hp, model="mnist_cnn", data=data, workers=4, batch_size=BATCH_SIZE,
-              epochs=max(1, -(-commits * every * BATCH_SIZE // (4 * len(data.train_y)))), seed=SEED,
-              engine={"staleness": "round_robin"}, eval_every=10**9, eval_train_size=64)
+    job = Job(
+        algorithm="gem",
+        hp=hp,
+        model="mnist_cnn",
+        data=data,
+        workers=4,
+        batch_size=BATCH_SIZE,
+        epochs=max(1, -(-commits * every * BATCH_SIZE // (4 * len(data.train_y)))),
+        seed=SEED,
+        engine={"staleness": "round_robin"},
+        eval_every=10**9,
+        eval_train_size=64,
+    )
     original = gem.ALGORITHM
     gem.ALGORITHM = dataclasses.replace(original, worker_rule=recording)  # what algorithms.get("gem") returns
     try:
@@ -74,8 +90,13 @@ def one_commit(inputs: dict, hp, layout, parts: dict[str, float]) -> None:
     t3 = time.thread_time()
     gem.diagnostics(commit, layout, hp)
     t4 = time.thread_time()
-    for k, v in (("prepare", t1 - t0), ("worker rule", t2 - t1), ("server rule", t3 - t2),
-                 ("diagnostics", t4 - t3), ("commit", t4 - t0)):
+    for k, v in (
+        ("prepare", t1 - t0),
+        ("worker rule", t2 - t1),
+        ("server rule", t3 - t2),
+        ("diagnostics", t4 - t3),
+        ("commit", t4 - t0),
+    ):
         parts[k] = parts.get(k, 0.0) + v
 
 
@@ -84,8 +105,12 @@ def main() -> int:
     ap.add_argument("--root", default="../shared/data")
     ap.add_argument("--commits", type=int, default=60, help="real commits to replay")
     ap.add_argument("--reps", type=int, default=20, help="replays of each commit per variant")
-    ap.add_argument("--smoke", action="store_true", help="a short sim run to record from, to check that the script "
-                    "runs (tests/test_benchmarks.py, with few --commits): its numbers mean nothing")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a short sim run to record from, to check that the script "
+        "runs (tests/test_benchmarks.py, with few --commits): its numbers mean nothing",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     try:
@@ -94,15 +119,30 @@ def main() -> int:
         data, name = load_dataset("digits", args.root, download=False), "digits"
     if args.smoke:  # a sim run of 4 batches per worker rather than a whole epoch of MNIST
         print("--smoke: tiny sizes, to check that the script runs; its numbers mean nothing")
-        data = dataclasses.replace(data, train_x=data.train_x[:256], train_y=data.train_y[:256],
-                                   val_x=data.val_x[:64], val_y=data.val_y[:64])
+        data = dataclasses.replace(
+            data, train_x=data.train_x[:256], train_y=data.train_y[:256], val_x=data.val_x[:64], val_y=data.val_y[:64]
+        )
     commits = record_commits(data, args.commits)
-    model = build_flat_model(Job(algorithm="gem", hp=gem.Params(), model="mnist_cnn", data=data, workers=1,
-                                 batch_size=BATCH_SIZE, epochs=1, seed=SEED, engine={}, eval_every=10**9,
-                                 eval_train_size=64))
+    model = build_flat_model(
+        Job(
+            algorithm="gem",
+            hp=gem.Params(),
+            model="mnist_cnn",
+            data=data,
+            workers=1,
+            batch_size=BATCH_SIZE,
+            epochs=1,
+            seed=SEED,
+            engine={},
+            eval_every=10**9,
+            eval_train_size=64,
+        )
+    )
     layout = list(zip(model.tensor_names, model.slices, strict=True))
-    print(f"GEM's commit, mnist_cnn ({model.numel:,} parameters, {len(layout)} tensors), {len(commits)} real commits "
-          f"of a sim run on {name}, {args.reps} replays each, 1 thread, torch {torch.__version__}")
+    print(
+        f"GEM's commit, mnist_cnn ({model.numel:,} parameters, {len(layout)} tensors), {len(commits)} real commits "
+        f"of a sim run on {name}, {args.reps} replays each, 1 thread, torch {torch.__version__}"
+    )
     fused_flag = gem.FUSED
     ratios: list[float] = []
     totals = {True: {}, False: {}}
@@ -123,8 +163,10 @@ def main() -> int:
     print("\n| CPU per commit, ms (mean) | torch operations | fused loops |\n|---|---|---|")
     for k in ("prepare", "worker rule", "server rule", "diagnostics", "commit"):
         print(f"| {k} | {totals[False][k] / runs[False] * 1e3:.3f} | {totals[True][k] / runs[True] * 1e3:.3f} |")
-    print(f"\nfused / torch CPU per commit: **{statistics.median(ratios):.2f}x** (median over the commits; "
-          f"range {min(ratios):.2f}-{max(ratios):.2f})")
+    print(
+        f"\nfused / torch CPU per commit: **{statistics.median(ratios):.2f}x** (median over the commits; "
+        f"range {min(ratios):.2f}-{max(ratios):.2f})"
+    )
     return 0
 
 

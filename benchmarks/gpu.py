@@ -100,20 +100,34 @@ def copy_seconds(numel: int, device: torch.device, repeats: int = 20, pinned: bo
     return times[0], times[1]
 
 
-def engine_steps_per_s(data, device: str, workers: int, steps: int, batch: int = BATCH_SIZE,
-                       theta_on_gpu: bool = True, engine=process) -> float:
+def engine_steps_per_s(
+    data, device: str, workers: int, steps: int, batch: int = BATCH_SIZE, theta_on_gpu: bool = True, engine=process
+) -> float:
     epochs = max(1, -(-steps * batch // len(data.train_y)))
     options = {"theta_on_gpu": theta_on_gpu, **({} if engine is process else {"timeout_s": 120})}
-    m, result = engine_run(data, "downpour", workers, epochs, model="alexnet_cifar", device=device, lr=LR,
-                           batch_size=batch, options=options, with_result=True, engine=engine)
+    m, result = engine_run(
+        data,
+        "downpour",
+        workers,
+        epochs,
+        model="alexnet_cifar",
+        device=device,
+        lr=LR,
+        batch_size=batch,
+        options=options,
+        with_result=True,
+        engine=engine,
+    )
     m = m[m["step"] > min(10 * workers, len(m) // 2)]  # warm-up
     rate = (len(m) - 1) / (m["time_s"].iloc[-1] - m["time_s"].iloc[0])
     # apply_s times the server step as queued: on a GPU it is the kernels' launch, not their run
     where = result.extra.get("central_device", "cpu")
     name = engine.__name__.rsplit(".", 1)[-1]
-    print(f"   {name}, {workers} worker(s), θ on {where}: {rate:.1f} steps/s; the server's step "
-          f"(apply_s) {1e3 * m['apply_s'].mean():.2f} ms a commit, {100 * m['apply_s'].sum() * rate / len(m):.0f}% "
-          "of the time")
+    print(
+        f"   {name}, {workers} worker(s), θ on {where}: {rate:.1f} steps/s; the server's step "
+        f"(apply_s) {1e3 * m['apply_s'].mean():.2f} ms a commit, {100 * m['apply_s'].sum() * rate / len(m):.0f}% "
+        "of the time"
+    )
     return rate
 
 
@@ -121,23 +135,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--smoke", action="store_true", help="a tiny dataset and batch, to check that the script runs "
-                    "(tests/test_benchmarks.py, on CPU): its numbers mean nothing")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny dataset and batch, to check that the script runs "
+        "(tests/test_benchmarks.py, on CPU): its numbers mean nothing",
+    )
     args = ap.parse_args()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device(args.device)
     if args.smoke:
         print("--smoke: tiny sizes, to check that the script runs; its numbers mean nothing")
     data = make_synthetic(shape=(3, 32, 32), train_size=16 if args.smoke else 4096, val_size=8 if args.smoke else 64)
     batch = 4 if args.smoke else BATCH_SIZE
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-          f"alexnet_cifar, b={batch}")
+    print(
+        f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+        f"alexnet_cifar, b={batch}"
+    )
     plain = plain_steps_per_s(data, device, args.steps, batch=batch)
     one = engine_steps_per_s(data, str(device), 1, args.steps, batch)
     one_host = engine_steps_per_s(data, str(device), 1, args.steps, batch, theta_on_gpu=False)
     plain_after = plain_steps_per_s(data, device, args.steps, batch=batch)
     reference = (plain + plain_after) / 2
-    print(f"1a. one process worker, θ on the worker's device / plain loop: {one / reference:.3f}  "
-          f"(plain {plain:.1f} and {plain_after:.1f} steps/s before and after)")
+    print(
+        f"1a. one process worker, θ on the worker's device / plain loop: {one / reference:.3f}  "
+        f"(plain {plain:.1f} and {plain_after:.1f} steps/s before and after)"
+    )
     print(f"1b. one process worker, θ in shared host memory, page-locked / plain loop: {one_host / reference:.3f}")
     sharing = 2 if args.smoke else 4  # --smoke: two are enough to run the part
     four = engine_steps_per_s(data, str(device), sharing, args.steps, batch)
@@ -148,22 +170,29 @@ def main() -> None:
     down, up = copy_seconds(numel, device)
     moved = 2 * down + up
     step = 1 / reference
-    print(f"4. physical limit of θ in pageable host memory (plain step / (plain step + copies of a commit)): "
-          f"{step / (step + moved):.3f}  "
-          f"({3 * 4 * numel / 1e6:.0f} MB a commit; host to device {4 * numel / down / 1e9:.1f} GB/s, device to "
-          f"host {4 * numel / up / 1e9:.1f} GB/s; plain step {1e3 * step:.2f} ms, copies {1e3 * moved:.2f} ms)")
+    print(
+        f"4. physical limit of θ in pageable host memory (plain step / (plain step + copies of a commit)): "
+        f"{step / (step + moved):.3f}  "
+        f"({3 * 4 * numel / 1e6:.0f} MB a commit; host to device {4 * numel / down / 1e9:.1f} GB/s, device to "
+        f"host {4 * numel / up / 1e9:.1f} GB/s; plain step {1e3 * step:.2f} ms, copies {1e3 * moved:.2f} ms)"
+    )
     four_host = engine_steps_per_s(data, str(device), sharing, args.steps, batch, theta_on_gpu=False)
     four_distributed = engine_steps_per_s(data, str(device), sharing, args.steps, batch, engine=distributed)
-    four_distributed_host = engine_steps_per_s(data, str(device), sharing, args.steps, batch, theta_on_gpu=False,
-                                               engine=distributed)
-    print(f"5. distributed / process, {sharing} workers on one device, θ on the device for both: "
-          f"{four_distributed / four:.3f}; θ in host memory for both: {four_distributed_host / four_host:.3f}")
+    four_distributed_host = engine_steps_per_s(
+        data, str(device), sharing, args.steps, batch, theta_on_gpu=False, engine=distributed
+    )
+    print(
+        f"5. distributed / process, {sharing} workers on one device, θ on the device for both: "
+        f"{four_distributed / four:.3f}; θ in host memory for both: {four_distributed_host / four_host:.3f}"
+    )
     if device.type == "cuda":
         pinned_down, pinned_up = copy_seconds(numel, device, pinned=True)
         pinned = 2 * pinned_down + pinned_up
-        print(f"6. physical limit of 1b. (θ page-locked): {step / (step + pinned):.3f}  (its copies take "
-              f"{pinned / moved:.3f} of the pageable ones' time: host to device {4 * numel / pinned_down / 1e9:.1f} "
-              f"GB/s, device to host {4 * numel / pinned_up / 1e9:.1f} GB/s)")
+        print(
+            f"6. physical limit of 1b. (θ page-locked): {step / (step + pinned):.3f}  (its copies take "
+            f"{pinned / moved:.3f} of the pageable ones' time: host to device {4 * numel / pinned_down / 1e9:.1f} "
+            f"GB/s, device to host {4 * numel / pinned_up / 1e9:.1f} GB/s)"
+        )
 
 
 if __name__ == "__main__":

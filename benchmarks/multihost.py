@@ -46,8 +46,11 @@ PORT = 29510
 # commit's transfer and the link, not the workers, sets the pace (AlexNet at η = 0.005: it diverges at 0.05)
 SETTINGS = {
     "mnist_cnn": (8, 150, ["data=synthetic", "data.synthetic.train_size=1200", "data.synthetic.val_size=64"]),
-    "alexnet_cifar": (8, 12, ["data=synthetic", "data.synthetic.train_size=96", "data.synthetic.val_size=16",
-                              "lr=0.005"]),
+    "alexnet_cifar": (
+        8,
+        12,
+        ["data=synthetic", "data.synthetic.train_size=96", "data.synthetic.val_size=16", "lr=0.005"],
+    ),
 }
 
 
@@ -55,8 +58,17 @@ def theta_bytes(model: str) -> int:
     return 4 * sum(p.numel() for p in build_model_meta(model).parameters())
 
 
-def run_once(hosts: Hosts, model: str, workers: int, batch: int, commits: int, data: list[str], out: Path,
-             timeout_s: float = 600, device: str = "cpu") -> dict:
+def run_once(
+    hosts: Hosts,
+    model: str,
+    workers: int,
+    batch: int,
+    commits: int,
+    data: list[str],
+    out: Path,
+    timeout_s: float = 600,
+    device: str = "cpu",
+) -> dict:
     """One run across the link; returns its measured rates."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     run_dir = out / f"{model}-{time.time_ns()}"
@@ -64,11 +76,29 @@ def run_once(hosts: Hosts, model: str, workers: int, batch: int, commits: int, d
     epochs = max(1, round(commits * batch / train))
     procs, before = [], sum(hosts.link_bytes(1))
     for i, nproc in enumerate((1, workers)):
-        argv = [torchrun, "--nnodes=2", f"--nproc_per_node={nproc}", f"--node_rank={i}", "--rdzv_backend=static",
-                f"--master_addr={hosts.hosts[0].addr}", f"--master_port={PORT}", "run.py", "engine=distributed",
-                f"workers={workers}", "engine.allow_remote=true", "logger.wandb.mode=disabled",
-                "logger.progress=false", f"model={model}", f"batch_size={batch}", f"epochs={epochs}",
-                "logger.eval_every=100000", "algorithm=downpour", f"device={device}", *data, f"hydra.run.dir={run_dir}"]
+        argv = [
+            torchrun,
+            "--nnodes=2",
+            f"--nproc_per_node={nproc}",
+            f"--node_rank={i}",
+            "--rdzv_backend=static",
+            f"--master_addr={hosts.hosts[0].addr}",
+            f"--master_port={PORT}",
+            "run.py",
+            "engine=distributed",
+            f"workers={workers}",
+            "engine.allow_remote=true",
+            "logger.wandb.mode=disabled",
+            "logger.progress=false",
+            f"model={model}",
+            f"batch_size={batch}",
+            f"epochs={epochs}",
+            "logger.eval_every=100000",
+            "algorithm=downpour",
+            f"device={device}",
+            *data,
+            f"hydra.run.dir={run_dir}",
+        ]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": hosts.hosts[i].ifname, "GEM_RUN_SECRET": SECRET}
         log = open(out / f"node{i}.log", "w")  # noqa: SIM115 - closed by the process's end
         procs.append(hosts.popen(i, argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -86,8 +116,12 @@ def run_once(hosts: Hosts, model: str, workers: int, batch: int, commits: int, d
     cycle = m.groupby("worker")["time_s"].diff()  # a worker's time between two of its commits
     compute = float((cycle - m["wait_s"]).median()) if "wait_s" in m else float("nan")
     moved = (sum(hosts.link_bytes(1)) - before) / len(m)  # both directions, start-up and evaluation included
-    return {"commits_per_s": (len(m) - 1) / span, "compute_s": compute, "server_busy": summary.get("server_busy"),
-            "bytes_per_commit": moved}
+    return {
+        "commits_per_s": (len(m) - 1) / span,
+        "compute_s": compute,
+        "server_busy": summary.get("server_busy"),
+        "bytes_per_commit": moved,
+    }
 
 
 def main() -> int:
@@ -96,18 +130,30 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", default=list(SETTINGS))
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--commits", type=int, help="commits per worker (default: the model's, in SETTINGS)")
-    ap.add_argument("--device", default="cpu", help="where the workers compute: cpu, or cuda (GPU workers are fast "
-                    "enough for a 10 Gbit/s link to set the pace; each host's rank uses the one GPU)")
-    ap.add_argument("--smoke", action="store_true", help="one tiny run at 1 Gbit/s, to check that the script runs "
-                    "(tests/test_benchmarks.py): its numbers mean nothing")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where the workers compute: cpu, or cuda (GPU workers are fast "
+        "enough for a 10 Gbit/s link to set the pace; each host's rank uses the one GPU)",
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one tiny run at 1 Gbit/s, to check that the script runs "
+        "(tests/test_benchmarks.py): its numbers mean nothing",
+    )
     args = ap.parse_args()
     if args.smoke:
         args.rates, args.models, args.workers = [1000], ["mnist_cnn"], 1
         print("--smoke: one tiny run, to check that the script runs; its numbers mean nothing")
-    print(f"engine=distributed, DOWNPOUR, server alone on host 0, {args.workers} worker(s) on host 1 "
-          f"(device={args.device}), {os.cpu_count()} cores in all")
-    print("\n| model | θ | link R | on the link a commit | limit R / θ | R / (2 θ) | measured commits/s | / limit "
-          "| a worker's step | θ at R | server busy |")
+    print(
+        f"engine=distributed, DOWNPOUR, server alone on host 0, {args.workers} worker(s) on host 1 "
+        f"(device={args.device}), {os.cpu_count()} cores in all"
+    )
+    print(
+        "\n| model | θ | link R | on the link a commit | limit R / θ | R / (2 θ) | measured commits/s | / limit "
+        "| a worker's step | θ at R | server busy |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     try:
         with Hosts(2) as hosts, tempfile.TemporaryDirectory() as tmp:
@@ -119,10 +165,13 @@ def main() -> int:
                     hosts.shape(rate)
                     limit = rate * 1e6 / 8 / size
                     r = run_once(hosts, model, args.workers, batch, commits, data, Path(tmp), device=args.device)
-                    print(f"| {model} | {size / 1e6:.2f} MB | {rate / 1000:g} Gbit/s | "
-                          f"{r['bytes_per_commit'] / 1e6:.2f} MB | {limit:.1f} | {limit / 2:.1f} | "
-                          f"{r['commits_per_s']:.1f} | **{r['commits_per_s'] / limit:.2f}** | "
-                          f"{r['compute_s'] * 1e3:.0f} ms | {1e3 / limit:.1f} ms | {r['server_busy']} |", flush=True)
+                    print(
+                        f"| {model} | {size / 1e6:.2f} MB | {rate / 1000:g} Gbit/s | "
+                        f"{r['bytes_per_commit'] / 1e6:.2f} MB | {limit:.1f} | {limit / 2:.1f} | "
+                        f"{r['commits_per_s']:.1f} | **{r['commits_per_s'] / limit:.2f}** | "
+                        f"{r['compute_s'] * 1e3:.0f} ms | {1e3 / limit:.1f} ms | {r['server_busy']} |",
+                        flush=True,
+                    )
     except Unavailable as e:
         print(f"skipped: no network namespaces here ({e})")
     return 0

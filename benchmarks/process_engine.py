@@ -95,14 +95,37 @@ def ideal(root: str, k: int, steps: int = 300, name: str = "mnist") -> float:
     return k * steps / (max(e for _, e in spans) - min(s for s, _ in spans))
 
 
-def engine_run(data, name: str, workers: int, epochs: int, model: str = "mnist_cnn",
-               batch_size: int = BATCH_SIZE, engine=process, options: dict | None = None, with_result=False,
-               device: str = "cpu", lr: float = LR):
+def engine_run(
+    data,
+    name: str,
+    workers: int,
+    epochs: int,
+    model: str = "mnist_cnn",
+    batch_size: int = BATCH_SIZE,
+    engine=process,
+    options: dict | None = None,
+    with_result=False,
+    device: str = "cpu",
+    lr: float = LR,
+):
     params = algorithms.get(name).Params
-    hp = params(lr=lr, momentum=MOMENTUM, **({"workers": workers} if "workers" in params.__dataclass_fields__
-                                             else {}))  # agn's and easgd's own default windows: 10 and 4
-    job = Job(algorithm=name, hp=hp, model=model, data=data, workers=workers, batch_size=batch_size,
-              epochs=epochs, seed=SEED, eval_every=10**9, eval_train_size=64, engine=options or {}, device=device)
+    hp = params(
+        lr=lr, momentum=MOMENTUM, **({"workers": workers} if "workers" in params.__dataclass_fields__ else {})
+    )  # agn's and easgd's own default windows: 10 and 4
+    job = Job(
+        algorithm=name,
+        hp=hp,
+        model=model,
+        data=data,
+        workers=workers,
+        batch_size=batch_size,
+        epochs=epochs,
+        seed=SEED,
+        eval_every=10**9,
+        eval_train_size=64,
+        engine=options or {},
+        device=device,
+    )
     with tempfile.TemporaryDirectory() as d:
         rec = Recorder(d)
         result = engine.run(job, rec)
@@ -130,9 +153,19 @@ def startup_ratio(tmp: Path) -> tuple[float, float, float]:
     floor = time.perf_counter() - t
     d = tmp / f"run-{time.time_ns()}"
     t = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "run.py", "logger.wandb.mode=disabled", "logger.flush_every=1",
-                          "logger.progress=false", f"hydra.run.dir={d}"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "run.py",
+            "logger.wandb.mode=disabled",
+            "logger.flush_every=1",
+            "logger.progress=false",
+            f"hydra.run.dir={d}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         while not (d / "metrics.parts").exists():
             if p.poll() is not None or time.perf_counter() - t > 300:
@@ -149,11 +182,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default="../shared/data")
     ap.add_argument("--workers", type=int, nargs="+", default=[4])
-    ap.add_argument("--epochs", type=int, default=8, help="passes over the data per worker (long enough that "
-                    "start-up and the initial evaluation do not dominate)")
+    ap.add_argument(
+        "--epochs",
+        type=int,
+        default=8,
+        help="passes over the data per worker (long enough that start-up and the initial evaluation do not dominate)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--smoke", action="store_true", help="a few steps of every part, to check that the script runs "
-                    "(tests/test_benchmarks.py): its numbers mean nothing")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a few steps of every part, to check that the script runs "
+        "(tests/test_benchmarks.py): its numbers mean nothing",
+    )
     args = ap.parse_args()
     steps = 10 if args.smoke else 150
     name = "digits" if args.smoke else "mnist"  # --smoke: the embedded digits, a short epoch
@@ -163,8 +204,10 @@ def main() -> int:
         data, name = load_dataset("digits", args.root, download=False), "digits"
     if args.smoke:
         print("--smoke: tiny sizes, to check that the script runs; its numbers mean nothing")
-    print(f"data={name} ({len(data.train_y)} train), mnist_cnn, b={BATCH_SIZE}, torch {torch.__version__}, "
-          f"{threads_per_process(1)} cores")
+    print(
+        f"data={name} ({len(data.train_y)} train), mnist_cnn, b={BATCH_SIZE}, torch {torch.__version__}, "
+        f"{threads_per_process(1)} cores"
+    )
 
     # 1. throughput, and the windowed algorithms against downpour
     ratios: dict[tuple[str, int], list[float]] = {}
@@ -183,33 +226,42 @@ def main() -> int:
                 refs.append(ref)
                 ratios.setdefault((name_, n), []).append(rate / ref)
                 ratios.setdefault((name_ + ", while all workers run", n), []).append(rate_full / ref)
-                print(f"round {r + 1}: {name_} n={n}: {rate:.1f} worker steps/s ({rate_full:.1f} while all run), "
-                      f"sequential 1 thread {ref:.1f} steps/s: {rate / ref:.2f}x ({rate_full / ref:.2f}x)",
-                      flush=True)
+                print(
+                    f"round {r + 1}: {name_} n={n}: {rate:.1f} worker steps/s ({rate_full:.1f} while all run), "
+                    f"sequential 1 thread {ref:.1f} steps/s: {rate / ref:.2f}x ({rate_full / ref:.2f}x)",
+                    flush=True,
+                )
             for name_ in (x for x in names if x != "downpour"):
                 windowed.setdefault((name_, n), []).append(rates[name_][0] / rates["downpour"][0])
             before = sequential_steps_per_s(data, steps)
             rate = ideal(args.root, n, 2 * steps, name)
             after = sequential_steps_per_s(data, steps)
             ratios.setdefault(("ideal: independent sequential processes", n), []).append(rate / ((before + after) / 2))
-    print(f"\n| engine=process | aggregate worker steps/s / sequential 1-thread SGD steps/s "
-          f"(median [range] over {args.rounds} rounds) |")
+    print(
+        f"\n| engine=process | aggregate worker steps/s / sequential 1-thread SGD steps/s "
+        f"(median [range] over {args.rounds} rounds) |"
+    )
     print("|---|---|")
     for (name_, n), rs in ratios.items():
-        print(f"| {name_}, n={n} ({threads_per_process(n)} thread(s) each) | **{statistics.median(rs):.2f}x** "
-              f"[{min(rs):.2f}-{max(rs):.2f}] |")
+        print(
+            f"| {name_}, n={n} ({threads_per_process(n)} thread(s) each) | **{statistics.median(rs):.2f}x** "
+            f"[{min(rs):.2f}-{max(rs):.2f}] |"
+        )
     print(f"(sequential reference: median {statistics.median(refs):.1f} steps/s)")
     print("\n| algorithm | worker steps/s over downpour's, same n, same round |\n|---|---|")
     for (name_, n), rs in windowed.items():
         window = algorithms.get(name_).commit_every(algorithms.get(name_).Params())
-        print(f"| {name_} ({f'window {window}' if window > 1 else 'with its statistics on every commit'}), n={n} | "
-              f"**{statistics.median(rs):.2f}x** [{min(rs):.2f}-{max(rs):.2f}] |")
+        print(
+            f"| {name_} ({f'window {window}' if window > 1 else 'with its statistics on every commit'}), n={n} | "
+            f"**{statistics.median(rs):.2f}x** [{min(rs):.2f}-{max(rs):.2f}] |"
+        )
 
     # 2. parameter-server apply, alexnet_cifar
     syn = make_synthetic((3, 32, 32), num_classes=10, train_size=64, val_size=16, seed=0)
     # η = 0.005: AlexNet with He initialisation diverges at the MNIST CNN's 0.05
-    m = engine_run(syn, "downpour", 2, epochs=1 if args.smoke else 8, model="alexnet_cifar", batch_size=16,
-                   lr=ALEXNET_LR)
+    m = engine_run(
+        syn, "downpour", 2, epochs=1 if args.smoke else 8, model="alexnet_cifar", batch_size=16, lr=ALEXNET_LR
+    )
     numel = sum(p.numel() for p in build_model("alexnet_cifar").parameters())
     theta, delta = torch.zeros(numel), torch.full((numel,), 1e-3)
     for _ in range(3):
@@ -220,18 +272,22 @@ def main() -> int:
         theta.add_(delta)
         plain.append(time.perf_counter() - t)
     apply_s = m["apply_s"].iloc[2:]
-    print(f"\nalexnet_cifar ({numel:,} parameters): engine apply median {apply_s.median() * 1e3:.2f} ms over "
-          f"{len(apply_s)} commits, plain theta.add_(delta) median {statistics.median(plain) * 1e3:.2f} ms: "
-          f"**{apply_s.median() / statistics.median(plain):.2f}x**")
+    print(
+        f"\nalexnet_cifar ({numel:,} parameters): engine apply median {apply_s.median() * 1e3:.2f} ms over "
+        f"{len(apply_s)} commits, plain theta.add_(delta) median {statistics.median(plain) * 1e3:.2f} ms: "
+        f"**{apply_s.median() / statistics.median(plain):.2f}x**"
+    )
 
     # 3. start-up
     with tempfile.TemporaryDirectory() as d:
         runs = [startup_ratio(Path(d)) for _ in range(1 if args.smoke else args.rounds)]
     rs = [r[0] for r in runs]
-    print(f"\nstart-up: python run.py until its first commit, over python -c 'import torch': "
-          f"**{statistics.median(rs):.2f}x** [{min(rs):.2f}-{max(rs):.2f}] "
-          f"(median {statistics.median(r[1] for r in runs):.2f} s against "
-          f"{statistics.median(r[2] for r in runs):.2f} s)")
+    print(
+        f"\nstart-up: python run.py until its first commit, over python -c 'import torch': "
+        f"**{statistics.median(rs):.2f}x** [{min(rs):.2f}-{max(rs):.2f}] "
+        f"(median {statistics.median(r[1] for r in runs):.2f} s against "
+        f"{statistics.median(r[2] for r in runs):.2f} s)"
+    )
     return 0
 
 

@@ -61,11 +61,20 @@ def plain_sgd(data, steps: int) -> float:
 def sim_commit(data, name: str, workers: int, epochs: int) -> tuple[float, int]:
     """(seconds per commit, commits) of the sim engine, first to last commit row."""
     params = algorithms.get(name).Params
-    hp = params(lr=LR, momentum=MOMENTUM, **({"workers": workers} if "workers" in params.__dataclass_fields__
-                                             else {}))
-    job = Job(algorithm=name, hp=hp, model="mnist_cnn", data=data, workers=workers, batch_size=BATCH_SIZE,
-              epochs=epochs, seed=SEED, engine={"staleness": "round_robin"}, eval_every=10**9,
-              eval_train_size=256)
+    hp = params(lr=LR, momentum=MOMENTUM, **({"workers": workers} if "workers" in params.__dataclass_fields__ else {}))
+    job = Job(
+        algorithm=name,
+        hp=hp,
+        model="mnist_cnn",
+        data=data,
+        workers=workers,
+        batch_size=BATCH_SIZE,
+        epochs=epochs,
+        seed=SEED,
+        engine={"staleness": "round_robin"},
+        eval_every=10**9,
+        eval_train_size=256,
+    )
     with tempfile.TemporaryDirectory() as d:
         rec = Recorder(d)
         result = sim.run(job, rec)
@@ -82,8 +91,11 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=1, help="passes over the data per worker")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes, to check that the script runs "
-                    "(tests/test_benchmarks.py): its numbers mean nothing")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes, to check that the script runs (tests/test_benchmarks.py): its numbers mean nothing",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -95,17 +107,20 @@ def main() -> int:
     sgd_steps = 200
     if args.smoke:  # 4 batches per worker and epoch, a short validation set, a few reference steps
         print("--smoke: tiny sizes, to check that the script runs; its numbers mean nothing")
-        data = dataclasses.replace(data, train_x=data.train_x[:256], train_y=data.train_y[:256],
-                                   val_x=data.val_x[:64], val_y=data.val_y[:64])
+        data = dataclasses.replace(
+            data, train_x=data.train_x[:256], train_y=data.train_y[:256], val_x=data.val_x[:64], val_y=data.val_y[:64]
+        )
         sgd_steps = 5
-    print(f"data={name} ({len(data.train_y)} train), mnist_cnn, b={BATCH_SIZE}, n={args.workers}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"data={name} ({len(data.train_y)} train), mnist_cnn, b={BATCH_SIZE}, n={args.workers}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     variants = ["gem", "downpour"]
     ratios = {v: [] for v in variants}
     times = {v: [] for v in ["sgd", *variants]}
     commits = {}
     for r in range(args.rounds):
-        order = variants[r % 2:] + variants[:r % 2]
+        order = variants[r % 2 :] + variants[: r % 2]
         ref_before = plain_sgd(data, sgd_steps)
         measured = {}
         for v in order:
@@ -116,16 +131,20 @@ def main() -> int:
         for v in variants:
             ratios[v].append(measured[v] / ref)
             times[v].append(measured[v])
-        print(f"round {r + 1}: sgd {ref * 1e3:.2f} ms/step; "
-              + "; ".join(f"{v} {measured[v] * 1e3:.2f} ms/commit ({measured[v] / ref:.3f}x)" for v in variants),
-              flush=True)
+        print(
+            f"round {r + 1}: sgd {ref * 1e3:.2f} ms/step; "
+            + "; ".join(f"{v} {measured[v] * 1e3:.2f} ms/commit ({measured[v] / ref:.3f}x)" for v in variants),
+            flush=True,
+        )
     print(f"\n| variant | ratio to plain SGD step (median [range] over {args.rounds} rounds) | commits | ms |")
     print("|---|---|---|---|")
     print(f"| plain SGD step | 1.000x | | {statistics.median(times['sgd']) * 1e3:.2f} |")
     for v in variants:
         rs = ratios[v]
-        print(f"| sim {v}, n={args.workers} | **{statistics.median(rs):.3f}x** [{min(rs):.3f}-{max(rs):.3f}] "
-              f"| {commits[v]} | {statistics.median(times[v]) * 1e3:.2f} |")
+        print(
+            f"| sim {v}, n={args.workers} | **{statistics.median(rs):.3f}x** [{min(rs):.3f}-{max(rs):.3f}] "
+            f"| {commits[v]} | {statistics.median(times[v]) * 1e3:.2f} |"
+        )
     return 0
 
 

@@ -121,8 +121,9 @@ def rpc_main(rank: int, world: int, port: int, size: int, seconds: float, out) -
     from torch.distributed import rpc
 
     torch.set_num_threads(1)
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=world + 2,
-                                           _transports=["uv"])
+    opts = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=world + 2, _transports=["uv"]
+    )
     if rank == 0:
         _server.update(theta=torch.zeros(size), lock=threading.Lock(), counts=[0] * world)
     rpc.init_rpc(f"r{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
@@ -158,8 +159,11 @@ def measure(kind: str, workers: int, size: int, seconds: float) -> dict:
     done = [r for r in results if r[0] == "worker"]
     counts = next(r[1] for r in results if r[0] == "server")[1:]
     per_worker = [n / t for _, _, n, t in done]
-    return {"round_trip_s": 1.0 / (sum(per_worker) / len(per_worker)), "commits_per_s": sum(per_worker),
-            "shares": [c / sum(counts) for c in counts]}
+    return {
+        "round_trip_s": 1.0 / (sum(per_worker) / len(per_worker)),
+        "commits_per_s": sum(per_worker),
+        "shares": [c / sum(counts) for c in counts],
+    }
 
 
 def main() -> None:
@@ -170,15 +174,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     size = model_size(args.model)
-    print(f"model {args.model}: {size:,} parameters ({size * 4 / 1e6:.1f} MB per commit and per reply); "
-          f"n = {args.workers} workers + 1 server on loopback, {os.cpu_count()} cores")
+    print(
+        f"model {args.model}: {size:,} parameters ({size * 4 / 1e6:.1f} MB per commit and per reply); "
+        f"n = {args.workers} workers + 1 server on loopback, {os.cpu_count()} cores"
+    )
     for r in range(args.rounds):
         step = sgd_step_seconds(args.model)
         for kind in ("gloo", "rpc"):
             m = measure(kind, args.workers, size, args.seconds)
             shares = " ".join(f"{s:.3f}" for s in m["shares"])
-            print(f"round {r}  {kind:4s}  round trip / SGD step = {m['round_trip_s'] / step:6.3f}   "
-                  f"server commits per SGD step = {m['commits_per_s'] * step:6.2f}   shares {shares}")
+            print(
+                f"round {r}  {kind:4s}  round trip / SGD step = {m['round_trip_s'] / step:6.3f}   "
+                f"server commits per SGD step = {m['commits_per_s'] * step:6.2f}   shares {shares}"
+            )
 
 
 if __name__ == "__main__":

@@ -109,11 +109,22 @@ def startup_case(workers: int, limit_s: float = 600.0) -> dict:
     floor = time.perf_counter() - t
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        overrides = [f"workers={workers}", "epochs=50", "logger.wandb.mode=disabled", "logger.progress=false",
-                     "logger.flush_seconds=0.5", f"hydra.run.dir={run_dir}"]
+        overrides = [
+            f"workers={workers}",
+            "epochs=50",
+            "logger.wandb.mode=disabled",
+            "logger.progress=false",
+            "logger.flush_seconds=0.5",
+            f"hydra.run.dir={run_dir}",
+        ]
         t = time.perf_counter()
-        p = subprocess.Popen([sys.executable, "run.py", *overrides], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "run.py", *overrides],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         first = every = None
         peak = 0.0
         try:
@@ -147,22 +158,36 @@ def startup_case(workers: int, limit_s: float = 600.0) -> dict:
                 except OSError:
                     pass
             p.wait()
-    return {"workers": workers, "processes": len(uss), "first": first, "every": every, "floor": floor,
-            "uss": statistics.median(uss), "uss_max": max(uss), "forkserver": server[0] if server else None,
-            "coordinator": coordinator, "peak": peak}
+    return {
+        "workers": workers,
+        "processes": len(uss),
+        "first": first,
+        "every": every,
+        "floor": floor,
+        "uss": statistics.median(uss),
+        "uss_max": max(uss),
+        "forkserver": server[0] if server else None,
+        "coordinator": coordinator,
+        "peak": peak,
+    }
 
 
 def startup(ns: list[int]) -> None:
     mb = 2**20
     print("python run.py workers=N (GEM, mnist_cnn, digits): start-up and memory of its worker processes")
-    print(f"{'N':>5}{'first commit s':>16}{'all committed s':>17}{'/ import torch':>16}{'worker USS MB':>15}"
-          f"{'max':>7}{'forkserver MB':>15}{'coordinator MB':>16}{'run PSS GB':>12}")
+    print(
+        f"{'N':>5}{'first commit s':>16}{'all committed s':>17}{'/ import torch':>16}{'worker USS MB':>15}"
+        f"{'max':>7}{'forkserver MB':>15}{'coordinator MB':>16}{'run PSS GB':>12}"
+    )
     for n in ns:
         r = startup_case(n)
         fs = f"{r['forkserver'] / mb:.0f}" if r["forkserver"] is not None else "-"
-        print(f"{n:>5}{r['first']:>16.1f}{r['every']:>17.1f}{r['every'] / r['floor']:>15.1f}x"
-              f"{r['uss'] / mb:>15.1f}{r['uss_max'] / mb:>7.0f}{fs:>15}{r['coordinator'] / mb:>16.0f}"
-              f"{r['peak'] / 2**30:>12.2f}", flush=True)
+        print(
+            f"{n:>5}{r['first']:>16.1f}{r['every']:>17.1f}{r['every'] / r['floor']:>15.1f}x"
+            f"{r['uss'] / mb:>15.1f}{r['uss_max'] / mb:>7.0f}{fs:>15}{r['coordinator'] / mb:>16.0f}"
+            f"{r['peak'] / 2**30:>12.2f}",
+            flush=True,
+        )
 
 
 def process_case(model: str, data: str, workers: int, wait: float) -> dict:
@@ -181,9 +206,12 @@ def process_case(model: str, data: str, workers: int, wait: float) -> dict:
     state = len(algo.init_state(torch.zeros(params), algorithm_params(cfg)))
     estimate = memory.per_worker("process", params, state, 0)
     with tempfile.TemporaryDirectory() as tmp:
-        p = subprocess.Popen([sys.executable, "run.py", *overrides, "logger.wandb.mode=disabled",
-                              f"hydra.run.dir={tmp}/run"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            [sys.executable, "run.py", *overrides, "logger.wandb.mode=disabled", f"hydra.run.dir={tmp}/run"],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             time.sleep(wait)
             deadline = time.monotonic() + 120
@@ -224,18 +252,29 @@ def sim_case(model: str, data: str, workers: int) -> dict:
     grown = (rss() - before) / workers
     del built
     state = len(algo.init_state(torch.zeros(flat.numel), job.hp))
-    return {"model": model, "measured": grown,
-            "estimate": memory.per_worker("sim", flat.numel, state, len(job.data.train_y))}
+    return {
+        "model": model,
+        "measured": grown,
+        "estimate": memory.per_worker("sim", flat.numel, state, len(job.data.train_y)),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--wait", type=float, default=25.0, help="seconds before the workers are measured")
-    ap.add_argument("--smoke", action="store_true", help="mnist_cnn only, 10 virtual workers: to check that the script "
-                    "runs (tests/test_benchmarks.py)")
-    ap.add_argument("--startup", type=int, nargs="+", metavar="N",
-                    help="measure the start-up and memory of runs with these numbers of workers instead")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="mnist_cnn only, 10 virtual workers: to check that the script runs (tests/test_benchmarks.py)",
+    )
+    ap.add_argument(
+        "--startup",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="measure the start-up and memory of runs with these numbers of workers instead",
+    )
     args = ap.parse_args()
     if args.startup:
         startup(args.startup)
@@ -248,8 +287,10 @@ def main() -> None:
     cases = CASES[:1] if args.smoke else CASES
     for model, data in cases:
         r = process_case(model, data, args.workers, args.wait)
-        print(f"{r['model']:<15}{r['uss'] / mb:>9.0f}{r['rss'] / mb:>9.0f}{r['estimate'] / mb:>13.0f}"
-              f"{r['estimate'] / r['uss']:>14.2f}")
+        print(
+            f"{r['model']:<15}{r['uss'] / mb:>9.0f}{r['rss'] / mb:>9.0f}{r['estimate'] / mb:>13.0f}"
+            f"{r['estimate'] / r['uss']:>14.2f}"
+        )
     virtual = 10 if args.smoke else 200
     print(f"engine=sim, GEM: per virtual worker (RSS growth over {virtual} workers)")
     print(f"{'model':<15}{'measured MB':>13}{'estimate MB':>13}{'estimate/measured':>19}")

@@ -72,8 +72,10 @@ class Run:
 
     def __repr__(self) -> str:
         s = self.summary
-        return (f"Run({s.get('status')}, {s.get('algorithm')} {s.get('engine')} n={s.get('workers')}, "
-                f"val_loss={s.get('val_loss')}, run_dir='{self.run_dir}')")
+        return (
+            f"Run({s.get('status')}, {s.get('algorithm')} {s.get('engine')} n={s.get('workers')}, "
+            f"val_loss={s.get('val_loss')}, run_dir='{self.run_dir}')"
+        )
 
 
 def _override(key: str, value) -> str:
@@ -111,10 +113,12 @@ def _importable_by_workers(cfg) -> None:
     for group in ("model", "data"):
         target = str(cfg[group].get("_target_") or "")
         if target.startswith("__main__."):
-            raise Refused(f"{group}._target_={target}: a class defined in a notebook cell or a script's __main__ "
-                          f"cannot reach engine={cfg.engine.name}'s worker processes, which import it by name; put "
-                          f"the class in a module file (my{group}.py beside the notebook) and pass "
-                          f"{group}._target_=my{group}.{target.split('.', 1)[1]}, or use engine=sim")
+            raise Refused(
+                f"{group}._target_={target}: a class defined in a notebook cell or a script's __main__ "
+                f"cannot reach engine={cfg.engine.name}'s worker processes, which import it by name; put "
+                f"the class in a module file (my{group}.py beside the notebook) and pass "
+                f"{group}._target_=my{group}.{target.split('.', 1)[1]}, or use engine=sim"
+            )
 
 
 def run(*overrides: str, **values) -> Run | None:
@@ -148,14 +152,19 @@ def sweep(*overrides: str, **values) -> pd.DataFrame:
     if not any(a.split("=", 1)[0] == "hydra.sweep.dir" for a in argv):
         argv.append(f"hydra.sweep.dir=multirun/{datetime.now():%Y-%m-%d/%H-%M-%S-%f}")
     sweep_dir = Path(os.path.abspath(next(a for a in argv if a.startswith("hydra.sweep.dir=")).split("=", 1)[1]))
-    p = subprocess.Popen([sys.executable, str(RUN_PY), "-m", *argv], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, bufsize=1)
+    p = subprocess.Popen(
+        [sys.executable, str(RUN_PY), "-m", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
     errors = []
     try:
         for line in p.stdout:
             print(line, end="", flush=True)
             if line.startswith("error: "):
-                errors.append(line[len("error: "):].strip())
+                errors.append(line[len("error: ") :].strip())
         code = p.wait()
     except KeyboardInterrupt:  # the command closes each run it has started (status failed) on SIGTERM
         p.terminate()
@@ -171,4 +180,3 @@ def sweep(*overrides: str, **values) -> pd.DataFrame:
     if "plan=true" in argv:
         return runs_of([])
     return runs_of(sweep_dir)
-

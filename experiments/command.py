@@ -70,11 +70,24 @@ def parse(argv: list[str]) -> argparse.Namespace | None:
     it does not parse; Hydra then says why."""
     p = _Parser(add_help=False, allow_abbrev=False)
     p.add_argument("overrides", nargs="*")
-    for flags in (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",), ("--run", "-r"),
-                  ("--multirun", "-m"), ("--shell-completion", "-sc")):
+    for flags in (
+        ("--help", "-h"),
+        ("--hydra-help",),
+        ("--version",),
+        ("--resolve",),
+        ("--run", "-r"),
+        ("--multirun", "-m"),
+        ("--shell-completion", "-sc"),
+    ):
         p.add_argument(*flags, action="store_true")
-    for flags in (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--config-name", "-cn"),
-                  ("--config-dir", "-cd"), ("--experimental-rerun",)):
+    for flags in (
+        ("--cfg", "-c"),
+        ("--package", "-p"),
+        ("--config-path", "-cp"),
+        ("--config-name", "-cn"),
+        ("--config-dir", "-cd"),
+        ("--experimental-rerun",),
+    ):
         p.add_argument(*flags)
     p.add_argument("--info", "-i", nargs="?", const="all")
     try:
@@ -93,20 +106,34 @@ def precheck(argv: list[str]) -> argparse.Namespace | None:
 
     if args.multirun and distributed.launched() and int(os.environ["WORLD_SIZE"]) > 1:
         if distributed.launched_rank() == 0:
-            print("error: -m under torchrun: one torchrun runs one job of engine=distributed; sweep with "
-                  "hydra/launcher=submitit_slurm (one SLURM job per run), or run the sweep without torchrun "
-                  "(python run.py -m engine=distributed workers=N ... launches each run's workers itself)",
-                  file=sys.stderr)
+            print(
+                "error: -m under torchrun: one torchrun runs one job of engine=distributed; sweep with "
+                "hydra/launcher=submitit_slurm (one SLURM job per run), or run the sweep without torchrun "
+                "(python run.py -m engine=distributed workers=N ... launches each run's workers itself)",
+                file=sys.stderr,
+            )
         sys.exit(2)
     if args.cfg and args.multirun:
-        _refuse(f"--cfg with -m: Hydra prints the config of one job, not a sweep's; drop -m to print one job's "
-                f"config (python run.py <overrides> --cfg {args.cfg}), or add plan=true to list every job of the "
-                "sweep and its cost")
+        _refuse(
+            f"--cfg with -m: Hydra prints the config of one job, not a sweep's; drop -m to print one job's "
+            f"config (python run.py <overrides> --cfg {args.cfg}), or add plan=true to list every job of the "
+            "sweep and its cost"
+        )
     missing = _missing_launcher(args.overrides)
     if missing:
         _refuse(missing)
-    if args.help or args.hydra_help or args.version or args.cfg or args.info or args.shell_completion \
-            or args.config_name or args.config_path or args.config_dir or args.experimental_rerun:
+    if (
+        args.help
+        or args.hydra_help
+        or args.version
+        or args.cfg
+        or args.info
+        or args.shell_completion
+        or args.config_name
+        or args.config_path
+        or args.config_dir
+        or args.experimental_rerun
+    ):
         return None
     refusing(composed, base(args.overrides))  # what every job shares; the sweeper composes each job of a sweep
     if not args.multirun:
@@ -139,9 +166,13 @@ def base(overrides: list[str]) -> list[str]:
 
 
 # hydra/launcher options and the extra that installs their plugin
-LAUNCHER_EXTRAS = {"joblib": ("hydra_plugins.hydra_joblib_launcher", "joblib"),
-                   **{name: ("hydra_plugins.hydra_submitit_launcher", "slurm")
-                      for name in ("submitit_local", "submitit_slurm", "distributed_local", "distributed_slurm")}}
+LAUNCHER_EXTRAS = {
+    "joblib": ("hydra_plugins.hydra_joblib_launcher", "joblib"),
+    **{
+        name: ("hydra_plugins.hydra_submitit_launcher", "slurm")
+        for name in ("submitit_local", "submitit_slurm", "distributed_local", "distributed_slurm")
+    },
+}
 
 
 def _missing_launcher(overrides: list[str]) -> str | None:
@@ -154,8 +185,10 @@ def _missing_launcher(overrides: list[str]) -> str | None:
             continue
         module, extra = LAUNCHER_EXTRAS[value]
         if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
-            return (f"hydra/launcher={value} needs a Hydra launcher plugin that is not installed; install it with "
-                    f"pip install -e \".[{extra}]\" (in this project's folder)")
+            return (
+                f"hydra/launcher={value} needs a Hydra launcher plugin that is not installed; install it with "
+                f'pip install -e ".[{extra}]" (in this project\'s folder)'
+            )
     return None
 
 
@@ -223,9 +256,11 @@ def check_run(config: DictConfig, exit_on_plan: bool = True) -> Spec:
     run_dir = Path(os.path.abspath(_named_dir(config, "hydra.run.dir")))
     if not spec.cfg.resume and (run_dir.parent / "multirun.yaml").exists():
         # analysis.load reads every folder of a sweep as one of its jobs: a run started by hand there would count
-        raise Refused(f"hydra.run.dir={run_dir} is a job folder of the sweep in {run_dir.parent} (it has "
-                      "multirun.yaml): a run started there by hand would be counted as one of its jobs; give the run "
-                      "a folder of its own, or finish the sweep with its identical -m command and resume=true")
+        raise Refused(
+            f"hydra.run.dir={run_dir} is a job folder of the sweep in {run_dir.parent} (it has "
+            "multirun.yaml): a run started there by hand would be counted as one of its jobs; give the run "
+            "a folder of its own, or finish the sweep with its identical -m command and resume=true"
+        )
     rundir.check_run_dir(spec, run_dir)
     note = _single_run_note(config)
     if note:
@@ -239,8 +274,10 @@ def _named_dir(config: DictConfig, key: str) -> str:
     where = str(OmegaConf.select(config, key)).strip()
     if where in ("", ".", "./"):
         default = "outputs/<date>/<time>" if key == "hydra.run.dir" else "multirun/<date>/<time>"
-        raise Refused(f"{key}='{where}' is not allowed: it would write the run's files into the current directory "
-                      f"({os.getcwd()}); name a folder of its own (default {default})")
+        raise Refused(
+            f"{key}='{where}' is not allowed: it would write the run's files into the current directory "
+            f"({os.getcwd()}); name a folder of its own (default {default})"
+        )
     return where
 
 
@@ -288,8 +325,12 @@ def check_sweep(config: DictConfig, jobs: list[list[str]], compose_job=None) -> 
     _check_data(specs)
     actions = _check_sweep_dir(config, specs)
     if any(spec.cfg.plan for spec in specs):
-        plan.show(list(zip(jobs, specs, strict=True)), actions=actions, heldout_seeds=heldout_seeds(config),
-                  at_once=jobs_at_once(config))
+        plan.show(
+            list(zip(jobs, specs, strict=True)),
+            actions=actions,
+            heldout_seeds=heldout_seeds(config),
+            at_once=jobs_at_once(config),
+        )
         sys.exit(0)
     return specs
 
@@ -313,19 +354,29 @@ def _check_tasks(config: DictConfig, specs: list[Spec]) -> None:
     tasks = nodes * per
     if tasks == 1:
         return
-    keys = (f"hydra.launcher.tasks_per_node={per}" if nodes == 1 else
-            f"hydra.launcher.nodes x hydra.launcher.tasks_per_node = {nodes} x {per}")
+    keys = (
+        f"hydra.launcher.tasks_per_node={per}"
+        if nodes == 1
+        else f"hydra.launcher.nodes x hydra.launcher.tasks_per_node = {nodes} x {per}"
+    )
     for num, spec in enumerate(specs):
         if spec.engine.name != "distributed":
-            raise ConfigError(f"{keys} starts {tasks} processes for each job, the ranks of one engine=distributed "
-                              f"run, but job {num} is engine={spec.engine.name}, which runs as one process: pass "
-                              "engine=distributed, or hydra.launcher.tasks_per_node=1")
+            raise ConfigError(
+                f"{keys} starts {tasks} processes for each job, the ranks of one engine=distributed "
+                f"run, but job {num} is engine={spec.engine.name}, which runs as one process: pass "
+                "engine=distributed, or hydra.launcher.tasks_per_node=1"
+            )
         if spec.workers + 1 != tasks:
-            fix = (f"hydra.launcher.tasks_per_node={spec.workers + 1}" if nodes == 1 else
-                   f"hydra.launcher.nodes and hydra.launcher.tasks_per_node whose product is {spec.workers + 1}")
-            raise ConfigError(f"{keys} starts {tasks} processes for each job, but job {num} has workers="
-                              f"{spec.workers}, which needs workers + 1 = {spec.workers + 1} (rank 0 is the parameter "
-                              f"server): pass {fix}, or workers={tasks - 1}; sweep workers with one command per value")
+            fix = (
+                f"hydra.launcher.tasks_per_node={spec.workers + 1}"
+                if nodes == 1
+                else f"hydra.launcher.nodes and hydra.launcher.tasks_per_node whose product is {spec.workers + 1}"
+            )
+            raise ConfigError(
+                f"{keys} starts {tasks} processes for each job, but job {num} has workers="
+                f"{spec.workers}, which needs workers + 1 = {spec.workers + 1} (rank 0 is the parameter "
+                f"server): pass {fix}, or workers={tasks - 1}; sweep workers with one command per value"
+            )
     if nodes > 1:
         from gem.engines.distributed.secret import SECRET_ENV, SECRET_HINT, run_secret
 
@@ -335,8 +386,10 @@ def _check_tasks(config: DictConfig, specs: list[Spec]) -> None:
             raise ConfigError(str(e)) from None
         # the jobs inherit this environment (sbatch exports it), or set the secret in their setup lines
         if secret is None and not any(SECRET_ENV in str(line) for line in launcher.get("setup") or []):
-            raise ConfigError(f"hydra.launcher.nodes={nodes}: {SECRET_ENV} is not set, and a launch over several "
-                              f"machines needs the run's secret so that only its own workers can join: {SECRET_HINT}")
+            raise ConfigError(
+                f"hydra.launcher.nodes={nodes}: {SECRET_ENV} is not set, and a launch over several "
+                f"machines needs the run's secret so that only its own workers can join: {SECRET_HINT}"
+            )
 
 
 def _check_sweep_dir(config: DictConfig, specs: list[Spec]) -> list[str] | None:
@@ -346,20 +399,26 @@ def _check_sweep_dir(config: DictConfig, specs: list[Spec]) -> list[str] | None:
     numbered = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir") == "${hydra.job.num}"
     if any(spec.cfg.resume for spec in specs):
         if not numbered:
-            raise Refused("resume=true with -m needs the sweep's jobs in numbered folders "
-                          "(hydra.sweep.subdir=${hydra.job.num}, the default)")
+            raise Refused(
+                "resume=true with -m needs the sweep's jobs in numbered folders "
+                "(hydra.sweep.subdir=${hydra.job.num}, the default)"
+            )
         return _plan_resume(Path(sweep_dir), specs)
     if numbered:
         for num in range(len(specs)):
             job_dir = Path(sweep_dir) / str(num)
             if rundir.in_use(job_dir):
-                raise Refused(f"hydra.sweep.dir={sweep_dir}: job {num}'s directory {job_dir} is in use by another "
-                              "run that is still going; pick another sweep directory")
+                raise Refused(
+                    f"hydra.sweep.dir={sweep_dir}: job {num}'s directory {job_dir} is in use by another "
+                    "run that is still going; pick another sweep directory"
+                )
             st = rundir.status(job_dir)
             if st is not None:  # results are never overwritten
-                raise Refused(f"hydra.sweep.dir={sweep_dir} already holds a sweep: job {num}'s directory holds a "
-                              f"run (status {st}); add resume=true to finish that sweep (the identical -m "
-                              "command), or pick a new sweep directory")
+                raise Refused(
+                    f"hydra.sweep.dir={sweep_dir} already holds a sweep: job {num}'s directory holds a "
+                    f"run (status {st}); add resume=true to finish that sweep (the identical -m "
+                    "command), or pick a new sweep directory"
+                )
     return None
 
 
@@ -367,20 +426,29 @@ def _plan_resume(sweep_dir: Path, specs: list[Spec]) -> list[str]:
     """`-m ... resume=true`: say what happens to each job (experiments.rundir.sweep_action), or refuse the
     whole command before anything runs."""
     if not sweep_dir.is_dir():
-        raise Refused(f"resume=true: hydra.sweep.dir={sweep_dir} does not exist; resuming a sweep needs "
-                      "hydra.sweep.dir=<the folder of the sweep to finish> and the identical -m command")
+        raise Refused(
+            f"resume=true: hydra.sweep.dir={sweep_dir} does not exist; resuming a sweep needs "
+            "hydra.sweep.dir=<the folder of the sweep to finish> and the identical -m command"
+        )
     actions, by = [], {}
     for num, spec in enumerate(specs):
         action, why = rundir.sweep_action(spec, sweep_dir / str(num), num)
         actions.append(action)
         by.setdefault(action, []).append((num, why))
-    words = {"skip": "finished (skipped, left as they are)", "resume": "resume from the last checkpoint",
-             "rerun": "rerun (stopped before a checkpoint; their files move to .superseded/)", "new": "start"}
+    words = {
+        "skip": "finished (skipped, left as they are)",
+        "resume": "resume from the last checkpoint",
+        "rerun": "rerun (stopped before a checkpoint; their files move to .superseded/)",
+        "new": "start",
+    }
     parts = []
     for a in (a for a in words if a in by):
         # the reasons of a resume or rerun say something per job; finished and new jobs are listed as ranges
-        listed = (", ".join(f"{num} ({why})" for num, why in by[a]) if a in ("resume", "rerun")
-                  else _ranges([num for num, _ in by[a]]))
+        listed = (
+            ", ".join(f"{num} ({why})" for num, why in by[a])
+            if a in ("resume", "rerun")
+            else _ranges([num for num, _ in by[a]])
+        )
         parts.append(f"job{'s' if len(by[a]) > 1 else ''} {listed}: {words[a]}")
     print(f"gem: resuming the sweep in {sweep_dir}: " + "; ".join(parts), file=sys.stderr)
     return actions
@@ -455,8 +523,9 @@ def main(cfg: DictConfig) -> dict | None:
         if done is not None:
             return done
     try:
-        summary = runner.run(spec, Path(hc.runtime.output_dir), wandb_group=group, wandb_name=name,
-                             experiment=experiment)
+        summary = runner.run(
+            spec, Path(hc.runtime.output_dir), wandb_group=group, wandb_name=name, experiment=experiment
+        )
     except Refused as e:  # nothing was written; in a sweep the other jobs go on
         print(f"error: {e}", file=sys.stderr, flush=True)
         if not multirun:
@@ -464,9 +533,12 @@ def main(cfg: DictConfig) -> dict | None:
         return None
     except KeyboardInterrupt as e:  # the run directory is already closed, with status failed
         why, code = ("SIGTERM", 143) if isinstance(e, runner.Terminated) else ("Ctrl-C", 130)
-        print(f"gem: interrupted by {why}; the run directory {hc.runtime.output_dir} is closed "
-              f"(status failed, rows up to the interruption kept); "
-              f"{resume_hint(Path(hc.runtime.output_dir), multirun)}", file=sys.stderr)
+        print(
+            f"gem: interrupted by {why}; the run directory {hc.runtime.output_dir} is closed "
+            f"(status failed, rows up to the interruption kept); "
+            f"{resume_hint(Path(hc.runtime.output_dir), multirun)}",
+            file=sys.stderr,
+        )
         sys.exit(code)
     except SystemExit as e:
         if "SUBMITIT_EXECUTOR" not in os.environ:
@@ -475,8 +547,12 @@ def main(cfg: DictConfig) -> dict | None:
         # run directory is closed (status failed), and the requeued job resumes it (hydra_plugins/gem_launcher's
         # checkpoint). Leave at once: tearing the interpreter down under the group's threads aborts the process,
         # and the exit code that asks the local executor for the requeue would be lost
-        print(f"gem: requeued by submitit; the run directory {hc.runtime.output_dir} is closed (status failed), and "
-              "the requeued job resumes it from its last checkpoint", file=sys.stderr, flush=True)
+        print(
+            f"gem: requeued by submitit; the run directory {hc.runtime.output_dir} is closed (status failed), and "
+            "the requeued job resumes it from its last checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.stdout.flush()
         os._exit(e.code if isinstance(e.code, int) else 1)
     print(runner.format_summary(summary), flush=True)
@@ -496,13 +572,17 @@ def resume_hint(run_dir: Path, multirun: bool) -> str:
     except ckpt.CheckpointError:
         step = None
     if multirun:
-        return ("to finish the sweep, run the identical -m command with resume=true (this job "
-                + (f"resumes from its checkpoint at commit {step})" if step is not None else
-                   "starts again: it had no checkpoint yet)"))
+        return "to finish the sweep, run the identical -m command with resume=true (this job " + (
+            f"resumes from its checkpoint at commit {step})"
+            if step is not None
+            else "starts again: it had no checkpoint yet)"
+        )
     if step is None:
         return "it had no checkpoint yet (engine.checkpoint_every), so resume=true cannot continue it: run it again"
-    return (f"to continue from its checkpoint at commit {step}, run the same command with resume=true "
-            f"hydra.run.dir={run_dir}")
+    return (
+        f"to continue from its checkpoint at commit {step}, run the same command with resume=true "
+        f"hydra.run.dir={run_dir}"
+    )
 
 
 def _resume_job(spec: Spec, job_dir: Path, num: int) -> dict | None:
@@ -522,8 +602,10 @@ def _resume_job(spec: Spec, job_dir: Path, num: int) -> dict | None:
         return json.loads((job_dir / "summary.json").read_text())
     if action == "rerun":
         moved = rundir.supersede(job_dir)
-        print(f"gem: job {num} ({job_dir}) stopped before a checkpoint ({why}): rerun; its files are in {moved}",
-              flush=True)
+        print(
+            f"gem: job {num} ({job_dir}) stopped before a checkpoint ({why}): rerun; its files are in {moved}",
+            flush=True,
+        )
     if action in ("new", "rerun"):
         with open_dict(spec.cfg):
             # a fresh run: resume=true means "finish the sweep", not "this run has a checkpoint"

@@ -70,6 +70,7 @@ def _merge_checked(schema, node, prefix: str, what: str):
 
 # Params fields filled from top-level keys rather than from algorithm.*
 
+
 def algorithm_params(cfg: DictConfig):
     """The algorithm's Params dataclass filled from cfg.lr, cfg.momentum (cfg.workers if it has that field)
     and cfg.algorithm.*"""
@@ -80,8 +81,10 @@ def algorithm_params(cfg: DictConfig):
     for k in node:
         if k not in fields or k in TOP_LEVEL_PARAMS:
             allowed = ", ".join(sorted(fields - set(TOP_LEVEL_PARAMS))) or "none"
-            raise ConfigError(f"algorithm.{k} is not a parameter of algorithm={name}; its parameters are: "
-                              f"{allowed} (lr, momentum and workers are top-level keys)")
+            raise ConfigError(
+                f"algorithm.{k} is not a parameter of algorithm={name}; its parameters are: "
+                f"{allowed} (lr, momentum and workers are top-level keys)"
+            )
     top = {k: cfg[k] for k in TOP_LEVEL_PARAMS if k in fields}
     try:
         return _merge_checked(module.Params, {**node, **top}, "algorithm", f"algorithm={name}")
@@ -118,12 +121,13 @@ def validate(cfg: DictConfig, here: bool = True) -> Spec:
     if here:
         _check_device(cfg.device)
     if cfg.precision not in models.PRECISIONS:
-        raise ConfigError(f"precision={cfg.precision} is not allowed; choose one of: {', '.join(models.PRECISIONS)} "
-                          "(bf16: the workers' forward and backward passes; θ and the algorithms stay float32)")
+        raise ConfigError(
+            f"precision={cfg.precision} is not allowed; choose one of: {', '.join(models.PRECISIONS)} "
+            "(bf16: the workers' forward and backward passes; θ and the algorithms stay float32)"
+        )
     hp = algorithm_params(cfg)
     # resolved in place, so that an interpolation there sees the whole config (${every_worker_steps:20})
-    checked = {g: _merge_checked(s, _resolved(cfg[g], g), g, g) for g, s in schema.GROUP_SCHEMAS.items()
-               if g != "data"}
+    checked = {g: _merge_checked(s, _resolved(cfg[g], g), g, g) for g, s in schema.GROUP_SCHEMAS.items() if g != "data"}
     checked["data"] = _check_data(cfg.data)
     eng, checkpoint_every = engine_options(_resolved(cfg.engine, "engine"))
     dat, log = checked["data"], checked["logger"]
@@ -133,13 +137,16 @@ def validate(cfg: DictConfig, here: bool = True) -> Spec:
     want = models.input_shape(module)
     if want is not None and dat.name in fixed and fixed[dat.name] != want:
         name = instantiate.display_name("model", cfg.model)
-        raise ConfigError(f"model={name} expects {'x'.join(map(str, want))} inputs but data={dat.name} gives "
-                          f"{'x'.join(map(str, fixed[dat.name]))}; pick a matching model")
+        raise ConfigError(
+            f"model={name} expects {'x'.join(map(str, want))} inputs but data={dat.name} gives "
+            f"{'x'.join(map(str, fixed[dat.name]))}; pick a matching model"
+        )
     if log.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={log.wandb.mode} is not allowed; choose one of: {', '.join(WANDB_MODES)}")
     if log.tensorboard and importlib.util.find_spec("tensorboard") is None:  # refused before anything is written
-        raise ConfigError("logger.tensorboard=true needs the tensorboard package, which is not installed; "
-                          "pip install tensorboard")
+        raise ConfigError(
+            "logger.tensorboard=true needs the tensorboard package, which is not installed; pip install tensorboard"
+        )
     for key, value, cond, allowed in (
         ("logger.flush_every", log.flush_every, log.flush_every >= 1, "an integer >= 1"),
         ("logger.flush_seconds", log.flush_seconds, log.flush_seconds > 0, "a number > 0"),
@@ -148,8 +155,12 @@ def validate(cfg: DictConfig, here: bool = True) -> Spec:
         ("logger.wandb.log_every", log.wandb.log_every, log.wandb.log_every >= 1, "an integer >= 1"),
         ("data.synthetic.train_size", dat.synthetic.train_size, dat.synthetic.train_size >= 1, "an integer >= 1"),
         ("data.synthetic.val_size", dat.synthetic.val_size, dat.synthetic.val_size >= 1, "an integer >= 1"),
-        ("data.synthetic.test_size", dat.synthetic.test_size, dat.synthetic.test_size >= 0,
-         "an integer >= 0 (0: no test split)"),
+        (
+            "data.synthetic.test_size",
+            dat.synthetic.test_size,
+            dat.synthetic.test_size >= 0,
+            "an integer >= 0 (0: no test split)",
+        ),
         ("data.val_size", dat.val_size, dat.val_size >= 1, "an integer >= 1"),
         ("data.synthetic.num_classes", dat.synthetic.num_classes, dat.synthetic.num_classes >= 2, "an integer >= 2"),
     ):
@@ -164,8 +175,17 @@ def validate(cfg: DictConfig, here: bool = True) -> Spec:
     workers = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
     if here:
         _check_memory(cfg, hp, workers, eng.name, dat, module)
-    return Spec(cfg=cfg, hp=hp, engine=eng, checkpoint_every=checkpoint_every, data=dat, logger=log, model=module,
-                loss=checked["loss"], workers=workers)
+    return Spec(
+        cfg=cfg,
+        hp=hp,
+        engine=eng,
+        checkpoint_every=checkpoint_every,
+        data=dat,
+        logger=log,
+        model=module,
+        loss=checked["loss"],
+        workers=workers,
+    )
 
 
 def engine_options(node: dict) -> tuple[EngineOptions, int]:
@@ -189,7 +209,6 @@ def engine_options(node: dict) -> tuple[EngineOptions, int]:
     return eng, every
 
 
-
 def _resolved(node: DictConfig, prefix: str):
     try:
         return OmegaConf.to_container(node, resolve=True)
@@ -205,41 +224,57 @@ def budget_of(cfg: DictConfig) -> dict:
 
 def _check_budget(cfg: DictConfig) -> None:
     budget, engine, name = budget_of(cfg), cfg.engine.get("name"), cfg.algorithm.get("name")
-    for key, low, allowed in (("worker_steps", 1, "an integer >= 1"), ("commits", 1, "an integer >= 1"),
-                              ("seconds", 0, "a number of seconds > 0"), ("sim_time", 0, "a number > 0")):
+    for key, low, allowed in (
+        ("worker_steps", 1, "an integer >= 1"),
+        ("commits", 1, "an integer >= 1"),
+        ("seconds", 0, "a number of seconds > 0"),
+        ("sim_time", 0, "a number > 0"),
+    ):
         v = budget.get(key)
         if v is not None and not (v >= low and (low or v > 0) and math.isfinite(v)):
             raise ConfigError(f"budget.{key}={v} is not allowed; it must be {allowed}, or null")
     if "seconds" in budget and engine == "sim":
-        raise ConfigError(f"budget.seconds={budget['seconds']} is not allowed on engine=sim: its seconds are this "
-                          "machine's, which the simulation does not model; use budget.sim_time (simulated time, in "
-                          "mean cycles of one local step) or budget.commits")
+        raise ConfigError(
+            f"budget.seconds={budget['seconds']} is not allowed on engine=sim: its seconds are this "
+            "machine's, which the simulation does not model; use budget.sim_time (simulated time, in "
+            "mean cycles of one local step) or budget.commits"
+        )
     if "sim_time" in budget and engine != "sim":
-        raise ConfigError(f"budget.sim_time={budget['sim_time']} is not allowed on engine={engine}: it is the sim "
-                          "engine's clock; use budget.seconds (wall-clock) or budget.commits")
+        raise ConfigError(
+            f"budget.sim_time={budget['sim_time']} is not allowed on engine={engine}: it is the sim "
+            "engine's clock; use budget.seconds (wall-clock) or budget.commits"
+        )
     capped = sorted(k for k in ("commits", "seconds", "sim_time") if k in budget)
     if capped and name == "ssgd":
-        raise ConfigError(f"budget.{capped[0]} is not allowed with algorithm=ssgd: its workers wait for whole rounds, "
-                          "which a cap could stop halfway; give its length in epochs or budget.worker_steps")
+        raise ConfigError(
+            f"budget.{capped[0]} is not allowed with algorithm=ssgd: its workers wait for whole rounds, "
+            "which a cap could stop halfway; give its length in epochs or budget.worker_steps"
+        )
 
 
 def _check_device(device: str) -> None:
     """cpu, cuda (the workers spread over the visible GPUs) or cuda:N (all on GPU N), which must be visible."""
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise ConfigError(f"device={device} is not allowed; use cpu, cuda (workers spread over the visible GPUs) "
-                          "or cuda:N (all workers on GPU N)")
+        raise ConfigError(
+            f"device={device} is not allowed; use cpu, cuda (workers spread over the visible GPUs) "
+            "or cuda:N (all workers on GPU N)"
+        )
     if device == "cpu":
         return
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
-        raise ConfigError(f"device={device}: no CUDA device is visible on this machine (CUDA_VISIBLE_DEVICES="
-                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use device=cpu")
+        raise ConfigError(
+            f"device={device}: no CUDA device is visible on this machine (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use device=cpu"
+        )
     index = int(device.split(":")[1]) if ":" in device else 0
     if index >= count:
-        raise ConfigError(f"device={device}: this machine has {count} visible CUDA device(s), cuda:0 to "
-                          f"cuda:{count - 1}; use one of them, or device=cuda to spread the workers over all")
+        raise ConfigError(
+            f"device={device}: this machine has {count} visible CUDA device(s), cuda:0 to "
+            f"cuda:{count - 1}; use one of them, or device=cuda to spread the workers over all"
+        )
 
 
 def _check_data(node: DictConfig) -> DataConfig:
@@ -248,16 +283,22 @@ def _check_data(node: DictConfig) -> DataConfig:
     if not instantiate.is_instantiated(node):
         dat = _merge_checked(DataConfig, OmegaConf.to_container(node, resolve=True), "data", "data")
         if dat.name not in gdata.DATASETS:
-            raise ConfigError(f"data={dat.name} is not a dataset; choose one of: {', '.join(gdata.DATASETS)}, or "
-                              "data._target_=<a torchvision-style dataset class>")
+            raise ConfigError(
+                f"data={dat.name} is not a dataset; choose one of: {', '.join(gdata.DATASETS)}, or "
+                "data._target_=<a torchvision-style dataset class>"
+            )
         if dat.synthetic.task not in gdata.SYNTHETIC_TASKS:
-            raise ConfigError(f"data.synthetic.task={dat.synthetic.task} is not allowed; choose one of: "
-                              f"{', '.join(gdata.SYNTHETIC_TASKS)}")
+            raise ConfigError(
+                f"data.synthetic.task={dat.synthetic.task} is not allowed; choose one of: "
+                f"{', '.join(gdata.SYNTHETIC_TASKS)}"
+            )
         if not 0 <= dat.synthetic.snr < math.inf:
             raise ConfigError(f"data.synthetic.snr={dat.synthetic.snr} is not allowed; it must be a number >= 0")
         if dat.name == "synthetic" and dat.num_classes != dat.synthetic.num_classes:
-            raise ConfigError(f"data.num_classes={dat.num_classes} but data.synthetic.num_classes="
-                              f"{dat.synthetic.num_classes}; set data.synthetic.num_classes")
+            raise ConfigError(
+                f"data.num_classes={dat.num_classes} but data.synthetic.num_classes="
+                f"{dat.synthetic.num_classes}; set data.synthetic.num_classes"
+            )
         return dat
     target = node.get("_target_")
     try:
@@ -272,21 +313,30 @@ def _check_data(node: DictConfig) -> DataConfig:
     for key in ("train_kwargs", "val_kwargs", "test_kwargs"):
         if node.get(key) is not None and not isinstance(node.get(key), DictConfig):
             raise ConfigError(f"data.{key} must be a mapping of keyword arguments, such as {{train: true}}")
-    splits = {key: OmegaConf.to_container(node[key], resolve=True) if key in node else default
-              for key, default in instantiate.SPLIT_KWARGS}
+    splits = {
+        key: OmegaConf.to_container(node[key], resolve=True) if key in node else default
+        for key, default in instantiate.SPLIT_KWARGS
+    }
     for other in ("train_kwargs", "test_kwargs"):  # validation must be its own data: choices are made on it
         if splits["val_kwargs"] is not None and splits["val_kwargs"] == splits[other]:
-            raise ConfigError(f"data.val_kwargs={splits['val_kwargs']} is not allowed; it loads the same split as "
-                              f"data.{other}, and validation must be data no other split holds: set it to null "
-                              f"(hold out data.val_size examples of the training split) or to another split's "
-                              f"arguments")
+            raise ConfigError(
+                f"data.val_kwargs={splits['val_kwargs']} is not allowed; it loads the same split as "
+                f"data.{other}, and validation must be data no other split holds: set it to null "
+                f"(hold out data.val_size examples of the training split) or to another split's "
+                f"arguments"
+            )
     val_size = node.get("val_size", gdata.VAL_SIZE)
     if not isinstance(val_size, int) or isinstance(val_size, bool) or val_size < 1:
         raise ConfigError(f"data.val_size={val_size} is not allowed; it must be an integer >= 1")
     root = node.get("root")
-    return DataConfig(name=instantiate.display_name("data", node), root=root if isinstance(root, str) else "data",
-                      download=bool(node.get("download", False)), augment=augment, num_classes=num_classes,
-                      val_size=val_size)
+    return DataConfig(
+        name=instantiate.display_name("data", node),
+        root=root if isinstance(root, str) else "data",
+        download=bool(node.get("download", False)),
+        augment=augment,
+        num_classes=num_classes,
+        val_size=val_size,
+    )
 
 
 def _check_memory(cfg: DictConfig, hp, n: int, engine: str, dat, module) -> None:
@@ -321,9 +371,11 @@ def _check_memory(cfg: DictConfig, hp, n: int, engine: str, dat, module) -> None
         return
     what = "virtual workers" if engine == "sim" else "worker processes"
     server_part = f" and the server's {memory.gib(server)}" if server > params * memory.FLOAT else ""
-    raise ConfigError(f"workers={n} is too many for this machine: engine={engine} needs at least "
-                      f"{memory.gib(n * each + once)} ({n} {what} of {memory.gib(each)} each{server_part}) but "
-                      f"{memory.gib(have)} is available; use at most workers={max(1, (have - once) // each)}")
+    raise ConfigError(
+        f"workers={n} is too many for this machine: engine={engine} needs at least "
+        f"{memory.gib(n * each + once)} ({n} {what} of {memory.gib(each)} each{server_part}) but "
+        f"{memory.gib(have)} is available; use at most workers={max(1, (have - once) // each)}"
+    )
 
 
 def check_launch(cfg: DictConfig, engine: str | None = None) -> None:
@@ -339,26 +391,30 @@ def check_launch(cfg: DictConfig, engine: str | None = None) -> None:
     world = int(os.environ["WORLD_SIZE"])
     submitit = "SUBMITIT_EXECUTOR" in os.environ  # a job of several tasks (hydra/launcher=distributed_*)
     if engine != "distributed":
-        raise ConfigError(f"engine={engine}: this process is one of {world} started by a launcher "
-                          + ("(hydra.launcher.nodes x hydra.launcher.tasks_per_node); " if submitit else "(torchrun); ")
-                          + "only engine=distributed runs that way; pass engine=distributed, or "
-                          + ("hydra.launcher.tasks_per_node=1" if submitit else "use python run.py"))
+        raise ConfigError(
+            f"engine={engine}: this process is one of {world} started by a launcher "
+            + ("(hydra.launcher.nodes x hydra.launcher.tasks_per_node); " if submitit else "(torchrun); ")
+            + "only engine=distributed runs that way; pass engine=distributed, or "
+            + ("hydra.launcher.tasks_per_node=1" if submitit else "use python run.py")
+        )
     workers = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
     if workers + 1 != world:
-        raise ConfigError(f"workers={workers} does not match the {world} processes the launcher started: "
-                          f"engine=distributed needs workers + 1 (rank 0 is the parameter server); pass "
-                          f"workers={world - 1} or start {workers + 1} processes "
-                          + ("(hydra.launcher.nodes x hydra.launcher.tasks_per_node)" if submitit
-                             else "(--nproc_per_node)"))
+        raise ConfigError(
+            f"workers={workers} does not match the {world} processes the launcher started: "
+            f"engine=distributed needs workers + 1 (rank 0 is the parameter server); pass "
+            f"workers={world - 1} or start {workers + 1} processes "
+            + ("(hydra.launcher.nodes x hydra.launcher.tasks_per_node)" if submitit else "(--nproc_per_node)")
+        )
 
 
 def check_batch_size(batch_size: int, data: str, train: int | None) -> None:
     """batch_size must fit in a worker's shard: every worker draws from all `train` examples. The command's checks
     make it once the data is on disk (where the size is cheap to read); experiments.job again after loading."""
     if train is not None and batch_size > train:
-        raise ConfigError(f"batch_size={batch_size} is larger than a worker's shard: data={data} has "
-                          f"{train} training examples, and every worker draws from all of them")
-
+        raise ConfigError(
+            f"batch_size={batch_size} is larger than a worker's shard: data={data} has "
+            f"{train} training examples, and every worker draws from all of them"
+        )
 
 
 def data_root(root: str) -> str:
@@ -392,7 +448,6 @@ def one_line(exc: Exception) -> str:
     return f"{key}: {first}" if key and key not in first else first
 
 
-
 def expand(overrides: list[str], multirun: bool) -> list[list[str]]:
     """The override lists of every job a command would launch, including an experiment's sweeper params and
     grids."""
@@ -423,8 +478,9 @@ def jobs_of(params: dict, overrides: list[str], grids: list | None = None) -> li
     jobs, seen = [], set()
     for i, grid in enumerate(grids):
         if not isinstance(grid, Mapping) or not grid:
-            raise ConfigError(f"hydra.sweeper.grids[{i}]={grid} is not allowed; each grid must be a mapping of "
-                              "keys to values (a,b,c)")
+            raise ConfigError(
+                f"hydra.sweeper.grids[{i}]={grid} is not allowed; each grid must be a mapping of keys to values (a,b,c)"
+            )
         for job in _product({**dict(grid), **{k: v for k, v in params.items() if k not in grid}}, overrides):
             if tuple(job) not in seen:
                 seen.add(tuple(job))
@@ -437,8 +493,9 @@ def _product(params: dict, overrides: list[str]) -> list[list[str]]:
 
     # a key given twice keeps its first place and takes its last value, as in Hydra's basic sweeper
     by_key = {}
-    for o in OverridesParser.create().parse_overrides([f"{k}={_sweep_value(v)}" for k, v in params.items()]
-                                                      + list(overrides)):
+    for o in OverridesParser.create().parse_overrides(
+        [f"{k}={_sweep_value(v)}" for k, v in params.items()] + list(overrides)
+    ):
         by_key[o.key_or_group] = o
     values = []
     for o in by_key.values():
@@ -448,8 +505,10 @@ def _product(params: dict, overrides: list[str]) -> list[list[str]]:
         elif o.is_discrete_sweep():
             values.append([f"{key}={v}" for v in o.sweep_string_iterator()])
         else:  # interval(...): a continuous range needs a sweeper that samples it
-            raise ConfigError(f"{o.input_line}: an interval cannot be swept by the basic sweeper; sweep a list "
-                              "(a,b,c), choice(a,b,c) or range(start,stop,step)")
+            raise ConfigError(
+                f"{o.input_line}: an interval cannot be swept by the basic sweeper; sweep a list "
+                "(a,b,c), choice(a,b,c) or range(start,stop,step)"
+            )
     return [list(job) for job in itertools.product(*values)]
 
 
@@ -478,8 +537,10 @@ def composed(overrides: list[str], compose_fn=None) -> DictConfig:
             value = o.value()
             if isinstance(value, str) and value not in options(o.key_or_group):
                 have = options(o.key_or_group)
-                raise ConfigError(f"{o.key_or_group}={value} is not an option; " + (
-                    f"choose one of: {', '.join(have)}" if have else f"no {o.key_or_group} configs exist yet"))
+                raise ConfigError(
+                    f"{o.key_or_group}={value} is not an option; "
+                    + (f"choose one of: {', '.join(have)}" if have else f"no {o.key_or_group} configs exist yet")
+                )
     overrides = [o for o in overrides if not o.startswith("hydra")]
     try:
         return (compose_fn or compose)(overrides)
@@ -490,8 +551,9 @@ def composed(overrides: list[str], compose_fn=None) -> DictConfig:
             choice = [o for o in overrides if o.split("=", 1)[0] == group]
             node = compose(choice)[group]
             what = f"{group}={node.name}" if "name" in node else group
-            line = (f"{line.split(' ', 1)[0]} is not a key of {what}; its keys are: {', '.join(node)}"
-                    + (" (lr, momentum and workers are top-level keys)" if group == "algorithm" else ""))
+            line = f"{line.split(' ', 1)[0]} is not a key of {what}; its keys are: {', '.join(node)}" + (
+                " (lr, momentum and workers are top-level keys)" if group == "algorithm" else ""
+            )
         raise ConfigError(line) from None
 
 

@@ -69,16 +69,22 @@ def model_spec(cfg: DictConfig) -> models.ModelSpec:
     itself: each worker process then builds its model without importing Hydra (a quarter of a second apiece)."""
     node = cfg.model
     if not is_instantiated(node):
-        raise ConfigError("model has no _target_; give model=<one of the configs in conf/model> or "
-                          "model._target_=<import path of a torch.nn.Module>")
+        raise ConfigError(
+            "model has no _target_; give model=<one of the configs in conf/model> or "
+            "model._target_=<import path of a torch.nn.Module>"
+        )
     config = OmegaConf.to_container(node, resolve=True)
-    if "num_classes" in config and _given_by_default(node, "num_classes") and not _takes(config["_target_"],
-                                                                                        "num_classes"):
+    if (
+        "num_classes" in config
+        and _given_by_default(node, "num_classes")
+        and not _takes(config["_target_"], "num_classes")
+    ):
         del config["num_classes"]  # the group's default for gem's own models; this constructor has no such argument
     name = display_name("model", node)
     kwargs = {k: v for k, v in config.items() if k != "_target_"}
-    plain = all(not k.startswith("_") and (v is None or isinstance(v, (str, int, float, bool)))
-                for k, v in kwargs.items())
+    plain = all(
+        not k.startswith("_") and (v is None or isinstance(v, (str, int, float, bool))) for k, v in kwargs.items()
+    )
     if plain:
         try:
             models.locate(config["_target_"])
@@ -147,9 +153,11 @@ def build_meta(cfg: DictConfig) -> torch.nn.Module:
     # has no size until its first forward pass, so each process would find it on its own
     lazy = [name for name, p in module.named_parameters() if isinstance(p, torch.nn.parameter.UninitializedParameter)]
     if lazy:
-        raise ConfigError(f"model._target_={cfg.model.get('_target_')} has lazy parameters ({', '.join(lazy[:3])}"
-                          f"{', ...' if len(lazy) > 3 else ''}): gem needs θ's size when the model is built; give "
-                          "those layers their input sizes (nn.Linear(in_features, ...) instead of nn.LazyLinear)")
+        raise ConfigError(
+            f"model._target_={cfg.model.get('_target_')} has lazy parameters ({', '.join(lazy[:3])}"
+            f"{', ...' if len(lazy) > 3 else ''}): gem needs θ's size when the model is built; give "
+            "those layers their input sizes (nn.Linear(in_features, ...) instead of nn.LazyLinear)"
+        )
     return module
 
 
@@ -160,8 +168,10 @@ def _build_failed(node: DictConfig, e: Exception) -> str:
     text = str(cause).strip().splitlines()
     args = ", ".join(k for k in node if k != "_target_")
     hint = f" (it is given {args}; remove a key with ~model.<key>, add one with +model.<key>=...)" if args else ""
-    return (f"model._target_={node.get('_target_')} could not be built: {type(cause).__name__}: "
-            f"{text[0] if text else ''}{hint}")
+    return (
+        f"model._target_={node.get('_target_')} could not be built: {type(cause).__name__}: "
+        f"{text[0] if text else ''}{hint}"
+    )
 
 
 def resolve_loss(cfg: DictConfig, module: torch.nn.Module) -> str:
@@ -170,8 +180,10 @@ def resolve_loss(cfg: DictConfig, module: torch.nn.Module) -> str:
     if loss is None:
         return models.default_loss(module)
     if loss not in models.LOSSES:
-        raise ConfigError(f"loss={loss} is not allowed; choose one of: {', '.join(models.LOSSES)} "
-                          "(nll: the model outputs log-probabilities; cross_entropy: logits)")
+        raise ConfigError(
+            f"loss={loss} is not allowed; choose one of: {', '.join(models.LOSSES)} "
+            "(nll: the model outputs log-probabilities; cross_entropy: logits)"
+        )
     return str(loss)
 
 
@@ -187,25 +199,36 @@ def check_pairing(spec: models.ModelSpec, loss: str, dataset: gdata.Dataset, see
         out = module(x)
     except Exception as e:  # noqa: BLE001
         first = (str(e).strip().splitlines() or [""])[0]
-        raise ConfigError(f"model={spec.name} cannot take data={dataset.name}'s {shape} inputs "
-                          f"({type(e).__name__}: {first}); pick a model and data that match") from None
+        raise ConfigError(
+            f"model={spec.name} cannot take data={dataset.name}'s {shape} inputs "
+            f"({type(e).__name__}: {first}); pick a model and data that match"
+        ) from None
     if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != len(x):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ConfigError(f"model={spec.name} gives outputs of shape {got} for a batch of {len(x)}; gem trains "
-                          "classifiers: the model must return (batch, classes) scores")
+        raise ConfigError(
+            f"model={spec.name} gives outputs of shape {got} for a batch of {len(x)}; gem trains "
+            "classifiers: the model must return (batch, classes) scores"
+        )
     if out.shape[1] != dataset.num_classes:
         takes = "num_classes" in spec.kwargs or "num_classes" in spec.kwargs.get("config", {})
-        fix = (f"set model.num_classes={dataset.num_classes}" if takes else
-               f"give the model {dataset.num_classes} outputs (its constructor takes no num_classes)")
-        raise ConfigError(f"model={spec.name} has {out.shape[1]} outputs but data={dataset.name} has "
-                          f"{dataset.num_classes} classes; {fix}, or set data.num_classes if the data has "
-                          f"{out.shape[1]} classes")
+        fix = (
+            f"set model.num_classes={dataset.num_classes}"
+            if takes
+            else f"give the model {dataset.num_classes} outputs (its constructor takes no num_classes)"
+        )
+        raise ConfigError(
+            f"model={spec.name} has {out.shape[1]} outputs but data={dataset.name} has "
+            f"{dataset.num_classes} classes; {fix}, or set data.num_classes if the data has "
+            f"{out.shape[1]} classes"
+        )
     if loss == "nll":
         lse = torch.logsumexp(out.float(), dim=1).abs().max().item()
         if lse > 1e-3:
-            raise ConfigError(f"loss=nll needs log-probabilities, but model={spec.name}'s outputs are not (their "
-                              f"logsumexp is {lse:.3g} from 0): use loss=cross_entropy for a model that outputs "
-                              "logits")
+            raise ConfigError(
+                f"loss=nll needs log-probabilities, but model={spec.name}'s outputs are not (their "
+                f"logsumexp is {lse:.3g} from 0): use loss=cross_entropy for a model that outputs "
+                "logits"
+            )
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -233,12 +256,20 @@ def load_data(cfg: DictConfig) -> gdata.Dataset:
                 cause = cause.__cause__
             lines = [x.strip() for x in str(cause).strip().splitlines() if x.strip()] or [""]
             first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "Error downloading x:" + why
-            raise gdata.DatasetMissing(f"data._target_={config.get('_target_')} ({key}={extra}) could not be "
-                                       f"loaded: {type(cause).__name__}: {first}") from None
+            raise gdata.DatasetMissing(
+                f"data._target_={config.get('_target_')} ({key}={extra}) could not be "
+                f"loaded: {type(cause).__name__}: {first}"
+            ) from None
     try:
         train, val, test = splits
-        return gdata.from_datasets(name, train, val, num_classes=int(node.get("num_classes", 10)),
-                                   augment=bool(node.get("augment", False)), test=test,
-                                   val_size=int(node.get("val_size", gdata.VAL_SIZE)))
+        return gdata.from_datasets(
+            name,
+            train,
+            val,
+            num_classes=int(node.get("num_classes", 10)),
+            augment=bool(node.get("augment", False)),
+            test=test,
+            val_size=int(node.get("val_size", gdata.VAL_SIZE)),
+        )
     except ValueError as e:
         raise ConfigError(f"data={name}: {e}") from None

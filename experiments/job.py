@@ -26,9 +26,15 @@ def build_job(spec: Spec, log=print, run_dir: Path | None = None, resume: dict |
         source = None
         dataset = instantiate.load_data(cfg)
     else:  # a built-in loader: a distributed worker on another machine loads it itself
-        source = {"name": d.name, "root": data_root(d.root), "download": d.download,
-                  "synthetic": dataclasses.asdict(d.synthetic), "shape": shape, "augment": d.augment,
-                  "val_size": d.val_size}
+        source = {
+            "name": d.name,
+            "root": data_root(d.root),
+            "download": d.download,
+            "synthetic": dataclasses.asdict(d.synthetic),
+            "shape": shape,
+            "augment": d.augment,
+            "val_size": d.val_size,
+        }
         dataset = gdata.load_dataset(**source)
     model = instantiate.model_spec(cfg)
     # the loaded data meets the model: inputs, number of classes, loss; and the loaded size (cifar10, _target_)
@@ -36,11 +42,27 @@ def build_job(spec: Spec, log=print, run_dir: Path | None = None, resume: dict |
     check_batch_size(cfg.batch_size, d.name, len(dataset.train_y))
     budget = budget_of(cfg)
     check_length(cfg, spec, len(dataset.train_y), budget)
-    return Job(algorithm=spec.algorithm, hp=spec.hp, model=model, data=dataset, workers=spec.workers,
-               batch_size=cfg.batch_size, epochs=cfg.epochs, seed=cfg.seed, device=cfg.device, loss=spec.loss,
-               precision=cfg.precision, engine=spec.engine, eval_every=spec.logger.eval_every,
-               eval_train_size=spec.logger.eval_train_size, run_dir=str(run_dir) if run_dir is not None else None,
-               checkpoint_every=spec.checkpoint_every, resume=resume, data_source=source, budget=budget)
+    return Job(
+        algorithm=spec.algorithm,
+        hp=spec.hp,
+        model=model,
+        data=dataset,
+        workers=spec.workers,
+        batch_size=cfg.batch_size,
+        epochs=cfg.epochs,
+        seed=cfg.seed,
+        device=cfg.device,
+        loss=spec.loss,
+        precision=cfg.precision,
+        engine=spec.engine,
+        eval_every=spec.logger.eval_every,
+        eval_train_size=spec.logger.eval_train_size,
+        run_dir=str(run_dir) if run_dir is not None else None,
+        checkpoint_every=spec.checkpoint_every,
+        resume=resume,
+        data_source=source,
+        budget=budget,
+    )
 
 
 def check_length(cfg, spec: Spec, train: int, budget: dict) -> None:
@@ -52,8 +74,13 @@ def check_length(cfg, spec: Spec, train: int, budget: dict) -> None:
     steps = budget.get("worker_steps") or int(cfg.epochs * batches + 1e-9)
     window = algorithms.get(spec.algorithm).commit_every(spec.hp)
     if steps < max(1, window):
-        given = (f"budget.worker_steps={steps}" if budget.get("worker_steps") else f"epochs={cfg.epochs:g} "
-                 f"({batches} mini-batches of {cfg.batch_size} per epoch of data={spec.data.name})")
-        need = (f"at least {window} (algorithm.window: a worker commits once per window)" if window > 1 else
-                "at least one")
+        given = (
+            f"budget.worker_steps={steps}"
+            if budget.get("worker_steps")
+            else f"epochs={cfg.epochs:g} "
+            f"({batches} mini-batches of {cfg.batch_size} per epoch of data={spec.data.name})"
+        )
+        need = (
+            f"at least {window} (algorithm.window: a worker commits once per window)" if window > 1 else "at least one"
+        )
         raise ConfigError(f"{given} gives each worker {steps} gradient step(s); it needs {need}")

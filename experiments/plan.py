@@ -152,14 +152,16 @@ def job_size(spec, cost: Cost, commit_s: float, job_cores: int | None = None) ->
     window = algo.commit_every(spec.hp)
     budget = budget_of(cfg)
     # the engines' own count of a worker's steps and commits, on a job of this size
-    sized = SimpleNamespace(epochs=cfg.epochs, batch_size=cfg.batch_size,
-                            data=SimpleNamespace(train_y=range(cost.train)), budget=budget)
+    sized = SimpleNamespace(
+        epochs=cfg.epochs, batch_size=cfg.batch_size, data=SimpleNamespace(train_y=range(cost.train)), budget=budget
+    )
     commits = n * commits_per_worker(sized, window)
     steps = n * worker_steps(sized)
     # the caps: budget.commits exactly; budget.sim_time about n·sim_time/λ commits (a worker's cycle of λ local steps
     # takes λ on average); budget.seconds below, on the estimate itself
-    cap = min(budget.get("commits") or commits, int(n * budget["sim_time"] / window) if "sim_time" in budget
-              else commits)
+    cap = min(
+        budget.get("commits") or commits, int(n * budget["sim_time"] / window) if "sim_time" in budget else commits
+    )
     if cap < commits:
         steps, commits = steps * cap // max(1, commits), cap
     evals = commits // cfg.logger.eval_every + 2  # every eval_every commits, at the start and at the end
@@ -176,8 +178,15 @@ def job_size(spec, cost: Cost, commit_s: float, job_cores: int | None = None) ->
         scale = budget["seconds"] / (training + evaluating)
         commits, steps, evals = int(commits * scale), int(steps * scale), int(evals * scale)
         training, evaluating = training * scale, evaluating * scale
-    return {"n": n, "commits": commits, "steps": steps, "evals": evals, "seconds": training + evaluating,
-            "eval_seconds": evaluating, "eval_every": cfg.logger.eval_every}
+    return {
+        "n": n,
+        "commits": commits,
+        "steps": steps,
+        "evals": evals,
+        "seconds": training + evaluating,
+        "eval_seconds": evaluating,
+        "eval_every": cfg.logger.eval_every,
+    }
 
 
 ACTIONS = {"skip": "finished: skipped", "new": "start"}  # how a resumed sweep's plan words rerun, resume and these
@@ -194,12 +203,16 @@ def _swept(jobs) -> set[str]:
             key = key.lstrip("+~")
             values.setdefault(key, set()).add(value)
             present[key] = present.get(key, 0) + 1
-    return {k for k, v in values.items()
-            if (len(v) > 1 or present[k] < len(jobs)) and not k.startswith("hydra")}
+    return {k for k, v in values.items() if (len(v) > 1 or present[k] < len(jobs)) and not k.startswith("hydra")}
 
 
-def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | None = None,
-         heldout_seeds: list[int] | None = None, at_once: int = 1) -> float:
+def show(
+    jobs: list[tuple[list[str], object]],
+    out=print,
+    actions: list[str] | None = None,
+    heldout_seeds: list[int] | None = None,
+    at_once: int = 1,
+) -> float:
     """Print the plan of `jobs` ((overrides, experiments.config.Spec) each); returns the estimated total seconds.
     `actions`: what a resumed sweep does with each job (experiments.rundir.sweep_action); a skipped job costs
     nothing, a resumed one is counted whole (an upper bound). `heldout_seeds`: the sweep is a tuning protocol's
@@ -242,58 +255,78 @@ def show(jobs: list[tuple[list[str], object]], out=print, actions: list[str] | N
         costliest[trial] = max(costliest.get(trial, 0.0), size["seconds"])
     total = sum(r[2]["seconds"] for r in rows)
     width = max(len(r[0]) for r in rows)
-    out(f"gem: plan for {len(rows)} job{'s' if len(rows) != 1 else ''} (plan=true: nothing runs, no directory is "
-        f"made)")
-    out(f"  {'#':>3}  {'job':<{width}}  {'engine':<11} {'n':>4} {'commits':>10} {'grad steps':>11} {'evals':>6} "
-        f"{'estimate':>9} {'of it evals':>11}")
+    out(f"gem: plan for {len(rows)} job{'s' if len(rows) != 1 else ''} (plan=true: nothing runs, no directory is made)")
+    out(
+        f"  {'#':>3}  {'job':<{width}}  {'engine':<11} {'n':>4} {'commits':>10} {'grad steps':>11} {'evals':>6} "
+        f"{'estimate':>9} {'of it evals':>11}"
+    )
     for i, (name, engine, s) in enumerate(rows):
         share = s["eval_seconds"] / s["seconds"] if s["seconds"] > 0 else 0.0
-        out(f"  {i:>3}  {name:<{width}}  {engine:<11} {s['n']:>4} {s['commits']:>10,} {s['steps']:>11,} "
-            f"{s['evals']:>6,} {duration(s['seconds']):>9} {share:>11.0%}")
+        out(
+            f"  {i:>3}  {name:<{width}}  {engine:<11} {s['n']:>4} {s['commits']:>10,} {s['steps']:>11,} "
+            f"{s['evals']:>6,} {duration(s['seconds']):>9} {share:>11.0%}"
+        )
     commits = sum(r[2]["commits"] for i, r in enumerate(rows) if actions is None or actions[i] != "skip")
     left = "" if actions is None else f" for the {sum(a != 'skip' for a in actions)} jobs left to run"
-    out(f"total{left}: {commits:,} commits, about {duration(total)} one job after another on this machine "
-        f"({cores()} cores)")
+    out(
+        f"total{left}: {commits:,} commits, about {duration(total)} one job after another on this machine "
+        f"({cores()} cores)"
+    )
     if at_once > 1 and shared:
         k = min(at_once, len(shared))
         wall = max(sum(shared) / k, max(shared))  # k at a time, and never less than the longest job
         per = max(1, cores() // at_once)
-        out(f"  with {k} jobs at a time (hydra.launcher.n_jobs={at_once}): about {duration(wall)} of wall time, each "
-            f"job on {per} of the {cores()} cores")
+        out(
+            f"  with {k} jobs at a time (hydra.launcher.n_jobs={at_once}): about {duration(wall)} of wall time, each "
+            f"job on {per} of the {cores()} cores"
+        )
     if heldout_seeds:
         held = 2 * len(heldout_seeds) * sum(costliest.values())
-        out(f"then the held-out stage (python -m analysis.tune): at most {2 * len(heldout_seeds) * len(costliest)} "
+        out(
+            f"then the held-out stage (python -m analysis.tune): at most {2 * len(heldout_seeds) * len(costliest)} "
             f"jobs, each algorithm at each n at the paper's setting and at the chosen one on seeds "
             f"{','.join(map(str, heldout_seeds))}, about {duration(held)}; the whole protocol about "
-            f"{duration(total + held)}")
+            f"{duration(total + held)}"
+        )
         total += held
     for key, c in costs.items():
         cfg = next(spec.cfg for _, spec in jobs if _key(spec.cfg) == key)
-        out(f"  calibration: model={display_name('model', cfg.model)} data={display_name('data', cfg.data)} "
+        out(
+            f"  calibration: model={display_name('model', cfg.model)} data={display_name('data', cfg.data)} "
             f"batch_size={cfg.batch_size}: {c.step_s * 1e3:.1f} ms per gradient step on 1 thread, "
-            + (f"and no faster on {cores()} (the cores are busy with other programs: the estimate assumes one "
-               "thread's speed, which a run gets with OMP_NUM_THREADS=1; on every core it may be far slower)"
-               if c.busy else f"{c.step_all_s * 1e3:.1f} ms on {cores()}")
+            + (
+                f"and no faster on {cores()} (the cores are busy with other programs: the estimate assumes one "
+                "thread's speed, which a run gets with OMP_NUM_THREADS=1; on every core it may be far slower)"
+                if c.busy
+                else f"{c.step_all_s * 1e3:.1f} ms on {cores()}"
+            )
             + f"; an evaluation of {c.val:,} + {min(cfg.logger.eval_train_size, c.train):,} examples "
-            f"{(c.val + min(cfg.logger.eval_train_size, c.train)) * c.example_fwd_s:.2f} s")
+            f"{(c.val + min(cfg.logger.eval_train_size, c.train)) * c.example_fwd_s:.2f} s"
+        )
     evaluating = sum(r[2]["eval_seconds"] for i, r in enumerate(rows) if actions is None or actions[i] != "skip")
     if total > 0 and evaluating / total > 0.2:  # the knob that shortens it, named where it matters
         every = sorted({r[2]["eval_every"] for r in rows})
-        out(f"  evaluations are {evaluating / total:.0%} of the estimate ({duration(evaluating)}): each one evaluates "
+        out(
+            f"  evaluations are {evaluating / total:.0%} of the estimate ({duration(evaluating)}): each one evaluates "
             f"the validation split and logger.eval_train_size training examples; logger.eval_every="
             f"{'/'.join(map(str, every))} commits apart now, a larger logger.eval_every (or a smaller "
-            "logger.eval_train_size) makes them fewer (or cheaper)")
+            "logger.eval_train_size) makes them fewer (or cheaper)"
+        )
     slowest: dict[str, float] = {}
     for (_, a), v in commit_s.items():
         slowest[a] = max(v, slowest.get(a, 0.0))
     rules = ", ".join(f"{a} {v * 1e3:.1f} ms" for a, v in slowest.items())
     out(f"  a commit's arithmetic (the algorithm's rules on θ): {rules}")
-    out("  (a lower bound good to about 2x: process start-up, communication and a loaded machine are not counted; "
-        "experiments/plan.py)")
+    out(
+        "  (a lower bound good to about 2x: process start-up, communication and a loaded machine are not counted; "
+        "experiments/plan.py)"
+    )
     if total > WARN_S:
         longest = max(range(len(rows)), key=lambda i: rows[i][2]["seconds"])
-        out(f"gem: warning: this sweep is estimated at {duration(total)}, above {duration(WARN_S)}; its longest job "
+        out(
+            f"gem: warning: this sweep is estimated at {duration(total)}, above {duration(WARN_S)}; its longest job "
             f"is #{longest} ({rows[longest][0]}, {rows[longest][2]['commits']:,} commits, "
             f"{duration(rows[longest][2]['seconds'])}). Consider fewer workers, epochs or seeds, or a _quick "
-            "experiment.")
+            "experiment."
+        )
     return total

@@ -48,8 +48,10 @@ def claim(run_dir: Path, key: str = "hydra.run.dir") -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         unclaim(run_dir)
-        raise Refused(f"{key}={run_dir} is in use by another run that is still going (it holds the directory's "
-                      "lock); wait for it to end, or pick another directory") from None
+        raise Refused(
+            f"{key}={run_dir} is in use by another run that is still going (it holds the directory's "
+            "lock); wait for it to end, or pick another directory"
+        ) from None
     if not os.access(run_dir, os.W_OK | os.X_OK):
         unclaim(run_dir)
         raise Refused(f"{key}={run_dir} is not writable by this user")
@@ -103,10 +105,13 @@ def check_fresh(run_dir: Path, key: str = "hydra.run.dir") -> None:
     if st is None:
         return
     if st == "completed":
-        raise Refused(f"{key}={run_dir} already holds a completed run; pick a new directory (results are never "
-                      "overwritten)")
-    raise Refused(f"{key}={run_dir} already holds a run (status {st}); resume=true continues it from its last "
-                  "checkpoint, or pick a new directory (results are never overwritten)")
+        raise Refused(
+            f"{key}={run_dir} already holds a completed run; pick a new directory (results are never overwritten)"
+        )
+    raise Refused(
+        f"{key}={run_dir} already holds a run (status {st}); resume=true continues it from its last "
+        "checkpoint, or pick a new directory (results are never overwritten)"
+    )
 
 
 def check_run_dir(spec: Spec, run_dir: Path, key: str = "hydra.run.dir") -> dict | None:
@@ -116,8 +121,9 @@ def check_run_dir(spec: Spec, run_dir: Path, key: str = "hydra.run.dir") -> dict
     directory as it was, otherwise."""
     run_dir, cfg = Path(run_dir), spec.cfg
     if cfg.resume and not run_dir.is_dir():  # before claim(), which would create it
-        raise Refused(f"resume=true: {key}={run_dir} does not exist; resume needs {key}=<the directory of the "
-                      "run to continue>")
+        raise Refused(
+            f"resume=true: {key}={run_dir} does not exist; resume needs {key}=<the directory of the run to continue>"
+        )
     claim(run_dir, key)
     try:
         if not cfg.resume:
@@ -142,11 +148,20 @@ def _identity(spec: Spec):
     from experiments.instantiate import display_name
 
     cfg = spec.cfg
-    return SimpleNamespace(algorithm=spec.algorithm, model=display_name("model", cfg.model), loss=spec.loss,
-                           precision=cfg.precision, workers=spec.workers, batch_size=cfg.batch_size,
-                           epochs=cfg.epochs, seed=cfg.seed, device=cfg.device,
-                           data=SimpleNamespace(name=spec.data.name), hp=spec.hp,
-                           engine=spec.engine)
+    return SimpleNamespace(
+        algorithm=spec.algorithm,
+        model=display_name("model", cfg.model),
+        loss=spec.loss,
+        precision=cfg.precision,
+        workers=spec.workers,
+        batch_size=cfg.batch_size,
+        epochs=cfg.epochs,
+        seed=cfg.seed,
+        device=cfg.device,
+        data=SimpleNamespace(name=spec.data.name),
+        hp=spec.hp,
+        engine=spec.engine,
+    )
 
 
 def write_hydra(run_dir: Path, cfg, hydra=None) -> None:
@@ -206,8 +221,11 @@ def config_difference(cfg, run_dir: Path) -> str | None:
     except Exception as e:  # a damaged file: not this command's run
         return f"{saved} is unreadable ({type(e).__name__})"
     ours = _flat(OmegaConf.to_container(cfg, resolve=False))
-    differ = [k for k in sorted(set(theirs) | set(ours))
-              if k.split(".")[0] not in NOT_IDENTITY and theirs.get(k, "<absent>") != ours.get(k, "<absent>")]
+    differ = [
+        k
+        for k in sorted(set(theirs) | set(ours))
+        if k.split(".")[0] not in NOT_IDENTITY and theirs.get(k, "<absent>") != ours.get(k, "<absent>")
+    ]
     if not differ:
         return None
     # a group chosen differently (algorithm=gem there, downpour here) is one difference, not each of its keys
@@ -215,8 +233,11 @@ def config_difference(cfg, run_dir: Path) -> str | None:
     renamed = {k.rsplit(".", 1)[0] for k in differ if k.endswith((".name", "._target_")) and k.count(".") == 1}
     shown = [k for k in differ if k.split(".")[0] not in renamed or k.endswith((".name", "._target_"))]
     shown.sort(key=lambda k: (k.count(".") > 0 and not k.endswith(".name"), k))
-    parts = [f"{k.removesuffix('.name')}: {_shown(theirs.get(k, '<absent>'))} there, "
-             f"{_shown(ours.get(k, '<absent>'))} in this command" for k in shown[:3]]
+    parts = [
+        f"{k.removesuffix('.name')}: {_shown(theirs.get(k, '<absent>'))} there, "
+        f"{_shown(ours.get(k, '<absent>'))} in this command"
+        for k in shown[:3]
+    ]
     more = f"; and {len(shown) - 3} more" if len(shown) > 3 else ""
     return "; ".join(parts) + more
 
@@ -246,8 +267,10 @@ def sweep_action(spec: Spec, job_dir: Path, num: int) -> tuple[str, str]:
         return "new", "not started"
     diff = config_difference(spec.cfg, job_dir)
     if diff is not None:
-        raise Refused(f"resume=true: {where} holds a run of another configuration ({diff}); resume a sweep with "
-                      "the identical -m command, or pick a new hydra.sweep.dir")
+        raise Refused(
+            f"resume=true: {where} holds a run of another configuration ({diff}); resume a sweep with "
+            "the identical -m command, or pick a new hydra.sweep.dir"
+        )
     if st in FINAL:
         return "skip", st
     try:

@@ -85,8 +85,14 @@ def prepare(spec: Spec, run_dir: Path) -> tuple[Job, dict | None]:
         raise Refused(str(e)) from None
 
 
-def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None, wandb_name: str | None = None,
-        experiment: str | None = None, hydra: DictConfig | None = None) -> dict:
+def run(
+    config: DictConfig | Spec,
+    run_dir: Path,
+    wandb_group: str | None = None,
+    wandb_name: str | None = None,
+    experiment: str | None = None,
+    hydra: DictConfig | None = None,
+) -> dict:
     """Run one job and write its directory. Returns the summary. `config`: a composed config
     (experiments.config.compose) or its Spec. Raises Refused (one line) before writing anything when the command
     cannot run; never raises for a failed or diverged run; Ctrl-C and SIGTERM close the run directory (status
@@ -102,40 +108,74 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
     hydra = launched
     job, manifest = prepare(spec, run_dir)
     t0 = time.perf_counter()
-    summary = {"status": "failed", "algorithm": cfg.algorithm.name, "engine": cfg.engine.name,
-               "workers": job.workers, "workers_requested": cfg.workers, "model": job.model.name,
-               "data": job.data.name, "loss": job.loss, "precision": job.precision, "device": job.device,
-               "seed": cfg.seed, "lr": cfg.lr, "momentum": cfg.momentum,
-               "batch_size": cfg.batch_size, "epochs": cfg.epochs,
-               "staleness_model": describe_staleness(job.engine),
-               "steps": 0, "final_train_loss": None, "val_loss": None, "val_accuracy": None,
-               "test_loss": None, "test_accuracy": None,
-               "mean_staleness": None, "wall_time_s": None, "reason": "", "lost_workers": [],
-               "run_dir": str(run_dir), "experiment": experiment,
-               "train_examples": len(job.data.train_y),  # epochs of data = step x batch_size x window / this
-               "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    summary = {
+        "status": "failed",
+        "algorithm": cfg.algorithm.name,
+        "engine": cfg.engine.name,
+        "workers": job.workers,
+        "workers_requested": cfg.workers,
+        "model": job.model.name,
+        "data": job.data.name,
+        "loss": job.loss,
+        "precision": job.precision,
+        "device": job.device,
+        "seed": cfg.seed,
+        "lr": cfg.lr,
+        "momentum": cfg.momentum,
+        "batch_size": cfg.batch_size,
+        "epochs": cfg.epochs,
+        "staleness_model": describe_staleness(job.engine),
+        "steps": 0,
+        "final_train_loss": None,
+        "val_loss": None,
+        "val_accuracy": None,
+        "test_loss": None,
+        "test_accuracy": None,
+        "mean_staleness": None,
+        "wall_time_s": None,
+        "reason": "",
+        "lost_workers": [],
+        "run_dir": str(run_dir),
+        "experiment": experiment,
+        "train_examples": len(job.data.train_y),  # epochs of data = step x batch_size x window / this
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
     recorder = wandb = tensorboard = result = None
     write_failed = False  # a file of the run could not be written: closing the tables fails the same way
     old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm) if _main_thread() else None
     try:
         rundir.write_hydra(run_dir, cfg, hydra)
-        print(f"gem: algorithm={job.algorithm} engine={cfg.engine.name} workers={job.workers} model={job.model.name} "
-              f"data={job.data.name} ({job.data.sizes()}) -> {run_dir}")
+        print(
+            f"gem: algorithm={job.algorithm} engine={cfg.engine.name} workers={job.workers} model={job.model.name} "
+            f"data={job.data.name} ({job.data.sizes()}) -> {run_dir}"
+        )
         log_cfg = cfg.logger
         logged = wandb_logger.config(spec, job, run_dir, experiment, choices)  # every key, its defaults filled in
-        wandb = wandb_logger.start(log_cfg.wandb.mode, run_dir, logged,
-                                   project=log_cfg.wandb.project, entity=log_cfg.wandb.entity,
-                                   group=log_cfg.wandb.group or wandb_group, name=wandb_name)
+        wandb = wandb_logger.start(
+            log_cfg.wandb.mode,
+            run_dir,
+            logged,
+            project=log_cfg.wandb.project,
+            entity=log_cfg.wandb.entity,
+            group=log_cfg.wandb.group or wandb_group,
+            name=wandb_name,
+        )
         if spec.logger.tensorboard:
-            tensorboard = tensorboard_logger.start(run_dir, log_cfg.flush_seconds,
-                                                   resume_step=manifest["step"] if manifest else None)
+            tensorboard = tensorboard_logger.start(
+                run_dir, log_cfg.flush_seconds, resume_step=manifest["step"] if manifest else None
+            )
         total = job.workers * commits_per_worker(job, algorithms.get(job.algorithm).commit_every(job.hp))
         if job.budget.get("commits"):
             total = min(total, int(job.budget["commits"]))
-        recorder = Recorder(run_dir, flush_every=log_cfg.flush_every, flush_seconds=log_cfg.flush_seconds,
-                            sink=fan_out(wandb, tensorboard), sink_every=log_cfg.wandb.log_every,
-                            progress=_progress(total, log_cfg.progress),
-                            resume_step=manifest["step"] if manifest else None)
+        recorder = Recorder(
+            run_dir,
+            flush_every=log_cfg.flush_every,
+            flush_seconds=log_cfg.flush_seconds,
+            sink=fan_out(wandb, tensorboard),
+            sink_every=log_cfg.wandb.log_every,
+            progress=_progress(total, log_cfg.progress),
+            resume_step=manifest["step"] if manifest else None,
+        )
         if manifest:
             print(f"gem: resuming from the checkpoint at commit {manifest['step']} in {manifest['path']}")
         result = engines.get(cfg.engine.name).run(job, recorder)
@@ -154,8 +194,13 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
     except Exception as e:
         interrupt = _interrupt_behind(e)
         if interrupt is not None:  # Ctrl-C or SIGTERM inside compiled code (numba): the interruption, not an error
-            why = ("SIGTERM" if isinstance(interrupt, Terminated) else "Ctrl-C"
-                   if isinstance(interrupt, KeyboardInterrupt) else "exit")
+            why = (
+                "SIGTERM"
+                if isinstance(interrupt, Terminated)
+                else "Ctrl-C"
+                if isinstance(interrupt, KeyboardInterrupt)
+                else "exit"
+            )
             result = Result("failed", recorder.commits if recorder else 0, reason=f"interrupted ({why})")
             raise interrupt from None
         result = Result("failed", recorder.commits if recorder else 0, reason=f"{type(e).__name__}: {e}")
@@ -164,8 +209,10 @@ def run(config: DictConfig | Spec, run_dir: Path, wandb_group: str | None = None
             where.write_text(traceback.format_exc())
         except OSError:
             where = None
-        print(f"error: run failed with {type(e).__name__}: {e}"
-              + (f" (traceback in {where})" if where else ""), file=sys.stderr)
+        print(
+            f"error: run failed with {type(e).__name__}: {e}" + (f" (traceback in {where})" if where else ""),
+            file=sys.stderr,
+        )
     finally:
         if old_sigterm is not None:
             signal.signal(signal.SIGTERM, old_sigterm)
@@ -216,6 +263,7 @@ def _close(recorder: Recorder, summary: dict, result: Result, run_dir: Path, qui
     """Merge the tables, and put the recorded numbers in the summary; a table that lost rows on disk is said.
     `quiet`: the run already ended on a write error, which is its one line and its reason: merging the tables then
     fails on the same disk, and saying so again (twice, for two tables) would only repeat it."""
+
     def fail(why: str) -> None:
         summary["status"] = "failed"
         summary["reason"] = (summary["reason"] + "; " if summary["reason"] else "") + why
@@ -229,15 +277,20 @@ def _close(recorder: Recorder, summary: dict, result: Result, run_dir: Path, qui
             print(f"error: {e}", file=sys.stderr)
     missing = recorder.commits - recorder.rows_on_disk if recorder.rows_on_disk is not None else 0
     if missing > 0:
-        fail(f"metrics.parquet holds {recorder.rows_on_disk} of the {recorder.commits} commit rows recorded: "
-             f"part files were removed from {run_dir / 'metrics.parts'} during the run")
+        fail(
+            f"metrics.parquet holds {recorder.rows_on_disk} of the {recorder.commits} commit rows recorded: "
+            f"part files were removed from {run_dir / 'metrics.parts'} during the run"
+        )
         print(f"error: {summary['reason']}", file=sys.stderr)
     # validation numbers describe the final central variable only: a diverged or failed run has none
     final = summary["status"] == "completed" and recorder.last_eval and recorder.last_eval["step"] == result.steps
     ev = recorder.last_eval if final else {}
-    summary.update(final_train_loss=_finite_or_none(recorder.final_train_loss),
-                   val_loss=_finite_or_none(ev.get("val_loss")), val_accuracy=ev.get("val_accuracy"),
-                   mean_staleness=_finite_or_none(recorder.mean_staleness))
+    summary.update(
+        final_train_loss=_finite_or_none(recorder.final_train_loss),
+        val_loss=_finite_or_none(ev.get("val_loss")),
+        val_accuracy=ev.get("val_accuracy"),
+        mean_staleness=_finite_or_none(recorder.mean_staleness),
+    )
     if not final:  # the test split's numbers, like validation's, describe a completed run's final θ only
         summary.update(test_loss=None, test_accuracy=None)
     else:
@@ -268,8 +321,11 @@ def format_summary(s: dict) -> str:
         f"test accuracy   {num(s.get('test_accuracy'), '.4f')}",
         f"mean staleness  {num(s['mean_staleness'], '.2f')}  ({s.get('staleness_model')})",
         *([f"commit shares   {_shares(s['commit_shares'])}"] if len(s.get("commit_shares") or {}) > 1 else []),
-        *([f"median pi       {s['pi_median']:.3f}  (each commit's median over all elements, averaged over commits)"]
-          if s.get("pi_median") is not None else []),
+        *(
+            [f"median pi       {s['pi_median']:.3f}  (each commit's median over all elements, averaged over commits)"]
+            if s.get("pi_median") is not None
+            else []
+        ),
         f"wall time       {num(s['wall_time_s'], '.1f')} s",
         f"run directory   {s['run_dir']}",
     ]

@@ -18,13 +18,38 @@ from pathlib import Path
 
 import pandas as pd
 
-SUMMARY_COLUMNS = ("status", "reason", "steps", "final_train_loss", "val_loss", "val_accuracy", "test_loss",
-                   "test_accuracy", "mean_staleness", "pi_median", "wall_time_s", "lost_workers", "staleness_model",
-                   "stopped_by")
+SUMMARY_COLUMNS = (
+    "status",
+    "reason",
+    "steps",
+    "final_train_loss",
+    "val_loss",
+    "val_accuracy",
+    "test_loss",
+    "test_accuracy",
+    "mean_staleness",
+    "pi_median",
+    "wall_time_s",
+    "lost_workers",
+    "staleness_model",
+    "stopped_by",
+)
 GROUPS = ("algorithm", "engine", "model", "data", "logger")
 # Summary keys that say what actually ran, over the config's request (a sequential algorithm runs 1 worker, say)
-RAN = ("algorithm", "engine", "workers", "model", "data", "seed", "lr", "momentum", "batch_size", "epochs",
-       "experiment", "train_examples")
+RAN = (
+    "algorithm",
+    "engine",
+    "workers",
+    "model",
+    "data",
+    "seed",
+    "lr",
+    "momentum",
+    "batch_size",
+    "epochs",
+    "experiment",
+    "train_examples",
+)
 
 
 def find_runs(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
@@ -97,8 +122,10 @@ def _summary(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} cannot be read as JSON ({e}); move that run directory aside or delete it") from None
     if not isinstance(summary, dict):
-        raise ValueError(f"{path} holds a JSON {type(summary).__name__}, not a run's summary (an object); move that "
-                         "run directory aside or delete it")
+        raise ValueError(
+            f"{path} holds a JSON {type(summary).__name__}, not a run's summary (an object); move that "
+            "run directory aside or delete it"
+        )
     return summary
 
 
@@ -128,11 +155,13 @@ def _config(path: Path) -> dict:
         node = OmegaConf.load(path)
     except Exception as e:  # noqa: BLE001 - YAML's own errors: a damaged or foreign file
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"{path} cannot be read as YAML ({first}); move that run directory aside or delete it") \
-            from None
+        raise ValueError(
+            f"{path} cannot be read as YAML ({first}); move that run directory aside or delete it"
+        ) from None
     if not isinstance(node, DictConfig):
-        raise ValueError(f"{path} holds a YAML {type(node).__name__}, not a run's config; move that run directory "
-                         "aside or delete it")
+        raise ValueError(
+            f"{path} holds a YAML {type(node).__name__}, not a run's config; move that run directory aside or delete it"
+        )
     if "hydra" in node:
         del node["hydra"]
     try:

@@ -118,8 +118,9 @@ def per_worker(total: int, *, _root_: DictConfig) -> int:
     if n < 1:
         raise ConfigError(f"workers={n} is not allowed; workers must be an integer >= 1")
     if int(total) % n:
-        raise ConfigError(f"per_worker:{total} does not split evenly over workers={n}; "
-                          f"pick workers that divide {total}")
+        raise ConfigError(
+            f"per_worker:{total} does not split evenly over workers={n}; pick workers that divide {total}"
+        )
     return int(total) // n
 
 

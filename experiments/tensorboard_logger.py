@@ -75,8 +75,9 @@ def start(run_dir: Path, flush_seconds: float, resume_step: int | None = None) -
 
         # purge_step, for a resumed run: TensorBoard drops the points the killed run logged at this t and after
         # (rows after the checkpoint, which the resumed run logs again)
-        writer = SummaryWriter(log_dir=str(log_dir), flush_secs=flush_seconds,
-                               purge_step=None if resume_step is None else resume_step + 1)
+        writer = SummaryWriter(
+            log_dir=str(log_dir), flush_secs=flush_seconds, purge_step=None if resume_step is None else resume_step + 1
+        )
     except Exception as e:
         print(f"gem: TensorBoard could not start ({type(e).__name__}: {e}); continuing without it", file=sys.stderr)
         return None

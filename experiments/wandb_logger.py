@@ -96,8 +96,9 @@ def _short(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-def start(mode: str, run_dir: Path, config: dict, project: str = "gem", entity=None, group=None,
-          name: str | None = None) -> WandbLogger | None:
+def start(
+    mode: str, run_dir: Path, config: dict, project: str = "gem", entity=None, group=None, name: str | None = None
+) -> WandbLogger | None:
     global _online_failed, _unavailable
     if mode == "disabled":
         return None
@@ -105,20 +106,33 @@ def start(mode: str, run_dir: Path, config: dict, project: str = "gem", entity=N
         print(f"gem: W&B is unavailable in this process ({_unavailable}); continuing without it", file=sys.stderr)
         return None
     if mode == "online" and not _has_api_key():
-        print("gem: logger.wandb.mode=online but no W&B API key is set (WANDB_API_KEY or ~/.netrc); "
-              "logging offline instead", file=sys.stderr)
+        print(
+            "gem: logger.wandb.mode=online but no W&B API key is set (WANDB_API_KEY or ~/.netrc); "
+            "logging offline instead",
+            file=sys.stderr,
+        )
         mode = "offline"
     if mode == "online" and _online_failed is not None:
-        print(f"gem: W&B online failed earlier in this process ({_online_failed}); logging offline instead",
-              file=sys.stderr)
+        print(
+            f"gem: W&B online failed earlier in this process ({_online_failed}); logging offline instead",
+            file=sys.stderr,
+        )
         mode = "offline"
     os.environ.setdefault("WANDB_SILENT", "true")
     try:
         import wandb
 
-        run = wandb.init(project=project, entity=entity, group=group, name=name, dir=str(run_dir), mode=mode,
-                         config=config, reinit="create_new",
-                         settings=wandb.Settings(init_timeout=20, console="off", x_disable_stats=True))
+        run = wandb.init(
+            project=project,
+            entity=entity,
+            group=group,
+            name=name,
+            dir=str(run_dir),
+            mode=mode,
+            config=config,
+            reinit="create_new",
+            settings=wandb.Settings(init_timeout=20, console="off", x_disable_stats=True),
+        )
     except Exception as e:  # no network, bad key, W&B service failure: the run goes on regardless
         if mode == "online":
             _online_failed = _short(e)
@@ -139,9 +153,18 @@ _launched: dict[str, str] = {}  # a custom sweep directory without multirun.yaml
 # Keys a run's W&B name leaves out: where things are written and how they are logged, not what is run
 _UNNAMED = ("hydra", "logger", "data.root", "data.download", "experiment", "resume", "plan")
 # Override keys shown under their names in the paper; other keys as written (algorithm.* without `algorithm.`)
-_PAPER_TERMS = {"lr": "η", "momentum": "μ", "batch_size": "b", "algorithm.kappa": "κ", "algorithm.window": "λ",
-                "algorithm.rho": "ρ", "algorithm.alpha": "α", "algorithm.beta": "β", "algorithm.pi_max": "π_max",
-                "engine.cycle_cv": "cv"}
+_PAPER_TERMS = {
+    "lr": "η",
+    "momentum": "μ",
+    "batch_size": "b",
+    "algorithm.kappa": "κ",
+    "algorithm.window": "λ",
+    "algorithm.rho": "ρ",
+    "algorithm.alpha": "α",
+    "algorithm.beta": "β",
+    "algorithm.pi_max": "π_max",
+    "engine.cycle_cv": "cv",
+}
 
 
 def launch_time(folder: str | Path, multirun: bool) -> str:
@@ -183,8 +206,12 @@ def run_name(cfg: DictConfig, overrides: list[str]) -> str:
     for override in overrides:
         key, eq, value = override.partition("=")
         key = key.lstrip("+")
-        if not eq or key.startswith("~") or key in ("algorithm", "workers", "seed") or any(
-                key == k or key.startswith(k + ".") for k in _UNNAMED):
+        if (
+            not eq
+            or key.startswith("~")
+            or key in ("algorithm", "workers", "seed")
+            or any(key == k or key.startswith(k + ".") for k in _UNNAMED)
+        ):
             continue
         term = _PAPER_TERMS.get(key) or key.removeprefix("algorithm.")
         (algo if key.startswith("algorithm.") else other).append(f"{term}={value}")
@@ -212,19 +239,34 @@ def _config(spec, job, run_dir: Path, experiment: str | None, choices: dict) -> 
     cfg = spec.cfg
     choices = {k: v for k, v in choices.items() if not k.startswith("hydra/")}
     groups = ("algorithm", "engine", "model", "data", "logger")
-    config = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
-              for k in (f.name for f in dataclasses.fields(Config)) if k not in groups and k in cfg}
+    config = {
+        k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+        for k in (f.name for f in dataclasses.fields(Config))
+        if k not in groups and k in cfg
+    }
     data = {k: v for k, v in dataclasses.asdict(spec.data).items() if k != "_target_"}
     if instantiate.is_instantiated(cfg.data):  # a user's dataset class: its own keyword arguments as given
         data = {**OmegaConf.to_container(cfg.data, resolve=True), **data}
         data.pop("synthetic", None)
-    model = {"name": job.model.name, **OmegaConf.to_container(cfg.model, resolve=True),
-             "parameters": sum(p.numel() for p in spec.model.parameters())}
-    config.update(workers=job.workers, workers_requested=cfg.workers, loss=job.loss,
-                  algorithm={"name": job.algorithm, **{k: v for k, v in dataclasses.asdict(job.hp).items()
-                                                        if k not in TOP_LEVEL_PARAMS}},
-                  engine={**dataclasses.asdict(spec.engine), "checkpoint_every": spec.checkpoint_every}, model=model,
-                  data=data,
-                  logger=dataclasses.asdict(spec.logger), experiment=experiment, choices=choices,
-                  run_dir=str(run_dir))
+    model = {
+        "name": job.model.name,
+        **OmegaConf.to_container(cfg.model, resolve=True),
+        "parameters": sum(p.numel() for p in spec.model.parameters()),
+    }
+    config.update(
+        workers=job.workers,
+        workers_requested=cfg.workers,
+        loss=job.loss,
+        algorithm={
+            "name": job.algorithm,
+            **{k: v for k, v in dataclasses.asdict(job.hp).items() if k not in TOP_LEVEL_PARAMS},
+        },
+        engine={**dataclasses.asdict(spec.engine), "checkpoint_every": spec.checkpoint_every},
+        model=model,
+        data=data,
+        logger=dataclasses.asdict(spec.logger),
+        experiment=experiment,
+        choices=choices,
+        run_dir=str(run_dir),
+    )
     return json.loads(json.dumps(config, default=str))

@@ -34,10 +34,16 @@ MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
-MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-               "t10k-labels-idx1-ubyte")
-CIFAR_FILES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch",
-               "batches.meta")
+MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+CIFAR_FILES = (
+    "data_batch_1",
+    "data_batch_2",
+    "data_batch_3",
+    "data_batch_4",
+    "data_batch_5",
+    "test_batch",
+    "batches.meta",
+)
 
 
 VAL_SIZE = 5000  # data.val_size: training-file examples held out for validation (MNIST's 55,000 / 5,000 split)
@@ -80,8 +86,9 @@ class Dataset:
 
     def for_workers(self) -> Dataset:
         """What a worker needs: the training split. The held-out splits are the coordinator's alone."""
-        return dataclasses.replace(self, val_x=self.val_x[:0].clone(), val_y=self.val_y[:0].clone(),
-                                   test_x=None, test_y=None)
+        return dataclasses.replace(
+            self, val_x=self.val_x[:0].clone(), val_y=self.val_y[:0].clone(), test_x=None, test_y=None
+        )
 
     def batch(self, idx: torch.Tensor, generator: torch.Generator | None = None):
         """The training batch at `idx`, augmented if the dataset asks for it."""
@@ -129,7 +136,7 @@ class WorkerStream:
             self.epoch += 1
             self.pos = 0
             self.perm = torch.randperm(self.n, generator=self.generator)
-        idx = self.perm[self.pos:self.pos + self.batch_size]
+        idx = self.perm[self.pos : self.pos + self.batch_size]
         self.pos += self.batch_size
         return idx
 
@@ -158,9 +165,15 @@ def hold_out(x: torch.Tensor, y: torch.Tensor, val_size: int = VAL_SIZE):
 # --------------------------------------------------------------------------------------------- loaders
 
 
-def load_dataset(name: str, root: str = "data", download: bool = False, synthetic: dict | None = None,
-                 shape: tuple[int, int, int] | None = None, augment: bool = True,
-                 val_size: int = VAL_SIZE) -> Dataset:
+def load_dataset(
+    name: str,
+    root: str = "data",
+    download: bool = False,
+    synthetic: dict | None = None,
+    shape: tuple[int, int, int] | None = None,
+    augment: bool = True,
+    val_size: int = VAL_SIZE,
+) -> Dataset:
     """Load `name` into memory. `shape` is the model's input shape, used by `digits` and `synthetic`; `val_size`:
     the training-file examples `mnist` and `cifar10` hold out for validation (`hold_out`)."""
     if name == "digits":
@@ -210,16 +223,20 @@ def _sklearn_digits():
 
 def _load_failed(what: str, folder: str, files, download: bool, error: Exception) -> DatasetMissing:
     if all(os.path.isfile(os.path.join(folder, f)) for f in files):  # present but unreadable: say so
-        return DatasetMissing(f"data={what}: could not read the files in {folder} "
-                              f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
+        return DatasetMissing(
+            f"data={what}: could not read the files in {folder} "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        )
     return _download_failed(what, folder, files, download)
 
 
 def _download_failed(what: str, folder: str, files, download: bool) -> DatasetMissing:
-    reason, hint = (("download failed", "or run once where the download can reach the internet") if download
-                    else ("data.download=false", "or set data.download=true on a machine with internet"))
-    return DatasetMissing(f"data={what}: files not found in {folder} ({reason}); put {', '.join(files)} there, "
-                          f"{hint}")
+    reason, hint = (
+        ("download failed", "or run once where the download can reach the internet")
+        if download
+        else ("data.download=false", "or set data.download=true on a machine with internet")
+    )
+    return DatasetMissing(f"data={what}: files not found in {folder} ({reason}); put {', '.join(files)} there, {hint}")
 
 
 def load_mnist(root: str, download: bool = False, val_size: int = VAL_SIZE) -> Dataset:
@@ -303,8 +320,16 @@ def load_cifar10(root: str, download: bool = False, augment: bool = True, val_si
     return Dataset("cifar10", tx, ty, vx, vy, augment=augment, test_x=ex, test_y=ey)
 
 
-def make_synthetic(shape=(1, 28, 28), num_classes: int = 10, train_size: int = 5000, val_size: int = 1000,
-                   seed: int = 0, task: str = "teacher", snr: float = 0.5, test_size: int = 1000) -> Dataset:
+def make_synthetic(
+    shape=(1, 28, 28),
+    num_classes: int = 10,
+    train_size: int = 5000,
+    val_size: int = 1000,
+    seed: int = 0,
+    task: str = "teacher",
+    snr: float = 0.5,
+    test_size: int = 1000,
+) -> Dataset:
     """A learnable image task of any shape. The same `seed` gives the same data everywhere.
 
     Images are smooth: Gaussian noise on an 8×8 grid, upsampled to the requested size, so that conv nets have
@@ -339,8 +364,16 @@ def make_synthetic(shape=(1, 28, 28), num_classes: int = 10, train_size: int = 5
     mean, std = x.mean(), x.std()
     x = (x - mean) / std
     test_x = (F.interpolate(test_latent, size=(h, w), mode="bilinear", align_corners=False) - mean) / std
-    return Dataset("synthetic", x[:train_size].contiguous(), y[:train_size], x[train_size:].contiguous(),
-                   y[train_size:], num_classes=num_classes, test_x=test_x.contiguous(), test_y=test_y)
+    return Dataset(
+        "synthetic",
+        x[:train_size].contiguous(),
+        y[:train_size],
+        x[train_size:].contiguous(),
+        y[train_size:],
+        num_classes=num_classes,
+        test_x=test_x.contiguous(),
+        test_y=test_y,
+    )
 
 
 SYNTHETIC_TASKS = ("teacher", "prototypes")
@@ -375,9 +408,11 @@ class TensorFile:
         arrays = _read_arrays(path)
         keys = next((k for k in TRAIN_KEYS if k[0] in arrays and k[1] in arrays), None)
         if keys is None:
-            raise ValueError(f"{path} has no training arrays (it has: {', '.join(sorted(arrays)) or 'none'}); it "
-                             "needs x and y (or x_train and y_train), optionally x_val and y_val, and x_test and "
-                             "y_test")
+            raise ValueError(
+                f"{path} has no training arrays (it has: {', '.join(sorted(arrays)) or 'none'}); it "
+                "needs x and y (or x_train and y_train), optionally x_val and y_val, and x_test and "
+                "y_test"
+            )
         val = next((k for k in VAL_KEYS if k[0] in arrays and k[1] in arrays), None)
         test = next((k for k in TEST_KEYS if k[0] in arrays and k[1] in arrays), None)
         x, y = torch.as_tensor(arrays[keys[0]]), torch.as_tensor(arrays[keys[1]])
@@ -398,10 +433,16 @@ class TensorFile:
             x, y = x[idx], y[idx]
         if split == "val":
             n = len(arrays[keys[1]])
-            where = (f"validating on {val[0]}/{val[1]} ({len(y)})" if val is not None else
-                     f"validating on {len(y)} of them (val_fraction {val_fraction}: no x_val/y_val or x_valid/y_valid)")
-            tested = (f"testing on {test[0]}/{test[1]} ({len(arrays[test[1]])})" if test is not None else
-                      "no test split (no x_test/y_test)")
+            where = (
+                f"validating on {val[0]}/{val[1]} ({len(y)})"
+                if val is not None
+                else f"validating on {len(y)} of them (val_fraction {val_fraction}: no x_val/y_val or x_valid/y_valid)"
+            )
+            tested = (
+                f"testing on {test[0]}/{test[1]} ({len(arrays[test[1]])})"
+                if test is not None
+                else "no test split (no x_test/y_test)"
+            )
             print(f"gem: {path}: training on {keys[0]}/{keys[1]} ({n} examples), {where}, {tested}", flush=True)
         if len(x) != len(y):
             raise ValueError(f"{path}: {len(x)} inputs but {len(y)} labels")
@@ -455,8 +496,9 @@ def _inputs(ds) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.as_tensor(np.asarray(y), dtype=torch.int64)
 
 
-def from_datasets(name: str, train, val, num_classes: int, augment: bool = False, test=None,
-                  val_size: int = VAL_SIZE) -> Dataset:
+def from_datasets(
+    name: str, train, val, num_classes: int, augment: bool = False, test=None, val_size: int = VAL_SIZE
+) -> Dataset:
     """Torchvision-style datasets (items `(input, label)`; inputs PIL images, arrays or tensors) in memory.
 
     `val` None: a fixed `val_size` of the training split is held out for validation (`hold_out`). `test` None or
@@ -482,8 +524,10 @@ def from_datasets(name: str, train, val, num_classes: int, augment: bool = False
             continue
         lo, hi = int(y.min()), int(y.max())
         if lo < 0 or hi >= num_classes:
-            raise ValueError(f"{split} labels run from {lo} to {hi}, outside 0..{num_classes - 1}; set "
-                             f"data.num_classes to the number of classes")
+            raise ValueError(
+                f"{split} labels run from {lo} to {hi}, outside 0..{num_classes - 1}; set "
+                f"data.num_classes to the number of classes"
+            )
     scale = 255.0 if not tx.is_floating_point() else 1.0
     tx, vx = tx.to(torch.float32) / scale, vx.to(torch.float32) / scale
     dims = [0] + list(range(2, tx.dim()))
@@ -493,8 +537,17 @@ def from_datasets(name: str, train, val, num_classes: int, augment: bool = False
         raise ValueError("augment=true crops and flips images: it needs (N, C, H, W) inputs")
     if ex is not None:
         ex = ((ex.to(torch.float32) / scale - mean) / std).contiguous()
-    return Dataset(name, ((tx - mean) / std).contiguous(), ty, ((vx - mean) / std).contiguous(), vy,
-                   num_classes=num_classes, augment=augment, test_x=ex, test_y=ey)
+    return Dataset(
+        name,
+        ((tx - mean) / std).contiguous(),
+        ty,
+        ((vx - mean) / std).contiguous(),
+        vy,
+        num_classes=num_classes,
+        augment=augment,
+        test_x=ex,
+        test_y=ey,
+    )
 
 
 # ------------------------------------------------------------------------ cheap checks before loading

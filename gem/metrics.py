@@ -65,7 +65,8 @@ class PartWriter:
         """Keep only rows with `step` <= step, merged into the final file: a resumed run starts from a
         checkpoint at that step, so rows written after it by the killed attempt would be duplicates."""
         files = ([self.final] if self.final.exists() else []) + (
-            sorted(self.parts.glob("part-*.parquet")) if self.parts.exists() else [])
+            sorted(self.parts.glob("part-*.parquet")) if self.parts.exists() else []
+        )
         if files:
             table = pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive")
             frame = table.to_pandas()
@@ -129,16 +130,23 @@ class Recorder:
     once per commit.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, flush_every: int = 1000, flush_seconds: float = 30.0,
-                 sink: Sink | None = None, progress=None, sink_every: int = 1,
-                 resume: bool = False, resume_step: int | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        flush_every: int = 1000,
+        flush_seconds: float = 30.0,
+        sink: Sink | None = None,
+        progress=None,
+        sink_every: int = 1,
+        resume: bool = False,
+        resume_step: int | None = None,
+    ):
         """`resume_step`: continue a run from its checkpoint at that commit: rows after it are dropped and
         the running totals are rebuilt from the rows kept."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resume = resume or resume_step is not None
-        self.writers = {name: PartWriter(self.run_dir, name, resume=resume, keep_until=resume_step)
-                        for name in TABLES}
+        self.writers = {name: PartWriter(self.run_dir, name, resume=resume, keep_until=resume_step) for name in TABLES}
         self.flush_every, self.flush_seconds = flush_every, flush_seconds
         self.sink, self.sink_every, self.progress = sink, max(1, sink_every), progress
         self.losses: list[float] = []

@@ -78,15 +78,27 @@ class AlexNetCifar(nn.Module):
     def __init__(self, num_classes: int = 10):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 64, kernel_size=3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(64, 192, kernel_size=3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(192, 384, kernel_size=3, padding=1), nn.ReLU(inplace=True),
-            nn.Conv2d(384, 256, kernel_size=3, padding=1), nn.ReLU(inplace=True),
-            nn.Conv2d(256, 256, kernel_size=3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(3, 64, kernel_size=3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 192, kernel_size=3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(192, 384, kernel_size=3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(384, 256, kernel_size=3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(256, 256, kernel_size=3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
         )
         self.classifier = nn.Sequential(
-            nn.Dropout(0.5), nn.Linear(256 * 4 * 4, 1024), nn.ReLU(inplace=True),
-            nn.Dropout(0.5), nn.Linear(1024, 1024), nn.ReLU(inplace=True),
+            nn.Dropout(0.5),
+            nn.Linear(256 * 4 * 4, 1024),
+            nn.ReLU(inplace=True),
+            nn.Dropout(0.5),
+            nn.Linear(1024, 1024),
+            nn.ReLU(inplace=True),
             nn.Linear(1024, num_classes),
         )
         hidden = [m for m in self.modules() if isinstance(m, (nn.Conv2d, nn.Linear))][:-1]
@@ -147,8 +159,9 @@ def build_model(model: str | ModelSpec, num_classes: int = 10) -> nn.Module:
     if isinstance(model, ModelSpec):
         module = locate(model.factory)(**model.kwargs)
         if not isinstance(module, nn.Module):
-            raise TypeError(f"model {model.name}: {model.factory} returned a {type(module).__name__}, not a "
-                            "torch.nn.Module")
+            raise TypeError(
+                f"model {model.name}: {model.factory} returned a {type(module).__name__}, not a torch.nn.Module"
+            )
         return module
     if model not in MODELS:
         raise ValueError(f"model={model} is not a model; choose one of: {', '.join(sorted(MODELS))}")
@@ -193,8 +206,9 @@ class FlatModel:
     everything the algorithms compute stay float32.
     """
 
-    def __init__(self, module: nn.Module, device: torch.device | str = "cpu", loss: str = "nll",
-                 precision: str = "fp32"):
+    def __init__(
+        self, module: nn.Module, device: torch.device | str = "cpu", loss: str = "nll", precision: str = "fp32"
+    ):
         if loss not in LOSSES:
             raise ValueError(f"loss={loss} is not allowed; choose one of: {', '.join(LOSSES)}")
         if precision not in PRECISIONS:
@@ -218,8 +232,9 @@ class FlatModel:
             p.grad = self.grad[view].view_as(p)
             self.slices.append(view)
             offset += k
-        self.norms = [m for m in self.module.modules()
-                      if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+        self.norms = [
+            m for m in self.module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+        ]
 
     @property
     def numel(self) -> int:
@@ -260,7 +275,7 @@ class FlatModel:
             m.train()
         try:
             for i in range(0, len(x), batch_size):
-                self.module(x[i:i + batch_size].to(self.device, non_blocking=True))
+                self.module(x[i : i + batch_size].to(self.device, non_blocking=True))
         finally:
             for m, momentum in zip(self.norms, saved, strict=True):
                 m.momentum = momentum
@@ -272,8 +287,8 @@ class FlatModel:
         self.module.eval()
         total_loss, correct = 0.0, 0
         for i in range(0, len(x), batch_size):
-            xb = x[i:i + batch_size].to(self.device, non_blocking=True)
-            yb = y[i:i + batch_size].to(self.device, non_blocking=True)
+            xb = x[i : i + batch_size].to(self.device, non_blocking=True)
+            yb = y[i : i + batch_size].to(self.device, non_blocking=True)
             out = self.module(xb)
             total_loss += self.loss_fn(out, yb, reduction="sum").item()
             correct += (out.argmax(1) == yb).sum().item()

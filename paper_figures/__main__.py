@@ -66,8 +66,9 @@ def draw_all(root, out: Path, target: float | None = None, band="minmax", target
             print(f"{fig_id}: {', '.join(map(str, paths))}  (from {where}: {load.describe(load.runs(run_dirs))})")
             drawn += 1
         except Exception as e:  # one figure's problem must not stop the others
-            print(f"{fig_id}: not drawn, {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-                  f"(runs in {where})")
+            print(
+                f"{fig_id}: not drawn, {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (runs in {where})"
+            )
             missing += 1
     return drawn, missing
 
@@ -79,10 +80,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("figures"), help="output folder (default: ./figures)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--target", type=float, help="baselines report: one validation-loss target for every workload")
-    group.add_argument("--target-from", metavar="SWEEP_OR_CSV",
-                       help="baselines report: targets announced before (a tuning sweep's targets.csv)")
-    p.add_argument("--band", choices=["minmax", "ci", "none"], default="minmax",
-                   help="the band around each mean over seeds: min–max (default), 95%% t interval, or none")
+    group.add_argument(
+        "--target-from",
+        metavar="SWEEP_OR_CSV",
+        help="baselines report: targets announced before (a tuning sweep's targets.csv)",
+    )
+    p.add_argument(
+        "--band",
+        choices=["minmax", "ci", "none"],
+        default="minmax",
+        help="the band around each mean over seeds: min–max (default), 95%% t interval, or none",
+    )
     args = p.parse_args(argv)
     band = None if args.band == "none" else args.band
     try:

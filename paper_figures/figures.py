@@ -27,20 +27,47 @@ class NoRuns(ValueError):
 
 # The experiments whose sweeps each figure reads, in order of preference (`<name>_quick` counts as <name>).
 SOURCES = {
-    "fig1": ("fig1",), "fig2": ("fig2",), "fig3": ("fig3", "fig1"), "fig3_cv": ("fig3_cv",), "fig4": ("fig4",),
-    "fig5": ("fig5",), "fig6": ("fig6",), "fig7": ("fig7", "fig9_10"), "fig8": ("fig8",), "fig9": ("fig9_10", "fig7"),
-    "fig10": ("fig9_10", "fig7"), "fig9_10": ("fig9_10", "fig7"), "baselines": ("baselines",),
+    "fig1": ("fig1",),
+    "fig2": ("fig2",),
+    "fig3": ("fig3", "fig1"),
+    "fig3_cv": ("fig3_cv",),
+    "fig4": ("fig4",),
+    "fig5": ("fig5",),
+    "fig6": ("fig6",),
+    "fig7": ("fig7", "fig9_10"),
+    "fig8": ("fig8",),
+    "fig9": ("fig9_10", "fig7"),
+    "fig10": ("fig9_10", "fig7"),
+    "fig9_10": ("fig9_10", "fig7"),
+    "baselines": ("baselines",),
 }
-COMMIT_COLUMNS = ["algorithm", "workers", "seed", "status", "experiment", "algorithm.kappa", "algorithm.window", "lr",
-                  "engine.staleness", "engine.cycle_cv", "staleness_model",
-                  "data", "engine", "epochs", "steps", "batch_size", "train_examples"]
+COMMIT_COLUMNS = [
+    "algorithm",
+    "workers",
+    "seed",
+    "status",
+    "experiment",
+    "algorithm.kappa",
+    "algorithm.window",
+    "lr",
+    "engine.staleness",
+    "engine.cycle_cv",
+    "staleness_model",
+    "data",
+    "engine",
+    "epochs",
+    "steps",
+    "batch_size",
+    "train_examples",
+]
 
 
 WALL_CLOCK = ("process", "distributed")  # the engines whose time_s is wall-clock seconds
 
 
-def load_for(fig_id: str, paths, keys, algorithms=None, table: str = "metrics",
-             need: str = "") -> tuple[pd.DataFrame, pd.DataFrame]:
+def load_for(
+    fig_id: str, paths, keys, algorithms=None, table: str = "metrics", need: str = ""
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The rows of `table` a figure draws, those of `algorithms` (all if None), and the `load.runs` frame of the
     same runs: every run, also one killed before it wrote a row, which the title counts. Refused with one line
     when there are none (`need` says what the figure needs), or when runs sharing `keys` differ in more than the
@@ -60,8 +87,10 @@ def wall_clock(fig_id: str, r: pd.DataFrame) -> None:
     engines = sorted(set(r["engine"].dropna().map(str)) - set(WALL_CLOCK)) if "engine" in r else []
     if engines:
         clock = "the simulator's clock" if engines == ["sim"] else "not measured by a wall clock"
-        raise NoRuns(f"{fig_id} plots wall-clock seconds, but these runs ran on engine={'/'.join(engines)}, whose "
-                     f"time_s is {clock}, not wall-clock; pass runs of engine={' or engine='.join(WALL_CLOCK)}")
+        raise NoRuns(
+            f"{fig_id} plots wall-clock seconds, but these runs ran on engine={'/'.join(engines)}, whose "
+            f"time_s is {clock}, not wall-clock; pass runs of engine={' or engine='.join(WALL_CLOCK)}"
+        )
 
 
 def check(fig_id: str, r: pd.DataFrame, keys) -> None:
@@ -70,8 +99,10 @@ def check(fig_id: str, r: pd.DataFrame, keys) -> None:
     bad = load.varying(r, keys)
     if bad:
         values = ", ".join(f"{c} = {'/'.join(sorted(map(str, r[c].dropna().unique())))}" for c in bad[:3])
-        raise NoRuns(f"{fig_id} averages the runs with the same {', '.join(keys)} over seeds, but these runs also "
-                     f"differ in {values}; pass run or sweep folders that differ only in {', '.join(keys)} and seed")
+        raise NoRuns(
+            f"{fig_id} averages the runs with the same {', '.join(keys)} over seeds, but these runs also "
+            f"differ in {values}; pass run or sweep folders that differ only in {', '.join(keys)} and seed"
+        )
     repeated = load.repeated_seeds(r, keys)
     if repeated:
         raise NoRuns(f"{fig_id}: {repeated}")
@@ -86,8 +117,12 @@ def left_out(r: pd.DataFrame, frame: pd.DataFrame) -> str:
     s = plots.statuses(r)
     drawn = set(frame["run_dir"]) if "run_dir" in frame else set()
     unfinished, diverged = [], []
-    for status in ["incomplete", "failed", *sorted(set(s) - {"incomplete", "failed", "diverged", "completed"}),
-                   "diverged"]:
+    for status in [
+        "incomplete",
+        "failed",
+        *sorted(set(s) - {"incomplete", "failed", "diverged", "completed"}),
+        "diverged",
+    ]:
         runs = r.loc[s == status, "run_dir"]
         if len(runs):
             (diverged if status == "diverged" else unfinished).append(f"{len(runs)} {status}")
@@ -96,15 +131,27 @@ def left_out(r: pd.DataFrame, frame: pd.DataFrame) -> str:
     silent = int((~r.loc[~s.isin(["completed", "diverged"]), "run_dir"].isin(drawn)).sum())
     parts = []
     if unfinished:
-        parts.append(", ".join(unfinished) + " (drawn dotted" + (f"; {silent} without a row yet, not drawn" if silent
-                                                               else "") + ")")
+        parts.append(
+            ", ".join(unfinished)
+            + " (drawn dotted"
+            + (f"; {silent} without a row yet, not drawn" if silent else "")
+            + ")"
+        )
     if diverged:
         parts.append(diverged[0] + " (drawn dashed, ×)")
     return "left out of the means: " + "; ".join(parts)
 
 
-def _finish(fig, number: str, what: str, frame: pd.DataFrame, r: pd.DataFrame | None = None,
-            band="minmax", notes=(), curves: bool = True):
+def _finish(
+    fig,
+    number: str,
+    what: str,
+    frame: pd.DataFrame,
+    r: pd.DataFrame | None = None,
+    band="minmax",
+    notes=(),
+    curves: bool = True,
+):
     """Title the figure with its number and what it shows, then what the runs were (data, engine, seeds, quick
     or full), what its lines and bands are (`band`; a figure without `curves`, a heatmap, says nothing
     of them), how many runs of `r` it left out of the means and why, and any `notes`; and lay it out."""
@@ -173,8 +220,13 @@ def fig1(paths, band="minmax"):
     """(a–c) training loss against worker steps for GEM, DOWNPOUR and adaptive, one line per n; (d) the final
     loss against n. An algorithm without runs (a sweep still running) keeps its panel, which says so."""
     algos = ("gem", "downpour", "adaptive")
-    m, r = load_for("fig1", paths, ["algorithm", "workers"], list(algos),
-                    need="fig1 needs the runs of a fig1 sweep (gem, downpour, adaptive × n)")
+    m, r = load_for(
+        "fig1",
+        paths,
+        ["algorithm", "workers"],
+        list(algos),
+        need="fig1 needs the runs of a fig1 sweep (gem, downpour, adaptive × n)",
+    )
     fig, axes = grid(4, width=5.2, height=4.1)
     palette = plots.colours(sorted(m["workers"].unique()))
     for ax, a in zip(axes[:3], algos, strict=True):
@@ -190,8 +242,9 @@ def fig1(paths, band="minmax"):
     axes[3].set_title("final loss (last 10% of commits)")
     plots.legend(axes[3], fontsize=8)
     gap = gaps(m, "algorithm", "workers", lambda a, n: f"{a} at n = {n}")
-    return _finish(fig, "Fig. 1", "training loss against worker steps, and the final loss against n", m, r, band,
-                   notes=[gap])
+    return _finish(
+        fig, "Fig. 1", "training loss against worker steps, and the final loss against n", m, r, band, notes=[gap]
+    )
 
 
 def fig2(paths, band="minmax"):
@@ -219,14 +272,19 @@ def fig3(paths, band="minmax"):
     fig, axes = grid(4, width=5.4, height=4.2)
     palette = plots.colours(sorted(m["workers"].unique()))
     plots.curves(m, axes[0], x="worker_step", y="pi_median", hue="workers", log=False, palette=palette, band=band)
-    plots.curves(m, axes[1], x="worker_step", y="pi_zero_frac", hue="workers", log=False, palette=palette,
-                 band=band)
+    plots.curves(m, axes[1], x="worker_step", y="pi_zero_frac", hue="workers", log=False, palette=palette, band=band)
     axes[1].set_ylabel("fraction of π clamped to 0")
     plots.legend(axes[0], fontsize=8)
     by_tau(m, axes[2], axes[3], palette)
-    return _finish(fig, "Fig. 3", "GEM's median π (each commit's median over all elements), by worker step and by "
-                   "the commit's own staleness", m, r, band,
-                   notes=["bottom row: pooled over the commits of the completed runs"])
+    return _finish(
+        fig,
+        "Fig. 3",
+        "GEM's median π (each commit's median over all elements), by worker step and by the commit's own staleness",
+        m,
+        r,
+        band,
+        notes=["bottom row: pooled over the commits of the completed runs"],
+    )
 
 
 def by_tau(m: pd.DataFrame, ax_median, ax_zero, palette: dict) -> None:
@@ -255,10 +313,16 @@ def fig3_cv(paths, band="minmax"):
     m, r = load_for("fig3_cv", paths, ["engine.cycle_cv", "workers"], ["gem"], need=need)
     other = sorted(set(m["engine.staleness"].dropna()) - {"gamma"})
     if other:  # engine.cycle_cv is a setting of the gamma model only: another model's runs have no CV to plot at
-        raise NoRuns(f"fig3_cv plots gamma runs by their engine.cycle_cv, but some of these runs have "
-                     f"engine.staleness={'/'.join(other)}; pass the runs of a fig3_cv sweep")
-    per = (pi.settled(m).groupby(["engine.cycle_cv", "workers", "run_dir"])[["pi_median", "pi_zero_frac"]].mean()
-           .reset_index())
+        raise NoRuns(
+            f"fig3_cv plots gamma runs by their engine.cycle_cv, but some of these runs have "
+            f"engine.staleness={'/'.join(other)}; pass the runs of a fig3_cv sweep"
+        )
+    per = (
+        pi.settled(m)
+        .groupby(["engine.cycle_cv", "workers", "run_dir"])[["pi_median", "pi_zero_frac"]]
+        .mean()
+        .reset_index()
+    )
     if per.empty:
         raise NoRuns(need)
     fig, axes = grid(4, width=5.4, height=4.2)
@@ -269,8 +333,17 @@ def fig3_cv(paths, band="minmax"):
             rows = [(n, *plots.bar(h[y], band)) for n, h in g.groupby("workers")]
             ns, mean, lo, hi, k = (np.array(c) for c in zip(*rows, strict=True))
             ks = plots.seeds_text(int(k[0])) if len(set(k)) == 1 else f"{k.min()}–{k.max()} seeds"
-            ax.errorbar(ns, mean, yerr=[mean - lo, hi - mean], color=pal_cv[cv], marker="o", ms=4, capsize=3, lw=1.2,
-                        label=f"CV = {cv:g}" + (" (round robin)" if cv == 0 else "") + f", {ks}")
+            ax.errorbar(
+                ns,
+                mean,
+                yerr=[mean - lo, hi - mean],
+                color=pal_cv[cv],
+                marker="o",
+                ms=4,
+                capsize=3,
+                lw=1.2,
+                label=f"CV = {cv:g}" + (" (round robin)" if cv == 0 else "") + f", {ks}",
+            )
     ns = sorted(per["workers"].unique())
     axes[0].plot(list(PAPER_FIG3), list(PAPER_FIG3.values()), "kx", ms=9, mew=2, label="paper (read off Fig. 3)")
     axes[0].set_ylabel("median π\n(mean over the second half of a run)")
@@ -283,10 +356,18 @@ def fig3_cv(paths, band="minmax"):
     by_tau(m, axes[2], axes[3], plots.colours(ns))
     kind = plots.band_kind(band)
     what = "points: mean over the completed seeds (how many: legend)" + (
-        f"; bars: {plots.BANDS[kind]}" if kind else "; no bars")
-    return _finish(fig, "Fig. 3 by the spread of cycle times", "GEM's median π as each worker's cycle time varies "
-                   "(Gamma, coefficient of variation CV)", m, r, band, curves=False,
-                   notes=[what, "bottom row: pooled over the commits of the completed runs, every CV"])
+        f"; bars: {plots.BANDS[kind]}" if kind else "; no bars"
+    )
+    return _finish(
+        fig,
+        "Fig. 3 by the spread of cycle times",
+        "GEM's median π as each worker's cycle time varies (Gamma, coefficient of variation CV)",
+        m,
+        r,
+        band,
+        curves=False,
+        notes=[what, "bottom row: pooled over the commits of the completed runs, every CV"],
+    )
 
 
 def fig4(paths, band="minmax"):
@@ -309,8 +390,12 @@ def fig4(paths, band="minmax"):
     elif not np.isfinite(target):
         empty_panel(ax, "no completed run: no common loss to reach")
     else:
-        empty_panel(ax, "not every n = 1 run reached the common loss" if 1 in set(sp["workers"])
-                    else "no completed n = 1 run to measure the speedup against")
+        empty_panel(
+            ax,
+            "not every n = 1 run reached the common loss"
+            if 1 in set(sp["workers"])
+            else "no completed n = 1 run to measure the speedup against",
+        )
     ax.set_ylabel(f"speedup to loss {target:.3g}" if np.isfinite(target) else "speedup")
     ax.set_xlabel("n")
     ax.grid(True, alpha=0.3)
@@ -324,9 +409,16 @@ def speedup_panel(ax, sp: pd.DataFrame) -> None:
     ax.plot(ns, sp["speedup"], marker="o", label="GEM (median time over seeds)")
     ax.plot(ns, ns, ls="--", color="grey", label="linear")
     for n, v, k, total in zip(ns, sp["speedup"], sp["reached"], sp["runs"], strict=True):
-        ax.annotate(f"{k}/{total}" + ("" if np.isfinite(v) else ": no speedup"), (n, v if np.isfinite(v) else 1.0),
-                    textcoords="offset points", xytext=(0, 7), ha="center", va="bottom", fontsize=9,
-                    color="dimgrey")
+        ax.annotate(
+            f"{k}/{total}" + ("" if np.isfinite(v) else ": no speedup"),
+            (n, v if np.isfinite(v) else 1.0),
+            textcoords="offset points",
+            xytext=(0, 7),
+            ha="center",
+            va="bottom",
+            fontsize=9,
+            color="dimgrey",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xticks(ns, [str(n) for n in ns])
     ax.margins(x=0.12, y=0.15)
@@ -349,15 +441,21 @@ def fig5(paths, band="minmax"):
     epochs of data processed, and the final test loss (the test split is evaluated once, at the end: a star at the
     last epoch, the mean over the completed seeds). Runs at several η (the proxy at a smaller η beside the paper's,
     say) are curves of their own, each named with its η."""
-    ev, r = load_for("fig5", paths, ["algorithm", "workers", "lr"], table="eval",
-                     need="fig5 needs evaluation rows of gem and sgd runs (a fig5 sweep)")
+    ev, r = load_for(
+        "fig5",
+        paths,
+        ["algorithm", "workers", "lr"],
+        table="eval",
+        need="fig5 needs evaluation rows of gem and sgd runs (a fig5 sweep)",
+    )
     ev = ev[~(ev["steps"] <= 0)]  # NaN steps: a run without its summary
     if "train_examples" in ev and "data" in ev:  # such a run has the training set of the other runs on its data
         known = ev.groupby("data")["train_examples"].transform("max")
         ev = ev.assign(train_examples=ev["train_examples"].fillna(known))
     ev = ev.assign(epoch=data_epochs(ev))
-    ev["who"] = [f"{a}, n = {n}" if a != "sgd" else "momentum SGD"
-                 for a, n in zip(ev["algorithm"], ev["workers"], strict=True)]
+    ev["who"] = [
+        f"{a}, n = {n}" if a != "sgd" else "momentum SGD" for a, n in zip(ev["algorithm"], ev["workers"], strict=True)
+    ]
     if ev["lr"].nunique() > 1:
         ev["who"] = [f"{w}, η = {lr:g}" for w, lr in zip(ev["who"], ev["lr"], strict=True)]
     fig, axes = grid(2, width=5.4, height=4.3)
@@ -372,23 +470,34 @@ def fig5(paths, band="minmax"):
         for who, g in done.groupby("who"):
             test = pd.to_numeric(g["test_loss"], errors="coerce").dropna()
             if len(test):
-                axes[1].plot([last[who]], [test.mean()], marker="*", ms=13, color=palette[who], ls="none",
-                             label=f"{who}: final test loss {test.mean():.4f}")
-        notes.append("★: the final central variable's test loss (the test split, evaluated once at the end), mean "
-                     "over the completed seeds")
+                axes[1].plot(
+                    [last[who]],
+                    [test.mean()],
+                    marker="*",
+                    ms=13,
+                    color=palette[who],
+                    ls="none",
+                    label=f"{who}: final test loss {test.mean():.4f}",
+                )
+        notes.append(
+            "★: the final central variable's test loss (the test split, evaluated once at the end), mean "
+            "over the completed seeds"
+        )
         axes[1].set_title("validation loss (★ test loss, final)")
     plots.same_y(axes)
     plots.legend(axes[0], fontsize=8)
     plots.legend(axes[1], fontsize=8)
-    return _finish(fig, "Fig. 5", "generalisation: training and validation loss of the central variable", ev, r,
-                   band, notes=notes)
+    return _finish(
+        fig, "Fig. 5", "generalisation: training and validation loss of the central variable", ev, r, band, notes=notes
+    )
 
 
 def fig6(paths, band="minmax"):
     """η = 0.1: GEM, DOWNPOUR and momentum SGD, one panel per n (two to a row). Momentum SGD runs one worker, so
     its runs are the same reference in every panel."""
-    m, r = load_for("fig6", paths, ["algorithm", "workers"],
-                    need="fig6 needs gem, downpour and sgd runs (a fig6 sweep)")
+    m, r = load_for(
+        "fig6", paths, ["algorithm", "workers"], need="fig6 needs gem, downpour and sgd runs (a fig6 sweep)"
+    )
     sgd = m[m["algorithm"] == "sgd"]  # one run per seed: load_for keeps one of the twins a sweep over n makes
     asy = m[m["algorithm"] != "sgd"]
     ns = sorted(asy["workers"].unique()) or [1]
@@ -418,17 +527,24 @@ def fig7(paths, band="minmax"):
 
 def fig8(paths, band="minmax"):
     """κ, the energy amplification: training loss and median π against worker steps, one line per κ."""
-    m, r = load_for("fig8", paths, ["algorithm.kappa"], ["gem"],
-                    need="fig8 needs GEM runs with several algorithm.kappa (a fig8 sweep)")
+    m, r = load_for(
+        "fig8",
+        paths,
+        ["algorithm.kappa"],
+        ["gem"],
+        need="fig8 needs GEM runs with several algorithm.kappa (a fig8 sweep)",
+    )
     fig, axes = grid(2, width=5.4, height=4.2)
     palette = plots.colours(sorted(m["algorithm.kappa"].unique()))
     plots.curves(m, axes[0], x="worker_step", y="loss", hue="algorithm.kappa", palette=palette, band=band)
-    plots.curves(m, axes[1], x="worker_step", y="pi_median", hue="algorithm.kappa", palette=palette, log=False,
-                 band=band)
+    plots.curves(
+        m, axes[1], x="worker_step", y="pi_median", hue="algorithm.kappa", palette=palette, log=False, band=band
+    )
     plots.legend(axes[0], fontsize=8)
     ns = ", ".join(str(n) for n in sorted(m["workers"].unique()))
-    return _finish(fig, "Fig. 8", f"GEM with κ ∈ {{{', '.join(f'{k:g}' for k in sorted(palette))}}}, n = {ns}", m, r,
-                   band)
+    return _finish(
+        fig, "Fig. 8", f"GEM with κ ∈ {{{', '.join(f'{k:g}' for k in sorted(palette))}}}, n = {ns}", m, r, band
+    )
 
 
 HEAT_QUANTILE = 0.99  # a panel's colours run from 0 to this quantile of its cells: a few spikes must not wash it out
@@ -440,8 +556,14 @@ def heatmaps(paths, ns=None, number="Figs. 9 and 10"):
     completed run (an unfinished one when none completed). Each panel has its own colour scale, a square root
     from 0 to its 99th percentile: π falls with n (the cells' median about 0.25 at n = 5, 0 at n = 30, where 97%
     of the per-commit medians are 0), so one linear scale for all leaves the large-n panels black."""
-    t, r = load_for("the π heatmaps", paths, ["workers"], ["gem"], table="tensors",
-                    need="the π heatmaps need the per-tensor rows of GEM runs (a fig9_10 or fig7 sweep)")
+    t, r = load_for(
+        "the π heatmaps",
+        paths,
+        ["workers"],
+        ["gem"],
+        table="tensors",
+        need="the π heatmaps need the per-tensor rows of GEM runs (a fig9_10 or fig7 sweep)",
+    )
     ns = [n for n in (ns or sorted(t["workers"].unique())) if n in set(t["workers"])]
     if not ns:
         raise NoRuns("the π heatmaps need GEM runs with the requested number of workers")
@@ -449,17 +571,21 @@ def heatmaps(paths, ns=None, number="Figs. 9 and 10"):
     fig, axes = grid(len(ns), width=10.5 / cols, height=3.4, cols=cols)
     for ax, n in zip(axes, ns, strict=True):
         tn = t[t["workers"] == n]
-        tn = tn.assign(_unfinished=plots.statuses(tn) != "completed").sort_values(["_unfinished", "seed", "run_dir"],
-                                                                                  kind="stable")
+        tn = tn.assign(_unfinished=plots.statuses(tn) != "completed").sort_values(
+            ["_unfinished", "seed", "run_dir"], kind="stable"
+        )
         run = tn[tn["run_dir"] == tn["run_dir"].iloc[0]]
         status = plots.statuses(run).iloc[0]
         image = plots.pi_heatmap(run, ax, quantile=HEAT_QUANTILE, gamma=HEAT_GAMMA)
         ax.set_title(f"n = {n} (seed {run['seed'].iloc[0]}" + ("" if status == "completed" else f", {status}") + ")")
         fig.colorbar(image, ax=ax, label="median π", pad=0.01, extend="max")
-    note = (f"one run per panel; colour: square root, 0 to the panel's {HEAT_QUANTILE:.0%} quantile "
-            "(each panel its own colour bar)")
-    return _finish(fig, number, "per-tensor median π against parameter-server updates", t, r, curves=False,
-                   notes=[note])
+    note = (
+        f"one run per panel; colour: square root, 0 to the panel's {HEAT_QUANTILE:.0%} quantile "
+        "(each panel its own colour bar)"
+    )
+    return _finish(
+        fig, number, "per-tensor median π against parameter-server updates", t, r, curves=False, notes=[note]
+    )
 
 
 def fig9(paths, band=None):
@@ -477,5 +603,17 @@ def fig9_10(paths, band=None):
     return heatmaps(paths)
 
 
-FIGURES = {"fig1": fig1, "fig2": fig2, "fig3": fig3, "fig3_cv": fig3_cv, "fig4": fig4, "fig5": fig5, "fig6": fig6,
-           "fig7": fig7, "fig8": fig8, "fig9": fig9, "fig10": fig10, "fig9_10": fig9_10}
+FIGURES = {
+    "fig1": fig1,
+    "fig2": fig2,
+    "fig3": fig3,
+    "fig3_cv": fig3_cv,
+    "fig4": fig4,
+    "fig5": fig5,
+    "fig6": fig6,
+    "fig7": fig7,
+    "fig8": fig8,
+    "fig9": fig9,
+    "fig10": fig10,
+    "fig9_10": fig9_10,
+}

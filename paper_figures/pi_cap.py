@@ -29,8 +29,9 @@ from gem.models import build_model
 PI_MAX = 5.0
 
 
-def measure(data, steps: int | None = None, lr: float = 0.05, momentum: float = 0.9, batch_size: int = 64,
-            seed: int = 0) -> np.ndarray:
+def measure(
+    data, steps: int | None = None, lr: float = 0.05, momentum: float = 0.9, batch_size: int = 64, seed: int = 0
+) -> np.ndarray:
     """Rows (step, training loss, share at the cap, share at the cap among nonzero gradients, share of zero
     gradients, share of examples with loss > 0.01)."""
     torch.manual_seed(seed)
@@ -42,7 +43,7 @@ def measure(data, steps: int | None = None, lr: float = 0.05, momentum: float = 
     steps = len(order) // batch_size if steps is None else steps
     rows = []
     for step in range(steps):
-        idx = order[step * batch_size:(step + 1) * batch_size]
+        idx = order[step * batch_size : (step + 1) * batch_size]
         per_example = F.nll_loss(model(data.train_x[idx]), data.train_y[idx], reduction="none")  # the CNN's log-softmax
         model.zero_grad()
         loss = per_example.mean()
@@ -57,18 +58,31 @@ def measure(data, steps: int | None = None, lr: float = 0.05, momentum: float = 
                 capped_live += int((at_cap & ~silent).sum())
                 zero += int(silent.sum())
                 p.add_(mp)
-        rows.append((step, loss.item(), capped / size, capped_live / max(size - zero, 1), zero / size,
-                     (per_example > 0.01).float().mean().item()))
+        rows.append(
+            (
+                step,
+                loss.item(),
+                capped / size,
+                capped_live / max(size - zero, 1),
+                zero / size,
+                (per_example > 0.01).float().mean().item(),
+            )
+        )
     return np.array(rows)
 
 
 def table(rows: np.ndarray, parts: int = 5) -> str:
-    lines = ["| steps | training loss | abs(m) > 5 abs(Δθ) | the same, gradient ≠ 0 | gradient = 0 | "
-             "examples with loss > 0.01 |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| steps | training loss | abs(m) > 5 abs(Δθ) | the same, gradient ≠ 0 | gradient = 0 | "
+        "examples with loss > 0.01 |",
+        "|---|---|---|---|---|---|",
+    ]
     for part in np.array_split(rows, min(parts, len(rows))):
         loss, capped, capped_live, zero, live = part[:, 1:].mean(axis=0)
-        lines.append(f"| {int(part[0, 0]) + 1}-{int(part[-1, 0]) + 1} | {loss:.3f} | {capped:.2f} | {capped_live:.2f} "
-                     f"| {zero:.2f} | {live:.2f} |")
+        lines.append(
+            f"| {int(part[0, 0]) + 1}-{int(part[-1, 0]) + 1} | {loss:.3f} | {capped:.2f} | {capped_live:.2f} "
+            f"| {zero:.2f} | {live:.2f} |"
+        )
     return "\n".join(lines)
 
 

@@ -46,8 +46,9 @@ def step(module, state, x, grad, theta, hp, i, server=None):
 
 
 def close(a, b, tol=1e-6):
-    return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32),
-                          atol=tol, rtol=0)
+    return torch.allclose(
+        torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol, rtol=0
+    )
 
 
 # ------------------------------------------------------------------------------------------------- GEM
@@ -315,8 +316,12 @@ def test_ssgd_applies_the_rounds_mean_with_momentum_once_per_round():
     hp = ssgd.Params(lr=1.0, momentum=0.5, workers=2)
     theta = T([1.0, 1.0])
     server = ssgd.ALGORITHM.server_state(theta, hp, 2)
-    for t, grad, expected in [(0, [2.0, -4.0], [1.0, 1.0]), (1, [4.0, 0.0], [-2.0, 3.0]),
-                              (2, [0.0, 2.0], [-2.0, 3.0]), (3, [2.0, 2.0], [-4.5, 2.0])]:
+    for t, grad, expected in [
+        (0, [2.0, -4.0], [1.0, 1.0]),
+        (1, [4.0, 0.0], [-2.0, 3.0]),
+        (2, [0.0, 2.0], [-2.0, 3.0]),
+        (3, [2.0, 2.0], [-4.5, 2.0]),
+    ]:
         c = ssgd.ALGORITHM.worker_rule({}, theta.clone(), T(grad), at(theta, server, t=t, worker=t % 2), hp)
         assert close(c.delta, [-g for g in grad]) and c.pull_at == (t // 2 + 1) * 2  # pull at the round's end
         ssgd.ALGORITHM.server_rule(at(theta, server, t=t, worker=t % 2), c, hp)
@@ -399,8 +404,9 @@ def test_async_localsgd_delayed_nesterov_by_hand():
     hp = async_localsgd.Params(outer_lr=0.5, outer_momentum=0.5, nesterov_every=3)
     theta = T([10.0])
     server = async_localsgd.ALGORITHM.server_state(theta, hp, 2)
-    for t, (delta, v, buffer, expected) in enumerate([(3.0, 0.0, 3.0, 9.5), (6.0, 0.0, 9.0, 8.5),
-                                                      (9.0, 6.0, 0.0, 5.5), (3.0, 6.0, 3.0, 5.0)]):
+    for t, (delta, v, buffer, expected) in enumerate(
+        [(3.0, 0.0, 3.0, 9.5), (6.0, 0.0, 9.0, 8.5), (9.0, 6.0, 0.0, 5.5), (3.0, 6.0, 3.0, 5.0)]
+    ):
         async_localsgd.ALGORITHM.server_rule(at(theta, server, t=t), algorithms.Commit(delta=T([delta])), hp)
         assert close(theta, [expected]) and close(server["v"], [v]) and close(server["buffer"], [buffer]), t
 
@@ -466,27 +472,40 @@ def test_every_algorithm_has_its_record_and_yaml(name):
     assert (CONF_DIR / "algorithm" / f"{name}.yaml").exists()
 
 
-@pytest.mark.parametrize("module, key, value, message", [
-    (gem, "kappa", 0.0, "algorithm.kappa=0.0 is not allowed; kappa must be a number > 0"),
-    (gem, "pi_max", -1.0, "algorithm.pi_max=-1.0 is not allowed"),
-    (gem, "proxy", "both", "algorithm.proxy=both is not allowed; proxy must be one of: local, global"),
-    (gem, "eps", math.inf, "algorithm.eps=inf is not allowed"),
-    (downpour, "window", 0, "algorithm.window=0 is not allowed; window must be an integer >= 1"),
-    (agn, "local_momentum", 1.0, "algorithm.local_momentum=1.0 is not allowed; local_momentum must be a number in"),
-    (easgd, "alpha", 1.5, "algorithm.alpha=1.5 is not allowed; alpha must be a number in (0, 1]"),
-    (dcasgd, "dc_lambda", -1.0, "algorithm.dc_lambda=-1.0 is not allowed; dc_lambda must be a number >= 0"),
-    (async_localsgd, "outer_momentum", 1.0, "algorithm.outer_momentum=1.0 is not allowed"),
-    (async_localsgd, "outer_lr", 0.0, "algorithm.outer_lr=0.0 is not allowed; outer_lr must be a number > 0"),
-])
+@pytest.mark.parametrize(
+    "module, key, value, message",
+    [
+        (gem, "kappa", 0.0, "algorithm.kappa=0.0 is not allowed; kappa must be a number > 0"),
+        (gem, "pi_max", -1.0, "algorithm.pi_max=-1.0 is not allowed"),
+        (gem, "proxy", "both", "algorithm.proxy=both is not allowed; proxy must be one of: local, global"),
+        (gem, "eps", math.inf, "algorithm.eps=inf is not allowed"),
+        (downpour, "window", 0, "algorithm.window=0 is not allowed; window must be an integer >= 1"),
+        (agn, "local_momentum", 1.0, "algorithm.local_momentum=1.0 is not allowed; local_momentum must be a number in"),
+        (easgd, "alpha", 1.5, "algorithm.alpha=1.5 is not allowed; alpha must be a number in (0, 1]"),
+        (dcasgd, "dc_lambda", -1.0, "algorithm.dc_lambda=-1.0 is not allowed; dc_lambda must be a number >= 0"),
+        (async_localsgd, "outer_momentum", 1.0, "algorithm.outer_momentum=1.0 is not allowed"),
+        (async_localsgd, "outer_lr", 0.0, "algorithm.outer_lr=0.0 is not allowed; outer_lr must be a number > 0"),
+    ],
+)
 def test_bad_hyperparameters_get_one_line(module, key, value, message):
     with pytest.raises(ValueError) as e:
         module.Params(**{key: value})
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("zero_frac, top_frac, size", [(0.0, 0.0, 1001), (0.3, 0.3, 1000), (0.6, 0.1, 999),
-                                                       (0.1, 0.6, 1000), (1.0, 0.0, 10), (0.0, 1.0, 11),
-                                                       (0.5, 0.0, 1000), (0.0, 0.5, 1000)])
+@pytest.mark.parametrize(
+    "zero_frac, top_frac, size",
+    [
+        (0.0, 0.0, 1001),
+        (0.3, 0.3, 1000),
+        (0.6, 0.1, 999),
+        (0.1, 0.6, 1000),
+        (1.0, 0.0, 10),
+        (0.0, 1.0, 11),
+        (0.5, 0.0, 1000),
+        (0.0, 0.5, 1000),
+    ],
+)
 def test_pi_median_is_torch_lower_median_with_ties_at_the_clamps(zero_frac, top_frac, size):
     g = torch.Generator().manual_seed(size)
     u = torch.rand(size, generator=g)
@@ -508,8 +527,9 @@ MNIST_CNN_SIZES = [250, 10, 5000, 20, 96000, 300, 60000, 200, 2000, 10]  # the p
 
 
 @pytest.mark.parametrize("sizes", [MNIST_CNN_SIZES, [7] * 40 + [3000, 2900], [1, 1, 1, 500], [64] * 16])
-@pytest.mark.parametrize("zero_frac, top_frac", [(0.0, 0.0), (0.45, 0.08), (0.49, 0.49), (0.1, 0.6), (0.7, 0.0),
-                                                 (0.0, 0.7), (0.3, 0.0)])
+@pytest.mark.parametrize(
+    "zero_frac, top_frac", [(0.0, 0.0), (0.45, 0.08), (0.49, 0.49), (0.1, 0.6), (0.7, 0.0), (0.0, 0.7), (0.3, 0.0)]
+)
 def test_the_overall_median_built_from_the_parts_is_torchs(sizes, zero_frac, top_frac):
     """The medians come from one copy of the values between the clamps, selected in place tensor by tensor and
     then as a whole: they must be torch's lower medians exactly, whatever the layout and the clamps; the other
@@ -543,14 +563,17 @@ def _gem_inputs(seed, sizes, scale_drift):
     m = torch.randn(n, generator=g) * 0.003
     stale = torch.randn(n, generator=g) * 0.1
     theta = stale + torch.randn(n, generator=g) * 0.003 * scale_drift
-    grad[:: 97] = 0.0  # |Δθ| + ε = ε: π at π_max or 0
+    grad[::97] = 0.0  # |Δθ| + ε = ε: π at π_max or 0
     bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
     layout = [(str(i), slice(a, b)) for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))]
     return grad, m, stale, theta, layout
 
 
-@pytest.mark.parametrize("hp", [gem.Params(), gem.Params(kappa=2.0), gem.Params(kappa=1.5, pi_max=2.3),
-                                gem.Params(proxy="global", workers=4)], ids=["default", "kappa", "pi_max", "global"])
+@pytest.mark.parametrize(
+    "hp",
+    [gem.Params(), gem.Params(kappa=2.0), gem.Params(kappa=1.5, pi_max=2.3), gem.Params(proxy="global", workers=4)],
+    ids=["default", "kappa", "pi_max", "global"],
+)
 @pytest.mark.parametrize("scale_drift", [0.3, 1.0, 4.0])
 def test_gem_fused_loops_compute_what_the_torch_operations_compute(monkeypatch, hp, scale_drift):
     """On CPU, GEM's commit and statistics run as fused loops (numba): m, s, θ, the commit πΔθ, π itself, π's
@@ -562,8 +585,9 @@ def test_gem_fused_loops_compute_what_the_torch_operations_compute(monkeypatch, 
         monkeypatch.setattr(gem, "FUSED", fused)
         grad, m, stale, theta, layout = _gem_inputs(0, MNIST_CNN_SIZES, scale_drift)
         state = {"m": m, "stale": stale}
-        server = {"proxy": m * 0.7, "proxy_commits": torch.zeros((), dtype=torch.long)} if hp.proxy == "global" \
-            else None
+        server = (
+            {"proxy": m * 0.7, "proxy_commits": torch.zeros((), dtype=torch.long)} if hp.proxy == "global" else None
+        )
         c = commit(gem, state, theta.clone(), grad, theta, hp, server, layout)
         proxy = (server["proxy"] if server else state["m"]).double().clone()
         gem.server_rule(at(theta, server), c, hp)
@@ -576,8 +600,10 @@ def test_gem_fused_loops_compute_what_the_torch_operations_compute(monkeypatch, 
     assert at_ == bt
     # the energies: the loop sums in float64, torch's dot products in float32, off by up to a few 1e-6 relative
     moved = c.aux["central"].double()  # θ − s + πΔθ, from the torch path's diagnostics
-    exact = {"proxy_energy": 0.5 * hp.kappa**2 * float(proxy.dot(proxy)),
-             "central_energy": 0.5 * float(moved.dot(moved))}
+    exact = {
+        "proxy_energy": 0.5 * hp.kappa**2 * float(proxy.dot(proxy)),
+        "central_energy": 0.5 * float(moved.dot(moved)),
+    }
     for k in energies:
         assert am[k] == pytest.approx(exact[k], rel=1e-12) and bm[k] == pytest.approx(exact[k], rel=1e-5), k
     assert 0 < am["pi_zero_frac"] < 1 and 0 < am["pi_max_frac"] < 1  # every branch of the clamp was taken

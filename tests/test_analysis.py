@@ -58,25 +58,29 @@ def test_commits_joins_each_row_with_its_run(sweep):
 
 def test_find_runs_accepts_runs_sweeps_and_lists(sweep, tmp_path):
     assert len(find_runs(sweep)) == 4
-    assert find_runs([sweep / "0", sweep / "1", sweep / "0"]) == sorted({(sweep / "0").resolve(),
-                                                                        (sweep / "1").resolve()})
+    assert find_runs([sweep / "0", sweep / "1", sweep / "0"]) == sorted(
+        {(sweep / "0").resolve(), (sweep / "1").resolve()}
+    )
     with pytest.raises(FileNotFoundError, match="no such run or sweep directory"):
         find_runs(tmp_path / "missing")
     assert json.loads((sweep / "0" / "summary.json").read_text())["status"] == "completed"
 
 
 def test_flatten_names_groups_by_their_choice():
-    assert flatten({"algorithm": {"name": "gem", "kappa": 2}, "lr": 0.1, "data": {"name": "mnist",
-                    "synthetic": {"seed": 3}}}) == {"algorithm": "gem", "algorithm.kappa": 2, "lr": 0.1,
-                                                    "data": "mnist", "data.synthetic.seed": 3}
+    assert flatten(
+        {"algorithm": {"name": "gem", "kappa": 2}, "lr": 0.1, "data": {"name": "mnist", "synthetic": {"seed": 3}}}
+    ) == {"algorithm": "gem", "algorithm.kappa": 2, "lr": 0.1, "data": "mnist", "data.synthetic.seed": 3}
 
 
-@pytest.mark.parametrize("name, text, says", [
-    ("summary.json", "[1, 2]", "holds a JSON list, not a run's summary (an object)"),
-    ("summary.json", "{not json", "cannot be read as JSON (Expecting property name"),
-    (".hydra/config.yaml", "a: [1,\n  b: {", "cannot be read as YAML ("),
-    (".hydra/config.yaml", "- 1\n- 2\n", "holds a YAML ListConfig, not a run's config"),
-])
+@pytest.mark.parametrize(
+    "name, text, says",
+    [
+        ("summary.json", "[1, 2]", "holds a JSON list, not a run's summary (an object)"),
+        ("summary.json", "{not json", "cannot be read as JSON (Expecting property name"),
+        (".hydra/config.yaml", "a: [1,\n  b: {", "cannot be read as YAML ("),
+        (".hydra/config.yaml", "- 1\n- 2\n", "holds a YAML ListConfig, not a run's config"),
+    ],
+)
 def test_a_damaged_run_file_is_one_line_naming_it(tmp_path, name, text, says):
     """Was a traceback (a list, or YAML that is not YAML), or a line without the file's name (JSON)."""
     import subprocess
@@ -92,8 +96,13 @@ def test_a_damaged_run_file_is_one_line_naming_it(tmp_path, name, text, says):
     assert str(e.value).startswith(f"{run / name} {says}") and "\n" not in str(e.value)
     if text != "[1, 2]":
         return  # the command line, once: it prints the same line
-    r = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path / "sweep"), "--out",
-                        str(tmp_path / "report.md")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "analysis.report", str(tmp_path / "sweep"), "--out", str(tmp_path / "report.md")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode != 0 and r.stderr.startswith(f"error: {run / name} {says}") and r.stderr.count("\n") == 1
 
 
@@ -103,8 +112,19 @@ def test_analysis_pi_heads_each_table(tmp_path, capsys):
     from analysis import pi
 
     for seed in (0, 1):
-        run(compose(["engine=sim", "workers=2", "epochs=1", f"seed={seed}", "logger.wandb.mode=disabled",
-                     "logger.progress=false"]), tmp_path / "sweep" / str(seed))
+        run(
+            compose(
+                [
+                    "engine=sim",
+                    "workers=2",
+                    "epochs=1",
+                    f"seed={seed}",
+                    "logger.wandb.mode=disabled",
+                    "logger.progress=false",
+                ]
+            ),
+            tmp_path / "sweep" / str(seed),
+        )
     capsys.readouterr()
     assert pi.main([str(tmp_path / "sweep")]) == 0
     out = capsys.readouterr().out
@@ -119,8 +139,9 @@ def test_many_variants_take_their_algorithm_s_colour_in_lighter_shades():
     and no two names share a colour (on the sequential scale, neighbours could not be told apart)."""
     from analysis import plots
 
-    names = ["gem lr=0.05"] + [f"{a} lr={lr}" for a in ("downpour", "agn", "easgd", "dcasgd", "ssgd")
-                               for lr in (0.025, 0.05)]
+    names = ["gem lr=0.05"] + [
+        f"{a} lr={lr}" for a in ("downpour", "agn", "easgd", "dcasgd", "ssgd") for lr in (0.025, 0.05)
+    ]
     c = plots.colours(names)
     assert len(set(c.values())) == len(names)
     assert c["gem lr=0.05"][:3] == plots.plt.get_cmap("tab10")(0)[:3]

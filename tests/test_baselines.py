@@ -64,10 +64,19 @@ def arranged(block: int):
 
 
 def job(data, algorithm, hp, workers, batch_size, epochs, **engine):
-    return Job(algorithm=algorithm, hp=hp, model=ModelSpec("softmax", f"{__name__}.Softmax", {"num_classes": 10}),
-               data=data, workers=workers, batch_size=batch_size, epochs=epochs, seed=0,
-               engine={"name": engine.pop("name", "sim"), "timeout_s": 60, **engine}, eval_every=10**9,
-               eval_train_size=32)
+    return Job(
+        algorithm=algorithm,
+        hp=hp,
+        model=ModelSpec("softmax", f"{__name__}.Softmax", {"num_classes": 10}),
+        data=data,
+        workers=workers,
+        batch_size=batch_size,
+        epochs=epochs,
+        seed=0,
+        engine={"name": engine.pop("name", "sim"), "timeout_s": 60, **engine},
+        eval_every=10**9,
+        eval_train_size=32,
+    )
 
 
 def run(job_, d, monkeypatch):
@@ -124,9 +133,20 @@ def cnn_data():
 
 
 def cnn_job(data, engine, **kw):
-    return Job(algorithm="ssgd", hp=algorithms.get("ssgd").Params(workers=3), model="mnist_cnn", data=data,
-               workers=3, batch_size=32, epochs=6, seed=0,
-               engine={"name": engine, "timeout_s": 60}, eval_every=10**9, eval_train_size=32, **kw)
+    return Job(
+        algorithm="ssgd",
+        hp=algorithms.get("ssgd").Params(workers=3),
+        model="mnist_cnn",
+        data=data,
+        workers=3,
+        batch_size=32,
+        epochs=6,
+        seed=0,
+        engine={"name": engine, "timeout_s": 60},
+        eval_every=10**9,
+        eval_train_size=32,
+        **kw,
+    )
 
 
 @pytest.mark.slow
@@ -164,10 +184,20 @@ def test_ssgd_takes_the_same_gradients_on_every_engine_and_through_a_resume(cnn_
     pd.testing.assert_series_equal(_losses(m), _losses(m_ref), atol=1e-5, rtol=0)
 
 
-
 def sim_job(data, algorithm, hp, staleness="exponential"):
-    return Job(algorithm=algorithm, hp=hp, model="mnist_cnn", data=data, workers=3, batch_size=32, epochs=3, seed=4,
-               engine={"name": "sim", "staleness": staleness}, eval_every=16, eval_train_size=32)
+    return Job(
+        algorithm=algorithm,
+        hp=hp,
+        model="mnist_cnn",
+        data=data,
+        workers=3,
+        batch_size=32,
+        epochs=3,
+        seed=4,
+        engine={"name": "sim", "staleness": staleness},
+        eval_every=16,
+        eval_train_size=32,
+    )
 
 
 def test_dcasgd_with_lambda_zero_is_downpour_commit_for_commit(cnn_data, tmp_path, monkeypatch):
@@ -177,27 +207,37 @@ def test_dcasgd_with_lambda_zero_is_downpour_commit_for_commit(cnn_data, tmp_pat
     params = algorithms.get("dcasgd").Params
     for adaptive in (False, True):
         d = tmp_path / f"dc0-{adaptive}"
-        _, m = run(sim_job(cnn_data, "dcasgd", params(lr=0.1, workers=3, dc_lambda=0.0, adaptive_lambda=adaptive)),
-                   d, monkeypatch)
+        _, m = run(
+            sim_job(cnn_data, "dcasgd", params(lr=0.1, workers=3, dc_lambda=0.0, adaptive_lambda=adaptive)),
+            d,
+            monkeypatch,
+        )
         assert m["loss"].tolist() == ref["loss"].tolist() and m["staleness"].tolist() == ref["staleness"].tolist()
         evals = [read_table(p, "eval")["val_loss"].tolist() for p in (d, tmp_path / "downpour")]
         assert evals[0] == evals[1] and len(evals[0]) > 1
-    _, m = run(sim_job(cnn_data, "dcasgd", params(lr=0.1, workers=3, dc_lambda=2.0, adaptive_lambda=True)),
-               tmp_path / "dc2", monkeypatch)
+    _, m = run(
+        sim_job(cnn_data, "dcasgd", params(lr=0.1, workers=3, dc_lambda=2.0, adaptive_lambda=True)),
+        tmp_path / "dc2",
+        monkeypatch,
+    )
     assert m["loss"].iloc[:3].tolist() == ref["loss"].iloc[:3].tolist()  # the first round: nothing to compensate
     assert m["loss"].tolist() != ref["loss"].tolist()
 
 
-def test_async_localsgd_without_outer_momentum_is_windowed_downpour_with_worker_momentum(cnn_data, tmp_path,
-                                                                                        monkeypatch):
+def test_async_localsgd_without_outer_momentum_is_windowed_downpour_with_worker_momentum(
+    cnn_data, tmp_path, monkeypatch
+):
     """The plain outer step with η_o = 1, μ_o = 0: θ ← θ + (x − s), DOWNPOUR with λ = H and local momentum μ;
     DiLoCo's defaults differ."""
     hp = dict(lr=0.05, momentum=0.9, window=2)
     ref_hp = downpour.Params(lr=0.05, window=2, local_momentum=0.9)
     _, ref = run(sim_job(cnn_data, "downpour", ref_hp), tmp_path / "downpour", monkeypatch)
     params = algorithms.get("async_localsgd").Params
-    _, m = run(sim_job(cnn_data, "async_localsgd", params(**hp, outer_lr=1.0, outer_momentum=0.0, outer="nesterov")),
-               tmp_path / "a", monkeypatch)
+    _, m = run(
+        sim_job(cnn_data, "async_localsgd", params(**hp, outer_lr=1.0, outer_momentum=0.0, outer="nesterov")),
+        tmp_path / "a",
+        monkeypatch,
+    )
     assert m["loss"].tolist() == pytest.approx(ref["loss"].tolist(), abs=1e-6)
     _, d = run(sim_job(cnn_data, "async_localsgd", params(**hp)), tmp_path / "diloco", monkeypatch)
     assert d["loss"].iloc[3:].tolist() != pytest.approx(ref["loss"].iloc[3:].tolist(), abs=1e-3)
@@ -213,8 +253,18 @@ def test_async_localsgd_at_its_defaults_completes_where_the_plain_form_diverged(
     from experiments.runner import run as run_job
 
     for seed in (0, 1, 2):
-        cfg = compose(["algorithm=async_localsgd", f"engine={engine}", "workers=4", "data=digits", "epochs=3",
-                       f"seed={seed}", "logger.wandb.mode=disabled", "logger.progress=false"])
+        cfg = compose(
+            [
+                "algorithm=async_localsgd",
+                f"engine={engine}",
+                "workers=4",
+                "data=digits",
+                "epochs=3",
+                f"seed={seed}",
+                "logger.wandb.mode=disabled",
+                "logger.progress=false",
+            ]
+        )
         summary = run_job(cfg, tmp_path / str(seed))
         # completes, with a finite loss: it does not diverge. Whether it learns is not asserted: at these defaults
         # seed 2 collapses to a constant predictor after a loss spike (REPRODUCTION.md, "Baselines"), whose
@@ -230,8 +280,9 @@ def test_a_lost_worker_fails_a_synchronous_run_instead_of_hanging(cnn_data, tmp_
     import signal
     import time
 
-    j = dataclasses.replace(cnn_job(cnn_data, engine), epochs=40,
-                            engine={"name": engine, "timeout_s": 5, "silent_cycles": 3})
+    j = dataclasses.replace(
+        cnn_job(cnn_data, engine), epochs=40, engine={"name": engine, "timeout_s": 5, "silent_cycles": 3}
+    )
     rec = StoppingRecorder(tmp_path, victim=2, after=5, sig=signal.SIGKILL)
     began = time.monotonic()
     try:

@@ -24,8 +24,19 @@ SCRIPTS = {  # script: arguments that make it brief
     "gpu.py": ["--device", "cpu", "--steps", "2", "--smoke"],
     "multihost.py": ["--smoke"],  # says it skipped, and exits 0, where network namespaces cannot be made
     "process_engine.py": ["--root", str(DATA), "--workers", "1", "--epochs", "1", "--rounds", "1", "--smoke"],
-    "sim_commit.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1", "--threads", "1",
-                      "--smoke"],
+    "sim_commit.py": [
+        "--root",
+        str(DATA),
+        "--workers",
+        "2",
+        "--epochs",
+        "1",
+        "--rounds",
+        "1",
+        "--threads",
+        "1",
+        "--smoke",
+    ],
     "transport.py": ["--workers", "1", "--seconds", "0.2", "--rounds", "1"],
     "worker_memory.py": ["--workers", "2", "--wait", "0.5", "--smoke"],
 }
@@ -55,8 +66,7 @@ for script, args in json.loads(sys.argv[1]).items():
 
 
 def test_every_benchmark_script_is_listed():
-    assert sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "__init__.py") == \
-        sorted(SCRIPTS)
+    assert sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "__init__.py") == sorted(SCRIPTS)
 
 
 @pytest.mark.xdist_group("benchmarks")
@@ -68,7 +78,8 @@ def test_tests_of_one_xdist_group_share_one_test_process(request):
     if os.environ.get("PYTEST_XDIST_WORKER") and getattr(request.config.option, "loadgroup", False):
         assert request.node.nodeid.endswith("@benchmarks"), (
             f"pytest-xdist's loadgroup did not group {request.node.nodeid} (pytest {pytest.__version__}): see the "
-            "pin of pytest in pyproject.toml")
+            "pin of pytest in pyproject.toml"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +89,16 @@ def smoked():
     shared = {s: a for s, a in scripts.items() if s not in OWN_PROCESS}
     runs = {}
     for batch in [shared, *({s: a} for s, a in scripts.items() if s in OWN_PROCESS)]:
-        r = subprocess.run([sys.executable, "-c", SMOKE, json.dumps(batch)], cwd=ROOT, capture_output=True,
-                           text=True, timeout=1200)
+        r = subprocess.run(
+            [sys.executable, "-c", SMOKE, json.dumps(batch)], cwd=ROOT, capture_output=True, text=True, timeout=1200
+        )
         for line in r.stdout.splitlines():
             if line.startswith('{"script": '):
                 run = json.loads(line)
                 runs[run.pop("script")] = run
-        assert r.returncode == 0 and batch.keys() <= runs.keys(), \
+        assert r.returncode == 0 and batch.keys() <= runs.keys(), (
             f"the scripts' process ended (exit code {r.returncode}) after {list(runs)}: {r.stderr[-3000:]}"
+        )
     return runs
 
 

@@ -48,29 +48,51 @@ def test_budget_sim_time_lets_no_commit_land_after_it_and_eval_rows_carry_the_si
 def test_budget_commits_and_seconds_on_real_workers(tmp_path):
     """process: the workers in the middle of a gradient when the clock reaches the cap still commit, so a run ends
     at most n − 1 commits past it; budget.seconds counts from the start, as time_s."""
-    s = run(compose(["workers=3", "budget.commits=30", "logger.wandb.mode=disabled", "logger.progress=false"]),
-            tmp_path / "c")
+    s = run(
+        compose(["workers=3", "budget.commits=30", "logger.wandb.mode=disabled", "logger.progress=false"]),
+        tmp_path / "c",
+    )
     assert s["status"] == "completed" and 30 <= s["steps"] <= 32 and s["stopped_by"] == "budget.commits"
-    s = run(compose(["workers=2", "epochs=1000", "budget.seconds=8", "logger.wandb.mode=disabled",
-                     "logger.progress=false"]), tmp_path / "s")
+    s = run(
+        compose(
+            ["workers=2", "epochs=1000", "budget.seconds=8", "logger.wandb.mode=disabled", "logger.progress=false"]
+        ),
+        tmp_path / "s",
+    )
     m = pd.read_parquet(tmp_path / "s" / "metrics.parquet")
     assert s["status"] == "completed" and s["stopped_by"] == "budget.seconds" and 0 < s["steps"] < 2 * 1000 * BATCHES
     assert m["time_s"].max() < 8 + 5  # the gradients in flight at 8 s: one each, well under a second here
 
 
-@pytest.mark.parametrize("overrides, line", [
-    (["budget.seconds=10"], "budget.seconds=10.0 is not allowed on engine=sim: its seconds are this machine's, which "
-     "the simulation does not model; use budget.sim_time"),
-    (["engine=process", "budget.sim_time=10"], "budget.sim_time=10.0 is not allowed on engine=process: it is the sim "
-     "engine's clock; use budget.seconds (wall-clock) or budget.commits"),
-    (["algorithm=ssgd", "budget.commits=10"], "budget.commits is not allowed with algorithm=ssgd: its workers wait for "
-     "whole rounds"),
-    (["budget.commits=0"], "budget.commits=0 is not allowed; it must be an integer >= 1, or null"),
-    (["epochs=0.01"], "epochs=0.01 (23 mini-batches of 64 per epoch of data=digits) gives each worker 0 gradient "
-     "step(s); it needs at least one"),
-    (["algorithm=agn", "budget.worker_steps=5"], "budget.worker_steps=5 gives each worker 5 gradient step(s); it needs "
-     "at least 10 (algorithm.window"),
-])
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (
+            ["budget.seconds=10"],
+            "budget.seconds=10.0 is not allowed on engine=sim: its seconds are this machine's, which "
+            "the simulation does not model; use budget.sim_time",
+        ),
+        (
+            ["engine=process", "budget.sim_time=10"],
+            "budget.sim_time=10.0 is not allowed on engine=process: it is the sim "
+            "engine's clock; use budget.seconds (wall-clock) or budget.commits",
+        ),
+        (
+            ["algorithm=ssgd", "budget.commits=10"],
+            "budget.commits is not allowed with algorithm=ssgd: its workers wait for whole rounds",
+        ),
+        (["budget.commits=0"], "budget.commits=0 is not allowed; it must be an integer >= 1, or null"),
+        (
+            ["epochs=0.01"],
+            "epochs=0.01 (23 mini-batches of 64 per epoch of data=digits) gives each worker 0 gradient "
+            "step(s); it needs at least one",
+        ),
+        (
+            ["algorithm=agn", "budget.worker_steps=5"],
+            "budget.worker_steps=5 gives each worker 5 gradient step(s); it needs at least 10 (algorithm.window",
+        ),
+    ],
+)
 def test_a_budget_that_cannot_run_is_refused_in_one_line_before_anything_is_written(tmp_path, overrides, line):
     with pytest.raises(Refused) as e:
         run(compose([*SIM, *overrides]), tmp_path / "run")
@@ -116,5 +138,7 @@ def test_stopped_by_names_the_workers_own_length_when_every_commit_was_made():
     job = SimpleNamespace(budget={"seconds": 5.0})
     assert stopped_by(job, 60, 6.0, full=True) == "epochs"
     assert stopped_by(job, 45, 6.0, full=False) == "budget.seconds"
-    assert stopped_by(SimpleNamespace(budget={"worker_steps": 7, "commits": 21}), 21, 1.0, full=True) == \
-        "budget.worker_steps"
+    assert (
+        stopped_by(SimpleNamespace(budget={"worker_steps": 7, "commits": 21}), 21, 1.0, full=True)
+        == "budget.worker_steps"
+    )

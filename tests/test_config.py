@@ -14,8 +14,21 @@ from experiments.config import ConfigError, check_job, compose, expand, options,
 
 def test_default_config_composes_and_validates():
     cfg = compose([])
-    for key in ("algorithm", "engine", "model", "data", "logger", "workers", "lr", "momentum", "batch_size",
-                "epochs", "seed", "device", "resume"):
+    for key in (
+        "algorithm",
+        "engine",
+        "model",
+        "data",
+        "logger",
+        "workers",
+        "lr",
+        "momentum",
+        "batch_size",
+        "epochs",
+        "seed",
+        "device",
+        "resume",
+    ):
         assert key in cfg, key
     assert cfg.data.name == "digits" and cfg.model._target_ == "gem.models.MnistCNN"
     assert (cfg.lr, cfg.momentum, cfg.batch_size) == (0.05, 0.9, 64)  # the paper's MNIST settings
@@ -43,8 +56,11 @@ BAD = [
     (["algorithm=foo"], "algorithm=foo is not an option; choose one of: "),
     (["engine=warp"], "engine=warp is not an option; choose one of: "),
     (["model=resnet"], "model=resnet is not an option; choose one of: alexnet_cifar, mnist_cnn, resnet18_cifar"),
-    (["data=imagenet"], "data=imagenet is not an option; choose one of: cifar10, cifar100, digits, fashion_mnist, "
-                        "mnist, synthetic, tensors"),
+    (
+        ["data=imagenet"],
+        "data=imagenet is not an option; choose one of: cifar10, cifar100, digits, fashion_mnist, "
+        "mnist, synthetic, tensors",
+    ),
     (["workers=0"], "workers=0 is not allowed; workers must be an integer >= 1"),
     (["workers=two"], "workers=two is not allowed; workers must be of type int"),
     (["lr=0"], "lr=0.0 is not allowed; lr must be a finite number > 0"),
@@ -52,8 +68,10 @@ BAD = [
     (["lr=inf"], "lr=inf is not allowed; lr must be a finite number > 0"),
     (["algorithm=sgd,sgd"], "algorithm=sgd,sgd is a sweep; add -m (--multirun)"),
     (["experiment=fig99"], "experiment=fig99 is not an option; choose one of: baselines, baselines_quick, fig1, "),
-    (["engine=sim", "engine.straggler_fraction=0"],
-     "engine.straggler_fraction=0.0 is not allowed; it must be a number in (0, 1]"),
+    (
+        ["engine=sim", "engine.straggler_fraction=0"],
+        "engine.straggler_fraction=0.0 is not allowed; it must be a number in (0, 1]",
+    ),
     (["logger.flush_seconds=-1"], "logger.flush_seconds=-1.0 is not allowed; it must be a number > 0"),
     (["data=synthetic", "data.synthetic.train_size=-5"], "data.synthetic.train_size=-5 is not allowed"),
     (["lr=abc"], "lr=abc is not allowed; lr must be of type float"),
@@ -69,40 +87,63 @@ BAD = [
     (["algorithm=easgd", "algorithm.alpha=2"], "algorithm.alpha=2.0 is not allowed; alpha must be a number in (0, 1]"),
     (["algorithm=agn", "algorithm.window=0"], "algorithm.window=0 is not allowed; window must be an integer >= 1"),
     (["engine.checkpoint_every=-1"], "engine.checkpoint_every=-1 is not allowed; it must be an integer >= 0"),
-    (["engine=distributed", "engine.port=70000"],
-     "engine.port=70000 is not allowed; it must be an integer in [0, 65535]"),
-    (["engine=distributed", "engine.timeout_s=0"],
-     "engine.timeout_s=0.0 is not allowed; it must be a number of seconds > 0"),
-    (["engine=distributed", "engine.host=0.0.0.0", "engine.staleness=x"],
-     "engine.staleness is not a key of engine=distributed; its keys are: name, host, allow_remote, port, "
-     "shared_memory, theta_on_gpu, timeout_s"),
+    (
+        ["engine=distributed", "engine.port=70000"],
+        "engine.port=70000 is not allowed; it must be an integer in [0, 65535]",
+    ),
+    (
+        ["engine=distributed", "engine.timeout_s=0"],
+        "engine.timeout_s=0.0 is not allowed; it must be a number of seconds > 0",
+    ),
+    (
+        ["engine=distributed", "engine.host=0.0.0.0", "engine.staleness=x"],
+        "engine.staleness is not a key of engine=distributed; its keys are: name, host, allow_remote, port, "
+        "shared_memory, theta_on_gpu, timeout_s",
+    ),
     (["logger.wandb.mode=loud"], "logger.wandb.mode=loud is not allowed; choose one of: offline, online, disabled"),
     (["logger.tensorboard=maybe"], "logger.tensorboard: Value 'maybe' is not a valid bool"),
     (["engine.staleness=fast"], "engine.staleness is not a key of engine=process; its keys are: name, "),
     (["engine=sim", "engine.staleness=fast"], "engine.staleness=fast is not allowed; choose one of: round_robin"),
     (["engine=sim", "engine.cycle_cv=-1"], "engine.cycle_cv=-1.0 is not allowed; it must be a number in [0, 10]"),
-    (["engine=sim", "engine.staleness=trace"],
-     "engine.staleness=trace needs engine.trace=<the run directory of a process or distributed run>"),
-    (["engine=sim", "engine.trace=/no/run"],
-     "engine.trace is set but engine.staleness=gamma; add engine.staleness=trace to replay it"),
-    (["engine=sim", "engine.staleness=trace", "engine.trace=/no/run"],
-     "engine.trace=/no/run is not a run directory (no summary.json)"),
+    (
+        ["engine=sim", "engine.staleness=trace"],
+        "engine.staleness=trace needs engine.trace=<the run directory of a process or distributed run>",
+    ),
+    (
+        ["engine=sim", "engine.trace=/no/run"],
+        "engine.trace is set but engine.staleness=gamma; add engine.staleness=trace to replay it",
+    ),
+    (
+        ["engine=sim", "engine.staleness=trace", "engine.trace=/no/run"],
+        "engine.trace=/no/run is not a run directory (no summary.json)",
+    ),
     (["device=tpu"], "device=tpu is not allowed; use cpu, cuda (workers spread over the visible GPUs) or cuda:N"),
     (["model=alexnet_cifar", "data=digits", "data=mnist"], "model=alexnet_cifar expects 3x32x32 inputs but data=mnist"),
-    (["seed=99999999999999999999"], "seed=99999999999999999999 is not allowed; seed must be an integer from 0 to "
-                                    "4294967295 (2^32 - 1)"),  # was a 30-line traceback and an empty run directory
+    (
+        ["seed=99999999999999999999"],
+        "seed=99999999999999999999 is not allowed; seed must be an integer from 0 to 4294967295 (2^32 - 1)",
+    ),  # was a 30-line traceback and an empty run directory
     (["seed=-1"], "seed=-1 is not allowed"),
-    (["hydra.run.dir="], "hydra.run.dir='' is not allowed: it would write the run's files into the current "
-                         "directory"),  # the checkout root, say
+    (
+        ["hydra.run.dir="],
+        "hydra.run.dir='' is not allowed: it would write the run's files into the current directory",
+    ),  # the checkout root, say
     (["-m", "seed=0,1", "hydra.sweep.dir=."], "hydra.sweep.dir='.' is not allowed"),
     # validation that is the test split (or the training split) would leak into every choice made on it
-    (["data._target_=torchvision.datasets.MNIST", "+data.val_kwargs={train: false}"],
-     "data.val_kwargs={'train': False} is not allowed; it loads the same split as data.test_kwargs"),
-    (["data._target_=torchvision.datasets.MNIST", "+data.val_kwargs={train: true}"],
-     "data.val_kwargs={'train': True} is not allowed; it loads the same split as data.train_kwargs"),
+    (
+        ["data._target_=torchvision.datasets.MNIST", "+data.val_kwargs={train: false}"],
+        "data.val_kwargs={'train': False} is not allowed; it loads the same split as data.test_kwargs",
+    ),
+    (
+        ["data._target_=torchvision.datasets.MNIST", "+data.val_kwargs={train: true}"],
+        "data.val_kwargs={'train': True} is not allowed; it loads the same split as data.train_kwargs",
+    ),
     # every job of a sweep is long enough, checked before the first starts
-    (["-m", "epochs=1,0.0001", "engine=sim"], "epochs=0.0001 (23 mini-batches of 64 per epoch of data=digits) gives "
-                                              "each worker 0 gradient step(s); it needs at least one"),
+    (
+        ["-m", "epochs=1,0.0001", "engine=sim"],
+        "epochs=0.0001 (23 mini-batches of 64 per epoch of data=digits) gives "
+        "each worker 0 gradient step(s); it needs at least one",
+    ),
 ]
 
 
@@ -155,8 +196,9 @@ def test_help_and_cfg_flags_are_left_to_hydra():
 
 @pytest.mark.slow  # real `python run.py` processes: 5 s
 def test_real_command_prints_one_line_and_exits_2(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "run.py"), "lr=-1"], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), "lr=-1"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 2
     assert p.stderr.strip() == "error: lr=-1.0 is not allowed; lr must be a finite number > 0"
     assert p.stdout == ""

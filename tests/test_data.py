@@ -29,10 +29,16 @@ from gem.data import (
     train_size,
 )
 
-MNIST_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-               "t10k-labels-idx1-ubyte")
-CIFAR_NAMES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch",
-               "batches.meta")
+MNIST_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+CIFAR_NAMES = (
+    "data_batch_1",
+    "data_batch_2",
+    "data_batch_3",
+    "data_batch_4",
+    "data_batch_5",
+    "test_batch",
+    "batches.meta",
+)
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -49,8 +55,10 @@ def mnist_root_or_skip() -> Path:
     raw = root / "MNIST" / "raw"
     missing = [f for f in MNIST_NAMES if not (raw / f).is_file()]
     if missing:
-        pytest.skip(f"MNIST files not available: {', '.join(missing)} missing from {raw} "
-                    f"(set GEM_SHARED_DATA to the folder holding MNIST/raw/)")
+        pytest.skip(
+            f"MNIST files not available: {', '.join(missing)} missing from {raw} "
+            f"(set GEM_SHARED_DATA to the folder holding MNIST/raw/)"
+        )
     return root
 
 
@@ -59,7 +67,7 @@ def read_idx(path: Path) -> np.ndarray:
     raw = path.read_bytes()
     ndim = raw[3]
     assert raw[2] == 0x08  # unsigned byte
-    dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 
@@ -243,7 +251,7 @@ def check_known_pixels(ds, known, per_batch=3):
         assert img[c, r, col].item() == pytest.approx((v / 255.0 - CIFAR_MEAN[c]) / CIFAR_STD[c], abs=1e-5)
     zero = torch.tensor([(0 - m) / s for m, s in zip(CIFAR_MEAN, CIFAR_STD, strict=True)])[:, None, None]
     mask = torch.ones(3, 32, 32, dtype=torch.bool)
-    for (c, r, col) in known:
+    for c, r, col in known:
         mask[c, r, col] = False
     torch.testing.assert_close(img[mask], zero.expand(3, 32, 32)[mask], rtol=0, atol=1e-5)
 
@@ -327,11 +335,11 @@ def find_windows(img: torch.Tensor, out: torch.Tensor, pad: int) -> list[tuple[i
     """All (row offset, col offset, flipped) for which `out` is that window of the zero-padded `img`."""
     c, h, w = img.shape
     padded = torch.zeros(c, h + 2 * pad, w + 2 * pad)
-    padded[:, pad:pad + h, pad:pad + w] = img
+    padded[:, pad : pad + h, pad : pad + w] = img
     found = []
     for oy in range(2 * pad + 1):
         for ox in range(2 * pad + 1):
-            window = padded[:, oy:oy + h, ox:ox + w]
+            window = padded[:, oy : oy + h, ox : ox + w]
             for flipped in (False, True):
                 if torch.equal(window.flip(2) if flipped else window, out):
                     found.append((oy, ox, flipped))
@@ -363,7 +371,7 @@ def test_crop_and_flip_randomises_offsets_and_flips():
     offsets = torch.full((n, 3), -1)
     for oy in range(2 * pad + 1):
         for ox in range(2 * pad + 1):
-            window = padded[:, :, oy:oy + 8, ox:ox + 8]
+            window = padded[:, :, oy : oy + 8, ox : ox + 8]
             for flipped in (0, 1):
                 cand = window.flip(3) if flipped else window
                 hit = (cand == out).flatten(1).all(1)

@@ -48,10 +48,20 @@ def data():
 
 
 def job(data, workers, algorithm="gem", hp=None, epochs=1, batch_size=32, **kw):
-    return Job(algorithm=algorithm, hp=hp or gem.Params(workers=workers), model="mnist_cnn", data=data,
-               workers=workers, batch_size=batch_size, epochs=epochs, seed=0,
-               engine={"name": "distributed", "timeout_s": 60}, eval_every=kw.pop("eval_every", 16),
-               eval_train_size=64, **kw)
+    return Job(
+        algorithm=algorithm,
+        hp=hp or gem.Params(workers=workers),
+        model="mnist_cnn",
+        data=data,
+        workers=workers,
+        batch_size=batch_size,
+        epochs=epochs,
+        seed=0,
+        engine={"name": "distributed", "timeout_s": 60},
+        eval_every=kw.pop("eval_every", 16),
+        eval_train_size=64,
+        **kw,
+    )
 
 
 def run(job_, d):
@@ -212,8 +222,10 @@ def test_commits_are_served_first_come_first_served(data, tmp_path):
     wire): with θ in shared memory a local launch's workers pass the turn among themselves, and its own bound is
     checked below (test_several_workers_share_the_window_...)."""
     n = 4
-    j = dataclasses.replace(job(data, n, algorithm="downpour", hp=downpour.Params(), batch_size=4),
-                            engine={"name": "distributed", "timeout_s": 60, "shared_memory": False})
+    j = dataclasses.replace(
+        job(data, n, algorithm="downpour", hp=downpour.Params(), batch_size=4),
+        engine={"name": "distributed", "timeout_s": 60, "shared_memory": False},
+    )
     result, m, _ = run(j, tmp_path)
     assert result.status == "completed" and len(m) == n * 256 // 4
     assert not result.extra["local_turn"]
@@ -238,14 +250,18 @@ def test_workers_on_rank_0s_host_read_theta_from_shared_memory_with_the_same_row
     The window's file is gone once the run ends."""
     frames = {}
     for shared in (True, False):
-        j = dataclasses.replace(job(data, 1, "downpour", downpour.Params(), epochs=2),
-                                engine={"name": "distributed", "timeout_s": 60, "shared_memory": shared})
+        j = dataclasses.replace(
+            job(data, 1, "downpour", downpour.Params(), epochs=2),
+            engine={"name": "distributed", "timeout_s": 60, "shared_memory": shared},
+        )
         result, m, _ = run(j, tmp_path / str(shared))
         assert result.status == "completed"
         assert result.extra["shared_memory_workers"] == ([0] if shared else [])
         assert result.extra["local_turn"] == shared
-        frames[shared] = (m.drop(columns=["time_s", "wait_s", "apply_s", "wait_commits"], errors="ignore"),
-                          read_table(tmp_path / str(shared), "eval").drop(columns="time_s"))
+        frames[shared] = (
+            m.drop(columns=["time_s", "wait_s", "apply_s", "wait_commits"], errors="ignore"),
+            read_table(tmp_path / str(shared), "eval").drop(columns="time_s"),
+        )
     for a, b in zip(frames[True], frames[False], strict=True):
         pd.testing.assert_frame_equal(a, b, check_exact=True)
     assert not list(window.SHM.glob(f"{window.PREFIX}{os.getpid()}-*"))
@@ -262,8 +278,7 @@ def test_several_workers_share_the_window_and_every_commit_is_applied_once(data,
 
 
 @pytest.mark.parametrize("algorithm", ["downpour", "ssgd"])
-def test_a_local_launch_that_hands_theta_to_its_workers_gives_the_window_s_rows(data, tmp_path, monkeypatch,
-                                                                                 algorithm):
+def test_a_local_launch_that_hands_theta_to_its_workers_gives_the_window_s_rows(data, tmp_path, monkeypatch, algorithm):
     """Where a local launch's workers all compute on one GPU, rank 0 moves θ and the server's tensors there, hands
     them to its workers (CUDA IPC) and keeps only the clock, the pull times and the log in the window. Run here
     with CPU tensors handed instead (shared memory: the same path, without a GPU), the move made a copy as a move
@@ -280,8 +295,14 @@ def test_a_local_launch_that_hands_theta_to_its_workers_gives_the_window_s_rows(
 
     def moved(self, device):
         s = real_to(self, device)
-        return Server(s.algo, s.hp, s.theta.clone().share_memory_(),
-                      {k: v.clone().share_memory_() for k, v in s.state.items()}, s.clock, s.pulled_at)
+        return Server(
+            s.algo,
+            s.hp,
+            s.theta.clone().share_memory_(),
+            {k: v.clone().share_memory_() for k, v in s.state.items()},
+            s.clock,
+            s.pulled_at,
+        )
 
     monkeypatch.setattr(window.Window, "create", classmethod(create))
     monkeypatch.setattr(Server, "to", moved)
@@ -294,13 +315,20 @@ def test_a_local_launch_that_hands_theta_to_its_workers_gives_the_window_s_rows(
         result, m, _ = run(job(data, n, algorithm, hp, epochs=2), tmp_path / str(handed))
         assert result.status == "completed" and result.extra["local_turn"], result.reason
         assert made == [not handed]
-        frames[handed] = (m.drop(columns=["time_s", "wait_s", "apply_s", "wait_commits"], errors="ignore"),
-                          read_table(tmp_path / str(handed), "eval").drop(columns="time_s"))
+        frames[handed] = (
+            m.drop(columns=["time_s", "wait_s", "apply_s", "wait_commits"], errors="ignore"),
+            read_table(tmp_path / str(handed), "eval").drop(columns="time_s"),
+        )
     if algorithm == "ssgd":
         assert frames[True][0]["step"].tolist() == list(range(1, 3 * 2 * 256 // 32 + 1))
         # θ moves at the end of each round of 3 commits: evaluations after the same round see the same θ
-        evals = {h: e.assign(round=e["step"] // 3).drop(columns=["step", "worker_step"], errors="ignore")
-                 .drop_duplicates("round").set_index("round") for h, (_, e) in frames.items()}
+        evals = {
+            h: e.assign(round=e["step"] // 3)
+            .drop(columns=["step", "worker_step"], errors="ignore")
+            .drop_duplicates("round")
+            .set_index("round")
+            for h, (_, e) in frames.items()
+        }
         common = evals[False].index.intersection(evals[True].index)
         assert len(common) >= 2 and common.max() == 3 * 2 * 256 // 32 // 3, (evals[False], evals[True])
         pd.testing.assert_frame_equal(evals[False].loc[common], evals[True].loc[common], rtol=1e-4)
@@ -352,15 +380,17 @@ def test_a_worker_opens_only_a_window_of_rank_0s_making(data, tmp_path):
         other = tmp_path / Path(said["path"]).name
         other.write_bytes(Path(said["path"]).read_bytes())
         replica = Server.create(algorithms.get("gem"), j.hp, torch.zeros(10), 2)  # another model's
-        for changed, w, rep in [({}, 2, srv),  # no slot for worker 2
-                                ({"path": str(other)}, 0, srv),  # not in /dev/shm
-                                ({"path": str(window.SHM / "gem-theta-1-x")}, 0, srv),  # not the name pattern
-                                ({"path": str(window.SHM / "passwd")}, 0, srv),
-                                ({"nonce": "00" * 32}, 0, srv),  # another window
-                                ({"nonce": "not hex"}, 0, srv),
-                                ({}, 0, replica),  # of another size
-                                ({"slots": "2"}, 0, srv),
-                                ({"slots": 3}, 0, srv)]:  # more slots than the job has workers
+        for changed, w, rep in [
+            ({}, 2, srv),  # no slot for worker 2
+            ({"path": str(other)}, 0, srv),  # not in /dev/shm
+            ({"path": str(window.SHM / "gem-theta-1-x")}, 0, srv),  # not the name pattern
+            ({"path": str(window.SHM / "passwd")}, 0, srv),
+            ({"nonce": "00" * 32}, 0, srv),  # another window
+            ({"nonce": "not hex"}, 0, srv),
+            ({}, 0, replica),  # of another size
+            ({"slots": "2"}, 0, srv),
+            ({"slots": 3}, 0, srv),
+        ]:  # more slots than the job has workers
             assert window.Window.open({**said, **changed}, w, rep) is None, changed
         win.unlink()
         assert window.Window.open(said, 0, srv) is None  # removed: no process can open it any more
@@ -407,7 +437,8 @@ def test_no_room_in_dev_shm_is_one_line_and_the_wire(data, tmp_path, monkeypatch
     assert result.status == "completed" and result.extra["shared_memory_workers"] == []
     lines = capsys.readouterr().err.splitlines()
     assert [line for line in lines if "/dev/shm" in line] == [
-        "gem: no room for θ in /dev/shm (2 MiB: No space left on device); the workers on this host use the wire"]
+        "gem: no room for θ in /dev/shm (2 MiB: No space left on device); the workers on this host use the wire"
+    ]
     assert not list(window.SHM.glob(f"{window.PREFIX}{os.getpid()}-*"))
 
 
@@ -423,9 +454,23 @@ def test_torchrun_launches_the_server_and_workers(tmp_path):
     # docs/distributed.md's one-machine torchrun command. --standalone: a free rendezvous port (torchrun's default
     # 29500 was taken by the other torchrun test, run at the same time, on the GPU machine)
     d = tmp_path / "run"
-    p = subprocess.run([_torchrun(), "--standalone", "--nproc_per_node=4", "run.py", "engine=distributed",
-                        "workers=3", "epochs=2", "logger.wandb.mode=disabled", f"hydra.run.dir={d}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            _torchrun(),
+            "--standalone",
+            "--nproc_per_node=4",
+            "run.py",
+            "engine=distributed",
+            "workers=3",
+            "epochs=2",
+            "logger.wandb.mode=disabled",
+            f"hydra.run.dir={d}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     summary, m, _ = check_run_dir(d, steps=3 * 2 * (1500 // 64))
     assert summary["status"] == "completed" and summary["engine"] == "distributed"
@@ -437,14 +482,29 @@ def test_torchrun_launches_the_server_and_workers(tmp_path):
 @pytest.mark.slow
 def test_torchrun_with_the_wrong_number_of_processes_says_so_in_one_line(tmp_path):
     # two processes, the fewest that make a torchrun job of a server and a worker: each imports torch
-    p = subprocess.run([_torchrun(), "--standalone", "--nproc_per_node=2", "run.py", "engine=distributed",
-                        "workers=2", "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            _torchrun(),
+            "--standalone",
+            "--nproc_per_node=2",
+            "run.py",
+            "engine=distributed",
+            "workers=2",
+            "logger.wandb.mode=disabled",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode != 0
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: workers=2 does not match the 2 processes the launcher started: engine=distributed "
-                      "needs workers + 1 (rank 0 is the parameter server); pass workers=1 or start 3 processes "
-                      "(--nproc_per_node)"], p.stderr[-2000:]
+    assert errors == [
+        "error: workers=2 does not match the 2 processes the launcher started: engine=distributed "
+        "needs workers + 1 (rank 0 is the parameter server); pass workers=1 or start 3 processes "
+        "(--nproc_per_node)"
+    ], p.stderr[-2000:]
 
 
 class _HighRankWaits(_Server):
@@ -479,8 +539,14 @@ def test_the_fairness_test_catches_an_unfair_server(data, tmp_path, monkeypatch)
 
 # what would unpickle a peer's bytes: these modules, and torch.distributed's object collectives (pickles inside)
 UNPICKLERS = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
-OBJECT_CALLS = {"send_object_list", "recv_object_list", "broadcast_object_list", "all_gather_object",
-                "gather_object", "scatter_object_list"}
+OBJECT_CALLS = {
+    "send_object_list",
+    "recv_object_list",
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+}
 
 
 @pytest.mark.parametrize("module", ["distributed", "worker", "server", "coordinator", "core"])
@@ -525,12 +591,35 @@ def test_the_job_travels_as_json_and_raw_tensors(data, tmp_path):
     """What rank 0 sends a worker rebuilds the same Job, field by field, from JSON and raw tensors."""
     import json
 
-    source = {"name": "synthetic", "root": "/data", "download": False, "shape": (1, 28, 28), "augment": True,
-              "synthetic": {"num_classes": 10, "train_size": 256, "val_size": 64, "seed": 1}}
-    full = job(data, 3, hp=gem.Params(workers=3, kappa=2.5, proxy="global"), device="cpu", run_dir=str(tmp_path),
-               checkpoint_every=7, resume={"step": 12, "dir": "step-12", "path": str(tmp_path)}, data_source=source)
-    full = dataclasses.replace(full, engine={"name": "distributed", "host": "127.0.0.1", "port": 0,
-                                             "allow_remote": False, "timeout_s": 7.5, "shared_memory": False})
+    source = {
+        "name": "synthetic",
+        "root": "/data",
+        "download": False,
+        "shape": (1, 28, 28),
+        "augment": True,
+        "synthetic": {"num_classes": 10, "train_size": 256, "val_size": 64, "seed": 1},
+    }
+    full = job(
+        data,
+        3,
+        hp=gem.Params(workers=3, kappa=2.5, proxy="global"),
+        device="cpu",
+        run_dir=str(tmp_path),
+        checkpoint_every=7,
+        resume={"step": 12, "dir": "step-12", "path": str(tmp_path)},
+        data_source=source,
+    )
+    full = dataclasses.replace(
+        full,
+        engine={
+            "name": "distributed",
+            "host": "127.0.0.1",
+            "port": 0,
+            "allow_remote": False,
+            "timeout_s": 7.5,
+            "shared_memory": False,
+        },
+    )
     start = Start(t0_wall=1.5e9, train_examples=256, window={"path": "/dev/shm/x", "slots": 2})
     for original in (full, _for_workers(full), _for_workers(job(data, 2))):
         text, tensors = distributed.encode_job(original, start)
@@ -592,15 +681,19 @@ def test_a_remote_host_is_refused_in_one_line_before_anything_starts():
 
     with pytest.raises(ConfigError) as e:
         check_job(["engine=distributed", "engine.host=0.0.0.0"])
-    assert str(e.value) == ("engine.host=0.0.0.0 is not a loopback address, and anyone who can reach it could "
-                            "connect to the run and read its traffic; use engine.host=127.0.0.1 (or localhost, ::1), "
-                            "or set engine.allow_remote=true to expose the run on it")
+    assert str(e.value) == (
+        "engine.host=0.0.0.0 is not a loopback address, and anyone who can reach it could "
+        "connect to the run and read its traffic; use engine.host=127.0.0.1 (or localhost, ::1), "
+        "or set engine.allow_remote=true to expose the run on it"
+    )
 
 
-ALLOW_REMOTE_WARNING = ("gem: warning: engine.allow_remote=true: the run listens on every address of this machine "
-                        "(0.0.0.0); anyone who can reach it can connect, and read or disturb its traffic (gloo's is "
-                        "neither authenticated nor encrypted), though only workers that prove the run's secret can "
-                        "join")
+ALLOW_REMOTE_WARNING = (
+    "gem: warning: engine.allow_remote=true: the run listens on every address of this machine "
+    "(0.0.0.0); anyone who can reach it can connect, and read or disturb its traffic (gloo's is "
+    "neither authenticated nor encrypted), though only workers that prove the run's secret can "
+    "join"
+)
 
 
 def test_allow_remote_prints_one_warning(monkeypatch, capsys):
@@ -640,8 +733,9 @@ def test_a_host_name_that_resolves_to_loopback_is_refused_across_nodes(monkeypat
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **kw: [(2, 1, 6, "", ("127.0.1.1", 0))])
-    with pytest.raises(ValueError, match="resolves to no address other nodes can reach .127.0.1.1.; set "
-                                         "GLOO_SOCKET_IFNAME"):
+    with pytest.raises(
+        ValueError, match="resolves to no address other nodes can reach .127.0.1.1.; set GLOO_SOCKET_IFNAME"
+    ):
         group._devices(None)
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **kw: [(2, 1, 6, "", ("10.1.2.3", 0))])
     monkeypatch.setattr(dist.ProcessGroupGloo, "create_default_device", lambda: "default")
@@ -661,8 +755,10 @@ def held_port():
 
 
 def _in_use(port):
-    return (f"engine.port={port} is in use on 127.0.0.1 (another run or program holds it); pick another port, or "
-            "engine.port=0 for a free one")
+    return (
+        f"engine.port={port} is in use on 127.0.0.1 (another run or program holds it); pick another port, or "
+        "engine.port=0 for a free one"
+    )
 
 
 def test_a_port_in_use_is_refused_in_one_line(held_port):
@@ -700,8 +796,13 @@ def test_the_port_of_a_run_just_ended_is_not_refused(data, tmp_path):
 @pytest.mark.slow
 def test_run_py_refuses_a_port_in_use_before_a_run_directory_exists(held_port, tmp_path):
     d = tmp_path / "x"
-    p = warm_run.run_py("engine=distributed", f"engine.port={held_port}", "logger.wandb.mode=disabled",
-                        f"hydra.run.dir={d}", timeout=300)
+    p = warm_run.run_py(
+        "engine=distributed",
+        f"engine.port={held_port}",
+        "logger.wandb.mode=disabled",
+        f"hydra.run.dir={d}",
+        timeout=300,
+    )
     assert p.returncode == 2, p.stderr[-2000:]
     assert p.stderr.splitlines() == [f"error: {_in_use(held_port)}"]
     assert not d.exists()
@@ -710,9 +811,19 @@ def test_run_py_refuses_a_port_in_use_before_a_run_directory_exists(held_port, t
 @pytest.mark.slow
 def test_run_py_with_allow_remote_warns_once_and_runs(tmp_path):
     d = tmp_path / "x"
-    p = warm_run.run_py("engine=distributed", "engine.host=0.0.0.0", "engine.allow_remote=true", "workers=1",
-                        "data=synthetic", "data.synthetic.train_size=64", "data.synthetic.val_size=32",
-                        "batch_size=32", "logger.wandb.mode=disabled", f"hydra.run.dir={d}", timeout=300)
+    p = warm_run.run_py(
+        "engine=distributed",
+        "engine.host=0.0.0.0",
+        "engine.allow_remote=true",
+        "workers=1",
+        "data=synthetic",
+        "data.synthetic.train_size=64",
+        "data.synthetic.val_size=32",
+        "batch_size=32",
+        "logger.wandb.mode=disabled",
+        f"hydra.run.dir={d}",
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     warnings = [line for line in p.stderr.splitlines() if line.startswith("gem: warning:")]
     assert warnings == [ALLOW_REMOTE_WARNING], p.stderr

@@ -10,7 +10,7 @@ def table_under(path: Path, heading: str) -> list[str]:
     lines = path.read_text().splitlines()
     start = lines.index(heading)
     rows = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("|"):
             rows.append(line.rstrip())
         elif rows:

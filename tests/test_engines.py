@@ -117,12 +117,13 @@ def test_the_worker_cycle_takes_the_turn_only_when_it_commits(data, algorithm, w
     while worker.cycle(link):
         pass
     assert worker.step == 40 and link.turns == 40 // window == len(link.rows_seen)
-    assert [r["worker_step"] for r in link.rows_seen] == list(range(window, 41, window))[:40 // window]
+    assert [r["worker_step"] for r in link.rows_seen] == list(range(window, 41, window))[: 40 // window]
 
 
 def _copy(d):
-    return {k: _copy(v) if isinstance(v, dict) else v.clone() if isinstance(v, torch.Tensor) else v
-            for k, v in d.items()}
+    return {
+        k: _copy(v) if isinstance(v, dict) else v.clone() if isinstance(v, torch.Tensor) else v for k, v in d.items()
+    }
 
 
 class _SavingLink(_CountingLink):
@@ -302,9 +303,20 @@ def test_a_resumed_sim_run_is_the_uninterrupted_run(data, tmp_path, staleness):
     """sim is deterministic, and its checkpoint holds every random stream and the event queue: a run killed after
     a checkpoint and resumed gives exactly the rows of a run never killed, whatever it recorded after the
     checkpoint before it died."""
+
     def make(d, resume=None):
-        return job(data, "sim", 4, "gem", hp_for("gem", 4), epochs=3, run_dir=str(d), checkpoint_every=10,
-                   resume=resume, options=staleness)
+        return job(
+            data,
+            "sim",
+            4,
+            "gem",
+            hp_for("gem", 4),
+            epochs=3,
+            run_dir=str(d),
+            checkpoint_every=10,
+            resume=resume,
+            options=staleness,
+        )
 
     whole, m_whole = run(make(tmp_path / "whole"), tmp_path / "whole")
     d = tmp_path / "killed"
@@ -345,8 +357,17 @@ def test_resume_continues_every_worker_where_the_checkpoint_left_it(data, tmp_pa
         # an early checkpoint and no evaluation before the end. The coordinator asks for a checkpoint when it next
         # looks at the clock (it wakes on the workers' row batches, or every POLL_S): DOWNPOUR's 48 commits of a
         # 2-epoch run could all be served before that, and the run end with no checkpoint (1 run in 6, and in CI)
-        return job(data, engine, 3, algorithm, epochs=epochs, run_dir=str(tmp_path), checkpoint_every=4,
-                   eval_every=3 * steps_each, resume=resume)
+        return job(
+            data,
+            engine,
+            3,
+            algorithm,
+            epochs=epochs,
+            run_dir=str(tmp_path),
+            checkpoint_every=4,
+            eval_every=3 * steps_each,
+            resume=resume,
+        )
 
     monkeypatch.setattr(checkpoint, "finish", finish_then_die)
     with pytest.raises(Killed):
@@ -406,8 +427,17 @@ def test_resume_after_the_main_process_is_killed(tmp_path, engine):
     step = json.loads((d / "checkpoint" / "manifest.json").read_text())["step"]
     assert len(read_table(d)) >= step  # rows up to the checkpoint are on disk (and perhaps some after it)
 
-    r = warm_run.run_py(f"engine={engine}", "workers=3", "algorithm=gem", "logger.wandb.mode=disabled",
-                        "logger.flush_every=5", f"hydra.run.dir={d}", *args, "resume=true", timeout=300)
+    r = warm_run.run_py(
+        f"engine={engine}",
+        "workers=3",
+        "algorithm=gem",
+        "logger.wandb.mode=disabled",
+        "logger.flush_every=5",
+        f"hydra.run.dir={d}",
+        *args,
+        "resume=true",
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert f"resuming from the checkpoint at commit {step}" in r.stdout
     budget = 3 * (1500 // 64)
@@ -436,10 +466,21 @@ def test_resume_refuses_a_missing_or_foreign_checkpoint_with_one_line(tmp_path, 
         check_resumable(manifest, job(data, "process", 2))
     with pytest.raises(CheckpointError, match="made with engine=process, this command has engine=sim"):
         check_resumable(manifest, job(data, "sim", 3))
-    r = warm_run.run_py("engine=process", "workers=3", "algorithm=gem", "epochs=1", "batch_size=32",
-                        "data=synthetic", "data.synthetic.train_size=256", "data.synthetic.val_size=64",
-                        "data.synthetic.seed=1", "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path}",
-                        "resume=true", timeout=300)
+    r = warm_run.run_py(
+        "engine=process",
+        "workers=3",
+        "algorithm=gem",
+        "epochs=1",
+        "batch_size=32",
+        "data=synthetic",
+        "data.synthetic.train_size=256",
+        "data.synthetic.val_size=64",
+        "data.synthetic.seed=1",
+        "logger.wandb.mode=disabled",
+        f"hydra.run.dir={tmp_path}",
+        "resume=true",
+        timeout=300,
+    )
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr  # a refusal: one line, exit code 2
     assert lines[0].startswith("error: resume=true: checkpoint file") and "central.pt cannot be read" in lines[0]
@@ -549,8 +590,11 @@ def test_a_frozen_worker_is_lost_and_the_run_completes(data, tmp_path, engine, c
     assert rec.stopped_at is not None
     assert 5 <= float(result.reason.split("silent for ")[1].split()[0]) < 60, result.reason
     lines = [line for line in capsys.readouterr().out.splitlines() if "lost at commit" in line]
-    assert len(lines) == 1 and lines[0].startswith("gem: worker 1 lost at commit ") and lines[0].endswith(
-        "; the run goes on with the others"), lines
+    assert (
+        len(lines) == 1
+        and lines[0].startswith("gem: worker 1 lost at commit ")
+        and lines[0].endswith("; the run goes on with the others")
+    ), lines
 
 
 @pytest.mark.slow
@@ -559,8 +603,15 @@ def test_a_worker_hung_holding_the_server_is_lost_and_the_others_go_on(data, tmp
     """Worker 1 hangs inside its worker rule at its 5th commit (tests/gem_test_algos/hang_at_turn.py), that is
     while it holds the server's turn (process, and distributed launched locally), so every other worker waits for
     it. They are not to blame; it is killed, the server goes on, and the run completes."""
-    j = job(data, engine, 3, "gem_test_algos.hang_at_turn", downpour.Params(), epochs=8,
-            options={"timeout_s": 5, "silent_cycles": 3})
+    j = job(
+        data,
+        engine,
+        3,
+        "gem_test_algos.hang_at_turn",
+        downpour.Params(),
+        epochs=8,
+        options={"timeout_s": 5, "silent_cycles": 3},
+    )
     result, m = _lost_one(j, Recorder(tmp_path), 1)
     assert result.steps == 2 * 8 * 256 // 32 + 4  # its first four commits, and never its 5th
     assert (m["worker"] == 1).sum() + m["worker"].eq(-1).sum() == 4  # their rows, or rows marked lost
@@ -600,8 +651,17 @@ def test_ctrl_c_and_sigterm_while_the_workers_start_leave_nothing_behind(tmp_pat
     run's last line; and the coordinator exited without knowing of the child the forkserver made next, which ran
     alone (here it died at once, with a traceback of its own: its semaphores were gone)."""
     d = tmp_path / "run"
-    p = warm_run.Popen([f"engine={engine}", "workers=3", "algorithm=gem", "logger.wandb.mode=disabled",
-                        "epochs=1000", f"hydra.run.dir={d}"], start_new_session=True)
+    p = warm_run.Popen(
+        [
+            f"engine={engine}",
+            "workers=3",
+            "algorithm=gem",
+            "logger.wandb.mode=disabled",
+            "epochs=1000",
+            f"hydra.run.dir={d}",
+        ],
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while not [k for k in descendants(p.pid) if "forkserver" in processes().get(k, (0, "", ""))[2]]:
         if p.poll() is not None or time.monotonic() > deadline:
@@ -664,8 +724,18 @@ def test_an_interruption_while_a_worker_starts_waits_for_it_to_be_recorded():
 def _start(tmp_path, *args, engine="process", workers=3):
     """`python run.py` with `workers` workers, returned once they are committing."""
     d = tmp_path / "run"
-    p = warm_run.Popen([f"engine={engine}", f"workers={workers}", "algorithm=gem", "logger.wandb.mode=disabled",
-                        "logger.flush_every=5", f"hydra.run.dir={d}", *args], start_new_session=True)
+    p = warm_run.Popen(
+        [
+            f"engine={engine}",
+            f"workers={workers}",
+            "algorithm=gem",
+            "logger.wandb.mode=disabled",
+            "logger.flush_every=5",
+            f"hydra.run.dir={d}",
+            *args,
+        ],
+        start_new_session=True,
+    )
     processes = workers if engine in REAL else 0
     deadline = time.monotonic() + 180
     while not (d / "metrics.parts").exists() or len(workers_of(p.pid)) < processes:  # the workers are committing
@@ -689,9 +759,11 @@ def _wait_for_checkpoint(d, p, at_least):
             summary = d / "summary.json"
             ended = f"status {json.loads(summary.read_text()).get('status')}" if summary.exists() else "no summary"
             seen = json.loads(manifest.read_text())["step"] if manifest.exists() else None
-            raise AssertionError(f"no checkpoint at commit >= {at_least} (last seen: {seen}); "
-                                 f"{'still running after 240 s' if code is None else f'exit code {code}'}, "
-                                 f"{ended}\nstdout: {(out or '')[-1000:]}\nstderr: {(err or '')[-2000:]}")
+            raise AssertionError(
+                f"no checkpoint at commit >= {at_least} (last seen: {seen}); "
+                f"{'still running after 240 s' if code is None else f'exit code {code}'}, "
+                f"{ended}\nstdout: {(out or '')[-1000:]}\nstderr: {(err or '')[-2000:]}"
+            )
         time.sleep(0.2)
     return json.loads(manifest.read_text())["step"]
 
@@ -738,8 +810,9 @@ def test_a_worker_frozen_inside_the_turn_s_lock_is_the_only_one_lost(data, tmp_p
 
 @pytest.mark.slow  # silent_before on `process` only, whose checkpoint wait it is about: the suite's time
 @pytest.mark.parametrize("engine, silent_before", [("process", 0.0), ("distributed", 0.0), ("process", 1.5)])
-def test_a_worker_frozen_inside_the_turn_s_lock_at_a_checkpoint_is_the_only_one_lost(data, tmp_path, engine,
-                                                                                   silent_before, monkeypatch):
+def test_a_worker_frozen_inside_the_turn_s_lock_at_a_checkpoint_is_the_only_one_lost(
+    data, tmp_path, engine, silent_before, monkeypatch
+):
     """The same freeze just as every worker is asked for its state (a checkpoint): the others cannot answer before
     the frozen one lets go of `meta`, and are not to blame. Only it is lost; the checkpoint and the run complete.
     `silent_before`: frozen that long before the others are asked, so that its silence (the coordinator's watch),
@@ -759,8 +832,15 @@ def test_a_worker_frozen_inside_the_turn_s_lock_at_a_checkpoint_is_the_only_one_
             time.sleep(silent_before)
 
     monkeypatch.setattr(turn_mod.Turn, "ask", ask)
-    j = job(data, engine, 3, epochs=8, options={"timeout_s": 5, "silent_cycles": 3}, run_dir=str(tmp_path),
-            checkpoint_every=40)
+    j = job(
+        data,
+        engine,
+        3,
+        epochs=8,
+        options={"timeout_s": 5, "silent_cycles": 3},
+        run_dir=str(tmp_path),
+        checkpoint_every=40,
+    )
     rec = Recorder(tmp_path)
     try:
         result = get(engine).run(j, rec)

@@ -19,9 +19,19 @@ def data():
 def sim_run(data, tmp_path, algorithm, workers, eval_every, **hp):
     params = algorithms.get(algorithm).Params
     fields = {f.name for f in dataclasses.fields(params)}
-    job = Job(algorithm=algorithm, hp=params(**{**({"workers": workers} if "workers" in fields else {}), **hp}),
-              model="mnist_cnn", data=data, workers=workers, batch_size=32, epochs=1, seed=0,
-              engine={"name": "sim"}, eval_every=eval_every, eval_train_size=64)
+    job = Job(
+        algorithm=algorithm,
+        hp=params(**{**({"workers": workers} if "workers" in fields else {}), **hp}),
+        model="mnist_cnn",
+        data=data,
+        workers=workers,
+        batch_size=32,
+        epochs=1,
+        seed=0,
+        engine={"name": "sim"},
+        eval_every=eval_every,
+        eval_train_size=64,
+    )
     rec = Recorder(tmp_path)
     try:
         result = get("sim").run(job, rec)
@@ -30,11 +40,14 @@ def sim_run(data, tmp_path, algorithm, workers, eval_every, **hp):
     return result, read_table(tmp_path), read_table(tmp_path, "eval")
 
 
-@pytest.mark.parametrize("algorithm, workers, window, eval_every", [
-    ("sgd", 1, 1, 3),  # one worker committing every step: worker_step is t
-    ("downpour", 3, 1, 5),  # the last evaluation (t = 24) is not on the eval_every grid
-    ("agn", 2, 2, 2),  # a window of λ local steps per commit
-])
+@pytest.mark.parametrize(
+    "algorithm, workers, window, eval_every",
+    [
+        ("sgd", 1, 1, 3),  # one worker committing every step: worker_step is t
+        ("downpour", 3, 1, 5),  # the last evaluation (t = 24) is not on the eval_every grid
+        ("agn", 2, 2, 2),  # a window of λ local steps per commit
+    ],
+)
 def test_every_evaluation_row_has_the_mean_worker_step(data, tmp_path, algorithm, workers, window, eval_every):
     hp = {"window": window} if algorithm == "agn" else {}
     result, m, ev = sim_run(data, tmp_path, algorithm, workers, eval_every, **hp)
@@ -58,8 +71,19 @@ def test_an_evaluation_row_is_timed_when_theta_was_taken_not_when_its_evaluation
     from gem.engines.core import Evaluator
     from gem.models import FlatModel
 
-    job = Job(algorithm="sgd", hp=algorithms.get("sgd").Params(), model="mnist_cnn", data=data, workers=1,
-              batch_size=32, epochs=1, seed=0, engine={"name": "sim"}, eval_every=1, eval_train_size=64)
+    job = Job(
+        algorithm="sgd",
+        hp=algorithms.get("sgd").Params(),
+        model="mnist_cnn",
+        data=data,
+        workers=1,
+        batch_size=32,
+        epochs=1,
+        seed=0,
+        engine={"name": "sim"},
+        eval_every=1,
+        eval_train_size=64,
+    )
     evaluate = Evaluator(job, data)
     slow = FlatModel.evaluate
 

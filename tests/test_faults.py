@@ -98,8 +98,7 @@ def test_a_new_run_never_writes_over_a_finished_one(completed_run, capsys):
 @SHARED
 def test_resume_with_a_changed_key_is_refused_and_keeps_hydra_and_rows(killed):
     before = snapshot(killed)
-    line = one_line(run_py(*KILLED, "lr=0.1", "resume=true",
-                           f"hydra.run.dir={killed}"))
+    line = one_line(run_py(*KILLED, "lr=0.1", "resume=true", f"hydra.run.dir={killed}"))
     assert "lr" in line and "resume with the original command's overrides" in line
     assert snapshot(killed) == before  # .hydra/ and the rows after the checkpoint are as they were
     assert not (killed / "summary.json").exists()
@@ -111,8 +110,7 @@ def test_a_truncated_central_checkpoint_is_refused_before_rows_are_cut(killed):
     central = next((killed / "checkpoint").glob("step-*")) / "central.pt"
     central.write_bytes(central.read_bytes()[:100])
     before = snapshot(killed)
-    line = one_line(run_py(*KILLED, "resume=true",
-                           f"hydra.run.dir={killed}"))
+    line = one_line(run_py(*KILLED, "resume=true", f"hydra.run.dir={killed}"))
     assert str(central) in line and "cannot be read" in line
     assert snapshot(killed) == before  # the row parts were neither merged nor cut
 
@@ -123,8 +121,7 @@ def test_garbage_in_a_worker_checkpoint_is_one_line_without_torch_advice(killed)
     worker = next((killed / "checkpoint").glob("step-*")) / "worker-0.pt"
     worker.write_bytes(b"not a checkpoint at all" * 100)
     before = snapshot(killed)
-    line = one_line(run_py(*KILLED, "resume=true",
-                           f"hydra.run.dir={killed}"))
+    line = one_line(run_py(*KILLED, "resume=true", f"hydra.run.dir={killed}"))
     assert str(worker) in line and "weights_only" not in line
     assert snapshot(killed) == before
 
@@ -142,9 +139,18 @@ def test_a_directory_in_use_is_refused_in_one_line(tmp_path):
     """The lock is the kernel's (flock): a second command on a directory held by a live run is refused, and a
     holder killed with SIGKILL releases it."""
     d = tmp_path / "same"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from experiments import rundir; "
-                               f"rundir.claim(__import__('pathlib').Path({str(d)!r})); print('held', flush=True); "
-                               "time.sleep(600)"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from experiments import rundir; "
+            f"rundir.claim(__import__('pathlib').Path({str(d)!r})); print('held', flush=True); "
+            "time.sleep(600)",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         line = one_line(run_py(*QUICK, f"hydra.run.dir={d}"))
@@ -184,8 +190,10 @@ def test_an_unusable_run_directory_is_one_line(capsys):
     assert line == "error: hydra.run.dir=/proc/gem-run cannot be used as a run directory: No such file or directory"
 
 
-@pytest.mark.parametrize("args, figure", [(["engine=process", "workers=20000"], "worker processes"),
-                                          (["engine=sim", "workers=100000"], "virtual workers")])
+@pytest.mark.parametrize(
+    "args, figure",
+    [(["engine=process", "workers=20000"], "worker processes"), (["engine=sim", "workers=100000"], "virtual workers")],
+)
 def test_too_many_workers_for_this_machine_is_refused(tmp_path, args, figure, capsys):
     line = refused_line(capsys, "logger.wandb.mode=disabled", *args, f"hydra.run.dir={tmp_path / 'x'}")
     assert line.startswith(f"error: {args[1]} is too many for this machine") and figure in line
@@ -202,9 +210,16 @@ def test_the_memory_check_counts_no_slot_for_a_local_launchs_workers(tmp_path, c
     monkeypatch.setattr(memory, "available", lambda: 2**20)  # 1 MB: any run is refused, and says what it needs
     each = {}
     for shared in ("true", "false"):
-        line = refused_line(capsys, "logger.wandb.mode=disabled", "engine=distributed", "workers=4",
-                            "model=alexnet_cifar", "data=synthetic", f"engine.shared_memory={shared}",
-                            f"hydra.run.dir={tmp_path / 'x'}")
+        line = refused_line(
+            capsys,
+            "logger.wandb.mode=disabled",
+            "engine=distributed",
+            "workers=4",
+            "model=alexnet_cifar",
+            "data=synthetic",
+            f"engine.shared_memory={shared}",
+            f"hydra.run.dir={tmp_path / 'x'}",
+        )
         each[shared] = float(line.split(" worker processes of ")[1].split(" MB each")[0])
     assert each["true"] == each["false"] > 0
     assert not (tmp_path / "x").exists()
@@ -237,8 +252,9 @@ def test_removed_row_parts_do_not_pass_as_completed(tmp_path, monkeypatch):
     cfg = compose([*QUICK, "logger.flush_every=5"])
     summary = run(cfg, tmp_path)
     assert summary["status"] == "failed"
-    assert summary["reason"].startswith(f"metrics.parquet holds {summary['steps'] - 5} of the {summary['steps']} "
-                                        "commit rows recorded")
+    assert summary["reason"].startswith(
+        f"metrics.parquet holds {summary['steps'] - 5} of the {summary['steps']} commit rows recorded"
+    )
     assert summary["val_loss"] is None
 
 
@@ -258,8 +274,9 @@ def test_a_write_error_ends_the_run_with_one_line_and_no_temporary_files(tmp_pat
     """A file-size limit makes the first large write (a checkpoint) fail as a full disk does: the run ends
     failed, with the path and the OS's reason, and leaves no temporary file."""
     d = tmp_path / "x"
-    p = run_py(*QUICK, "epochs=3", "engine.checkpoint_every=20", f"hydra.run.dir={d}",
-               preexec_fn=file_size_limit(100_000))
+    p = run_py(
+        *QUICK, "epochs=3", "engine.checkpoint_every=20", f"hydra.run.dir={d}", preexec_fn=file_size_limit(100_000)
+    )
     assert p.returncode == 1, p.stderr
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "cannot write" in errors[0] and "File too large" in errors[0], p.stderr
@@ -274,8 +291,13 @@ def test_a_disk_that_fills_at_a_row_flush_is_one_line_and_one_reason(tmp_path):
     """The rows' first flush (commit 40 of 92) fails as on a full disk. It gave two `error:` lines, and a reason
     that said the same error three times (the flush, then merging each table on the same disk)."""
     d = tmp_path / "x"
-    p = run_py(*QUICK, "engine.checkpoint_every=0", "logger.flush_every=40", f"hydra.run.dir={d}",
-               preexec_fn=file_size_limit(6_000))
+    p = run_py(
+        *QUICK,
+        "engine.checkpoint_every=0",
+        "logger.flush_every=40",
+        f"hydra.run.dir={d}",
+        preexec_fn=file_size_limit(6_000),
+    )
     assert p.returncode == 1, p.stderr
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: cannot write {d}/metrics.parts/part-000000.parquet: File too large"], p.stderr
@@ -296,8 +318,16 @@ def test_lost_workers_is_a_list_on_every_status(tmp_path):
 @pytest.mark.slow
 def test_every_worker_killed_fails_with_every_worker_lost(tmp_path):
     d = tmp_path / "x"
-    p = warm_run.Popen(["engine=process", "workers=2", "epochs=200", "logger.wandb.mode=disabled",
-                        "logger.flush_every=5", f"hydra.run.dir={d}"])
+    p = warm_run.Popen(
+        [
+            "engine=process",
+            "workers=2",
+            "epochs=200",
+            "logger.wandb.mode=disabled",
+            "logger.flush_every=5",
+            f"hydra.run.dir={d}",
+        ]
+    )
     try:
         deadline = time.monotonic() + 240
         while not (d / "metrics.parts").exists():  # the race is on: rows are on disk
@@ -314,19 +344,19 @@ def test_every_worker_killed_fails_with_every_worker_lost(tmp_path):
     assert summary["status"] == "failed" and summary["lost_workers"] == [0, 1]
 
 
-
-
 def test_the_interruption_line_says_how_to_go_on(tmp_path):
     """Ctrl-C and SIGTERM end with a line that says what resume=true will do with this run or sweep."""
     from experiments.command import resume_hint
     from gem.engines import checkpoint as ckpt
 
-    assert resume_hint(tmp_path, False) == ("it had no checkpoint yet (engine.checkpoint_every), so resume=true "
-                                            "cannot continue it: run it again")
+    assert resume_hint(tmp_path, False) == (
+        "it had no checkpoint yet (engine.checkpoint_every), so resume=true cannot continue it: run it again"
+    )
     assert resume_hint(tmp_path, True).endswith("resume=true (this job starts again: it had no checkpoint yet)")
     (tmp_path / ckpt.CHECKPOINT / "step-50").mkdir(parents=True)
     (tmp_path / ckpt.CHECKPOINT / "step-50" / "central.pt").write_bytes(b"")
     (tmp_path / ckpt.CHECKPOINT / "manifest.json").write_text('{"step": 50, "dir": "step-50"}')
-    assert resume_hint(tmp_path, False) == ("to continue from its checkpoint at commit 50, run the same command "
-                                            f"with resume=true hydra.run.dir={tmp_path}")
+    assert resume_hint(tmp_path, False) == (
+        f"to continue from its checkpoint at commit 50, run the same command with resume=true hydra.run.dir={tmp_path}"
+    )
     assert resume_hint(tmp_path, True).endswith("(this job resumes from its checkpoint at commit 50)")

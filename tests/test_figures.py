@@ -49,8 +49,9 @@ def test_every_figure_has_a_full_and_a_quick_experiment():
 
 
 # the tuning and baselines sweeps (135-324 jobs) take 4-8 s each to validate: in the whole suite, not the fast tier
-@pytest.mark.parametrize("name", [pytest.param(e, marks=pytest.mark.slow) if e.startswith(("tune", "baselines")) else e
-                                  for e in EXPERIMENTS])
+@pytest.mark.parametrize(
+    "name", [pytest.param(e, marks=pytest.mark.slow) if e.startswith(("tune", "baselines")) else e for e in EXPERIMENTS]
+)
 def test_experiment_composes_and_every_job_is_valid(name, monkeypatch):
     from gem.engines import memory
 
@@ -79,10 +80,18 @@ def test_fig1_sweeps_three_algorithms_four_n_three_seeds_on_mnist():
     cfgs = _jobs("fig1")
     assert len(cfgs) == 36
     assert {(c.algorithm.name, c.workers, c.seed) for c in cfgs} == {
-        (a, n, s) for a in ("gem", "downpour", "adaptive") for n in (5, 10, 20, 30) for s in (0, 1, 2)}
+        (a, n, s) for a in ("gem", "downpour", "adaptive") for n in (5, 10, 20, 30) for s in (0, 1, 2)
+    }
     c = cfgs[0]
     assert (c.engine.name, c.data.name, c.model._target_, c.lr, c.momentum, c.batch_size, c.epochs) == (
-        "sim", "mnist", "gem.models.MnistCNN", 0.05, 0.9, 64, 1)
+        "sim",
+        "mnist",
+        "gem.models.MnistCNN",
+        0.05,
+        0.9,
+        64,
+        1,
+    )
 
 
 def _first(name, *extra):
@@ -102,7 +111,8 @@ def test_fig3_cv_sweeps_the_spread_at_four_n():
     assert (c.algorithm.name, c.engine.staleness) == ("gem", "gamma")
     jobs = [dict(o.split("=", 1) for o in j) for j in expand(["experiment=fig3_cv"], multirun=True)]
     assert {(float(j["engine.cycle_cv"]), int(j["workers"]), int(j["seed"])) for j in jobs} == {
-        (cv, n, s) for cv in (0, 0.25, 0.5, 1) for n in (5, 10, 20, 30) for s in (0, 1, 2)}
+        (cv, n, s) for cv in (0, 0.25, 0.5, 1) for n in (5, 10, 20, 30) for s in (0, 1, 2)
+    }
     assert {j["algorithm"] for j in jobs} == {"gem"}
 
 
@@ -114,7 +124,12 @@ def test_fig4_keeps_the_effective_batch_and_the_data_fixed():
     cfgs = _jobs("fig4")
     assert {c.engine.name for c in cfgs} == {"process"}
     assert {(c.workers, c.batch_size, c.epochs) for c in cfgs} == {
-        (1, 256, 16), (2, 128, 8), (4, 64, 4), (8, 32, 2), (16, 16, 1)}
+        (1, 256, 16),
+        (2, 128, 8),
+        (4, 64, 4),
+        (8, 32, 2),
+        (16, 16, 1),
+    }
 
 
 def test_fig5_gives_sgd_the_same_data_as_the_gem_workers_together():
@@ -142,8 +157,12 @@ def _frame(**cols):
 
 def test_aggregate_averages_each_run_per_step_then_takes_mean_min_max_over_runs():
     # run a: two workers at steps 1, 2; run b: one value per step. Per-run means: a = (1.5, 3.5), b = (3, 5).
-    f = _frame(run_dir=["a"] * 4 + ["b"] * 2, workers=[2] * 6, worker_step=[1, 1, 2, 2, 1, 2],
-               loss=[1.0, 2.0, 3.0, 4.0, 3.0, 5.0])
+    f = _frame(
+        run_dir=["a"] * 4 + ["b"] * 2,
+        workers=[2] * 6,
+        worker_step=[1, 1, 2, 2, 1, 2],
+        loss=[1.0, 2.0, 3.0, 4.0, 3.0, 5.0],
+    )
     agg = plots.aggregate(f, "worker_step", "loss", "workers").set_index("worker_step")
     assert agg.loc[1.0, "mean"] == pytest.approx(2.25) and agg.loc[2.0, "mean"] == pytest.approx(4.25)
     assert (agg.loc[1.0, "lo"], agg.loc[1.0, "hi"]) == (1.5, 3.0)
@@ -151,31 +170,40 @@ def test_aggregate_averages_each_run_per_step_then_takes_mean_min_max_over_runs(
 
 
 def test_a_diverged_run_only_contributes_its_finite_points():
-    f = _frame(run_dir=["a", "a", "b", "b"], workers=[1] * 4, worker_step=[1, 2, 1, 2],
-               loss=[1.0, np.inf, 3.0, 2.0])
+    f = _frame(run_dir=["a", "a", "b", "b"], workers=[1] * 4, worker_step=[1, 2, 1, 2], loss=[1.0, np.inf, 3.0, 2.0])
     agg = plots.aggregate(f, "worker_step", "loss", "workers").set_index("worker_step")
     assert agg.loc[2.0, "mean"] == 2.0 and agg.loc[2.0, "runs"] == 1
 
 
 def test_time_to_target_is_the_first_bin_at_or_below_it():
-    f = _frame(run_dir=["a"] * 4 + ["b"] * 4, worker_step=[1, 2, 3, 4] * 2, time_s=[0.1, 0.2, 0.3, 0.4] * 2,
-               loss=[2.0, 0.9, 0.4, 0.3, 2.0, 1.5, 1.2, 1.1])
+    f = _frame(
+        run_dir=["a"] * 4 + ["b"] * 4,
+        worker_step=[1, 2, 3, 4] * 2,
+        time_s=[0.1, 0.2, 0.3, 0.4] * 2,
+        loss=[2.0, 0.9, 0.4, 0.3, 2.0, 1.5, 1.2, 1.1],
+    )
     hit = plots.time_to_target(f, 0.5, window=1).set_index("run_dir")
     assert hit.loc["a", "worker_step"] == 3 and hit.loc["a", "time_s"] == pytest.approx(0.3)
     assert np.isnan(hit.loc["b", "worker_step"])
-    lucky = _frame(run_dir=["c"] * 6, worker_step=range(1, 7), time_s=range(1, 7),
-                   loss=[2.0, 0.4, 2.0, 2.0, 0.4, 0.3])  # one lucky batch at step 2 is not arriving
+    lucky = _frame(
+        run_dir=["c"] * 6, worker_step=range(1, 7), time_s=range(1, 7), loss=[2.0, 0.4, 2.0, 2.0, 0.4, 0.3]
+    )  # one lucky batch at step 2 is not arriving
     assert plots.time_to_target(lucky, 0.5, window=1)["worker_step"].iloc[0] == 2
     assert plots.time_to_target(lucky, 0.5, window=3)["worker_step"].iloc[0] == 6
-    windowed = _frame(run_dir=["d"] * 4, worker_step=[4, 8, 12, 16], time_s=[1.0, 2.0, 3.0, 4.0],
-                      loss=[2.0, 2.0, 0.1, 0.1])  # AGN/EASGD commit every 4 local steps: bins in between are empty
+    windowed = _frame(
+        run_dir=["d"] * 4, worker_step=[4, 8, 12, 16], time_s=[1.0, 2.0, 3.0, 4.0], loss=[2.0, 2.0, 0.1, 0.1]
+    )  # AGN/EASGD commit every 4 local steps: bins in between are empty
     hit = plots.time_to_target(windowed, 0.5, window=1).iloc[0]
     assert (hit["worker_step"], hit["time_s"]) == (12, 3.0)
 
 
 def test_heatmap_is_tensors_by_binned_updates():
-    f = _frame(step=[1, 1, 2, 2, 3, 3], tensor=["w", "b"] * 3, tensor_index=[0, 1] * 3,
-               pi_median=[0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    f = _frame(
+        step=[1, 1, 2, 2, 3, 3],
+        tensor=["w", "b"] * 3,
+        tensor_index=[0, 1] * 3,
+        pi_median=[0.0, 1.0, 2.0, 3.0, 4.0, 5.0],
+    )
     fig, ax = plots.plt.subplots()
     image = plots.pi_heatmap(f, ax, bins=3)
     assert np.asarray(image.get_array()).tolist() == [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
@@ -188,12 +216,17 @@ def test_heatmap_is_tensors_by_binned_updates():
 def _statuses_frame():
     """n = 2: runs a and b completed, c failed, d killed (incomplete); n = 4: one incomplete run only."""
     rows = []
-    for run_dir, status, n, losses in (("a", "completed", 2, [2.0, 1.0, 0.5, 0.4]), ("b", "completed", 2,
-                                                                                     [2.0, 1.4, 0.7, 0.6]),
-                                       ("c", "failed", 2, [2.0, 9.0]), ("d", "incomplete", 2, [2.0, 1.8, 1.7]),
-                                       ("e", "incomplete", 4, [2.0, 1.9])):
-        rows += [{"run_dir": run_dir, "status": status, "workers": n, "worker_step": i + 1, "loss": v}
-                 for i, v in enumerate(losses)]
+    for run_dir, status, n, losses in (
+        ("a", "completed", 2, [2.0, 1.0, 0.5, 0.4]),
+        ("b", "completed", 2, [2.0, 1.4, 0.7, 0.6]),
+        ("c", "failed", 2, [2.0, 9.0]),
+        ("d", "incomplete", 2, [2.0, 1.8, 1.7]),
+        ("e", "incomplete", 4, [2.0, 1.9]),
+    ):
+        rows += [
+            {"run_dir": run_dir, "status": status, "workers": n, "worker_step": i + 1, "loss": v}
+            for i, v in enumerate(losses)
+        ]
     return pd.DataFrame(rows)
 
 
@@ -206,11 +239,13 @@ def test_failed_and_incomplete_runs_are_drawn_dotted_on_their_own_not_averaged()
     plots.curves(f, ax, x="worker_step", y="loss", hue="workers", log=False)
     solid = [ln for ln in ax.get_lines() if ln.get_linestyle() == "-"]
     assert [ln.get_label() for ln in solid] == ["n = 2 (2 seeds)"] and solid[0].get_ydata().tolist() == pytest.approx(
-        [2.0, 1.2, 0.6, 0.5])
+        [2.0, 1.2, 0.6, 0.5]
+    )
     dotted = [ln for ln in ax.get_lines() if ln.get_linestyle() == ":"]
     assert sorted(len(ln.get_xdata()) for ln in dotted) == [2, 2, 3]  # c, e and d, each up to its last point
-    ends = {ln.get_marker(): (ln.get_xdata()[0], ln.get_ydata()[0]) for ln in ax.get_lines()
-            if ln.get_linestyle() == "None"}
+    ends = {
+        ln.get_marker(): (ln.get_xdata()[0], ln.get_ydata()[0]) for ln in ax.get_lines() if ln.get_linestyle() == "None"
+    }
     assert ends["s"] == (2, 9.0) and ends["o"] in ((3, 1.7), (2, 1.9))  # failed: a square; killed: an open circle
     # n = 4 has no completed run: its incomplete run gets the legend entry; n = 2's others do not
     assert [ln.get_label() for ln in dotted if not ln.get_label().startswith("_")] == ["n = 4 (incomplete)"]
@@ -223,8 +258,9 @@ def test_failed_and_incomplete_runs_are_drawn_dotted_on_their_own_not_averaged()
 def test_band_ci_is_the_t_interval_over_the_runs_and_minmax_their_range():
     # three runs at steps 1 and 2: at step 2 the losses 1, 2, 3 (mean 2); t(0.975, 2) = 4.302653, on the log scale
     # (a loss's interval stays above 0: analysis.stats), mapped back
-    f = _frame(run_dir=["a", "b", "c"] * 2, workers=2, worker_step=[1] * 3 + [2] * 3,
-               loss=[4.0, 4.0, 4.0, 1.0, 2.0, 3.0])
+    f = _frame(
+        run_dir=["a", "b", "c"] * 2, workers=2, worker_step=[1] * 3 + [2] * 3, loss=[4.0, 4.0, 4.0, 1.0, 2.0, 3.0]
+    )
     agg = plots.aggregate(f, "worker_step", "loss", "workers").set_index("worker_step")
     z = np.log([1.0, 2.0, 3.0])
     h = 4.302653 * z.std(ddof=1) / np.sqrt(3)
@@ -246,8 +282,9 @@ def test_band_ci_is_the_t_interval_over_the_runs_and_minmax_their_range():
     with pytest.raises(ValueError, match="band must be 'minmax', 'ci' or None, not 'sd'"):
         plots.curves(f, ax, band="sd")
     # the final losses: three seeds, error bars over the same interval, the label says how many
-    runs = _frame(algorithm="gem", workers=2, status=["completed"] * 3 + ["failed"], final_train_loss=[1.0, 2.0, 3.0,
-                                                                                                        50.0])
+    runs = _frame(
+        algorithm="gem", workers=2, status=["completed"] * 3 + ["failed"], final_train_loss=[1.0, 2.0, 3.0, 50.0]
+    )
     fig, ax = plots.plt.subplots()
     agg = plots.final_loss(runs, ax, band="ci")
     assert agg[["mean", "count"]].values.tolist() == [[2.0, 3]] and agg["hi"].iloc[0] == pytest.approx(hi_ci)
@@ -265,12 +302,14 @@ def test_helpers_work_without_a_status_column_and_name_a_missing_column_in_one_l
     assert len(plots.speedup(f.assign(time_s=f["worker_step"] * 1.0), 1.5, by="workers", base=2, window=1)) == 2
     ev = _frame(run_dir=["a", "a"], workers=2, step=[0, 25], val_loss=[2.3, 1.0])  # an old sweep's evaluations
     have = "it has: run_dir, workers, step, val_loss"
-    calls = {"curves": lambda: plots.curves(ev, ax, x="worker_step", y="val_loss"),
-             "aggregate": lambda: plots.aggregate(ev, "worker_step", "val_loss", "workers"),
-             "time_to_target": lambda: plots.time_to_target(ev, 1.5, x="worker_step", y="val_loss"),
-             "speedup": lambda: plots.speedup(ev, 1.5, x="worker_step"),
-             "final_loss": lambda: plots.final_loss(ev, ax, x="worker_step"),
-             "pi_heatmap": lambda: plots.pi_heatmap(ev, ax)}
+    calls = {
+        "curves": lambda: plots.curves(ev, ax, x="worker_step", y="val_loss"),
+        "aggregate": lambda: plots.aggregate(ev, "worker_step", "val_loss", "workers"),
+        "time_to_target": lambda: plots.time_to_target(ev, 1.5, x="worker_step", y="val_loss"),
+        "speedup": lambda: plots.speedup(ev, 1.5, x="worker_step"),
+        "final_loss": lambda: plots.final_loss(ev, ax, x="worker_step"),
+        "pi_heatmap": lambda: plots.pi_heatmap(ev, ax),
+    }
     for who, call in calls.items():
         with pytest.raises(ValueError) as e:
             call()
@@ -303,8 +342,11 @@ COMMON = ["engine=sim", "epochs=1", "logger.wandb.mode=disabled", "logger.eval_e
 # runs 0-3: GEM at n = 1, 2 with two seeds; then one run each of downpour, adaptive, sgd, and a downpour that
 # diverges (lr = 1e6); then, apart, GEM at n = 2 with κ = 2 (mixing it in must be refused: it is not a seed)
 JOBS = [["algorithm=gem", f"workers={n}", f"seed={s}"] for n in (1, 2) for s in (0, 1)] + [
-    ["algorithm=downpour", "workers=2"], ["algorithm=adaptive", "workers=2"], ["algorithm=sgd", "workers=2"],
-    ["algorithm=downpour", "workers=3", "lr=1e6"]]
+    ["algorithm=downpour", "workers=2"],
+    ["algorithm=adaptive", "workers=2"],
+    ["algorithm=sgd", "workers=2"],
+    ["algorithm=downpour", "workers=3", "lr=1e6"],
+]
 KAPPA = ["algorithm=gem", "workers=2", "algorithm.kappa=2"]
 
 
@@ -405,8 +447,11 @@ def test_every_figure_draws_from_a_small_sweep(sweep, kappa_run, gamma_runs, pro
 @pytest.mark.slow
 @SHARED
 def test_a_figure_refuses_to_average_runs_that_differ_in_more_than_the_seed(sweep, kappa_run):
-    with pytest.raises(NoRuns, match=r"fig1 averages the runs with the same algorithm, workers over seeds, but "
-                                     r"these runs also differ in algorithm.kappa = 1.0/2"):
+    with pytest.raises(
+        NoRuns,
+        match=r"fig1 averages the runs with the same algorithm, workers over seeds, but "
+        r"these runs also differ in algorithm.kappa = 1.0/2",
+    ):
         FIGURES["fig1"]([sweep, kappa_run])
     with pytest.raises(NoRuns, match="differ in workers = 1/2"):  # κ curves at two n
         FIGURES["fig8"]([sweep / "0", sweep / "2", kappa_run])
@@ -459,16 +504,20 @@ def test_fig1_on_an_interrupted_sweep_draws_unfinished_runs_apart_and_names_the_
     fig = FIGURES["fig1"](interrupted)
     gem_ax, downpour_ax, adaptive_ax, final_ax = fig.axes
     title = fig._suptitle.get_text().replace("\n", " ")  # lines are wrapped to the width
-    assert ("left out of the means: 2 incomplete, 2 failed (drawn dotted; 1 without a row yet, not drawn); "
-            "1 diverged (drawn dashed, ×)") in title
+    assert (
+        "left out of the means: 2 incomplete, 2 failed (drawn dotted; 1 without a row yet, not drawn); "
+        "1 diverged (drawn dashed, ×)"
+    ) in title
     assert "band: min–max over seeds" in title
     assert "not drawn, no rows: downpour at n = 1" in title  # DOWNPOUR was run at n = 2 and 3 only
     assert [t.get_text() for t in adaptive_ax.texts] == ["no adaptive runs in these folders"]
     assert not adaptive_ax.has_data()
     assert [t.get_text() for t in downpour_ax.texts] == ["no completed run"]
     # GEM: n = 2's mean over its two seeds; n = 1's two runs drawn dotted, one legend entry for both
-    assert [t.get_text() for t in gem_ax.get_legend().get_texts()] == ["n = 2 (2 seeds)", "n = 1 (1 incomplete, "
-                                                                                          "1 failed)"]
+    assert [t.get_text() for t in gem_ax.get_legend().get_texts()] == [
+        "n = 2 (2 seeds)",
+        "n = 1 (1 incomplete, 1 failed)",
+    ]
     assert len([ln for ln in gem_ax.get_lines() if ln.get_linestyle() == ":"]) == 2
     assert sorted(ln.get_marker() for ln in gem_ax.get_lines() if ln.get_linestyle() == "None") == ["o", "s"]
     assert final_ax.get_legend_handles_labels()[1] == ["gem (2 seeds)"]  # n = 2 only: n = 1 has no completed run
@@ -485,8 +534,9 @@ def test_the_terminal_says_what_a_figure_left_out(interrupted, tmp_path, capsys)
     from paper_figures.__main__ import main
 
     assert main(["fig1", str(interrupted), "--out", str(tmp_path / "figures")]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == ("7 runs: 2 completed, 1 diverged, 2 failed, 2 incomplete; "
-                                                        "means and final losses are over the 2 completed")
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "7 runs: 2 completed, 1 diverged, 2 failed, 2 incomplete; means and final losses are over the 2 completed"
+    )
     plots.plt.close("all")
 
 
@@ -497,7 +547,8 @@ def test_fig2_and_fig4_refuse_sim_runs_in_one_line(sweep, process_runs, tmp_path
         assert cli.main([fig_id, str(sweep), "--out", str(tmp_path)]) == 2
         assert capsys.readouterr().err.strip() == (
             f"error: {fig_id} plots wall-clock seconds, but these runs ran on engine=sim, whose time_s is the "
-            "simulator's clock, not wall-clock; pass runs of engine=process or engine=distributed")
+            "simulator's clock, not wall-clock; pass runs of engine=process or engine=distributed"
+        )
     assert cli.main(["fig4", str(process_runs), "--out", str(tmp_path), "--band", "ci"]) == 0
     assert (tmp_path / "fig4.png").stat().st_size > 5000
 
@@ -505,8 +556,9 @@ def test_fig2_and_fig4_refuse_sim_runs_in_one_line(sweep, process_runs, tmp_path
 def test_fig4_keeps_its_k_of_n_labels_inside_the_panel():
     from paper_figures.figures import speedup_panel
 
-    sp = pd.DataFrame({"workers": [1, 2, 4, 8], "speedup": [1.0, 1.9, np.nan, 7.9], "reached": [2, 2, 1, 2],
-                       "runs": [2, 2, 2, 2]})  # the last point sits in the top right corner of the data
+    sp = pd.DataFrame(
+        {"workers": [1, 2, 4, 8], "speedup": [1.0, 1.9, np.nan, 7.9], "reached": [2, 2, 1, 2], "runs": [2, 2, 2, 2]}
+    )  # the last point sits in the top right corner of the data
     fig, ax = plots.plt.subplots(figsize=(5.4, 4.3))
     speedup_panel(ax, sp)
     fig.canvas.draw()
@@ -597,8 +649,14 @@ def test_speedup_is_the_median_time_to_the_target_relative_to_one_worker():
     # n = 1 reaches 0.5 at 4 s in both seeds; n = 2 at 2 s and 3 s (median 2.5 s); n = 4: one seed never does
     for n, seed, at in [(1, 0, 4), (1, 1, 4), (2, 0, 2), (2, 1, 3), (4, 0, 1), (4, 1, None)]:
         for t in range(1, 9):
-            rows.append({"run_dir": f"{n}-{seed}", "workers": n, "time_s": float(t),
-                         "loss": 0.1 if at is not None and t >= at else 2.0})
+            rows.append(
+                {
+                    "run_dir": f"{n}-{seed}",
+                    "workers": n,
+                    "time_s": float(t),
+                    "loss": 0.1 if at is not None and t >= at else 2.0,
+                }
+            )
     sp = plots.speedup(pd.DataFrame(rows), 0.5, window=1).set_index("workers")
     assert sp.loc[1, "speedup"] == pytest.approx(1.0)
     assert sp.loc[2, "time"] == pytest.approx(2.5, abs=0.05) and sp.loc[2, "speedup"] == pytest.approx(1.6, abs=0.05)
@@ -608,8 +666,9 @@ def test_speedup_is_the_median_time_to_the_target_relative_to_one_worker():
 def test_epochs_of_data_count_examples_not_commits():
     from paper_figures.figures import data_epochs
 
-    ev = pd.DataFrame({"step": [0, 50, 100], "batch_size": 64, "train_examples": 6400, "workers": 10, "epochs": 2,
-                       "steps": 100})
+    ev = pd.DataFrame(
+        {"step": [0, 50, 100], "batch_size": 64, "train_examples": 6400, "workers": 10, "epochs": 2, "steps": 100}
+    )
     assert data_epochs(ev).tolist() == [0.0, 0.5, 1.0]
     ev["algorithm.window"] = 4.0  # AGN/EASGD: a commit carries 4 local steps
     assert data_epochs(ev).tolist() == [0.0, 2.0, 4.0]
@@ -624,9 +683,11 @@ class _FakeRun:
         self.state = "finished"
         self.config = {"algorithm": {"name": "gem", "kappa": 1.0}, "workers": 2, "seed": i, "logger": {"x": 1}}
         self.summary = {"status": status, "final_train_loss": 0.5 + i, "algorithm": "gem", "workers": 2}
-        self._rows = [{"_step": 10, "train/loss": 2.0 - i, "train/worker_step": 5},
-                      {"_step": 20, "train/loss": 1.0, "train/worker_step": 10, "eval/val_loss": 1.5},
-                      {"_step": 25, "eval/val_loss": 1.2}]
+        self._rows = [
+            {"_step": 10, "train/loss": 2.0 - i, "train/worker_step": 5},
+            {"_step": 20, "train/loss": 1.0, "train/worker_step": 10, "eval/val_loss": 1.5},
+            {"_step": 25, "eval/val_loss": 1.2},
+        ]
 
     def scan_history(self):
         return iter(self._rows)
@@ -644,8 +705,10 @@ def test_wandb_loader_gives_the_local_columns():
     assert r["status"].tolist() == ["completed", "diverged"] and r["algorithm.kappa"].tolist() == [1.0, 1.0]
     assert "logger.x" not in r.columns
     m = from_wandb.commits("me/gem", api=_FakeApi())
-    assert m[m.run_dir == "me/gem/run1"][["step", "loss", "worker_step"]].values.tolist() == [[10, 1.0, 5],
-                                                                                             [20, 1.0, 10]]
+    assert m[m.run_dir == "me/gem/run1"][["step", "loss", "worker_step"]].values.tolist() == [
+        [10, 1.0, 5],
+        [20, 1.0, 10],
+    ]
     ev = from_wandb.commits("me/gem", "eval", api=_FakeApi(), columns=["seed"])
     assert ev[ev.run_dir == "me/gem/run0"][["step", "val_loss"]].values.tolist() == [[20, 1.5], [25, 1.2]]
     with pytest.raises(ValueError, match="table=tensors is not on W&B"):
@@ -665,12 +728,12 @@ def test_wandb_logger_holds_an_evaluation_until_the_commits_before_it_are_logged
             pass
 
     w = WandbLogger(Run())
-    w("eval", {"step": 0, "val_loss": 2.3})    # before any commit: waits
+    w("eval", {"step": 0, "val_loss": 2.3})  # before any commit: waits
     w("commit", {"step": 10, "loss": 2.0})
-    w("eval", {"step": 25, "val_loss": 1.0})   # the process engine's clock ran ahead of the recorded commits
-    w("commit", {"step": 20, "loss": 1.5})      # W&B would drop this row had the evaluation gone first
+    w("eval", {"step": 25, "val_loss": 1.0})  # the process engine's clock ran ahead of the recorded commits
+    w("commit", {"step": 20, "loss": 1.5})  # W&B would drop this row had the evaluation gone first
     w("commit", {"step": 30, "loss": 1.2})
-    w("eval", {"step": 40, "val_loss": 0.9})    # the final one: logged by finish
+    w("eval", {"step": 40, "val_loss": 0.9})  # the final one: logged by finish
     w.finish()
     assert [step for step, _ in Run.logged] == [0, 10, 20, 25, 30, 40]
     assert Run.logged[3] == (25, ["eval/val_loss"])
@@ -685,16 +748,29 @@ def test_a_quick_experiment_runs_end_to_end_and_its_figure_is_drawn(tmp_path):
     # epochs=1, 3 of its 10 workers and two of its four κ: the end-to-end path is the point (the sweep, its run
     # directories, `paper_figures all`), not the curves; the experiment's own sweep is checked by
     # test_experiment_composes_and_every_job_is_valid
-    done = warm_run.run_py("-m", "experiment=fig8_quick", "epochs=1", "workers=3", "algorithm.kappa=1,4",
-                           "logger.wandb.mode=disabled", "logger.progress=false", f"hydra.sweep.dir={sweep}",
-                           timeout=420)
+    done = warm_run.run_py(
+        "-m",
+        "experiment=fig8_quick",
+        "epochs=1",
+        "workers=3",
+        "algorithm.kappa=1,4",
+        "logger.wandb.mode=disabled",
+        "logger.progress=false",
+        f"hydra.sweep.dir={sweep}",
+        timeout=420,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     r = load.runs(sweep)
     assert len(r) == 2 and set(r["status"]) == {"completed"} and set(r["experiment"]) == {"fig8_quick"}
     assert sorted(r["algorithm.kappa"]) == [1, 4] and set(r["workers"]) == {3}
     out = tmp_path / "figures"
-    done = subprocess.run([sys.executable, "-m", "paper_figures", "all", str(tmp_path), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "paper_figures", "all", str(tmp_path), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert (out / "fig8.png").stat().st_size > 5000 and (out / "fig8.pdf").stat().st_size > 5000
     assert "fig1: skipped, no sweep of experiment=fig1" in done.stdout
@@ -721,9 +797,18 @@ def test_pi_by_run_takes_the_second_half_and_by_staleness_buckets_tau_relative_t
     for run_dir, seed in (("a", 0), ("b", 1)):
         for step in range(1, 101):
             tau = (0, 4, 8)[step % 3]  # n = 5: τ/(n − 1) = 0, 1, 2
-            rows.append({"run_dir": run_dir, "seed": seed, "workers": 5, "status": "completed", "step": step,
-                         "staleness": tau, "pi_median": (2.0, 0.5, 0.0)[step % 3] + (step > 50) * (seed + 1),
-                         "pi_zero_frac": tau / 10})
+            rows.append(
+                {
+                    "run_dir": run_dir,
+                    "seed": seed,
+                    "workers": 5,
+                    "status": "completed",
+                    "step": step,
+                    "staleness": tau,
+                    "pi_median": (2.0, 0.5, 0.0)[step % 3] + (step > 50) * (seed + 1),
+                    "pi_zero_frac": tau / 10,
+                }
+            )
     rows.append({**rows[-1], "run_dir": "c", "status": "diverged", "pi_median": 1e9})  # left out
     m = pd.DataFrame(rows)
     t = pi.by_run(m, ["workers"])
@@ -741,8 +826,13 @@ def test_pi_by_run_takes_the_second_half_and_by_staleness_buckets_tau_relative_t
 def test_an_empty_panel_of_a_sweep_that_has_not_finished_says_its_runs_may_come(interrupted):
     import yaml
 
-    hydra = {"sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
-                         "params": {"seed": ",".join(map(str, range(12)))}}, "overrides": {"task": []}}
+    hydra = {
+        "sweeper": {
+            "_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+            "params": {"seed": ",".join(map(str, range(12)))},
+        },
+        "overrides": {"task": []},
+    }
     (interrupted / "multirun.yaml").write_text(yaml.safe_dump({"hydra": hydra}))  # 12 jobs planned, 7 found
     fig = FIGURES["fig1"](interrupted)
     adaptive_ax = fig.axes[2]
@@ -824,11 +914,14 @@ def test_fig5_draws_the_proxy_at_each_learning_rate_as_its_own_curve(sweep, tmp_
         shutil.copytree(sweep / str(i), root / str(i))
     fig = FIGURES["fig5"](root)
     assert sorted(t.get_text() for t in fig.axes[0].get_legend().get_texts()) == [
-        "gem, n = 2 (1 seed)", "momentum SGD (1 seed)"]
+        "gem, n = 2 (1 seed)",
+        "momentum SGD (1 seed)",
+    ]
     _run(root / "7", ["algorithm=sgd", "workers=1", "lr=0.01"])
     fig = FIGURES["fig5"](root)
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     lr = f"{load.runs(sweep / '6')['lr'].iloc[0]:g}"
-    assert sorted(labels) == sorted([f"gem, n = 2, η = {lr} (1 seed)", f"momentum SGD, η = {lr} (1 seed)",
-                                     "momentum SGD, η = 0.01 (1 seed)"])
+    assert sorted(labels) == sorted(
+        [f"gem, n = 2, η = {lr} (1 seed)", f"momentum SGD, η = {lr} (1 seed)", "momentum SGD, η = 0.01 (1 seed)"]
+    )
     plots.plt.close("all")

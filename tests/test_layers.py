@@ -32,7 +32,8 @@ def test_no_layer_imports_a_layer_above_it():
                 if package in LAYERS and LAYERS.index(package) > rank:
                     upward.append(f"{path.relative_to(ROOT)}:{line} imports {package}")
     assert not upward, "imports against the layers (gem <- experiments <- analysis <- paper_figures):\n" + "\n".join(
-        upward)
+        upward
+    )
 
 
 def test_the_check_sees_a_function_local_import(tmp_path):
@@ -49,14 +50,20 @@ def imported_test_modules(path: Path):
 
 
 def test_no_file_under_tests_imports_a_test_module_or_conftest():
-    found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
-             for path in sorted(TESTS.rglob("*.py")) for line, module in imported_test_modules(path)]
+    found = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in sorted(TESTS.rglob("*.py"))
+        for line, module in imported_test_modules(path)
+    ]
     assert not found, "imports of test modules or conftest (move what they share into tests/helpers):\n" + "\n".join(
-        found)
+        found
+    )
 
 
 def test_the_tests_check_sees_every_kind_of_import(tmp_path):
     module = tmp_path / "test_m.py"
-    module.write_text("import conftest\nfrom helpers.paths import ROOT\nimport test_a.b\n\n\n"
-                      "def test_f():\n    from test_engines import run\n")
+    module.write_text(
+        "import conftest\nfrom helpers.paths import ROOT\nimport test_a.b\n\n\n"
+        "def test_f():\n    from test_engines import run\n"
+    )
     assert list(imported_test_modules(module)) == [(1, "conftest"), (3, "test_a"), (7, "test_engines")]

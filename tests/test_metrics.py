@@ -11,8 +11,13 @@ from gem.metrics import PartWriter, Recorder, read_table
 
 
 def row(step: int, loss: float | None = None, staleness: int = 0, **extra) -> dict:
-    return {"step": step, "worker": step % 3, "staleness": staleness,
-            "loss": float(step) if loss is None else loss, **extra}
+    return {
+        "step": step,
+        "worker": step % 3,
+        "staleness": staleness,
+        "loss": float(step) if loss is None else loss,
+        **extra,
+    }
 
 
 def parts(run_dir, name="metrics"):
@@ -197,8 +202,7 @@ def test_recorder_mean_staleness_and_commit_count(tmp_path):
 
 def test_recorder_sink_receives_every_kth_commit_and_all_evals(tmp_path):
     got = []
-    rec = Recorder(tmp_path, flush_every=1000, sink=lambda kind, r: got.append((kind, r["step"])),
-                   sink_every=3)
+    rec = Recorder(tmp_path, flush_every=1000, sink=lambda kind, r: got.append((kind, r["step"])), sink_every=3)
     for i in range(1, 8):
         rec.commit(row(i))
     rec.eval({"step": 7, "val_loss": 1.0})
@@ -212,8 +216,17 @@ def test_read_table_of_empty_run_dir(tmp_path):
 def test_recorder_averages_gems_per_commit_median_pi(tmp_path):
     rec = Recorder(tmp_path)
     for step, pi in enumerate([0.0, 0.3, 0.0, 0.5], start=1):
-        rec.commit({"step": step, "worker": 0, "worker_step": step, "staleness": 1, "loss": 1.0, "time_s": 0.0,
-                    "pi_median": pi})
+        rec.commit(
+            {
+                "step": step,
+                "worker": 0,
+                "worker_step": step,
+                "staleness": 1,
+                "loss": 1.0,
+                "time_s": 0.0,
+                "pi_median": pi,
+            }
+        )
     rec.close()
     assert rec.pi_median == pytest.approx(0.2)
     assert Recorder(tmp_path / "other").pi_median is None  # not GEM: no π in the summary

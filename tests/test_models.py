@@ -33,11 +33,16 @@ def test_mnist_cnn_architecture_matches_appendix_a():
     assert isinstance(m, MnistCNN)
     shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
     assert shapes == {
-        "conv1.weight": (10, 1, 5, 5), "conv1.bias": (10,),
-        "conv2.weight": (20, 10, 5, 5), "conv2.bias": (20,),
-        "fc1.weight": (300, 320), "fc1.bias": (300,),
-        "fc2.weight": (200, 300), "fc2.bias": (200,),
-        "fc3.weight": (10, 200), "fc3.bias": (10,),
+        "conv1.weight": (10, 1, 5, 5),
+        "conv1.bias": (10,),
+        "conv2.weight": (20, 10, 5, 5),
+        "conv2.bias": (20,),
+        "fc1.weight": (300, 320),
+        "fc1.bias": (300,),
+        "fc2.weight": (200, 300),
+        "fc2.bias": (200,),
+        "fc3.weight": (10, 200),
+        "fc3.bias": (10,),
     }
     assert sum(p.numel() for p in m.parameters()) == 163_790
     assert input_shape("mnist_cnn") == (1, 28, 28)
@@ -188,8 +193,18 @@ def test_flat_model_evaluate_matches_manual_eval_mode(flat_and_reference):
 def test_sim_sgd_one_worker_equals_torch_sgd_with_momentum(tmp_path, monkeypatch):
     seed, bs, lr, mu = 3, 32, 0.05, 0.9
     data = make_synthetic(shape=(1, 28, 28), train_size=256, val_size=32, seed=0)
-    job = Job(algorithm="sgd", hp=sgd.Params(lr=lr, momentum=mu), model="mnist_cnn", data=data, workers=1,
-              batch_size=bs, epochs=1, seed=seed, eval_every=10**9, eval_train_size=32)
+    job = Job(
+        algorithm="sgd",
+        hp=sgd.Params(lr=lr, momentum=mu),
+        model="mnist_cnn",
+        data=data,
+        workers=1,
+        batch_size=bs,
+        epochs=1,
+        seed=seed,
+        eval_every=10**9,
+        eval_train_size=32,
+    )
 
     seen = []
     original = core.Evaluator.__call__
@@ -246,7 +261,6 @@ def test_alexnet_hidden_layers_are_he_initialised_and_the_output_layer_is_defaul
     assert out.weight.std().item() == pytest.approx((1 / (3 * 1024)) ** 0.5, rel=0.05) and out.bias.any()
 
 
-
 def test_a_flat_model_config_is_built_without_hydra_and_a_nested_one_through_it():
     """Worker processes build their model from its spec: a `_target_` with plain keyword arguments is called
     directly (no Hydra import in each of 100 workers); anything Hydra would treat differently still goes
@@ -262,8 +276,11 @@ def test_a_flat_model_config_is_built_without_hydra_and_a_nested_one_through_it(
     torch.manual_seed(0)
     a = build_model(flat)
     torch.manual_seed(0)
-    b = build_model(ModelSpec("mnist_cnn", "hydra.utils.instantiate",
-                              {"config": {"_target_": "gem.models.MnistCNN", "num_classes": 10}}))
+    b = build_model(
+        ModelSpec(
+            "mnist_cnn", "hydra.utils.instantiate", {"config": {"_target_": "gem.models.MnistCNN", "num_classes": 10}}
+        )
+    )
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
 
 
@@ -305,9 +322,11 @@ def test_the_class_count_hint_names_only_keys_the_model_has(tmp_path):
 
     with pytest.raises(Refused) as e:
         run(f"model._target_={__name__}.SevenNet", f"hydra.run.dir={tmp_path / 'run'}")
-    assert str(e.value) == (f"model={__name__}.SevenNet has 7 outputs but data=digits has 10 classes; give the model "
-                            "10 outputs (its constructor takes no num_classes), or set data.num_classes if the data "
-                            "has 7 classes")
+    assert str(e.value) == (
+        f"model={__name__}.SevenNet has 7 outputs but data=digits has 10 classes; give the model "
+        "10 outputs (its constructor takes no num_classes), or set data.num_classes if the data "
+        "has 7 classes"
+    )
     assert not (tmp_path / "run").exists()
     with pytest.raises(Refused, match=r"; set model.num_classes=10, or set data.num_classes"):
         run("model=mnist_cnn", "model.num_classes=7", f"hydra.run.dir={tmp_path / 'run2'}")

@@ -53,10 +53,21 @@ def node(hosts, i, tmp_path, *overrides):
     """Start host i's torchrun node, as docs/distributed.md says (each host: its own --node_rank and GLOO_SOCKET_IFNAME,
     the same secret); its output goes to tmp_path/node<i>.log."""
     h = hosts.hosts[i]
-    argv = [_torchrun(), "--nnodes=2", f"--nproc_per_node={K}", f"--node_rank={i}", "--rdzv_backend=static",
-            f"--master_addr={hosts.hosts[0].addr}", f"--master_port={PORT}",
-            "run.py", "engine=distributed", f"workers={WORKERS}", "engine.allow_remote=true",
-            "logger.wandb.mode=disabled", *overrides]
+    argv = [
+        _torchrun(),
+        "--nnodes=2",
+        f"--nproc_per_node={K}",
+        f"--node_rank={i}",
+        "--rdzv_backend=static",
+        f"--master_addr={hosts.hosts[0].addr}",
+        f"--master_port={PORT}",
+        "run.py",
+        "engine=distributed",
+        f"workers={WORKERS}",
+        "engine.allow_remote=true",
+        "logger.wandb.mode=disabled",
+        *overrides,
+    ]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": h.ifname, "GEM_RUN_SECRET": SECRET}
     log = open(tmp_path / f"node{i}.log", "w")  # noqa: SIM115 - closed by the process's end
     return hosts.popen(i, argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -131,14 +142,16 @@ def test_a_host_killed_mid_run_is_lost_and_the_run_completes_with_the_other(host
 
 def test_stale_namespaces_of_dead_processes_are_removed(hosts):
     """A test killed before its cleanup leaves its namespaces: the next Hosts deletes those of pids not alive."""
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     name = f"gemt{dead}x1n0"
     assert subprocess.run(["ip", "netns", "add", name]).returncode == 0
-    assert name in remove_stale() and name not in subprocess.run(["ip", "netns", "list"], capture_output=True,
-                                                                 text=True).stdout
+    assert (
+        name in remove_stale()
+        and name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    )
     assert hosts.hosts[0].ns not in remove_stale()  # this process's own are kept
-
 
 
 @pytest.mark.slow  # a timing: 50 MB at 1 Gbit/s, 0.4 s each way
@@ -169,5 +182,8 @@ def test_three_hosts_reach_one_another_through_the_hub():
         assert [h.addr for h in hosts.hosts] == ["10.213.0.1", "10.213.0.2", "10.213.0.3"]
         for src, dst in ((1, 0), (2, 0), (2, 1)):
             assert transfer_s(hosts, src, dst, 10**6) > 0
-    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-                if ns.startswith(hosts.hosts[0].ns[:-2])]
+    assert not [
+        ns
+        for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        if ns.startswith(hosts.hosts[0].ns[:-2])
+    ]

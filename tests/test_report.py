@@ -24,27 +24,64 @@ def log_interval(values):
     return np.exp(z.mean() - half), np.exp(z.mean() + half)
 
 
-def _run(d, algorithm, n, seed, status="completed", loss=None, accuracy=None, reason="", steps=80, summary=True,
-         engine="process", kappa=None):
+def _run(
+    d,
+    algorithm,
+    n,
+    seed,
+    status="completed",
+    loss=None,
+    accuracy=None,
+    reason="",
+    steps=80,
+    summary=True,
+    engine="process",
+    kappa=None,
+):
     """A run directory as the runner leaves it: .hydra/config.yaml, metrics.parquet (a loss going from 2 down
     by 5% a worker step), eval.parquet (the validation loss the same, every other commit) and, unless it was
     killed, summary.json."""
     (d / ".hydra").mkdir(parents=True)
-    (d / ".hydra" / "config.yaml").write_text(f"algorithm:\n  name: {algorithm}\n"
-                                              + (f"  kappa: {kappa}\n" if kappa is not None else "")
-                                              + f"engine:\n  name: {engine}\nworkers: {n}\nseed: {seed}\n")
+    (d / ".hydra" / "config.yaml").write_text(
+        f"algorithm:\n  name: {algorithm}\n"
+        + (f"  kappa: {kappa}\n" if kappa is not None else "")
+        + f"engine:\n  name: {engine}\nworkers: {n}\nseed: {seed}\n"
+    )
     step = np.arange(1, steps + 1)
     worker_step = (step - 1) // n + 1
-    pd.DataFrame({"step": step, "worker": step % n, "worker_step": worker_step, "staleness": n - 1,
-                  "loss": 2.0 * 0.95 ** worker_step, "time_s": 1.0 + 0.1 * step}).to_parquet(d / "metrics.parquet")
+    pd.DataFrame(
+        {
+            "step": step,
+            "worker": step % n,
+            "worker_step": worker_step,
+            "staleness": n - 1,
+            "loss": 2.0 * 0.95**worker_step,
+            "time_s": 1.0 + 0.1 * step,
+        }
+    ).to_parquet(d / "metrics.parquet")
     at = np.arange(0, steps + 1, 2)
-    pd.DataFrame({"step": at, "worker_step": at / n, "time_s": 1.0 + 0.1 * at,
-                  "val_loss": 2.0 * 0.95 ** (at / n)}).to_parquet(d / "eval.parquet")
+    pd.DataFrame(
+        {"step": at, "worker_step": at / n, "time_s": 1.0 + 0.1 * at, "val_loss": 2.0 * 0.95 ** (at / n)}
+    ).to_parquet(d / "eval.parquet")
     if summary:
-        (d / "summary.json").write_text(json.dumps({
-            "status": status, "reason": reason, "algorithm": algorithm, "workers": n, "seed": seed, "steps": steps,
-            "final_train_loss": loss, "val_loss": loss, "val_accuracy": accuracy, "test_loss": loss,
-            "test_accuracy": accuracy, "mean_staleness": n - 1.0}))
+        (d / "summary.json").write_text(
+            json.dumps(
+                {
+                    "status": status,
+                    "reason": reason,
+                    "algorithm": algorithm,
+                    "workers": n,
+                    "seed": seed,
+                    "steps": steps,
+                    "final_train_loss": loss,
+                    "val_loss": loss,
+                    "val_accuracy": accuracy,
+                    "test_loss": loss,
+                    "test_accuracy": accuracy,
+                    "mean_staleness": n - 1.0,
+                }
+            )
+        )
 
 
 @pytest.fixture(scope="module")
@@ -120,14 +157,18 @@ def test_markdown_report_says_first_which_runs_are_left_out_and_lists_them(sweep
     assert paragraphs[0] == f"# Report: runs (from {sweep.name})"  # its title names the sweep
     # the targets were set from these runs: said, as not announced in advance
     assert "not announced in advance" in paragraphs[2] and "test split is evaluated once" in paragraphs[2]
-    assert paragraphs[1] == ("**2 of 6 runs are not completed (1 failed, 1 incomplete) and are left out of the "
-                             "means: see “Runs left out of the means” below.**")
+    assert paragraphs[1] == (
+        "**2 of 6 runs are not completed (1 failed, 1 incomplete) and are left out of the "
+        "means: see “Runs left out of the means” below.**"
+    )
     assert "Student's t" in paragraphs[2] and "95%" in paragraphs[2] and "left out of the means" in paragraphs[2]
     section = text.split("## Runs left out of the means")[1].split("## Validation loss")[0]
     rows = [line for line in section.splitlines() if line.startswith("|") and "---" not in line][1:]
     cells = [[c.strip() for c in re_split(row)] for row in rows]
-    assert [c[:6] for c in cells] == [["3", "gem", "2", "3", "failed", "80"],
-                                      ["4", "gem", "2", "4", "incomplete", "48"]]  # a killed run: its last step
+    assert [c[:6] for c in cells] == [
+        ["3", "gem", "2", "3", "failed", "80"],
+        ["4", "gem", "2", "4", "incomplete", "48"],
+    ]  # a killed run: its last step
     assert cells[0][6] == r"cannot write x: disk \| full"  # a | in a reason does not split the row
     assert "no summary.json" in cells[1][6]
     assert (tmp_path / "r.png").stat().st_size > 5000 and "![validation loss curves](r.png)" in text
@@ -147,12 +188,32 @@ def re_split(row: str) -> list[str]:
 def test_csv_is_the_tables_numbers_and_reads_back(sweep, tmp_path):
     path = report.write(sweep, tmp_path / "t.csv", given=0.5)
     c = pd.read_csv(path)
-    for q in ("final_train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy", "mean_staleness",
-              "wall_time_s"):
+    for q in (
+        "final_train_loss",
+        "val_loss",
+        "val_accuracy",
+        "test_loss",
+        "test_accuracy",
+        "mean_staleness",
+        "wall_time_s",
+    ):
         assert {f"{q}_mean", f"{q}_ci_lo", f"{q}_ci_hi", f"{q}_k"} <= set(c.columns)
         assert pd.api.types.is_float_dtype(c[f"{q}_mean"])
-    assert {"algorithm", "n", "runs", "completed", "diverged", "failed", "incomplete", "target", "target_runs",
-            "reached", "worker_steps_to_target_median", "time_to_target_median", "clock"} <= set(c.columns)
+    assert {
+        "algorithm",
+        "n",
+        "runs",
+        "completed",
+        "diverged",
+        "failed",
+        "incomplete",
+        "target",
+        "target_runs",
+        "reached",
+        "worker_steps_to_target_median",
+        "time_to_target_median",
+        "clock",
+    } <= set(c.columns)
     gem = c.set_index("algorithm").loc["gem"]
     assert gem["final_train_loss_ci_hi"] == pytest.approx(log_interval([0.1, 0.2, 0.3])[1])
     assert gem["worker_steps_to_target_median"] == 28 and gem["clock"] == "seconds" and gem["target"] == 0.5
@@ -166,8 +227,11 @@ def test_tex_is_a_booktabs_table_with_escaped_text(sweep, tmp_path):
     assert lines[1].startswith("% \\caption{") and "95\\% confidence interval (Student's t" in lines[1]
     body = lines[2:]
     assert body[0].startswith(r"\begin{tabular}") and body[-1] == r"\end{tabular}"
-    assert [x for x in body if x in (r"\toprule", r"\midrule", r"\bottomrule")] == [r"\toprule", r"\midrule",
-                                                                                    r"\bottomrule"]
+    assert [x for x in body if x in (r"\toprule", r"\midrule", r"\bottomrule")] == [
+        r"\toprule",
+        r"\midrule",
+        r"\bottomrule",
+    ]
     assert r"async\_localsgd & 2 & 1 &" in text and "async_localsgd" not in text
     lo, hi = log_interval([0.1, 0.2, 0.3])
     assert f"0.200 [{lo:.3f}, {hi:.3f}] (k=3)" in text
@@ -196,8 +260,9 @@ def test_the_target_line_leaves_the_range_alone_and_the_grid_is_narrow(sweep):
     assert final_ax.get_legend() is None and loss_ax.get_legend() is None  # one legend, off the data
     assert fig.axes[0].get_subplotspec().get_gridspec().ncols <= 3
     report.plt.close(fig)
-    assert report.headline(r[r["status"] == "completed"]) == ("Every run completed (4 of 4): none is left out of the "
-                                                               "means.")
+    assert report.headline(r[r["status"] == "completed"]) == (
+        "Every run completed (4 of 4): none is left out of the means."
+    )
 
 
 def test_the_same_seed_twice_is_refused_not_counted_as_two(tmp_path, capsys):
@@ -231,9 +296,13 @@ def test_the_report_s_files_at_the_root_are_ignored_by_git():
 def test_the_performance_profile_is_the_share_of_workloads_within_tau_of_the_fastest():
     """Dolan and Moré on hand-made times: on workload n = 5 gem takes 10 and downpour 20; on n = 10 gem 30 and
     downpour 15; on n = 30 gem 40 and downpour never gets there; on n = 50 nobody does (left out, and said)."""
-    methods = pd.DataFrame({"workers": [5, 5, 10, 10, 30, 30, 50, 50],
-                            "method": ["gem", "downpour"] * 4,
-                            "time": [10.0, 20.0, 30.0, 15.0, 40.0, np.inf, np.inf, np.inf]})
+    methods = pd.DataFrame(
+        {
+            "workers": [5, 5, 10, 10, 30, 30, 50, 50],
+            "method": ["gem", "downpour"] * 4,
+            "time": [10.0, 20.0, 30.0, 15.0, 40.0, np.inf, np.inf, np.inf],
+        }
+    )
     prof, dropped = target.profile(methods, taus=[1.0, 1.5, 2.0, 4.0])
     rho = prof.pivot(index="tau", columns="method", values="rho")
     # gem: best on n = 5 and 30, 2x on n = 10; downpour: best on n = 10, 2x on n = 5, never on n = 30

@@ -37,8 +37,17 @@ def test_online_without_api_key_falls_back_to_offline(tmp_path):
 
 
 def test_disabled_wandb_writes_nothing(tmp_path):
-    cfg = compose(["algorithm=sgd", "engine=sim", "epochs=1", "data=synthetic", "data.synthetic.train_size=256",
-                   "logger.wandb.mode=disabled", "logger.eval_every=2"])
+    cfg = compose(
+        [
+            "algorithm=sgd",
+            "engine=sim",
+            "epochs=1",
+            "data=synthetic",
+            "data.synthetic.train_size=256",
+            "logger.wandb.mode=disabled",
+            "logger.eval_every=2",
+        ]
+    )
     summary = run(cfg, tmp_path)
     assert summary["status"] == "completed" and "wandb" not in summary
     assert not (tmp_path / "wandb").exists()
@@ -65,8 +74,16 @@ def test_sweep_goes_on_past_a_diverged_run(tmp_path):
 
 @pytest.mark.slow
 def test_sgd_on_real_mnist(tmp_path, mnist_root):
-    cfg = compose(["algorithm=sgd", "engine=sim", "data=mnist", f"data.root={mnist_root}", "epochs=1",
-                   "logger.wandb.mode=disabled"])
+    cfg = compose(
+        [
+            "algorithm=sgd",
+            "engine=sim",
+            "data=mnist",
+            f"data.root={mnist_root}",
+            "epochs=1",
+            "logger.wandb.mode=disabled",
+        ]
+    )
     summary = run(cfg, tmp_path)
     assert summary["status"] == "completed" and summary["steps"] == 4500 // 64  # 500 of 5,000 held out
     # one epoch of 4,500 digits: well above chance
@@ -109,12 +126,21 @@ def test_batch_larger_than_the_loaded_cifar_shard_is_refused_with_one_line(tmp_p
     from experiments.rundir import Refused
 
     write_cifar(tmp_path / "cifar", per_batch=3)  # 15 training images, 1 held out for validation: 14 to train on
-    cfg = compose(["data=cifar10", "model=alexnet_cifar", f"data.root={tmp_path / 'cifar'}", "batch_size=16",
-                   "logger.wandb.mode=disabled"])
+    cfg = compose(
+        [
+            "data=cifar10",
+            "model=alexnet_cifar",
+            f"data.root={tmp_path / 'cifar'}",
+            "batch_size=16",
+            "logger.wandb.mode=disabled",
+        ]
+    )
     with pytest.raises(Refused) as e:
         run(cfg, tmp_path / "run")
-    assert str(e.value) == ("batch_size=16 is larger than a worker's shard: data=cifar10 has 14 training "
-                            "examples, and every worker draws from all of them")
+    assert str(e.value) == (
+        "batch_size=16 is larger than a worker's shard: data=cifar10 has 14 training "
+        "examples, and every worker draws from all of them"
+    )
     assert not (tmp_path / "run").exists()  # refused: nothing written, not even the directory
 
 
@@ -123,12 +149,22 @@ def test_algorithm_sweep_writes_one_directory_per_job(tmp_path):
     """The issue's sweep shape on digits: every job gets its own directory and summary, GEM reports π, and a
     diverged DOWNPOUR (lr far too large) does not make the sweep fail."""
     # engine=sim: the sweep's mechanics are the point here (the process engine in a sweep: the test above)
-    p = run_py("-m", "algorithm=gem,downpour,adaptive", "workers=2,3", "lr=0.05", "epochs=1", "engine=sim",
-               "logger.wandb.mode=disabled", f"hydra.sweep.dir={tmp_path}", timeout=600)
+    p = run_py(
+        "-m",
+        "algorithm=gem,downpour,adaptive",
+        "workers=2,3",
+        "lr=0.05",
+        "epochs=1",
+        "engine=sim",
+        "logger.wandb.mode=disabled",
+        f"hydra.sweep.dir={tmp_path}",
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr
     runs = [json.loads((tmp_path / str(i) / "summary.json").read_text()) for i in range(6)]
     assert [(r["algorithm"], r["workers"]) for r in runs] == [
-        (a, n) for a in ("gem", "downpour", "adaptive") for n in (2, 3)]
+        (a, n) for a in ("gem", "downpour", "adaptive") for n in (2, 3)
+    ]
     assert len({r["run_dir"] for r in runs}) == 6
     assert all(r["status"] == "completed" and r["mean_staleness"] > 0 for r in runs)
     assert all(("pi_median" in r) == (r["algorithm"] == "gem") for r in runs)

@@ -25,9 +25,20 @@ def data():
 
 def job(data, workers, algorithm="sgd", hp=None, staleness="round_robin", seed=0, epochs=1, **kw):
     engine = {k: kw.pop(k) for k in ("straggler_fraction", "straggler_slowdown") if k in kw}
-    return Job(algorithm=algorithm, hp=hp or sgd.Params(), model="mnist_cnn", data=data, workers=workers,
-               batch_size=32, epochs=epochs, seed=seed, engine={"name": "sim", "staleness": staleness, **engine},
-               eval_every=kw.pop("eval_every", 10**9), eval_train_size=64, **kw)
+    return Job(
+        algorithm=algorithm,
+        hp=hp or sgd.Params(),
+        model="mnist_cnn",
+        data=data,
+        workers=workers,
+        batch_size=32,
+        epochs=epochs,
+        seed=seed,
+        engine={"name": "sim", "staleness": staleness, **engine},
+        eval_every=kw.pop("eval_every", 10**9),
+        eval_train_size=64,
+        **kw,
+    )
 
 
 def run(job_, tmp_path):
@@ -59,8 +70,9 @@ def test_same_seed_same_metrics_and_other_seed_differs(data, tmp_path):
 
 
 def test_stragglers_commit_less_often(data, tmp_path):
-    _, m = run(job(data, 4, staleness="stragglers", epochs=4, straggler_fraction=0.25, straggler_slowdown=4.0),
-               tmp_path)
+    _, m = run(
+        job(data, 4, staleness="stragglers", epochs=4, straggler_fraction=0.25, straggler_slowdown=4.0), tmp_path
+    )
     first_half = m[m["step"] <= len(m) // 2]  # before the fast workers run out of budget
     counts = first_half["worker"].value_counts()
     assert len(counts) == 4 and counts.max() >= 3 * counts.min()
@@ -100,8 +112,9 @@ def make_stub(log):
     def server_rule(view, commit, hp):
         view.theta.add_(commit.delta)
 
-    mod.ALGORITHM = algorithms.Algorithm("stub", StubParams, init_state, worker_rule, server_rule,
-                                         diagnostics=diagnostics)
+    mod.ALGORITHM = algorithms.Algorithm(
+        "stub", StubParams, init_state, worker_rule, server_rule, diagnostics=diagnostics
+    )
     return mod
 
 
@@ -172,8 +185,10 @@ def test_a_barrier_holds_a_worker_until_the_clock_reaches_it(data, tmp_path, mon
     monkeypatch.setattr(algorithms, "ALGORITHMS", (*algorithms.ALGORITHMS, "stub"))
     monkeypatch.setitem(sys.modules, "gem.algorithms.stub", _barrier_stub(3, log))
     rec = Recorder(tmp_path / "a")
-    assert sim.run(job(data, 3, algorithm="stub", hp=downpour.Params(), staleness="exponential", seed=2),
-                   rec).status == "completed"
+    assert (
+        sim.run(job(data, 3, algorithm="stub", hp=downpour.Params(), staleness="exponential", seed=2), rec).status
+        == "completed"
+    )
     rec.close()
     for w in range(3):
         mine = [(t, tau) for v, t, tau in log if v == w]
@@ -227,8 +242,7 @@ def test_gem_writes_pi_and_energies_per_commit_and_per_tensor(data, tmp_path):
     assert t.pivot(index="step", columns="tensor_index", values="pi_median").shape == (len(m), 10)
 
 
-@pytest.mark.parametrize("name, extra", [("gem", {}), ("gem", {"proxy": "global"}), ("eamsgd", {}),
-                                         ("adaptive", {})])
+@pytest.mark.parametrize("name, extra", [("gem", {}), ("gem", {"proxy": "global"}), ("eamsgd", {}), ("adaptive", {})])
 def test_algorithms_are_deterministic_for_a_seed(data, tmp_path, name, extra):
     j = lambda: job(data, 4, algorithm=name, hp=hp_for(name, 4, **extra), staleness="exponential", seed=5)  # noqa: E731
     _, a = run(j(), tmp_path / "a")
@@ -276,8 +290,9 @@ def test_memory_grows_by_the_workers_own_state_only(name, copies):
 
     # n = 1 and then n = 101 in one process: the second run's peak above the first's is what its 100 more workers
     # cost (the first run's own memory is in both)
-    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, name, "1", "101"], capture_output=True, text=True,
-                         timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, name, "1", "101"], capture_output=True, text=True, timeout=300, check=True
+    )
     one, many = (int(v) for v in out.stdout.split()[-2:])
     per_worker = (many - one) / 100 / model_bytes
     assert per_worker <= copies + 0.5, f"{per_worker:.2f} model copies per worker"
@@ -295,8 +310,10 @@ def test_a_gem_run_with_the_fused_loops_is_the_run_with_torchs_operations(data, 
         d = tmp_path / str(fused)
         result, m = run(job(data, 4, "gem", gem.Params(), epochs=3), d)
         assert result.status == "completed"
-        frames[fused] = (m.drop(columns=["time_s", "wait_s", "apply_s"], errors="ignore"),
-                         pd.read_parquet(d / "tensors.parquet"))
+        frames[fused] = (
+            m.drop(columns=["time_s", "wait_s", "apply_s"], errors="ignore"),
+            pd.read_parquet(d / "tensors.parquet"),
+        )
     energies = ["proxy_energy", "central_energy"]  # metrics summed in float64 by the loops: float32 rounding apart
     fused, reference = frames[True][0], frames[False][0]
     pd.testing.assert_frame_equal(fused.drop(columns=energies), reference.drop(columns=energies), check_exact=True)

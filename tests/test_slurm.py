@@ -19,12 +19,23 @@ from helpers.rundir import check_run_dir
 
 from experiments.config import compose
 
-pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason='the submitit launcher plugin is not installed '
-                    '(pip install -e ".[slurm]")')
+pytest.importorskip(
+    "hydra_plugins.hydra_submitit_launcher",
+    reason='the submitit launcher plugin is not installed (pip install -e ".[slurm]")',
+)
 
 # a small run: 2 workers of 8 commits each
-QUICK = ["engine=distributed", "workers=2", "epochs=1", "data=synthetic", "data.synthetic.train_size=256",
-         "data.synthetic.val_size=128", "batch_size=32", "logger.wandb.mode=disabled", "logger.progress=false"]
+QUICK = [
+    "engine=distributed",
+    "workers=2",
+    "epochs=1",
+    "data=synthetic",
+    "data.synthetic.train_size=256",
+    "data.synthetic.val_size=128",
+    "batch_size=32",
+    "logger.wandb.mode=disabled",
+    "logger.progress=false",
+]
 
 
 def launcher(name: str, tmp_path, *overrides):
@@ -60,16 +71,26 @@ def test_distributed_slurm_keys_are_the_slurm_executors(tmp_path, monkeypatch):
     from submitit.slurm import slurm
 
     monkeypatch.setattr(slurm.SlurmExecutor, "affinity", classmethod(lambda cls: 1))  # no srun here: pretend
-    launch, cfg = launcher("distributed_slurm", tmp_path, "hydra.launcher.partition=gpu",
-                           "hydra.launcher.setup=['export GLOO_SOCKET_IFNAME=ib0']")
+    launch, cfg = launcher(
+        "distributed_slurm",
+        tmp_path,
+        "hydra.launcher.partition=gpu",
+        "hydra.launcher.setup=['export GLOO_SOCKET_IFNAME=ib0']",
+    )
     assert "SlurmLauncher" in kinds(launch)
     ex = launch.executor()  # what the launcher submits with; nothing is submitted
     assert ex.cluster == "slurm"
-    sbatch = slurm._make_sbatch_string(command="python -u -m submitit.core._submit", folder=ex.folder,
-                                       **ex.parameters)
-    for line in ("#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=5", "#SBATCH --cpus-per-task=2",
-                 "#SBATCH --mem=16GB", "#SBATCH --time=120", "#SBATCH --signal=USR2@120", "#SBATCH --partition=gpu",
-                 "export GLOO_SOCKET_IFNAME=ib0"):
+    sbatch = slurm._make_sbatch_string(command="python -u -m submitit.core._submit", folder=ex.folder, **ex.parameters)
+    for line in (
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks-per-node=5",
+        "#SBATCH --cpus-per-task=2",
+        "#SBATCH --mem=16GB",
+        "#SBATCH --time=120",
+        "#SBATCH --signal=USR2@120",
+        "#SBATCH --partition=gpu",
+        "export GLOO_SOCKET_IFNAME=ib0",
+    ):
         assert line in sbatch.splitlines(), sbatch
     assert "--requeue" not in sbatch
     assert ex._executor.max_num_timeout == 0  # no requeue: a run restarts from scratch
@@ -84,22 +105,33 @@ def test_distributed_local_keys_are_the_local_executors(tmp_path):
     ex = launch.executor()
     assert ex.cluster == "local"
     assert {k: ex.parameters[k] for k in ("tasks_per_node", "nodes", "timeout_min")} == {
-        "tasks_per_node": 3, "nodes": 1, "timeout_min": 60}
+        "tasks_per_node": 3,
+        "nodes": 1,
+        "timeout_min": 60,
+    }
     with pytest.raises(NameError, match="no_such_key"):
         launch.params["no_such_key"] = 1
         launch.executor()
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["workers=2"], "hydra.launcher.tasks_per_node=5 starts 5 processes for each job, but job 0 has workers=2, "
-     "which needs workers + 1 = 3 (rank 0 is the parameter server): pass hydra.launcher.tasks_per_node=3, or "
-     "workers=4; sweep workers with one command per value"),
-    (["workers=2,3", "hydra.launcher.tasks_per_node=3"], "but job 1 has workers=3, which needs workers + 1 = 4"),
-    (["engine=process", "workers=2", "hydra.launcher.tasks_per_node=3"],
-     "hydra.launcher.tasks_per_node=3 starts 3 processes for each job, the ranks of one engine=distributed run, but "
-     "job 0 is engine=process, which runs as one process: pass engine=distributed, or "
-     "hydra.launcher.tasks_per_node=1"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (
+            ["workers=2"],
+            "hydra.launcher.tasks_per_node=5 starts 5 processes for each job, but job 0 has workers=2, "
+            "which needs workers + 1 = 3 (rank 0 is the parameter server): pass hydra.launcher.tasks_per_node=3, or "
+            "workers=4; sweep workers with one command per value",
+        ),
+        (["workers=2,3", "hydra.launcher.tasks_per_node=3"], "but job 1 has workers=3, which needs workers + 1 = 4"),
+        (
+            ["engine=process", "workers=2", "hydra.launcher.tasks_per_node=3"],
+            "hydra.launcher.tasks_per_node=3 starts 3 processes for each job, the ranks of one engine=distributed run, "
+            "but job 0 is engine=process, which runs as one process: pass engine=distributed, or "
+            "hydra.launcher.tasks_per_node=1",
+        ),
+    ],
+)
 def test_tasks_that_are_not_the_runs_ranks_are_refused_before_anything_starts(argv, says, tmp_path, capsys):
     sweep = tmp_path / "sweep"
     line = refused_line(capsys, "-m", "hydra/launcher=distributed_local", *QUICK, *argv, f"hydra.sweep.dir={sweep}")
@@ -112,20 +144,32 @@ def test_a_sweep_over_several_nodes_needs_the_runs_secret(tmp_path, capsys, monk
 
     monkeypatch.delenv("GEM_RUN_SECRET", raising=False)
     monkeypatch.delenv("GEM_RUN_SECRET_FILE", raising=False)
-    argv = ["-m", "hydra/launcher=distributed_slurm", *QUICK, "workers=3", "hydra.launcher.nodes=2",
-            "hydra.launcher.tasks_per_node=2", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    argv = [
+        "-m",
+        "hydra/launcher=distributed_slurm",
+        *QUICK,
+        "workers=3",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.tasks_per_node=2",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
     line = refused_line(capsys, *argv)
-    assert line.startswith("error: hydra.launcher.nodes=2: GEM_RUN_SECRET is not set, and a launch over several "
-                           "machines needs the run's secret")
+    assert line.startswith(
+        "error: hydra.launcher.nodes=2: GEM_RUN_SECRET is not set, and a launch over several "
+        "machines needs the run's secret"
+    )
     monkeypatch.setenv("GEM_RUN_SECRET", "0123456789abcdef0123")
     assert len(preflight(argv)) == 1  # checked, and nothing submitted
 
 
-@pytest.mark.parametrize("argv", [
-    ["hydra/launcher=submitit_slurm", "engine=process", "device=cuda"],
-    ["hydra/launcher=distributed_slurm", "engine=distributed", "workers=4", "device=cuda"],
-    ["hydra/launcher=submitit_slurm", "engine=process", "workers=1000000"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["hydra/launcher=submitit_slurm", "engine=process", "device=cuda"],
+        ["hydra/launcher=distributed_slurm", "engine=distributed", "workers=4", "device=cuda"],
+        ["hydra/launcher=submitit_slurm", "engine=process", "workers=1000000"],
+    ],
+)
 def test_a_slurm_sweep_is_not_held_to_this_machines_gpus_and_memory(argv, tmp_path):
     """The jobs of a SLURM sweep run on its nodes: where it is submitted from (a login node without a GPU, say)
     does not refuse device=cuda or a size that fits a node; each job checks those where it runs."""
@@ -140,8 +184,15 @@ def test_distributed_local_runs_a_sweep_with_one_task_per_rank(tmp_path):
     """`python run.py -m hydra/launcher=distributed_local ...`: two jobs, each of three tasks (rank 0 and two
     workers) started by submitit's local executor; rank 0 writes each run directory, as a local launch does."""
     sweep = tmp_path / "sweep"
-    p = run_py("-m", "hydra/launcher=distributed_local", *QUICK, "seed=0,1", "hydra.launcher.tasks_per_node=3",
-               f"hydra.sweep.dir={sweep}", timeout=600)
+    p = run_py(
+        "-m",
+        "hydra/launcher=distributed_local",
+        *QUICK,
+        "seed=0,1",
+        "hydra.launcher.tasks_per_node=3",
+        f"hydra.sweep.dir={sweep}",
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert not mentioning(str(sweep)), "a task of the sweep is still running"
     from experiments.api import run
@@ -200,7 +251,8 @@ def test_a_jobs_result_is_rank_0s_and_a_dead_worker_is_one_line(tmp_path, capsys
         f"{folder}/{job.job_id}_1_log.err and {folder}/{job.job_id}_1_log.out",
         f"gem: job 7: rank 2 (worker 1) ended without a result (killed?); rank 0 recorded it in the run directory; "
         f"its output: {folder}/{job.job_id}_2_log.err and {folder}/{job.job_id}_2_log.out",
-        f"gem: job 7: completed; run directory /r; the ranks' output: {folder}"]
+        f"gem: job 7: completed; run directory /r; the ranks' output: {folder}",
+    ]
 
 
 def test_a_requeued_job_resumes_its_run(tmp_path):
@@ -218,8 +270,11 @@ def _rank(sweep, rank: int) -> int | None:
             cmd, env = (d / "cmdline").read_bytes(), (d / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if b"submitit.core._submit" in cmd and str(sweep).encode() in cmd and \
-                f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in env:
+        if (
+            b"submitit.core._submit" in cmd
+            and str(sweep).encode() in cmd
+            and f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in env
+        ):
             return int(d.name)
     return None
 
@@ -233,8 +288,15 @@ def test_a_preempted_job_is_requeued_and_resumes_from_its_checkpoint(tmp_path):
     sends the same way): rank 0 closes the run directory, submitit requeues the job with resume=true, and the
     requeued job continues the run from its last checkpoint: every commit once in the end."""
     sweep = tmp_path / "sweep"
-    argv = ["-m", "hydra/launcher=distributed_local", *QUICK, f"epochs={EPOCHS}", "engine.checkpoint_every=10",
-            "hydra.launcher.tasks_per_node=3", f"hydra.sweep.dir={sweep}"]
+    argv = [
+        "-m",
+        "hydra/launcher=distributed_local",
+        *QUICK,
+        f"epochs={EPOCHS}",
+        "engine.checkpoint_every=10",
+        "hydra.launcher.tasks_per_node=3",
+        f"hydra.sweep.dir={sweep}",
+    ]
     p = warm_run.Popen(argv)
     try:
         pid = None

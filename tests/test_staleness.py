@@ -26,9 +26,19 @@ def data():
 def run(data, tmp_path, workers, seed=0, epochs=2, **engine):
     from gem.algorithms import sgd
 
-    j = Job(algorithm="sgd", hp=sgd.Params(), model="mnist_cnn", data=data, workers=workers, batch_size=32,
-            epochs=epochs, seed=seed, engine={"name": "sim", "staleness": "round_robin", **engine}, eval_every=10**9,
-            eval_train_size=64)
+    j = Job(
+        algorithm="sgd",
+        hp=sgd.Params(),
+        model="mnist_cnn",
+        data=data,
+        workers=workers,
+        batch_size=32,
+        epochs=epochs,
+        seed=seed,
+        engine={"name": "sim", "staleness": "round_robin", **engine},
+        eval_every=10**9,
+        eval_train_size=64,
+    )
     rec = Recorder(tmp_path)
     result = sim.run(j, rec)
     rec.close()
@@ -69,8 +79,15 @@ SMALL = ["data=synthetic", "data.synthetic.train_size=384", "data.synthetic.val_
 def process_run(tmp_path_factory):
     """A tiny real run: 3 process workers, 12 commits each (a trace's statistics need no more)."""
     d = tmp_path_factory.mktemp("trace") / "process"
-    r = warm_run.run_py("workers=3", "epochs=1", "batch_size=32", *SMALL, "logger.wandb.mode=disabled",
-                        f"hydra.run.dir={d}", timeout=600)
+    r = warm_run.run_py(
+        "workers=3",
+        "epochs=1",
+        "batch_size=32",
+        *SMALL,
+        "logger.wandb.mode=disabled",
+        f"hydra.run.dir={d}",
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return d
 
@@ -97,8 +114,18 @@ def test_a_trace_replays_a_process_run(process_run, tmp_path):
     assert len(trace) == m == 3 and sum(map(len, trace)) == len(recorded)
 
     def replay(workers, seed, d):
-        cfg = compose(["engine=sim", "engine.staleness=trace", f"engine.trace={process_run}", f"workers={workers}",
-                       f"seed={seed}", "epochs=1", "batch_size=32", *SMALL])
+        cfg = compose(
+            [
+                "engine=sim",
+                "engine.staleness=trace",
+                f"engine.trace={process_run}",
+                f"workers={workers}",
+                f"seed={seed}",
+                "epochs=1",
+                "batch_size=32",
+                *SMALL,
+            ]
+        )
         rec = Recorder(d)
         result = sim.run(build_job(validate(cfg), log=lambda *_: None), rec)
         rec.close()

@@ -32,8 +32,12 @@ def test_plan_lists_the_jobs_and_runs_nothing(tmp_path, capsys, quick_calibratio
     assert lines[0].startswith("gem: plan for 4 jobs")
     jobs = [line.split() for line in lines[2:6]]
     # the swept keys name each job; commits = n x (epochs x (1500 // 64)) on digits
-    assert [j[1:3] for j in jobs] == [["algorithm=gem", "workers=2"], ["algorithm=gem", "workers=3"],
-                                      ["algorithm=downpour", "workers=2"], ["algorithm=downpour", "workers=3"]]
+    assert [j[1:3] for j in jobs] == [
+        ["algorithm=gem", "workers=2"],
+        ["algorithm=gem", "workers=3"],
+        ["algorithm=downpour", "workers=2"],
+        ["algorithm=downpour", "workers=3"],
+    ]
     assert [int(j[5].replace(",", "")) for j in jobs] == [46, 69, 46, 69]
     assert lines[6].startswith("total: 230 commits, about ")
     assert "ms per gradient step" in out and "warning" not in out
@@ -65,15 +69,20 @@ def test_missing_launcher_extra_names_the_install_command(capsys):
     if importlib.util.find_spec("hydra_plugins") and importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher"):
         pytest.skip("the submitit launcher is installed here")
     line = refused_line(capsys, "-m", "hydra/launcher=submitit_local", *QUICK)
-    assert line == ('error: hydra/launcher=submitit_local needs a Hydra launcher plugin that is not installed; '
-                    'install it with pip install -e ".[slurm]" (in this project\'s folder)')
+    assert line == (
+        "error: hydra/launcher=submitit_local needs a Hydra launcher plugin that is not installed; "
+        'install it with pip install -e ".[slurm]" (in this project\'s folder)'
+    )
 
 
-@pytest.mark.parametrize("launcher, plugin, extra", [
-    ("submitit_slurm", "hydra_plugins.hydra_submitit_launcher", "slurm"),
-    ("distributed_local", "hydra_plugins.hydra_submitit_launcher", "slurm"),
-    ("joblib", "hydra_plugins.hydra_joblib_launcher", "joblib"),
-])
+@pytest.mark.parametrize(
+    "launcher, plugin, extra",
+    [
+        ("submitit_slurm", "hydra_plugins.hydra_submitit_launcher", "slurm"),
+        ("distributed_local", "hydra_plugins.hydra_submitit_launcher", "slurm"),
+        ("joblib", "hydra_plugins.hydra_joblib_launcher", "joblib"),
+    ],
+)
 def test_a_launcher_whose_plugin_is_missing_is_refused_installed_or_not(launcher, plugin, extra, capsys, monkeypatch):
     """The refusal above wherever the plugins are installed (the dev extra installs the submitit one): the plugin's
     module made unfindable, as it is where it is not installed."""
@@ -82,8 +91,10 @@ def test_a_launcher_whose_plugin_is_missing_is_refused_installed_or_not(launcher
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == plugin else find_spec(name, *a))
     line = refused_line(capsys, "-m", f"hydra/launcher={launcher}", *QUICK)
-    assert line == (f'error: hydra/launcher={launcher} needs a Hydra launcher plugin that is not installed; '
-                    f'install it with pip install -e ".[{extra}]" (in this project\'s folder)')
+    assert line == (
+        f"error: hydra/launcher={launcher} needs a Hydra launcher plugin that is not installed; "
+        f'install it with pip install -e ".[{extra}]" (in this project\'s folder)'
+    )
 
 
 def _status(d):
@@ -111,14 +122,18 @@ def test_an_interrupted_sweep_resumes_only_its_missing_jobs(tmp_path, capsys, qu
     changed = refused_line(capsys, *cmd[:-1], "epochs=2", f"hydra.sweep.dir={sweep}", "resume=true")
     assert "holds a run of another configuration (epochs: 1 there, 2 in this command)" in changed
     # another algorithm is one difference, named as such, beside the top-level keys (it named algorithm.eps)
-    changed = refused_line(capsys, *cmd[:-1], "algorithm=downpour", "epochs=2", f"hydra.sweep.dir={sweep}",
-                           "resume=true")
-    assert ("holds a run of another configuration (algorithm: gem there, downpour in this command; epochs: 1 there, "
-            "2 in this command)") in changed
+    changed = refused_line(
+        capsys, *cmd[:-1], "algorithm=downpour", "epochs=2", f"hydra.sweep.dir={sweep}", "resume=true"
+    )
+    assert (
+        "holds a run of another configuration (algorithm: gem there, downpour in this command; epochs: 1 there, "
+        "2 in this command)"
+    ) in changed
     # a run started by hand in a job's folder would count as that job: refused, the folder as it was
     single = refused_line(capsys, *QUICK, "workers=2", f"hydra.run.dir={sweep / '1'}")
-    assert single.startswith(f"error: hydra.run.dir={sweep / '1'} is a job folder of the sweep in {sweep} (it has "
-                             "multirun.yaml)"), single
+    assert single.startswith(
+        f"error: hydra.run.dir={sweep / '1'} is a job folder of the sweep in {sweep} (it has multirun.yaml)"
+    ), single
     assert snapshot(sweep / "0") == done
 
     # its plan says what the resume will do, job by job, and changes nothing
@@ -128,15 +143,21 @@ def test_an_interrupted_sweep_resumes_only_its_missing_jobs(tmp_path, capsys, qu
         preflight([*cmd, "resume=true", "plan=true"])
     out = capsys.readouterr().out
     assert e.value.code == 0
-    assert [line.split("[")[1].split("]")[0] for line in out.splitlines()[2:5]] == ["finished: skipped", "rerun",
-                                                                                    "start"]
+    assert [line.split("[")[1].split("]")[0] for line in out.splitlines()[2:5]] == [
+        "finished: skipped",
+        "rerun",
+        "start",
+    ]
     assert "total for the 2 jobs left to run: 92 commits" in out
     assert snapshot(sweep / "0") == done and (sweep / "1" / "metrics.parquet").exists()
 
     p = run_py(*cmd, "resume=true")
     assert p.returncode == 0, p.stderr
-    assert ("gem: resuming the sweep in" in p.stderr and "job 0: finished (skipped, left as they are); job 1 "
-            "(incomplete, no checkpoint): rerun" in p.stderr and "job 2: start" in p.stderr), p.stderr
+    assert (
+        "gem: resuming the sweep in" in p.stderr
+        and "job 0: finished (skipped, left as they are); job 1 (incomplete, no checkpoint): rerun" in p.stderr
+        and "job 2: start" in p.stderr
+    ), p.stderr
     assert snapshot(sweep / "0") == done  # untouched, to the byte and the modification time
     assert [_status(sweep / str(j)) for j in range(3)] == ["completed"] * 3
     kept = list((sweep / ".superseded").iterdir())  # the interrupted attempt is kept, out of the analyses
@@ -154,9 +175,13 @@ def test_the_jobs_a_sweep_has_not_reached_are_counted(tmp_path):
 
     sweep = tmp_path / "sweep"
     sweep.mkdir()
-    hydra = {"sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
-                         "params": {"seed": "0,1,2", "workers": "5,10"}},
-             "overrides": {"task": ["experiment=x", "workers=2,3,4", "lr=0.1"]}}  # the command line wins
+    hydra = {
+        "sweeper": {
+            "_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+            "params": {"seed": "0,1,2", "workers": "5,10"},
+        },
+        "overrides": {"task": ["experiment=x", "workers=2,3,4", "lr=0.1"]},
+    }  # the command line wins
     (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": hydra}))
     assert load.planned_jobs(sweep) == 9
     for job in ("0", "1"):  # two job folders that hold a run; r below names one of them only
@@ -209,14 +234,17 @@ def test_the_plan_s_calibration_holds_on_a_busy_machine(monkeypatch, capsys, qui
     from experiments.command import preflight
 
     monkeypatch.setattr(plan, "cores", lambda: 2)
-    monkeypatch.setattr(plan, "_timed", lambda fn, budget, at_least=3: 0.0076 if torch.get_num_threads() == 1
-                        else 0.285)
+    monkeypatch.setattr(
+        plan, "_timed", lambda fn, budget, at_least=3: 0.0076 if torch.get_num_threads() == 1 else 0.285
+    )
     with pytest.raises(SystemExit):
         preflight(["engine=sim", "epochs=1", "plan=true"])
     out = capsys.readouterr().out
-    assert ("7.6 ms per gradient step on 1 thread, and no faster on 2 (the cores are busy with other programs: the "
-            "estimate assumes one thread's speed, which a run gets with OMP_NUM_THREADS=1; on every core it may be "
-            "far slower)") in out
+    assert (
+        "7.6 ms per gradient step on 1 thread, and no faster on 2 (the cores are busy with other programs: the "
+        "estimate assumes one thread's speed, which a run gets with OMP_NUM_THREADS=1; on every core it may be "
+        "far slower)"
+    ) in out
 
 
 def test_a_plan_names_a_setting_that_only_some_jobs_have():
@@ -224,14 +252,18 @@ def test_a_plan_names_a_setting_that_only_some_jobs_have():
     though it takes one value wherever it is set."""
     from experiments.plan import _swept
 
-    jobs = [(["algorithm=agn", "lr=0.05", "seed=0"], None), (["algorithm=agn", "lr=0.05", "seed=1"], None),
-            (["algorithm=agn", "algorithm.window=10", "lr=0.05", "seed=0"], None),
-            (["algorithm=agn", "algorithm.window=10", "lr=0.05", "seed=1"], None)]
+    jobs = [
+        (["algorithm=agn", "lr=0.05", "seed=0"], None),
+        (["algorithm=agn", "lr=0.05", "seed=1"], None),
+        (["algorithm=agn", "algorithm.window=10", "lr=0.05", "seed=0"], None),
+        (["algorithm=agn", "algorithm.window=10", "lr=0.05", "seed=1"], None),
+    ]
     assert _swept(jobs) == {"algorithm.window", "seed"}
 
 
 def test_a_plan_of_jobs_run_two_at_a_time_gives_their_wall_time_on_their_share_of_the_cores(
-        monkeypatch, capsys, quick_calibration):
+    monkeypatch, capsys, quick_calibration
+):
     """With a launcher that runs two jobs at once (joblib's n_jobs=2), each job gets one of 2 cores: the plan adds
     the wall time, each job timed on one thread, and never less than the longest job; one at a time, no such line."""
     from experiments import command, plan

@@ -15,8 +15,15 @@ from gem import metrics
 
 pytest.importorskip("tensorboard")
 
-RUN = ["engine=sim", "data=digits", "workers=2", "epochs=1", "logger.progress=false", "logger.eval_every=10",
-       "logger.eval_train_size=256"]
+RUN = [
+    "engine=sim",
+    "data=digits",
+    "workers=2",
+    "epochs=1",
+    "logger.progress=false",
+    "logger.eval_every=10",
+    "logger.eval_train_size=256",
+]
 
 
 def event_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
@@ -33,8 +40,9 @@ def steps_and(table: pd.DataFrame, column: str) -> list[tuple[int, float]]:
 
 
 def close(got, want):
-    return len(got) == len(want) and all(t == u and v == pytest.approx(w, rel=1e-6, abs=1e-6)
-                                         for (t, v), (u, w) in zip(got, want, strict=True))
+    return len(got) == len(want) and all(
+        t == u and v == pytest.approx(w, rel=1e-6, abs=1e-6) for (t, v), (u, w) in zip(got, want, strict=True)
+    )
 
 
 @pytest.fixture
@@ -96,8 +104,10 @@ def test_a_killed_run_leaves_readable_event_files(tmp_path, monkeypatch):
 
     monkeypatch.setattr(metrics.Recorder, "eval", killed_after_the_second)
     with pytest.raises(KeyboardInterrupt):
-        run(compose([*RUN, "logger.tensorboard=true", "logger.wandb.mode=disabled", "logger.wandb.log_every=1"]),
-            tmp_path / "run")
+        run(
+            compose([*RUN, "logger.tensorboard=true", "logger.wandb.mode=disabled", "logger.wandb.log_every=1"]),
+            tmp_path / "run",
+        )
     got = event_scalars(tmp_path / "run")
     m = metrics.read_table(tmp_path / "run", "metrics")
     assert len(m) == 10 and close(got["train/loss"], steps_and(m, "loss"))
@@ -107,8 +117,9 @@ def test_a_killed_run_leaves_readable_event_files(tmp_path, monkeypatch):
 
 def test_both_views_get_the_same_rows_at_one_cadence(tmp_path):
     a, b = [], []
-    recorder = metrics.Recorder(tmp_path, sink=metrics.fan_out(None, lambda *r: a.append(r), lambda *r: b.append(r)),
-                                sink_every=3)
+    recorder = metrics.Recorder(
+        tmp_path, sink=metrics.fan_out(None, lambda *r: a.append(r), lambda *r: b.append(r)), sink_every=3
+    )
     for t in range(1, 8):
         recorder.commit({"step": t, "worker": 0, "worker_step": t, "staleness": 0, "loss": 1.0 / t})
     recorder.eval({"step": 7, "val_loss": 0.5})
@@ -155,6 +166,8 @@ def test_a_missing_tensorboard_package_is_refused_in_one_line(tmp_path, monkeypa
         preflight(["logger.tensorboard=true", f"hydra.run.dir={tmp_path / 'run'}"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err == ("error: logger.tensorboard=true needs the tensorboard package, which is not installed; "
-                   "pip install tensorboard\n")
+    assert err == (
+        "error: logger.tensorboard=true needs the tensorboard package, which is not installed; "
+        "pip install tensorboard\n"
+    )
     assert not (tmp_path / "run").exists()

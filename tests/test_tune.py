@@ -15,10 +15,22 @@ def _run(d, algorithm, n, seed, lr, status="completed", val_loss=1.0, experiment
     (d / ".hydra").mkdir(parents=True)
     config = {"algorithm": {"name": algorithm, **knobs}, "workers": n, "seed": seed, "lr": lr}
     (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
-    (d / "summary.json").write_text(json.dumps({
-        "status": status, "algorithm": algorithm, "workers": n, "seed": seed, "lr": lr, "experiment": experiment,
-        "val_loss": val_loss if status == "completed" else None, "val_accuracy": 0.5,
-        "test_loss": val_loss + 0.05 if status == "completed" else None, "test_accuracy": 0.5}))
+    (d / "summary.json").write_text(
+        json.dumps(
+            {
+                "status": status,
+                "algorithm": algorithm,
+                "workers": n,
+                "seed": seed,
+                "lr": lr,
+                "experiment": experiment,
+                "val_loss": val_loss if status == "completed" else None,
+                "val_accuracy": 0.5,
+                "test_loss": val_loss + 0.05 if status == "completed" else None,
+                "test_accuracy": 0.5,
+            }
+        )
+    )
 
 
 def _tuning_sweep(root):
@@ -27,8 +39,16 @@ def _tuning_sweep(root):
     job = 0
     for lr, kappa, losses in [(0.05, 1, (1.0, 1.0)), (0.2, 2, (0.5, None)), (0.05, 2, (0.7, 0.9))]:
         for seed, loss in zip((10, 11), losses, strict=True):
-            _run(root / str(job), "gem", 4, seed, lr, status="completed" if loss else "diverged", val_loss=loss,
-                 kappa=kappa)
+            _run(
+                root / str(job),
+                "gem",
+                4,
+                seed,
+                lr,
+                status="completed" if loss else "diverged",
+                val_loss=loss,
+                kappa=kappa,
+            )
             job += 1
     for lr, loss in [(0.05, 0.9), (0.2, 0.7)]:
         for seed in (10, 11):
@@ -49,8 +69,7 @@ def test_a_trial_is_scored_by_its_mean_validation_loss_and_a_diverged_seed_makes
 
 
 @pytest.mark.slow
-def test_tune_writes_the_held_out_experiment_with_the_papers_setting_beside_each_choice(tmp_path, monkeypatch,
-                                                                                     capsys):
+def test_tune_writes_the_held_out_experiment_with_the_papers_setting_beside_each_choice(tmp_path, monkeypatch, capsys):
     import experiments.schema
 
     sweep = _tuning_sweep(tmp_path / "sweep")
@@ -67,7 +86,8 @@ def test_tune_writes_the_held_out_experiment_with_the_papers_setting_beside_each
         {"algorithm": "gem", "workers": "4", "lr": 0.05},  # the paper's protocol: η 0.05, κ at its default
         {"algorithm": "gem", "workers": 4, "algorithm.kappa": 2, "lr": 0.05},
         {"algorithm": "downpour", "workers": "4", "lr": 0.05},
-        {"algorithm": "downpour", "workers": 4, "lr": 0.2}]
+        {"algorithm": "downpour", "workers": 4, "lr": 0.2},
+    ]
     assert (sweep / "tuning.csv").exists() and (sweep / "sensitivity.png").stat().st_size > 10_000
 
     # the same choice again is no change; another choice is not overwritten without --force
@@ -87,8 +107,9 @@ def test_tune_writes_the_held_out_experiment_with_the_papers_setting_beside_each
 def test_tune_refuses_an_unfinished_sweep_and_held_out_seeds_that_were_tuned_on(tmp_path, capsys):
     sweep = _tuning_sweep(tmp_path / "sweep")
     assert tune.main([str(sweep), "--seeds", "0,11"]) == 2
-    assert capsys.readouterr().err == ("error: --seeds=0,11 is not allowed; seed 11 was a tuning seed, the "
-                                       "held-out seeds must be new\n")
+    assert capsys.readouterr().err == (
+        "error: --seeds=0,11 is not allowed; seed 11 was a tuning seed, the held-out seeds must be new\n"
+    )
     (sweep / "3" / "summary.json").unlink()  # a job killed before its summary
     assert tune.main([str(sweep)]) == 2
     err = capsys.readouterr().err
@@ -99,13 +120,25 @@ def test_the_two_protocols_side_by_side_on_the_held_out_seeds(tmp_path, capsys):
     sweep = _tuning_sweep(tmp_path / "sweep")
     held = tmp_path / "held"
     job = 0
-    for algorithm, lr, kappa, losses in [("gem", 0.05, None, (1.1, 1.3, 1.2)), ("gem", 0.05, 2, (0.7, 0.8, 0.9)),
-                                         ("downpour", 0.05, None, (0.9, 1.0, 1.1)),
-                                         ("downpour", 0.2, None, (0.6, None, 0.6))]:
+    for algorithm, lr, kappa, losses in [
+        ("gem", 0.05, None, (1.1, 1.3, 1.2)),
+        ("gem", 0.05, 2, (0.7, 0.8, 0.9)),
+        ("downpour", 0.05, None, (0.9, 1.0, 1.1)),
+        ("downpour", 0.2, None, (0.6, None, 0.6)),
+    ]:
         for seed, loss in zip((0, 1, 2), losses, strict=True):
             knobs = {"kappa": kappa if kappa else 1} if algorithm == "gem" else {}
-            _run(held / str(job), algorithm, 4, seed, lr, status="completed" if loss else "diverged",
-                 val_loss=loss, experiment="tune_quick_heldout", **knobs)
+            _run(
+                held / str(job),
+                algorithm,
+                4,
+                seed,
+                lr,
+                status="completed" if loss else "diverged",
+                val_loss=loss,
+                experiment="tune_quick_heldout",
+                **knobs,
+            )
             job += 1
     # a refused command writes nothing, not even the tuning sweep's own files
     assert tune.main([str(sweep), "--heldout", str(held), "--out", str(tmp_path / "p.txt")]) == 2
@@ -131,9 +164,11 @@ def test_a_tuning_sweep_refuses_to_select_on_the_test_split(tmp_path, capsys):
     sweep = _tuning_sweep(tmp_path / "sweep")
     assert tune.main([str(sweep), "--select", "test_loss"]) == 2
     err = capsys.readouterr().err
-    assert err == ("error: --select=test_loss is not allowed; choose one of: val_loss, val_accuracy; the tuning "
-                   "protocol chooses on the validation split; the test split is kept for the held-out report "
-                   "(--heldout gives its test loss), and a choice made on it would leak into the result\n")
+    assert err == (
+        "error: --select=test_loss is not allowed; choose one of: val_loss, val_accuracy; the tuning "
+        "protocol chooses on the validation split; the test split is kept for the held-out report "
+        "(--heldout gives its test loss), and a choice made on it would leak into the result\n"
+    )
     assert sorted(p.name for p in sweep.iterdir() if not p.name.isdigit()) == []  # nothing written
 
 
@@ -143,9 +178,11 @@ def test_a_tuning_sweep_refuses_to_select_on_the_test_split(tmp_path, capsys):
 def test_grids_sweep_each_grid_in_turn_with_the_params_and_the_command():
     grids = [{"algorithm": "gem", "lr": "0.1,0.2", "algorithm.kappa": [1, 2]}, {"algorithm": "downpour", "lr": 0.1}]
     jobs = jobs_of({"workers": "2,3", "seed": 0}, ["epochs=2"], grids)
-    assert jobs[:3] == [["algorithm=gem", "lr=0.1", "algorithm.kappa=1", "workers=2", "seed=0", "epochs=2"],
-                        ["algorithm=gem", "lr=0.1", "algorithm.kappa=1", "workers=3", "seed=0", "epochs=2"],
-                        ["algorithm=gem", "lr=0.1", "algorithm.kappa=2", "workers=2", "seed=0", "epochs=2"]]
+    assert jobs[:3] == [
+        ["algorithm=gem", "lr=0.1", "algorithm.kappa=1", "workers=2", "seed=0", "epochs=2"],
+        ["algorithm=gem", "lr=0.1", "algorithm.kappa=1", "workers=3", "seed=0", "epochs=2"],
+        ["algorithm=gem", "lr=0.1", "algorithm.kappa=2", "workers=2", "seed=0", "epochs=2"],
+    ]
     assert len(jobs) == 8 + 2 and jobs[-1] == ["algorithm=downpour", "lr=0.1", "workers=3", "seed=0", "epochs=2"]
     # the command line wins, in its place; a job two grids both make runs once
     assert jobs_of({}, ["lr=0.5"], [{"lr": "0.1,0.2"}, {"lr": "0.3"}]) == [["lr=0.5"]]
@@ -161,12 +198,15 @@ def test_the_tuning_experiment_gives_every_algorithm_the_same_trials_the_papers_
         d = dict(o.split("=", 1) for o in job)
         assert d["seed"] in ("10", "11") and d["workers"] in ("5", "10", "30")
         by_algorithm.setdefault(d["algorithm"], set()).add(
-            tuple(sorted((k, v) for k, v in d.items() if k not in ("seed", "workers", "experiment"))))
+            tuple(sorted((k, v) for k, v in d.items() if k not in ("seed", "workers", "experiment")))
+        )
     assert {len(trials) for trials in by_algorithm.values()} == {6} and len(by_algorithm) == 9
     for algorithm, trials in by_algorithm.items():  # η 0.05 at the default knob is always one of them
-        assert any(dict(t)["lr"] == "0.05" and all(k == "algorithm" or k == "lr" or
-                                                     v.lower() in ("1", "10", "0.9", "false", "0.7")
-                                                     for k, v in t) for t in trials), algorithm
+        assert any(
+            dict(t)["lr"] == "0.05"
+            and all(k == "algorithm" or k == "lr" or v.lower() in ("1", "10", "0.9", "false", "0.7") for k, v in t)
+            for t in trials
+        ), algorithm
 
 
 @pytest.mark.slow
@@ -175,8 +215,12 @@ def test_the_plan_of_a_tuning_sweep_estimates_its_held_out_stage_too(monkeypatch
 
     monkeypatch.setattr(plan, "CALIBRATION_S", 0.05)  # a few timed calls: the numbers are not what is tested
     base = ["data=digits", "epochs=1", "workers=2"]
-    jobs = [[f"algorithm={a}", f"lr={lr}", f"seed={seed}", *base]
-            for a in ("gem", "downpour") for lr in (0.05, 0.2) for seed in (10, 11)]
+    jobs = [
+        [f"algorithm={a}", f"lr={lr}", f"seed={seed}", *base]
+        for a in ("gem", "downpour")
+        for lr in (0.05, 0.2)
+        for seed in (10, 11)
+    ]
     lines = []
     total = plan.show([(j, check_job(j)[1]) for j in jobs], out=lines.append, heldout_seeds=[0, 1, 2])
     assert lines[0].startswith("gem: plan for 8 jobs")

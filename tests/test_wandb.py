@@ -45,9 +45,20 @@ def _cfg(algorithm="gem", workers=10, seed=0):
 
 def test_run_names_show_the_algorithm_n_the_seed_and_the_keys_set():
     assert wandb_name(_cfg(), ["experiment=fig1", "algorithm=gem", "workers=10", "seed=0"]) == "gem n=10 s0"
-    overrides = ["algorithm=gem", "algorithm.kappa=2", "workers=10", "seed=0", "data.root=/data", "lr=0.01",
-                 "engine.cycle_cv=0.5", "logger.wandb.mode=offline", "hydra.launcher.n_jobs=2", "resume=true",
-                 "+algorithm.proxy=global", "~model.num_classes"]
+    overrides = [
+        "algorithm=gem",
+        "algorithm.kappa=2",
+        "workers=10",
+        "seed=0",
+        "data.root=/data",
+        "lr=0.01",
+        "engine.cycle_cv=0.5",
+        "logger.wandb.mode=offline",
+        "hydra.launcher.n_jobs=2",
+        "resume=true",
+        "+algorithm.proxy=global",
+        "~model.num_classes",
+    ]
     assert wandb_name(_cfg(), overrides) == "gem κ=2 proxy=global n=10 η=0.01 cv=0.5 s0"
     assert wandb_name(_cfg("sgd", 1, 3), []) == "sgd n=1 s3"
 
@@ -57,8 +68,9 @@ def test_run_names_are_unique_within_every_experiment_sweep():
         names = []
         for job in expand([f"experiment={experiment}", "data.root=/data"], True):
             values = dict(o.split("=", 1) for o in job)  # what the sweep does not set is the same in every job
-            names.append(wandb_name(_cfg(values.get("algorithm", "a"), values.get("workers", 1),
-                                         values.get("seed", 0)), job))
+            names.append(
+                wandb_name(_cfg(values.get("algorithm", "a"), values.get("workers", 1), values.get("seed", 0)), job)
+            )
         assert len(set(names)) == len(names), (experiment, names)
         if experiment == "fig8":
             assert "gem κ=2 n=30 s1" in names
@@ -105,14 +117,26 @@ def hydra_context():
     HydraConfig.instance().cfg = None
 
 
-TINY = ["workers=2", "epochs=1", "data=synthetic", "data.synthetic.train_size=256", "data.synthetic.val_size=64",
-        "logger.progress=false", "logger.wandb.mode=offline"]
+TINY = [
+    "workers=2",
+    "epochs=1",
+    "data=synthetic",
+    "data.synthetic.train_size=256",
+    "data.synthetic.val_size=64",
+    "logger.progress=false",
+    "logger.wandb.mode=offline",
+]
 
 
 def test_the_logged_config_has_every_default_the_choices_and_the_experiment(tmp_path, captured, hydra_context):
     cfg = hydra_context(["experiment=fig1_quick", "algorithm=gem", *TINY])
-    summary = run(cfg, tmp_path / "run", wandb_group="fig1_quick 2026-11-21 13:52:44", wandb_name="gem n=2 s0",
-                  experiment="fig1_quick")
+    summary = run(
+        cfg,
+        tmp_path / "run",
+        wandb_group="fig1_quick 2026-11-21 13:52:44",
+        wandb_name="gem n=2 s0",
+        experiment="fig1_quick",
+    )
     assert summary["status"] == "completed"
     (kw,) = captured
     assert (kw["group"], kw["name"], kw["mode"]) == ("fig1_quick 2026-11-21 13:52:44", "gem n=2 s0", "offline")
@@ -126,10 +150,22 @@ def test_the_logged_config_has_every_default_the_choices_and_the_experiment(tmp_
     assert config["logger"]["wandb"]["log_every"] == 10 and config["loss"] == "nll"
     assert config["model"]["name"] == "mnist_cnn" and config["model"]["parameters"] > 0
     assert {k: config[k] for k in ("workers", "workers_requested", "lr", "batch_size", "epochs", "seed")} == {
-        "workers": 2, "workers_requested": 2, "lr": 0.05, "batch_size": 64, "epochs": 1, "seed": 0}
+        "workers": 2,
+        "workers_requested": 2,
+        "lr": 0.05,
+        "batch_size": 64,
+        "epochs": 1,
+        "seed": 0,
+    }
     assert config["experiment"] == "fig1_quick" and config["run_dir"] == str(tmp_path / "run")
-    assert config["choices"] == {"experiment": "fig1_quick", "algorithm": "gem", "engine": "sim",
-                                 "model": "mnist_cnn", "data": "synthetic", "logger": "default"}
+    assert config["choices"] == {
+        "experiment": "fig1_quick",
+        "algorithm": "gem",
+        "engine": "sim",
+        "model": "mnist_cnn",
+        "data": "synthetic",
+        "logger": "default",
+    }
 
 
 def test_the_group_set_by_the_user_wins(tmp_path, captured):
@@ -151,8 +187,8 @@ def wandb_records(path: Path):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        buf += data[pos + 7:pos + 7 + length]
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        buf += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last piece of one
             record = pb.Record()
@@ -163,9 +199,19 @@ def wandb_records(path: Path):
 
 @pytest.mark.slow
 def test_a_sweep_logs_its_group_name_and_full_config_offline(tmp_path):
-    p = warm_run.run_py("-m", "experiment=fig1_quick", "algorithm=gem", "workers=2", "seed=0", "algorithm.kappa=2",
-                        "epochs=1", "logger.wandb.mode=offline", "logger.progress=false",
-                        f"hydra.sweep.dir={tmp_path}", timeout=300)
+    p = warm_run.run_py(
+        "-m",
+        "experiment=fig1_quick",
+        "algorithm=gem",
+        "workers=2",
+        "seed=0",
+        "algorithm.kappa=2",
+        "epochs=1",
+        "logger.wandb.mode=offline",
+        "logger.progress=false",
+        f"hydra.sweep.dir={tmp_path}",
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     (offline,) = (tmp_path / "0" / "wandb").glob("offline-run-*/run-*.wandb")
     (header,) = [r.run for r in wandb_records(offline) if r.WhichOneof("record_type") == "run"]

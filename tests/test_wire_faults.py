@@ -70,9 +70,20 @@ def worker_threads(monkeypatch):
 
 
 def job(data, hp=None, model="mnist_cnn", **kw):
-    return Job(algorithm="gem", hp=hp or gem.Params(workers=2), model=model, data=data, workers=2, batch_size=32,
-               epochs=1, seed=0, engine={"name": "distributed", "timeout_s": 60}, eval_every=100,
-               eval_train_size=32, **kw)
+    return Job(
+        algorithm="gem",
+        hp=hp or gem.Params(workers=2),
+        model=model,
+        data=data,
+        workers=2,
+        batch_size=32,
+        epochs=1,
+        seed=0,
+        engine={"name": "distributed", "timeout_s": 60},
+        eval_every=100,
+        eval_train_size=32,
+        **kw,
+    )
 
 
 class Peer:
@@ -130,9 +141,24 @@ class Peer:
 
     def rows(self, **changes) -> bytes:
         """The rows a real worker sends for its commits so far (with `changes` to each)."""
-        return json.dumps([[{"step": t, "worker": self.rank - 1, "worker_step": k + 1, "staleness": 1, "loss": 2.3,
-                             "time_s": 0.1 * k, "wait_s": 0.0, **changes}, None]
-                           for k, t in enumerate(self.steps)]).encode()
+        return json.dumps(
+            [
+                [
+                    {
+                        "step": t,
+                        "worker": self.rank - 1,
+                        "worker_step": k + 1,
+                        "staleness": 1,
+                        "loss": 2.3,
+                        "time_s": 0.1 * k,
+                        "wait_s": 0.0,
+                        **changes,
+                    },
+                    None,
+                ]
+                for k, t in enumerate(self.steps)
+            ]
+        ).encode()
 
     def finish(self, rows: bytes) -> None:
         """Its last word, FINISHED, with `rows` for its commits; rank 0's BYE may never come."""
@@ -145,8 +171,10 @@ class Peer:
 def _groups(world: int) -> dict:
     """Every rank's gloo group, on one store, formed at once (each rank's constructor waits for the others)."""
     store, pgs = dist.HashStore(), {}
-    threads = [threading.Thread(target=lambda r=r: pgs.__setitem__(r, form_group(store, r, world, "127.0.0.1", WAIT_S)))
-               for r in range(world)]
+    threads = [
+        threading.Thread(target=lambda r=r: pgs.__setitem__(r, form_group(store, r, world, "127.0.0.1", WAIT_S)))
+        for r in range(world)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -165,8 +193,9 @@ def rank0(j: Job, run_dir, pg, slots: int = 0):
     coord = _Coordinator(j, rec, srv, Evaluator(j, j.data), None)
     start = Start(t0_wall=coord.t0_wall, train_examples=len(j.data.train_y), window=window and window.described())
     try:
-        return launch._serve(coord, pg, SECRET, encode_job(_for_workers(j), start), {1: None, 2: None}, [], None,
-                             window)
+        return launch._serve(
+            coord, pg, SECRET, encode_job(_for_workers(j), start), {1: None, 2: None}, [], None, window
+        )
     finally:
         rec.close()
         if window is not None:
@@ -185,8 +214,9 @@ def serve(j: Job, run_dir, peer_script, honest_allowed=frozenset(), peer_allowed
         except BaseException as e:  # noqa: BLE001 - raised in the test's thread below
             failed.append(e)
 
-    honest = threading.Thread(target=link._work, args=(pgs[1], 1, 1, SECRET, honest_allowed),
-                              kwargs={"ignore_sigint": False}, daemon=True)
+    honest = threading.Thread(
+        target=link._work, args=(pgs[1], 1, 1, SECRET, honest_allowed), kwargs={"ignore_sigint": False}, daemon=True
+    )
     other = threading.Thread(target=run_peer, daemon=True)
     honest.start()
     other.start()
@@ -233,6 +263,7 @@ def works(p) -> None:
 def test_rows_of_more_commits_than_it_made_lose_only_that_worker(data, tmp_path):
     """It was: IndexError (pop from an empty deque) in the server thread; the run failed, and a live worker's
     rows were marked lost."""
+
     def script(p):
         ready(p)
         p.turn()
@@ -246,22 +277,29 @@ def test_rows_of_more_commits_than_it_made_lose_only_that_worker(data, tmp_path)
     assert m.loc[m["worker"] == 0, "lost_row"].isna().all()
 
 
-@pytest.mark.parametrize("rows, sent", [
-    (b"not json", "rows that are not JSON (Expecting value: line 1 column 1 (char 0))"),
-    # nested past Python 3.11's recursion limit; 3.12's json decoder reads it (seen on the GPU machine's 3.12), and
-    # the row check refuses it: either way only that worker is lost, for what it sent
-    (b"[" * 3000 + b"]" * 3000, ("rows that are not JSON (maximum recursion depth exceeded",
-                                 "a row that is not [row, tensors] ([[[[")),
-    (b'{"rows": 1}', "rows that are not a list of the 1 its header announced"),
-    (b'[[{"worker": 1}, null]]', "a row without 'step'"),
-    (None, "a row of worker 0 for commit"),  # another worker's row
-    ({"loss": "low"}, "a row whose 'loss' is low (a float is expected)"),
-    ({"lost_row": True}, "a row whose 'lost_row' is True (a column name and a number are expected)"),
-    ({"x" * 65: 1}, "a row whose 'xxxxx"),
-], ids=["not-json", "nested", "not-a-list", "no-step", "another-workers", "a-string", "lost_row", "a-long-key"])
+@pytest.mark.parametrize(
+    "rows, sent",
+    [
+        (b"not json", "rows that are not JSON (Expecting value: line 1 column 1 (char 0))"),
+        # nested past Python 3.11's recursion limit; 3.12's json decoder reads it (seen on the GPU machine's 3.12), and
+        # the row check refuses it: either way only that worker is lost, for what it sent
+        (
+            b"[" * 3000 + b"]" * 3000,
+            ("rows that are not JSON (maximum recursion depth exceeded", "a row that is not [row, tensors] ([[[["),
+        ),
+        (b'{"rows": 1}', "rows that are not a list of the 1 its header announced"),
+        (b'[[{"worker": 1}, null]]', "a row without 'step'"),
+        (None, "a row of worker 0 for commit"),  # another worker's row
+        ({"loss": "low"}, "a row whose 'loss' is low (a float is expected)"),
+        ({"lost_row": True}, "a row whose 'lost_row' is True (a column name and a number are expected)"),
+        ({"x" * 65: 1}, "a row whose 'xxxxx"),
+    ],
+    ids=["not-json", "nested", "not-a-list", "no-step", "another-workers", "a-string", "lost_row", "a-long-key"],
+)
 def test_rows_that_are_not_rows_lose_only_that_worker(data, tmp_path, rows, sent):
     """It was: JSONDecodeError or KeyError in the coordinator, which decodes the rows, and the run failed. The
     rows come with the Peer's last word, FINISHED, as a worker's last rows do."""
+
     def script(p):
         ready(p)
         p.turn()
@@ -290,6 +328,7 @@ def test_rows_as_a_worker_sends_them_pass(data, tmp_path):
 
 def test_a_saved_state_nobody_asked_for_loses_only_that_worker(data, tmp_path):
     """It was: TypeError ('NoneType' object is not subscriptable) in the server thread, and the run failed."""
+
     def script(p):
         ready(p)
         p.header(SAVED, extra_nbytes=40)
@@ -299,15 +338,18 @@ def test_a_saved_state_nobody_asked_for_loses_only_that_worker(data, tmp_path):
     lost_peer(result, m, "its state (SAVED) though no checkpoint asked it for its state")
 
 
-@pytest.mark.parametrize("header, sent", [
-    ((ASK, -1, 0, 0), "an ASK header with a negative size (-1 bytes of rows, 0 rows, 0 extra bytes)"),
-    ((ERROR, 0, 0, 1 << 40), "an ERROR header announcing 1099511627776 bytes after its rows (1 to 65536 allowed)"),
-    ((ERROR, 0, 0, 0), "an ERROR header announcing 0 bytes after its rows (1 to 65536 allowed)"),  # no reason
-    ((ASK, 0, 0, 4 << 30), "an ASK header announcing 4294967296 bytes after its rows (0 to 0 allowed)"),
-    ((99, 0, 0, 0), "a header of unknown kind 99"),
-    ((READY, 0, 0, 0), "READY a second time"),
-    ((PULL, 0, 0, 25), "a PULL header announcing 25 bytes after its rows (1 to 19 allowed)"),
-])
+@pytest.mark.parametrize(
+    "header, sent",
+    [
+        ((ASK, -1, 0, 0), "an ASK header with a negative size (-1 bytes of rows, 0 rows, 0 extra bytes)"),
+        ((ERROR, 0, 0, 1 << 40), "an ERROR header announcing 1099511627776 bytes after its rows (1 to 65536 allowed)"),
+        ((ERROR, 0, 0, 0), "an ERROR header announcing 0 bytes after its rows (1 to 65536 allowed)"),  # no reason
+        ((ASK, 0, 0, 4 << 30), "an ASK header announcing 4294967296 bytes after its rows (0 to 0 allowed)"),
+        ((99, 0, 0, 0), "a header of unknown kind 99"),
+        ((READY, 0, 0, 0), "READY a second time"),
+        ((PULL, 0, 0, 25), "a PULL header announcing 25 bytes after its rows (1 to 19 allowed)"),
+    ],
+)
 def test_a_header_out_of_bounds_loses_only_that_worker(data, tmp_path, monkeypatch, header, sent):
     """A negative size, or a terabyte announced, was 'did not answer for 30 s' and the run failed; 4 GiB
     announced and 10 bytes sent grew rank 0 to 9 GB. Now nothing that follows such a header is received or
@@ -328,14 +370,18 @@ def test_a_header_out_of_bounds_loses_only_that_worker(data, tmp_path, monkeypat
     assert max(taken) < 1 << 16  # the honest worker's rows: what rank 0 took from its workers, message by message
 
 
-@pytest.mark.parametrize("slots, extra, sent", [
-    (0, b"1", "a READY header saying that it maps θ from shared memory, where rank 0 keeps none"),
-    (1, b"1", "a READY header saying that it maps θ from shared memory, where only workers 0 to 0 have a slot"),
-    (2, b"x", "a READY header followed by b'x' (b'1', that it maps θ from shared memory, or nothing)"),
-])
+@pytest.mark.parametrize(
+    "slots, extra, sent",
+    [
+        (0, b"1", "a READY header saying that it maps θ from shared memory, where rank 0 keeps none"),
+        (1, b"1", "a READY header saying that it maps θ from shared memory, where only workers 0 to 0 have a slot"),
+        (2, b"x", "a READY header followed by b'x' (b'1', that it maps θ from shared memory, or nothing)"),
+    ],
+)
 def test_a_ready_claiming_a_slot_it_has_not_loses_only_that_worker(data, tmp_path, slots, extra, sent):
     """Only a worker that rank 0's window gives a slot may say it maps θ (it would commit a Δ nobody sent);
     the honest worker beside it maps the window where it has a slot, and works as over the wire."""
+
     def script(p):
         p.join()
         p.header(READY, extra_nbytes=len(extra))
@@ -364,8 +410,12 @@ def test_a_commit_with_a_payload_its_algorithm_has_not_loses_only_that_worker(da
         p.commit(spec_nbytes=1 << 30, refused=True)
 
     result, m = serve(job(data), tmp_path, script)
-    lost_peer(result, m, "a commit announcing a payload spec of 1073741824 bytes (none allowed: algorithm gem's "
-                         "commits carry no payload)")
+    lost_peer(
+        result,
+        m,
+        "a commit announcing a payload spec of 1073741824 bytes (none allowed: algorithm gem's "
+        "commits carry no payload)",
+    )
     assert (m["worker"] >= 0).all()  # its commit was not applied: no step waits for its row
 
 
@@ -382,13 +432,18 @@ def test_a_payload_other_than_the_algorithms_is_refused_before_it_is_allocated(d
         p.send(spec, taken=True)
 
     result, m = serve(job(data, hp=gem.Params(workers=2, proxy="global")), tmp_path, script)
-    lost_peer(result, m, f"a commit whose payload is {{'m': ['torch.float32', [1000000000]]}}, where algorithm "
-                         f"gem's commits carry {{'m': ['torch.float32', [{size}]]}}")
+    lost_peer(
+        result,
+        m,
+        f"a commit whose payload is {{'m': ['torch.float32', [1000000000]]}}, where algorithm "
+        f"gem's commits carry {{'m': ['torch.float32', [{size}]]}}",
+    )
 
 
 def test_a_worker_that_holds_back_its_rows_is_lost(data, tmp_path):
     """A worker sends its rows at least every ROWS_PER_MESSAGE commits; rank 0 keeps no more than ROWS_PENDING of
     a worker's commits waiting for their rows (their steps, and every later row, in memory)."""
+
     def script(p):
         ready(p)
         for _ in range(bounds.ROWS_PENDING + 1):
@@ -396,8 +451,11 @@ def test_a_worker_that_holds_back_its_rows_is_lost(data, tmp_path):
             p.commit()
 
     result, m = serve(job(data), tmp_path, script)
-    lost_peer(result, m, f"no rows for its last {bounds.ROWS_PENDING + 1} commits (at most {bounds.ROWS_PENDING} may "
-                         "await rows)")
+    lost_peer(
+        result,
+        m,
+        f"no rows for its last {bounds.ROWS_PENDING + 1} commits (at most {bounds.ROWS_PENDING} may await rows)",
+    )
     assert (m["worker"] == -1).sum() == bounds.ROWS_PENDING + 1
 
 
@@ -413,8 +471,9 @@ def test_a_peer_without_the_runs_secret_is_refused_and_gets_nothing(data, tmp_pa
 
     result, m = serve(job(data), tmp_path, script)
     assert result.status == "completed" and result.extra["lost_workers"] == [1], result
-    assert result.reason == ("worker 1 lost at commit 0 (rank 2 refused: it did not prove the run's secret "
-                             "(GEM_RUN_SECRET))")
+    assert result.reason == (
+        "worker 1 lost at commit 0 (rank 2 refused: it did not prove the run's secret (GEM_RUN_SECRET))"
+    )
     assert job_header.tolist() == [0, 0, 0, 0]  # nothing came: neither the job nor θ
     assert sorted(m.loc[m["worker"] == 0, "worker_step"]) == [1, 2, 3, 4]
 
@@ -424,15 +483,31 @@ def test_the_proof_is_bound_to_the_secret_the_nonce_and_the_rank():
     proof = secret._proof(SECRET, nonce, 2)
     assert len(proof) == secret.PROOF_BYTES
     assert proof == secret._proof(SECRET, nonce, 2)
-    for other in (secret._proof(SECRET + "x", nonce, 2), secret._proof(SECRET, b"m" * secret.NONCE_BYTES, 2),
-                  secret._proof(SECRET, nonce, 3)):
+    for other in (
+        secret._proof(SECRET + "x", nonce, 2),
+        secret._proof(SECRET, b"m" * secret.NONCE_BYTES, 2),
+        secret._proof(SECRET, nonce, 3),
+    ):
         assert other != proof
 
 
-@pytest.mark.parametrize("sent", [b"\xff\xfe", b"not json", b"{}", b'"127.0.0.1"', b"[[1, 2]]", b'[["x", 80]]',
-                                  b'[["127.0.0.1", 0]]', b'[["127.0.0.1", 70000]]', b'[["127.0.0.1", "80"]]',
-                                  json.dumps([["127.0.0.1", p] for p in range(1, doors.MAX_ENDPOINTS + 2)]).encode(),
-                                  b'[["127.0.0.1", true]]', b"[" * 300])
+@pytest.mark.parametrize(
+    "sent",
+    [
+        b"\xff\xfe",
+        b"not json",
+        b"{}",
+        b'"127.0.0.1"',
+        b"[[1, 2]]",
+        b'[["x", 80]]',
+        b'[["127.0.0.1", 0]]',
+        b'[["127.0.0.1", 70000]]',
+        b'[["127.0.0.1", "80"]]',
+        json.dumps([["127.0.0.1", p] for p in range(1, doors.MAX_ENDPOINTS + 2)]).encode(),
+        b'[["127.0.0.1", true]]',
+        b"[" * 300,
+    ],
+)
 def test_the_store_endpoints_a_worker_names_are_a_peers_bytes(sent):
     """What a worker sends with its proof (doors.cut_strangers keeps its store connections): anything but a short
     list of [address, port] names nothing, and a worker that sends it keeps no store connection, and nothing else
@@ -442,13 +517,17 @@ def test_the_store_endpoints_a_worker_names_are_a_peers_bytes(sent):
 
 def test_a_store_endpoint_is_one_socket_end_however_its_family_shows_it():
     sent = json.dumps([["::ffff:10.0.0.2", 5000], ["10.0.0.3", 5001], ["fe80::1%eth0", 5002]]).encode()
-    assert doors.parse_endpoints(sent.ljust(doors.ENDPOINTS_BYTES)) == {("10.0.0.2", 5000), ("10.0.0.3", 5001),
-                                                                         ("fe80::1", 5002)}
+    assert doors.parse_endpoints(sent.ljust(doors.ENDPOINTS_BYTES)) == {
+        ("10.0.0.2", 5000),
+        ("10.0.0.3", 5001),
+        ("fe80::1", 5002),
+    }
 
 
 # ------------------------------------------------------- once the group has formed, nobody new reaches a rank
 
 linux_only = pytest.mark.skipif(not doors.LINUX, reason="doors.py works on Linux only (/proc, socket filters)")
+
 
 def _connects(port: int) -> bool:
     """Whether a connection to `port` completes within half a second."""
@@ -479,8 +558,13 @@ def test_a_launched_rank_refuses_newcomers_once_its_group_has_formed(monkeypatch
     free = socket.create_server(("127.0.0.1", 0))
     port = free.getsockname()[1]
     free.close()
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port)}.items():
+    for k, v in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
         monkeypatch.setenv(k, v)
     kept = socket.create_server(("127.0.0.1", 0))
     try:
@@ -553,8 +637,11 @@ def test_a_store_that_cannot_list_its_keys_is_left_as_it_is_in_one_line(capsys):
     store.set("k", b"v")
     assert doors.empty_store(types.SimpleNamespace(port=store.port), store.port) == 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("gem: rank 0 cannot empty the job's store") and \
-        err[0].endswith("it stays for the run")
+    assert (
+        len(err) == 1
+        and err[0].startswith("gem: rank 0 cannot empty the job's store")
+        and err[0].endswith("it stays for the run")
+    )
     assert store.get("k") == b"v"
 
 
@@ -596,9 +683,11 @@ def two_machines(monkeypatch):
     return monkeypatch
 
 
-NO_SECRET = ("GEM_RUN_SECRET is not set, and a launch over several machines needs the run's secret so that only its "
-             'own workers can join: export GEM_RUN_SECRET=$(python -c "import secrets; print(secrets.token_hex(16))")'
-             " on every host (the same value), or name a file that holds it in GEM_RUN_SECRET_FILE")
+NO_SECRET = (
+    "GEM_RUN_SECRET is not set, and a launch over several machines needs the run's secret so that only its "
+    'own workers can join: export GEM_RUN_SECRET=$(python -c "import secrets; print(secrets.token_hex(16))")'
+    " on every host (the same value), or name a file that holds it in GEM_RUN_SECRET_FILE"
+)
 
 
 def test_a_launch_over_several_machines_without_a_secret_is_refused_in_one_line(two_machines):
@@ -658,10 +747,11 @@ def test_a_job_naming_code_outside_the_allowed_set_is_refused_before_any_import(
     module = "email.mime.audio"  # stands for a module that a job must not make a worker import
     sys.modules.pop(module, None)
     hydra = {"_target_": "gem.models.MnistCNN", "inner": [{"_target_": f"{module}:MIMEAudio"}]}
-    for named, text in [(f"{module}.MIMEAudio", _naming(data, model=ModelSpec("x", f"{module}.MIMEAudio"))),
-                        (f"{module}:MIMEAudio", _naming(data, model=ModelSpec("x", wire_job.INSTANTIATE,
-                                                                                {"config": hydra}))),
-                        (module, _naming(data, algorithm=module))]:
+    for named, text in [
+        (f"{module}.MIMEAudio", _naming(data, model=ModelSpec("x", f"{module}.MIMEAudio"))),
+        (f"{module}:MIMEAudio", _naming(data, model=ModelSpec("x", wire_job.INSTANTIATE, {"config": hydra}))),
+        (module, _naming(data, algorithm=module)),
+    ]:
         with pytest.raises(ValueError, match=rf"^the job names {named}, which this worker does not import"):
             decode_job(*text)
         assert module not in sys.modules
@@ -682,10 +772,13 @@ def test_a_worker_refuses_a_job_its_side_does_not_allow_and_the_run_goes_on(data
     result, m = serve(j, tmp_path, works, peer_allowed=wire_job.allowed_imports([f"{__name__}.OutsideNet"]))
     assert result.status == "completed" and result.extra["lost_workers"] == [0], result
     # (the Peer may have made any of its 4 commits before rank 0 has read the refusal: seen loaded, at commit 3)
-    assert re.fullmatch(rf"worker 0 lost at commit [0-4] \(raised ValueError: the job names {__name__}\.OutsideNet, "
-                        r"which this worker does not import: a worker imports gem's own algorithms and models, the "
-                        r"import paths of its own command line and model configs, and those listed in "
-                        r"GEM_ALLOWED_IMPORTS \(comma-separated\) on its host\)", result.reason), result.reason
+    assert re.fullmatch(
+        rf"worker 0 lost at commit [0-4] \(raised ValueError: the job names {__name__}\.OutsideNet, "
+        r"which this worker does not import: a worker imports gem's own algorithms and models, the "
+        r"import paths of its own command line and model configs, and those listed in "
+        r"GEM_ALLOWED_IMPORTS \(comma-separated\) on its host\)",
+        result.reason,
+    ), result.reason
     assert sorted(m["worker"]) == [1] * 4
 
 
@@ -694,11 +787,25 @@ def test_a_worker_allows_what_its_own_command_names():
     every rank's, and of its machine's model configs."""
     from experiments import instantiate
 
-    got = instantiate.worker_imports(None, ["engine=distributed", "model._target_=my_models.Net",
-                                            "+model.encoder._target_='my_models.Encoder'", "algorithm.name=pkg.algo",
-                                            "lr=0.1", "data._target_=torchvision.datasets.KMNIST"])
-    assert got == {"gem.models.MnistCNN", "gem.models.AlexNetCifar", "gem.models.resnet18_cifar", "my_models.Net",
-                   "my_models.Encoder", "pkg.algo"}
+    got = instantiate.worker_imports(
+        None,
+        [
+            "engine=distributed",
+            "model._target_=my_models.Net",
+            "+model.encoder._target_='my_models.Encoder'",
+            "algorithm.name=pkg.algo",
+            "lr=0.1",
+            "data._target_=torchvision.datasets.KMNIST",
+        ],
+    )
+    assert got == {
+        "gem.models.MnistCNN",
+        "gem.models.AlexNetCifar",
+        "gem.models.resnet18_cifar",
+        "my_models.Net",
+        "my_models.Encoder",
+        "pkg.algo",
+    }
 
 
 # ----------------------------------------------------------------------------- a worker that dies mid-message
@@ -730,8 +837,17 @@ def test_a_worker_that_dies_with_its_request_on_the_way_is_lost_and_the_run_goes
     dying = ctx.Process(target=_ask_and_die, args=(store.port, asked), daemon=True)
     dying.start()
     pgs: dict = {}
-    threads = [threading.Thread(target=lambda r=r: pgs.__setitem__(r, form_group(  # a store client each: one is not
-        dist.TCPStore("127.0.0.1", store.port, 3, False), r, 3, "127.0.0.1", WAIT_S))) for r in (0, 1)]  # shared
+    threads = [
+        threading.Thread(
+            target=lambda r=r: pgs.__setitem__(
+                r,
+                form_group(  # a store client each: one is not
+                    dist.TCPStore("127.0.0.1", store.port, 3, False), r, 3, "127.0.0.1", WAIT_S
+                ),
+            )
+        )
+        for r in (0, 1)
+    ]  # shared
     for t in threads:
         t.start()
     for t in threads:
@@ -763,7 +879,8 @@ def test_a_worker_that_dies_with_its_request_on_the_way_is_lost_and_the_run_goes
         raise failed[0]
     assert dying.exitcode == 0
     assert result.status == "completed" and result.extra["lost_workers"] == [1], result
-    assert result.reason.startswith("worker 1 lost at commit ") and "its connection closed" in result.reason, \
+    assert result.reason.startswith("worker 1 lost at commit ") and "its connection closed" in result.reason, (
         result.reason
+    )
     m = read_table(tmp_path)
     assert sorted(m.loc[m["worker"] == 0, "worker_step"]) == [1, 2, 3, 4]

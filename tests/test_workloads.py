@@ -74,8 +74,10 @@ def _run(overrides, run_dir):
 
 @pytest.mark.parametrize("engine", ["sim", "process"])
 def test_a_user_model_by_target_trains_on_sim_and_process(user_models, tmp_path, engine):
-    s = _run([f"engine={engine}", "workers=2", "epochs=2", "model._target_=my_models.TinyNet", "+model.width=4"],
-             tmp_path / engine)
+    s = _run(
+        [f"engine={engine}", "workers=2", "epochs=2", "model._target_=my_models.TinyNet", "+model.width=4"],
+        tmp_path / engine,
+    )
     assert s["status"] == "completed", s["reason"]
     assert (s["model"], s["loss"], s["steps"]) == ("my_models.TinyNet", "cross_entropy", 2 * 2 * (1500 // 64))
     assert s["val_loss"] < 0.75 * math.log(10)  # it learns: well below chance
@@ -96,21 +98,31 @@ def test_resnet18_cifar_has_a_cifar_stem():
     assert models.input_shape(m) == (3, 32, 32) and models.default_loss(m) == "cross_entropy"
 
 
-@pytest.mark.parametrize("overrides, line", [
-    (["model._target_=my_models.Nope"], "model._target_=my_models.Nope could not be built: "),
-    (["model._target_=my_models.Broken"], "model._target_=my_models.Broken could not be built: RuntimeError: "
-                                          "this model refuses to be built"),
-    (["model._target_=my_models.Lazy"], "model._target_=my_models.Lazy has lazy parameters (body.1.weight, "
-                                        "body.1.bias): gem needs θ's size when the model is built; give those"),
-    (["model._target_=torch.nn.Linear"], "model._target_=torch.nn.Linear could not be built: TypeError: "),
-    (["model=resnet18_cifar", "data=mnist"], "model=resnet18_cifar expects 3x32x32 inputs but data=mnist gives "
-                                             "1x28x28"),
-    (["loss=mse"], "loss=mse is not allowed; choose one of: nll, cross_entropy"),
-    (["precision=fp16"], "precision=fp16 is not allowed; choose one of: fp32, bf16"),
-    (["data=tensors"], "data.num_classes must be given: add data.num_classes=<value> to the command"),
-    (["data=tensors", "data.num_classes=3"], "data.path must be given: add data.path=<value> to the command"),
-    (["data._target_=no.such.Dataset"], "data._target_=no.such.Dataset: no.such.Dataset cannot be imported"),
-])
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (["model._target_=my_models.Nope"], "model._target_=my_models.Nope could not be built: "),
+        (
+            ["model._target_=my_models.Broken"],
+            "model._target_=my_models.Broken could not be built: RuntimeError: this model refuses to be built",
+        ),
+        (
+            ["model._target_=my_models.Lazy"],
+            "model._target_=my_models.Lazy has lazy parameters (body.1.weight, "
+            "body.1.bias): gem needs θ's size when the model is built; give those",
+        ),
+        (["model._target_=torch.nn.Linear"], "model._target_=torch.nn.Linear could not be built: TypeError: "),
+        (
+            ["model=resnet18_cifar", "data=mnist"],
+            "model=resnet18_cifar expects 3x32x32 inputs but data=mnist gives 1x28x28",
+        ),
+        (["loss=mse"], "loss=mse is not allowed; choose one of: nll, cross_entropy"),
+        (["precision=fp16"], "precision=fp16 is not allowed; choose one of: fp32, bf16"),
+        (["data=tensors"], "data.num_classes must be given: add data.num_classes=<value> to the command"),
+        (["data=tensors", "data.num_classes=3"], "data.path must be given: add data.path=<value> to the command"),
+        (["data._target_=no.such.Dataset"], "data._target_=no.such.Dataset: no.such.Dataset cannot be imported"),
+    ],
+)
 def test_bad_models_and_losses_get_one_line(user_models, overrides, line, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         preflight([*overrides, f"hydra.run.dir={tmp_path / 'never'}"])
@@ -121,8 +133,9 @@ def test_bad_models_and_losses_get_one_line(user_models, overrides, line, capsys
 
 def _pairing_data(num_classes=10, shape=(1, 28, 28)):
     x = torch.randn(4, *shape)
-    return gdata.Dataset("toy", x, torch.arange(4) % num_classes, x, torch.arange(4) % num_classes,
-                         num_classes=num_classes)
+    return gdata.Dataset(
+        "toy", x, torch.arange(4) % num_classes, x, torch.arange(4) % num_classes, num_classes=num_classes
+    )
 
 
 def test_pairings_the_data_reveals_are_refused_in_one_line(user_models):
@@ -130,8 +143,11 @@ def test_pairings_the_data_reveals_are_refused_in_one_line(user_models):
     with pytest.raises(ConfigError, match=r"^loss=nll needs log-probabilities, but model=tiny's outputs are not"):
         instantiate.check_pairing(tiny, "nll", _pairing_data(), 0)
     instantiate.check_pairing(tiny, "cross_entropy", _pairing_data(), 0)
-    with pytest.raises(ConfigError, match=r"^model=tiny has 10 outputs but data=toy has 4 classes; set "
-                                          r"model.num_classes=4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model=tiny has 10 outputs but data=toy has 4 classes; set "
+        r"model.num_classes=4",
+    ):
         instantiate.check_pairing(tiny, "cross_entropy", _pairing_data(num_classes=4), 0)
     with pytest.raises(ConfigError, match=r"^model=tiny cannot take data=toy's 3x32x32 inputs \(RuntimeError"):
         instantiate.check_pairing(tiny, "cross_entropy", _pairing_data(shape=(3, 32, 32)), 0)
@@ -174,7 +190,13 @@ def test_fashion_mnist_loads_through_torchvision_from_idx_files(tmp_path):
     ds = instantiate.load_data(cfg)
     # the training file: 18 to train on, a tenth (2) held out for validation; the t10k file: the test split
     assert (ds.name, ds.shape, ds.num_classes, len(ds.train_y), len(ds.val_y), len(ds.test_y)) == (
-        "fashion_mnist", (1, 28, 28), 10, 18, 2, 6)
+        "fashion_mnist",
+        (1, 28, 28),
+        10,
+        18,
+        2,
+        6,
+    )
     kept, held = gdata.hold_out(torch.arange(20), torch.arange(20))[1::2]
     assert torch.equal(ds.train_y, torch.as_tensor(ty)[kept]) and torch.equal(ds.val_y, torch.as_tensor(ty)[held])
     tx = tx[kept.numpy()]
@@ -188,8 +210,11 @@ def test_cifar100_loads_from_files_in_cifars_pickle_format(tmp_path):
     folder.mkdir()
     rng = np.random.default_rng(1)
     for name, n in (("train", 12), ("test", 5)):
-        entry = {"data": rng.integers(0, 256, (n, 3072)).astype(np.uint8), "fine_labels": list(range(88, 88 + n)),
-                 "coarse_labels": [0] * n}
+        entry = {
+            "data": rng.integers(0, 256, (n, 3072)).astype(np.uint8),
+            "fine_labels": list(range(88, 88 + n)),
+            "coarse_labels": [0] * n,
+        }
         with open(folder / name, "wb") as f:
             pickle.dump(entry, f)
     with open(folder / "meta", "wb") as f:
@@ -227,21 +252,44 @@ def test_plain_tensors_from_a_file(tmp_path, suffix):
         gdata.from_datasets("tensors", train, val, num_classes=2)
 
 
-@pytest.mark.parametrize("keys, train_n, val, test", [
-    # a test pair is the test split, never validation: validation is then held out of the training arrays
-    (("x_train", "y_train", "x_test", "y_test"), 36, "validating on 4 of them (val_fraction 0.1: no x_val/y_val or "
-     "x_valid/y_valid)", "testing on x_test/y_test (8)"),
-    (("x", "y", "x_valid", "y_valid"), 40, "validating on x_valid/y_valid (8)", "no test split (no x_test/y_test)"),
-    (("x", "y", "x_val", "y_val", "x_test", "y_test"), 40, "validating on x_val/y_val (8)",
-     "testing on x_test/y_test (5)"),
-])
+@pytest.mark.parametrize(
+    "keys, train_n, val, test",
+    [
+        # a test pair is the test split, never validation: validation is then held out of the training arrays
+        (
+            ("x_train", "y_train", "x_test", "y_test"),
+            36,
+            "validating on 4 of them (val_fraction 0.1: no x_val/y_val or x_valid/y_valid)",
+            "testing on x_test/y_test (8)",
+        ),
+        (("x", "y", "x_valid", "y_valid"), 40, "validating on x_valid/y_valid (8)", "no test split (no x_test/y_test)"),
+        (
+            ("x", "y", "x_val", "y_val", "x_test", "y_test"),
+            40,
+            "validating on x_val/y_val (8)",
+            "testing on x_test/y_test (5)",
+        ),
+    ],
+)
 def test_a_file_s_splits_are_found_by_their_usual_names_and_named(tmp_path, capsys, keys, train_n, val, test):
     """Every usual name of a held-out split is read, each for what it is (a test pair is never validation data),
     and the line says which arrays serve which split."""
     g = torch.Generator().manual_seed(0)
     train_x, held_x = torch.randn(40, 3, generator=g), torch.randn(8, 3, generator=g) + 100
-    arrays = dict(zip(keys, (train_x, torch.arange(40) % 2, held_x, torch.arange(8) % 2,
-                             torch.randn(5, 3, generator=g) - 100, torch.arange(5) % 2), strict=False))
+    arrays = dict(
+        zip(
+            keys,
+            (
+                train_x,
+                torch.arange(40) % 2,
+                held_x,
+                torch.arange(8) % 2,
+                torch.randn(5, 3, generator=g) - 100,
+                torch.arange(5) % 2,
+            ),
+            strict=False,
+        )
+    )
     np.savez(tmp_path / "mine.npz", **{k: v.numpy() for k, v in arrays.items()})
     train, val_, test_ = (gdata.TensorFile(str(tmp_path / "mine.npz"), split=s) for s in ("train", "val", "test"))
     assert len(train) == train_n
@@ -250,8 +298,9 @@ def test_a_file_s_splits_are_found_by_their_usual_names_and_named(tmp_path, caps
     else:  # held out of the training arrays: no overlap with what train keeps
         assert len(val_) == 4 and not (set(val_.data[:, 0].tolist()) & set(train.data[:, 0].tolist()))
     assert len(test_) == (0 if "x_test" not in keys else len(arrays["x_test"]))
-    assert capsys.readouterr().out == (f"gem: {tmp_path / 'mine.npz'}: training on {keys[0]}/{keys[1]} (40 examples), "
-                                       f"{val}, {test}\n")
+    assert capsys.readouterr().out == (
+        f"gem: {tmp_path / 'mine.npz'}: training on {keys[0]}/{keys[1]} (40 examples), {val}, {test}\n"
+    )
 
 
 def test_data_tensors_runs_end_to_end(tmp_path):
@@ -259,8 +308,18 @@ def test_data_tensors_runs_end_to_end(tmp_path):
     y = torch.arange(400) % 4
     x = torch.randn(400, 1, 28, 28, generator=g) * 0.5 + y[:, None, None, None].float()  # easy: mean = label
     np.savez(tmp_path / "easy.npz", x=x.numpy(), y=y.numpy())
-    s = _run(["engine=sim", "workers=2", "epochs=5", "batch_size=32", "data=tensors",
-              f"data.path={tmp_path / 'easy.npz'}", "data.num_classes=4"], tmp_path / "run")
+    s = _run(
+        [
+            "engine=sim",
+            "workers=2",
+            "epochs=5",
+            "batch_size=32",
+            "data=tensors",
+            f"data.path={tmp_path / 'easy.npz'}",
+            "data.num_classes=4",
+        ],
+        tmp_path / "run",
+    )
     assert s["status"] == "completed" and s["data"] == "tensors" and s["val_accuracy"] > 0.9, s
 
 
@@ -269,8 +328,20 @@ def test_data_tensors_runs_end_to_end(tmp_path):
 
 def _bn_job(data, model="resnet18_cifar", **kw):
     spec = models.ModelSpec(model, f"gem.models.{model}", {"num_classes": data.num_classes})
-    return Job(algorithm="gem", hp=gem_algo.Params(workers=2), model=spec, data=data, workers=2, batch_size=8,
-               epochs=1, seed=0, loss="cross_entropy", engine={"name": "sim"}, eval_train_size=16, **kw)
+    return Job(
+        algorithm="gem",
+        hp=gem_algo.Params(workers=2),
+        model=spec,
+        data=data,
+        workers=2,
+        batch_size=8,
+        epochs=1,
+        seed=0,
+        loss="cross_entropy",
+        engine={"name": "sim"},
+        eval_train_size=16,
+        **kw,
+    )
 
 
 def test_resnet18_buffers_are_not_in_theta_and_evaluation_measures_thetas_own_statistics():
@@ -362,8 +433,7 @@ def test_gpu_request_without_a_gpu_is_one_line(device, capsys, tmp_path):
     for engine in ("process", "distributed", "sim"):
         with pytest.raises(SystemExit):
             preflight([f"device={device}", f"engine={engine}", f"hydra.run.dir={tmp_path / 'never'}"])
-        assert capsys.readouterr().err.startswith(f"error: device={device}: no CUDA device is visible on this "
-                                                  "machine")
+        assert capsys.readouterr().err.startswith(f"error: device={device}: no CUDA device is visible on this machine")
     assert not (tmp_path / "never").exists()
 
 
@@ -381,8 +451,17 @@ def test_staged_views_give_the_same_commits_as_the_server_s_own_tensors(monkeypa
     from gem.engines import worker as wmod
 
     data = gdata.make_synthetic(train_size=256, val_size=32)
-    job = Job(algorithm="gem", hp=gem_algo.Params(workers=3), model="mnist_cnn", data=data, workers=3,
-              batch_size=32, epochs=1, seed=0, engine={"name": "sim"})
+    job = Job(
+        algorithm="gem",
+        hp=gem_algo.Params(workers=3),
+        model="mnist_cnn",
+        data=data,
+        workers=3,
+        batch_size=32,
+        epochs=1,
+        seed=0,
+        engine={"name": "sim"},
+    )
     _, direct = _sim_rows(job, tmp_path / "direct")
     staged = []
     real = wmod.Worker.staged
@@ -411,15 +490,25 @@ def test_a_worker_s_diagnostics_read_its_own_commit_not_the_copy_sent_to_the_ser
     from gem.engines import worker as wmod
 
     data = gdata.make_synthetic(train_size=256, val_size=32)
-    job = Job(algorithm="gem", hp=gem_algo.Params(workers=3), model="mnist_cnn", data=data, workers=3,
-              batch_size=32, epochs=1, seed=0, engine={"name": "sim"})
+    job = Job(
+        algorithm="gem",
+        hp=gem_algo.Params(workers=3),
+        model="mnist_cnn",
+        data=data,
+        workers=3,
+        batch_size=32,
+        epochs=1,
+        seed=0,
+        engine={"name": "sim"},
+    )
     monkeypatch.setattr(gem_algo, "FUSED", False)  # a GPU's path: torch operations, `central` in aux
     _, direct = _sim_rows(job, tmp_path / "direct")
     sent, read_own = [], []
 
     def to_server(commit, device, pinned=None):  # as a move to another device does: new tensors
-        copy = dataclasses.replace(commit, delta=commit.delta.clone(),
-                                   payload={k: v.clone() for k, v in commit.payload.items()})
+        copy = dataclasses.replace(
+            commit, delta=commit.delta.clone(), payload={k: v.clone() for k, v in commit.payload.items()}
+        )
         sent.append(copy)  # kept alive, so that no later tensor reuses its memory
         return copy
 
@@ -440,14 +529,20 @@ def test_the_forkserver_preloads_torchvision_only_for_a_model_that_uses_it():
     from gem.engines.worker import uses_torchvision
 
     def job(model):
-        return Job(algorithm="gem", hp=gem_algo.Params(), model=model, data=None, workers=1, batch_size=1, epochs=1,
-                   seed=0)
+        return Job(
+            algorithm="gem", hp=gem_algo.Params(), model=model, data=None, workers=1, batch_size=1, epochs=1, seed=0
+        )
 
     assert not uses_torchvision(job("mnist_cnn")) and uses_torchvision(job("resnet18_cifar"))
     assert not uses_torchvision(job(models.ModelSpec("mnist_cnn", "gem.models.MnistCNN")))
     assert uses_torchvision(job(models.ModelSpec("resnet18_cifar", "gem.models.resnet18_cifar")))
-    assert uses_torchvision(job(models.ModelSpec("resnet50", "hydra.utils.instantiate",
-                                                 {"config": {"_target_": "torchvision.models.resnet50"}})))
+    assert uses_torchvision(
+        job(
+            models.ModelSpec(
+                "resnet50", "hydra.utils.instantiate", {"config": {"_target_": "torchvision.models.resnet50"}}
+            )
+        )
+    )
 
 
 def test_to_device_moves_only_what_the_server_reads():
@@ -497,8 +592,17 @@ def test_a_gpu_worker_page_locks_each_host_tensor_it_copies_theta_from_once(monk
     from gem.engines import worker as wmod
 
     data = gdata.make_synthetic(train_size=256, val_size=32)
-    job = Job(algorithm="gem", hp=gem_algo.Params(workers=3, proxy="global"), model="mnist_cnn", data=data,
-              workers=3, batch_size=32, epochs=1, seed=0, engine={"name": "sim"})
+    job = Job(
+        algorithm="gem",
+        hp=gem_algo.Params(workers=3, proxy="global"),
+        model="mnist_cnn",
+        data=data,
+        workers=3,
+        batch_size=32,
+        epochs=1,
+        seed=0,
+        engine={"name": "sim"},
+    )
     _, direct = _sim_rows(job, tmp_path / "direct")
     calls, made = [], []
 
@@ -532,8 +636,9 @@ def test_page_locked_memory_is_let_go_of_and_a_failure_is_one_line(capsys):
     from gem.engines import pinned as pmod
 
     calls, gone = [], []
-    p = pmod.Pinned(torch.device("cpu"), "worker 7", register=lambda a, n, f: calls.append((a, n, f)) or 0,
-                    unregister=gone.append)
+    p = pmod.Pinned(
+        torch.device("cpu"), "worker 7", register=lambda a, n, f: calls.append((a, n, f)) or 0, unregister=gone.append
+    )
     theta, proxy = torch.ones(1000), torch.zeros(10)
     p.host({"θ": theta, "proxy": proxy, "empty": torch.empty(0)})
     p.host({"θ": theta})
@@ -550,8 +655,13 @@ def test_page_locked_memory_is_let_go_of_and_a_failure_is_one_line(capsys):
     failing.host({"proxy": torch.ones(8), "θ": torch.ones(8)})
     failing.host({"m": torch.ones(8)})
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("gem: worker 7: the host memory of proxy could not be page-locked "
-                                               "(cudaHostRegister: error 1") and failing.failed
+    assert (
+        len(err) == 1
+        and err[0].startswith(
+            "gem: worker 7: the host memory of proxy could not be page-locked (cudaHostRegister: error 1"
+        )
+        and failing.failed
+    )
     assert not failing.held
 
     a = failing.out("delta", torch.ones(5))

@@ -60,11 +60,19 @@ class Params:
     def __post_init__(self):
         require(isinstance(self.window, int) and self.window >= 1, "window", self.window, "an integer >= 1")
         require(positive(self.outer_lr), "outer_lr", self.outer_lr, "a number > 0")
-        require(isinstance(self.outer_momentum, (int, float)) and 0 <= self.outer_momentum < 1, "outer_momentum",
-                self.outer_momentum, "a number in [0, 1)")
+        require(
+            isinstance(self.outer_momentum, (int, float)) and 0 <= self.outer_momentum < 1,
+            "outer_momentum",
+            self.outer_momentum,
+            "a number in [0, 1)",
+        )
         require(self.outer in OUTER, "outer", self.outer, f"one of: {', '.join(OUTER)}")
-        require(self.nesterov_every is None or (isinstance(self.nesterov_every, int) and self.nesterov_every >= 1),
-                "nesterov_every", self.nesterov_every, "an integer >= 1, or null for the number of workers")
+        require(
+            self.nesterov_every is None or (isinstance(self.nesterov_every, int) and self.nesterov_every >= 1),
+            "nesterov_every",
+            self.nesterov_every,
+            "an integer >= 1, or null for the number of workers",
+        )
 
 
 def delay(hp: Params) -> int:
@@ -75,13 +83,17 @@ def delay(hp: Params) -> int:
 
 
 def init_state(theta: torch.Tensor, hp: Params) -> dict:
-    return {"m": torch.zeros_like(theta),  # the inner momentum
-            "moved": torch.zeros_like(theta)}  # x − s over the current window
+    return {
+        "m": torch.zeros_like(theta),  # the inner momentum
+        "moved": torch.zeros_like(theta),
+    }  # x − s over the current window
 
 
 def init_server(theta: torch.Tensor, hp: Params, workers: int) -> dict:
-    return {"v": torch.zeros_like(theta),  # the outer momentum
-            "buffer": torch.zeros_like(theta)}  # the sum of the pseudo-gradients since the last momentum step
+    return {
+        "v": torch.zeros_like(theta),  # the outer momentum
+        "buffer": torch.zeros_like(theta),
+    }  # the sum of the pseudo-gradients since the last momentum step
 
 
 def commit_every(hp: Params) -> int:
@@ -117,5 +129,13 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
         buffer.zero_()
 
 
-ALGORITHM = Algorithm("async_localsgd", Params, init_state, worker_rule, server_rule, commit_every=commit_every,
-                      local_step=local_step, init_server=init_server)
+ALGORITHM = Algorithm(
+    "async_localsgd",
+    Params,
+    init_state,
+    worker_rule,
+    server_rule,
+    commit_every=commit_every,
+    local_step=local_step,
+    init_server=init_server,
+)

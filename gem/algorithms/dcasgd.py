@@ -38,11 +38,19 @@ class Params:
     ms_eps: float = 1e-7  # ε of √(MeanSquare + ε) (DC-ASGD-a)
 
     def __post_init__(self):
-        require(self.dc_lambda is None or (isinstance(self.dc_lambda, (int, float)) and 0 <= self.dc_lambda < 1e6),
-                "dc_lambda", self.dc_lambda, "a number >= 0, or null for the paper's value (0.04; 2 if adaptive)")
+        require(
+            self.dc_lambda is None or (isinstance(self.dc_lambda, (int, float)) and 0 <= self.dc_lambda < 1e6),
+            "dc_lambda",
+            self.dc_lambda,
+            "a number >= 0, or null for the paper's value (0.04; 2 if adaptive)",
+        )
         require(isinstance(self.adaptive_lambda, bool), "adaptive_lambda", self.adaptive_lambda, "true or false")
-        require(isinstance(self.ms_momentum, (int, float)) and 0 <= self.ms_momentum < 1, "ms_momentum",
-                self.ms_momentum, "a number in [0, 1)")
+        require(
+            isinstance(self.ms_momentum, (int, float)) and 0 <= self.ms_momentum < 1,
+            "ms_momentum",
+            self.ms_momentum,
+            "a number in [0, 1)",
+        )
         require(isinstance(self.ms_eps, (int, float)) and self.ms_eps > 0, "ms_eps", self.ms_eps, "a number > 0")
 
     @property

@@ -29,8 +29,12 @@ class Params:
 
     def __post_init__(self):  # inherited by adaptive's and agn's Params
         require(isinstance(self.window, int) and self.window >= 1, "window", self.window, "an integer >= 1")
-        require(isinstance(self.local_momentum, (int, float)) and 0 <= self.local_momentum < 1, "local_momentum",
-                self.local_momentum, "a number in [0, 1)")
+        require(
+            isinstance(self.local_momentum, (int, float)) and 0 <= self.local_momentum < 1,
+            "local_momentum",
+            self.local_momentum,
+            "a number in [0, 1)",
+        )
 
 
 def init_state(theta: torch.Tensor, hp) -> dict:
@@ -83,5 +87,6 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
     view.theta.add_(commit.delta)
 
 
-ALGORITHM = Algorithm("downpour", Params, init_state, worker_rule, server_rule, commit_every=commit_every,
-                      local_step=local_step)
+ALGORITHM = Algorithm(
+    "downpour", Params, init_state, worker_rule, server_rule, commit_every=commit_every, local_step=local_step
+)

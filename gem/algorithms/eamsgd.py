@@ -46,5 +46,6 @@ def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     return Commit(delta=e, pull=False)
 
 
-ALGORITHM = replace(easgd.ALGORITHM, name="eamsgd", init_state=init_state, local_step=local_step,
-                    worker_rule=worker_rule)
+ALGORITHM = replace(
+    easgd.ALGORITHM, name="eamsgd", init_state=init_state, local_step=local_step, worker_rule=worker_rule
+)

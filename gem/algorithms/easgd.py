@@ -35,16 +35,23 @@ class Params:
 
     def __post_init__(self):
         require(isinstance(self.window, int) and self.window >= 1, "window", self.window, "an integer >= 1")
-        require(self.alpha is None or self.rho is None, "rho", self.rho,
-                "unset (null) when algorithm.alpha is set: give alpha, or rho, not both")
+        require(
+            self.alpha is None or self.rho is None,
+            "rho",
+            self.rho,
+            "unset (null) when algorithm.alpha is set: give alpha, or rho, not both",
+        )
         require(positive(self.beta), "beta", self.beta, "a number > 0")
         if self.alpha is not None:
             require(0 < self.alpha <= 1, "alpha", self.alpha, "a number in (0, 1]")
         if self.rho is not None:
-            require(positive(self.rho) and self.lr * self.rho <= 1, "rho", self.rho,
-                    "a number > 0 with lr*rho <= 1")
-        require(self.alpha is not None or self.rho is not None or self.beta / max(self.workers, 1) <= 1,
-                "beta", self.beta, "at most workers (alpha = beta/workers must be <= 1)")
+            require(positive(self.rho) and self.lr * self.rho <= 1, "rho", self.rho, "a number > 0 with lr*rho <= 1")
+        require(
+            self.alpha is not None or self.rho is not None or self.beta / max(self.workers, 1) <= 1,
+            "beta",
+            self.beta,
+            "at most workers (alpha = beta/workers must be <= 1)",
+        )
 
 
 def moving_rate(hp) -> float:
@@ -86,5 +93,6 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
     view.theta.add_(commit.delta)
 
 
-ALGORITHM = Algorithm("easgd", Params, init_state, worker_rule, server_rule, commit_every=commit_every,
-                      local_step=local_step)
+ALGORITHM = Algorithm(
+    "easgd", Params, init_state, worker_rule, server_rule, commit_every=commit_every, local_step=local_step
+)

@@ -61,8 +61,10 @@ class Params:
 
 
 def init_state(theta: torch.Tensor, hp: Params) -> dict:
-    return {"m": torch.zeros_like(theta),  # the worker's proxy momentum
-            "stale": theta.clone()}  # s: θ just before this worker's previous commit (at start: θ₀)
+    return {
+        "m": torch.zeros_like(theta),  # the worker's proxy momentum
+        "stale": theta.clone(),
+    }  # s: θ just before this worker's previous commit (at start: θ₀)
 
 
 def init_server(theta: torch.Tensor, hp: Params, workers: int) -> dict:
@@ -110,9 +112,20 @@ def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     if _fused(grad, m, stale):  # as in prepare
         # Δθ, m ← μm + Δθ, θ − s, s ← θ, π, πΔθ (into update) and both energies in one pass
         proxy_sq, moved_sq = _rule_loop(
-            grad.numpy(), m.numpy(), theta.numpy(), stale.numpy(), None if proxy is m else proxy.numpy(),
-            np.float32(-hp.lr), np.float32(hp.momentum), np.float32(hp.kappa), hp.kappa != 1, np.float32(hp.eps),
-            np.float32(hp.pi_max), update.numpy(), pi.numpy())
+            grad.numpy(),
+            m.numpy(),
+            theta.numpy(),
+            stale.numpy(),
+            None if proxy is m else proxy.numpy(),
+            np.float32(-hp.lr),
+            np.float32(hp.momentum),
+            np.float32(hp.kappa),
+            hp.kappa != 1,
+            np.float32(hp.eps),
+            np.float32(hp.pi_max),
+            update.numpy(),
+            pi.numpy(),
+        )
         aux = {"pi": pi, "central_energy": torch.tensor(0.5 * moved_sq, dtype=torch.float64)}
     else:
         m.copy_(scratch(grad, "m_next"))  # m ← μm + Δθ
@@ -192,7 +205,7 @@ def pi_stats(pi: torch.Tensor, layout, pi_max: float) -> tuple[dict[str, float],
         n = sl.stop - sl.start
         z, c = int(np.count_nonzero(zero[sl])), int(np.count_nonzero(top[sl]))
         if contiguous:
-            part_inner = inner[start:start + n - z - c]
+            part_inner = inner[start : start + n - z - c]
             start += n - z - c
         else:
             part_inner = np.compress(~(zero[sl] | top[sl]), a[sl])
@@ -201,22 +214,36 @@ def pi_stats(pi: torch.Tensor, layout, pi_max: float) -> tuple[dict[str, float],
         tensors["pi_zero_frac"].append(z / n)
     z, c = int(np.count_nonzero(zero)), int(np.count_nonzero(top))
     covered = contiguous and stop == a.size
-    metrics = {"pi_median": _clamped_median(a.size, z, c, inner, pi_max),
-               "pi_mean": float(np.sum(sums, dtype=np.float64)) / a.size if covered else float(a.mean()),
-               "pi_zero_frac": z / a.size, "pi_max_frac": c / a.size}
+    metrics = {
+        "pi_median": _clamped_median(a.size, z, c, inner, pi_max),
+        "pi_mean": float(np.sum(sums, dtype=np.float64)) / a.size if covered else float(a.mean()),
+        "pi_zero_frac": z / a.size,
+        "pi_max_frac": c / a.size,
+    }
     return metrics, tensors
 
 
 def _pi_stats_torch(pi, layout, pi_max):
     zero = pi == 0
     parts = [pi[sl] for _, sl in layout]
-    values = torch.stack([pi.median(), pi.mean(), zero.float().mean(), (pi == pi_max).float().mean(),
-                          *(p.median() for p in parts), *(p.mean() for p in parts),
-                          *(zero[sl].float().mean() for _, sl in layout)]).tolist()
+    values = torch.stack(
+        [
+            pi.median(),
+            pi.mean(),
+            zero.float().mean(),
+            (pi == pi_max).float().mean(),
+            *(p.median() for p in parts),
+            *(p.mean() for p in parts),
+            *(zero[sl].float().mean() for _, sl in layout),
+        ]
+    ).tolist()
     k = len(parts)
     metrics = dict(zip(("pi_median", "pi_mean", "pi_zero_frac", "pi_max_frac"), values[:4], strict=True))
-    tensors = {"pi_median": values[4:4 + k], "pi_mean": values[4 + k:4 + 2 * k],
-               "pi_zero_frac": values[4 + 2 * k:]}
+    tensors = {
+        "pi_median": values[4 : 4 + k],
+        "pi_mean": values[4 + k : 4 + 2 * k],
+        "pi_zero_frac": values[4 + 2 * k :],
+    }
     return metrics, tensors
 
 
@@ -225,8 +252,10 @@ def _pi_stats_torch(pi, layout, pi_max):
 
 
 def _fused(*tensors: torch.Tensor) -> bool:
-    return FUSED and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                         and not t.requires_grad for t in tensors)
+    return FUSED and all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
+        for t in tensors
+    )
 
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")  # numpy's: no check for a zero divisor (ε > 0)
@@ -358,11 +387,18 @@ def _pi_stats_fused(a: np.ndarray, layout, pi_max: float):
     medians = [float(v) if k == 0 else 0.0 if k == 1 else float(pi_max) for v, k in zip(out, kind, strict=True)]
     sums = np.add.reduceat(a, starts)
     sizes = np.diff(bounds)
-    tensors = {"pi_median": medians[:-1], "pi_mean": [float(v) / n for v, n in zip(sums, sizes, strict=True)],
-               "pi_zero_frac": [int(z) / n for z, n in zip(zeros, sizes, strict=True)]}
+    tensors = {
+        "pi_median": medians[:-1],
+        "pi_mean": [float(v) / n for v, n in zip(sums, sizes, strict=True)],
+        "pi_zero_frac": [int(z) / n for z, n in zip(zeros, sizes, strict=True)],
+    }
     z, c = int(zeros.sum()), int(tops.sum())
-    metrics = {"pi_median": medians[-1], "pi_mean": float(np.sum(sums, dtype=np.float64)) / a.size,
-               "pi_zero_frac": z / a.size, "pi_max_frac": c / a.size}
+    metrics = {
+        "pi_median": medians[-1],
+        "pi_mean": float(np.sum(sums, dtype=np.float64)) / a.size,
+        "pi_zero_frac": z / a.size,
+        "pi_max_frac": c / a.size,
+    }
     return metrics, tensors
 
 
@@ -377,5 +413,14 @@ def warm() -> None:
     diagnostics(commit, [("a", slice(0, 2)), ("b", slice(2, 4))], Params())
 
 
-ALGORITHM = Algorithm("gem", Params, init_state, worker_rule, server_rule, init_server=init_server,
-                      payload=payload, prepare=prepare, diagnostics=diagnostics)
+ALGORITHM = Algorithm(
+    "gem",
+    Params,
+    init_state,
+    worker_rule,
+    server_rule,
+    init_server=init_server,
+    payload=payload,
+    prepare=prepare,
+    diagnostics=diagnostics,
+)

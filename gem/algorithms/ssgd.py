@@ -45,10 +45,14 @@ def init_state(theta: torch.Tensor, hp: Params) -> dict:
 
 def init_server(theta: torch.Tensor, hp: Params, workers: int) -> dict:
     if max(hp.workers, 1) != max(workers, 1):  # the rounds are hp.workers commits long; a row per running worker
-        raise ValueError(f"ssgd: algorithm.workers={hp.workers} but {workers} workers run; they must be equal "
-                         "(the top-level `workers` fills both)")
-    return {"round": theta.new_zeros((max(workers, 1), theta.numel())),  # Δθᵢ of the round so far, row i: worker i
-            "m": torch.zeros_like(theta)}  # the momentum, updated once per round
+        raise ValueError(
+            f"ssgd: algorithm.workers={hp.workers} but {workers} workers run; they must be equal "
+            "(the top-level `workers` fills both)"
+        )
+    return {
+        "round": theta.new_zeros((max(workers, 1), theta.numel())),  # Δθᵢ of the round so far, row i: worker i
+        "m": torch.zeros_like(theta),
+    }  # the momentum, updated once per round
 
 
 def round_end(t: int, n: int) -> int:

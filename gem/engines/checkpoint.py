@@ -44,16 +44,23 @@ class CheckpointError(ValueError):
 def fingerprint(job) -> dict:
     engine = job.engine.name
     schedule = {k: getattr(job.engine, k) for k in SCHEDULE_KEYS} if engine == "sim" else {}
-    return {**{k: getattr(job, k) for k in FINGERPRINT}, "model": model_name(job.model), "data": job.data.name,
-            "hp": dataclasses.asdict(job.hp),
-            "engine": engine, **schedule}
+    return {
+        **{k: getattr(job, k) for k in FINGERPRINT},
+        "model": model_name(job.model),
+        "data": job.data.name,
+        "hp": dataclasses.asdict(job.hp),
+        "engine": engine,
+        **schedule,
+    }
 
 
 def read_manifest(run_dir) -> dict:
     path = Path(run_dir) / CHECKPOINT / "manifest.json"
     if not path.exists():
-        raise CheckpointError(f"resume=true: no checkpoint in {path.parent}; resume needs the run directory "
-                              f"of a run that wrote checkpoints (hydra.run.dir=<that directory>)")
+        raise CheckpointError(
+            f"resume=true: no checkpoint in {path.parent}; resume needs the run directory "
+            f"of a run that wrote checkpoints (hydra.run.dir=<that directory>)"
+        )
     try:
         manifest = json.loads(path.read_text())
         step, folder = int(manifest["step"]), Path(run_dir) / CHECKPOINT / manifest["dir"]
@@ -76,8 +83,10 @@ def check_resumable(manifest: dict, job) -> None:
     pairs += [(k if k in top or " " in k else f"algorithm.{k}", v, hp_ours.get(k)) for k, v in hp_theirs.items()]
     for shown, v, mine in pairs:
         if mine != v:
-            raise CheckpointError(f"resume=true: the checkpoint was made with {shown}={v}, this command has "
-                                  f"{shown}={mine}; resume with the original command's overrides")
+            raise CheckpointError(
+                f"resume=true: the checkpoint was made with {shown}={v}, this command has "
+                f"{shown}={mine}; resume with the original command's overrides"
+            )
 
 
 def save_atomic(obj, path) -> None:
@@ -102,8 +111,7 @@ def load(path):
         why = "it holds objects other than tensors, numbers and strings; gem does not write such files"
     except Exception as e:  # noqa: BLE001 - any other failure to read is the same one line for the user
         why = "truncated or not a checkpoint" if isinstance(e, (RuntimeError, EOFError)) else type(e).__name__
-    raise CheckpointError(f"resume=true: checkpoint file {path} cannot be read ({why}); the run cannot resume "
-                          "from it")
+    raise CheckpointError(f"resume=true: checkpoint file {path} cannot be read ({why}); the run cannot resume from it")
 
 
 def verify(manifest: dict, workers: int, algo=None, hp=None) -> None:
@@ -112,8 +120,9 @@ def verify(manifest: dict, workers: int, algo=None, hp=None) -> None:
     its `hp`, also one whose server tensors are not the shapes this version of the algorithm makes."""
     central = load(Path(manifest["path"]) / "central.pt")
     if not isinstance(central, dict) or not {"theta", "clock"} <= central.keys():
-        raise CheckpointError(f"resume=true: checkpoint file {Path(manifest['path']) / 'central.pt'} is not a "
-                              "parameter server's state")
+        raise CheckpointError(
+            f"resume=true: checkpoint file {Path(manifest['path']) / 'central.pt'} is not a parameter server's state"
+        )
     if algo is not None:
         theta = torch.empty(central["theta"].shape, device="meta")  # shapes only: nothing allocated
         mismatch = state_mismatch(central, theta, algo.server_state(theta, hp, workers))
@@ -154,8 +163,10 @@ def finish(run_dir, folder: Path, step: int, central: dict, job, time_s: float) 
     name = f"step-{step:09d}"
     shutil.rmtree(base / name, ignore_errors=True)
     os.replace(folder, base / name)
-    write_atomic(base / "manifest.json",
-                 json.dumps({"step": step, "dir": name, "fingerprint": fingerprint(job), "time_s": time_s}, indent=1))
+    write_atomic(
+        base / "manifest.json",
+        json.dumps({"step": step, "dir": name, "fingerprint": fingerprint(job), "time_s": time_s}, indent=1),
+    )
     for old in base.glob("step-*"):  # the manifest names the new one now
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)

@@ -71,8 +71,12 @@ class Silence:
     run) starts every worker's timer; `forget` stops watching a worker that finished or was lost.
     """
 
-    def __init__(self, timeout_s: float = ProcessOptions.timeout_s, cycles: float = ProcessOptions.silent_cycles,
-                 samples: int = 1024):
+    def __init__(
+        self,
+        timeout_s: float = ProcessOptions.timeout_s,
+        cycles: float = ProcessOptions.silent_cycles,
+        samples: int = 1024,
+    ):
         self.floor, self.cycles = float(timeout_s), float(cycles)
         self.gaps: deque[float] = deque(maxlen=samples)
         self.committed: dict[int, float] = {}  # each watched worker's last commit
@@ -129,16 +133,26 @@ class Silence:
         10 x median cycle 0.05 s)'."""
         m = self.median()
         cycle = f"median cycle {m:.3g} s" if m is not None else "median cycle not known yet"
-        return (f"{what} for {silent_for:.1f} s, limit {self.limit():.1f} s = max(engine.timeout_s, "
-                f"{self.cycles:g} x {cycle})")
+        return (
+            f"{what} for {silent_for:.1f} s, limit {self.limit():.1f} s = max(engine.timeout_s, "
+            f"{self.cycles:g} x {cycle})"
+        )
 
 
 def tensor_rows(row: dict, names: list[str], tensors: dict[str, list[float]] | None) -> list[dict] | None:
     """A commit's per-tensor diagnostics (`Algorithm.diagnostics`) as long rows for tensors.parquet."""
     if not tensors:
         return None
-    return [{"step": row["step"], "worker": row["worker"], "tensor": name, "tensor_index": i,
-             **{k: v[i] for k, v in tensors.items()}} for i, name in enumerate(names)]
+    return [
+        {
+            "step": row["step"],
+            "worker": row["worker"],
+            "tensor": name,
+            "tensor_index": i,
+            **{k: v[i] for k, v in tensors.items()},
+        }
+        for i, name in enumerate(names)
+    ]
 
 
 class Ledger:
@@ -159,8 +173,17 @@ class Ledger:
 
     def lost(self, step: int) -> None:
         """The commit at `step` was applied but its row will never come: its worker is gone."""
-        self.add({"step": step, "worker": -1, "worker_step": -1, "staleness": -1, "loss": float("nan"),
-                  "time_s": None, "lost_row": True})
+        self.add(
+            {
+                "step": step,
+                "worker": -1,
+                "worker_step": -1,
+                "staleness": -1,
+                "loss": float("nan"),
+                "time_s": None,
+                "lost_row": True,
+            }
+        )
 
     def record(self) -> None:
         """Record the rows that are next in clock order."""
@@ -247,8 +270,9 @@ class Coordinator:
     def record_eval(self, step: int, theta: torch.Tensor) -> None:
         """Evaluate θ as of commit `step` and record the row, with its worker_step (the module's docstring)."""
         extra = {} if self.sim_time is None else {"sim_time": self.sim_time}
-        self.recorder.eval(self.evaluate(theta, step, self.t0, worker_step=step * self.window / self.job.workers,
-                                         **extra))
+        self.recorder.eval(
+            self.evaluate(theta, step, self.t0, worker_step=step * self.window / self.job.workers, **extra)
+        )
 
     # Both follow the server's clock, not the recorded rows: rows arrive in batches, and an evaluation should be
     # taken when its commit is applied, not when its row is recorded.
@@ -274,8 +298,11 @@ class Coordinator:
             return
         self.ledger.record()
         self.recorder.flush()  # the rows up to the checkpoint are on disk before it is named
-        central = {**self.server.state_dict(), "engine": engine_state or {},
-                   "coordinator": {"finished": self.finished, "lost": self.lost, "lost_workers": self.lost_workers}}
+        central = {
+            **self.server.state_dict(),
+            "engine": engine_state or {},
+            "coordinator": {"finished": self.finished, "lost": self.lost, "lost_workers": self.lost_workers},
+        }
         ckpt.finish(self.job.run_dir, folder, step, central, self.job, time.perf_counter() - self.t0)
 
     def conclude(self, extra: dict | None = None) -> Result:

@@ -139,8 +139,15 @@ class Evaluator:
         self.model.recalibrate(self.train_x, self.batch_size)
         val_loss, val_acc = self.model.evaluate(self.data.val_x, self.data.val_y)
         train_loss, train_acc = self.model.evaluate(self.train_x, self.train_y)
-        return {"step": step, "time_s": stamp, "val_loss": val_loss,
-                "val_accuracy": val_acc, "train_loss": train_loss, "train_accuracy": train_acc, **extra}
+        return {
+            "step": step,
+            "time_s": stamp,
+            "val_loss": val_loss,
+            "val_accuracy": val_acc,
+            "train_loss": train_loss,
+            "train_accuracy": train_acc,
+            **extra,
+        }
 
     def test(self, theta: torch.Tensor) -> dict:
         """The final central variable on the test split (`test_loss`, `test_accuracy`), once, at the end of a

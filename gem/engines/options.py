@@ -40,17 +40,20 @@ class SimOptions:
 
     def __post_init__(self):
         if self.staleness not in STALENESS_MODELS:
-            raise ValueError(f"engine.staleness={self.staleness} is not allowed; choose one of: "
-                             f"{', '.join(STALENESS_MODELS)}")
+            raise ValueError(
+                f"engine.staleness={self.staleness} is not allowed; choose one of: {', '.join(STALENESS_MODELS)}"
+            )
         require(0 < self.straggler_fraction <= 1, "straggler_fraction", self.straggler_fraction, "a number in (0, 1]")
         require(self.straggler_slowdown >= 1, "straggler_slowdown", self.straggler_slowdown, "a number >= 1")
         require(0 <= self.cycle_cv <= 10, "cycle_cv", self.cycle_cv, "a number in [0, 10] (0: round robin)")
         if self.staleness == "trace" and not self.trace:
-            raise ValueError("engine.staleness=trace needs engine.trace=<the run directory of a process or "
-                             "distributed run>")
+            raise ValueError(
+                "engine.staleness=trace needs engine.trace=<the run directory of a process or distributed run>"
+            )
         if self.staleness != "trace" and self.trace:
-            raise ValueError(f"engine.trace is set but engine.staleness={self.staleness}; add engine.staleness=trace "
-                             "to replay it")
+            raise ValueError(
+                f"engine.trace is set but engine.staleness={self.staleness}; add engine.staleness=trace to replay it"
+            )
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,8 @@ def of(engine) -> EngineOptions:
     anywhere = {f.name for c in OPTIONS.values() for f in dataclasses.fields(c)}
     unknown = sorted(set(given) - anywhere)
     if unknown:
-        raise ValueError(f"engine.{unknown[0]} is not an option of any engine; engine={cls().name}'s are: "
-                         f"{', '.join(sorted(keys - {'name'}))}")
+        raise ValueError(
+            f"engine.{unknown[0]} is not an option of any engine; engine={cls().name}'s are: "
+            f"{', '.join(sorted(keys - {'name'}))}"
+        )
     return cls(**{k: v for k, v in given.items() if k in keys})

@@ -61,8 +61,13 @@ class Pinned:
     (once, holding it until the `Pinned` goes, when it is unregistered); `out(key, like)` is a page-locked buffer of
     `like`'s shape and dtype, the same one for the same key at every commit."""
 
-    def __init__(self, device: torch.device, who: str, register: Callable[[int, int, int], int] = _cuda_register,
-                 unregister: Callable[[int], int] = _cuda_unregister):
+    def __init__(
+        self,
+        device: torch.device,
+        who: str,
+        register: Callable[[int, int, int], int] = _cuda_register,
+        unregister: Callable[[int], int] = _cuda_unregister,
+    ):
         self.device, self.who, self._register = device, who, register
         self.held: dict[int, torch.Tensor] = {}  # address → the registered tensor
         self._locked_already: set[int] = set()  # addresses page-locked by their allocation (not ours to undo)
@@ -74,8 +79,14 @@ class Pinned:
     def host(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
             address = t.data_ptr()
-            if self.failed or t.device.type != "cpu" or not t.numel() or address in self.held or \
-                    address in self._locked_already or not t.is_contiguous():  # θ and the server's tensors are flat
+            if (
+                self.failed
+                or t.device.type != "cpu"
+                or not t.numel()
+                or address in self.held
+                or address in self._locked_already
+                or not t.is_contiguous()
+            ):  # θ and the server's tensors are flat
                 continue
             if _is_pinned(t):
                 self._locked_already.add(address)
@@ -91,8 +102,9 @@ class Pinned:
     def out(self, key: str, like: torch.Tensor) -> torch.Tensor:
         buf = self._out.get(key)
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = self._out[key] = torch.empty(like.shape, dtype=like.dtype, pin_memory=not self.failed and
-                                               torch.cuda.is_available())
+            buf = self._out[key] = torch.empty(
+                like.shape, dtype=like.dtype, pin_memory=not self.failed and torch.cuda.is_available()
+            )
         return buf
 
     def _give_up(self, name: str, err: int) -> None:
@@ -107,6 +119,9 @@ class Pinned:
                 what = torch.cuda.cudart().cudaGetErrorString(torch.cuda.cudart().cudaError(err))
             except Exception:  # only the message's wording depends on it
                 pass
-        print(f"gem: {self.who}: the host memory of {name} could not be page-locked (cudaHostRegister: error {err}, "
-              f"{what}); its copies to and from the GPU go through pageable memory, at about a quarter of the speed",
-              file=sys.stderr, flush=True)
+        print(
+            f"gem: {self.who}: the host memory of {name} could not be page-locked (cudaHostRegister: error {err}, "
+            f"{what}); its copies to and from the GPU go through pageable memory, at about a quarter of the speed",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -54,8 +54,12 @@ def threads() -> int:
 
 
 if threads() > 1:
-    print(f"gem: warning: the forkserver that starts worker processes runs {threads()} threads after its imports; "
-          "a worker forked from it may hang (report this with your platform)", file=sys.stderr, flush=True)
+    print(
+        f"gem: warning: the forkserver that starts worker processes runs {threads()} threads after its imports; "
+        "a worker forked from it may hang (report this with your platform)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 # Every object imported so far lives as long as the forkserver: keep the collector from ever visiting them in a
 # worker, where touching their headers would copy the pages they live on into the worker's own memory.

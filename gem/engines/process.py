@@ -223,8 +223,12 @@ def run(job: Job, recorder) -> Result:
     try:
         for w in coord.pending_workers():
             parent_conn, child_conn = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, name=f"gem-worker-{w}", daemon=True,
-                            args=(w, shared, tensors, turn, child_conn, alive, threads, coord.t0_wall))
+            p = ctx.Process(
+                target=_worker,
+                name=f"gem-worker-{w}",
+                daemon=True,
+                args=(w, shared, tensors, turn, child_conn, alive, threads, coord.t0_wall),
+            )
             with interrupts_held():  # a child started is a child recorded, and stopped below
                 p.start()
                 child_conn.close()
@@ -406,10 +410,17 @@ class _Coordinator(Coordinator):
             self.drain(c)
         self.ledger.fill_gaps(self.server.t)
         central = self.server.theta.device
-        where = (f"θ on {central}, shared with the workers by CUDA IPC" if central.type == "cuda" else
-                 "θ in shared host memory")
-        return self.conclude({"central_device": str(central),
-                              "placement": f"{where}; the workers pass the server's turn among themselves"})
+        where = (
+            f"θ on {central}, shared with the workers by CUDA IPC"
+            if central.type == "cuda"
+            else "θ in shared host memory"
+        )
+        return self.conclude(
+            {
+                "central_device": str(central),
+                "placement": f"{where}; the workers pass the server's turn among themselves",
+            }
+        )
 
     # --- the turn, from the coordinator's side
 

@@ -28,22 +28,37 @@ def state_mismatch(saved: dict, theta: torch.Tensor, state: dict[str, torch.Tens
     for k in sorted(mine.keys() | theirs.keys()):
         if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape:
             there, here = (tuple(d[k].shape) if k in d else "absent" for d in (theirs, mine))
-            return (f"central {k} is {there} there but {here} in this run (a checkpoint of another version of "
-                    f"the algorithm); start a new run directory")
+            return (
+                f"central {k} is {there} there but {here} in this run (a checkpoint of another version of "
+                f"the algorithm); start a new run directory"
+            )
     return None
 
 
 class Server:
-    def __init__(self, algo: Algorithm, hp, theta: torch.Tensor, state: dict[str, torch.Tensor],
-                 clock: torch.Tensor, pulled_at: torch.Tensor):
+    def __init__(
+        self,
+        algo: Algorithm,
+        hp,
+        theta: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        clock: torch.Tensor,
+        pulled_at: torch.Tensor,
+    ):
         self.algo, self.hp = algo, hp
         self.theta, self.state, self.clock, self.pulled_at = theta, state, clock, pulled_at
 
     @classmethod
     def create(cls, algo: Algorithm, hp, theta: torch.Tensor, workers: int) -> Server:
         """A fresh server at t = 0, from which every worker has pulled θ₀."""
-        return cls(algo, hp, theta, algo.server_state(theta, hp, workers), torch.zeros((), dtype=torch.long),
-                   torch.zeros(workers, dtype=torch.long))
+        return cls(
+            algo,
+            hp,
+            theta,
+            algo.server_state(theta, hp, workers),
+            torch.zeros((), dtype=torch.long),
+            torch.zeros(workers, dtype=torch.long),
+        )
 
     def tensors(self) -> dict:
         """What another process needs to rebuild this server around the same (shared) tensors."""
@@ -61,14 +76,26 @@ class Server:
     def to(self, device) -> Server:
         """θ and the algorithm's server tensors on `device`; the clock and the pull times stay where they are (read
         on the host at every turn)."""
-        return Server(self.algo, self.hp, self.theta.to(device), {k: v.to(device) for k, v in self.state.items()},
-                      self.clock, self.pulled_at)
+        return Server(
+            self.algo,
+            self.hp,
+            self.theta.to(device),
+            {k: v.to(device) for k, v in self.state.items()},
+            self.clock,
+            self.pulled_at,
+        )
 
     def pin_memory(self) -> Server:
         """θ and the algorithm's server tensors copied into page-locked host memory (gem/engines/pinned.py); the
         clock and the pull times as they are."""
-        return Server(self.algo, self.hp, self.theta.pin_memory(), {k: v.pin_memory() for k, v in self.state.items()},
-                      self.clock, self.pulled_at)
+        return Server(
+            self.algo,
+            self.hp,
+            self.theta.pin_memory(),
+            {k: v.pin_memory() for k, v in self.state.items()},
+            self.clock,
+            self.pulled_at,
+        )
 
     def view(self, worker: int) -> View:
         t = int(self.clock)
@@ -88,8 +115,7 @@ class Server:
         return self.view(worker)
 
     def state_dict(self) -> dict:
-        return {"theta": self.theta, "server": dict(self.state), "clock": self.clock,
-                "pulled_at": self.pulled_at}
+        return {"theta": self.theta, "server": dict(self.state), "clock": self.clock, "pulled_at": self.pulled_at}
 
     def load_state_dict(self, saved: dict) -> None:
         mismatch = state_mismatch(saved, self.theta, self.state)

@@ -64,8 +64,10 @@ def read_trace(run_dir) -> list[list[tuple[float, int]]]:
     except (OSError, ValueError) as e:
         raise TraceError(f"engine.trace={run_dir}: its summary.json cannot be read ({e})") from None
     if summary.get("engine") == "sim":
-        raise TraceError(f"engine.trace={run_dir} is a sim run; a trace replays the measured asynchrony of a "
-                         f"process or distributed run")
+        raise TraceError(
+            f"engine.trace={run_dir} is a sim run; a trace replays the measured asynchrony of a "
+            f"process or distributed run"
+        )
     try:
         m = read_table(d)
     except (OSError, ValueError) as e:
@@ -89,11 +91,20 @@ class Schedule:
     """Simulated cycle durations for the staleness model; seeded, hence deterministic. `start(w, k)` is when
     worker w's first cycle of k local steps ends, `cycle(w, k)` how long its next one takes."""
 
-    def __init__(self, model: str, n: int, seed: int, straggler_fraction: float = 0.25,
-                 straggler_slowdown: float = 4.0, cycle_cv: float = 0.0, trace=None):
+    def __init__(
+        self,
+        model: str,
+        n: int,
+        seed: int,
+        straggler_fraction: float = 0.25,
+        straggler_slowdown: float = 4.0,
+        cycle_cv: float = 0.0,
+        trace=None,
+    ):
         if model not in STALENESS_MODELS:
-            raise ValueError(f"engine.staleness={model} is not a staleness model; "
-                             f"choose one of: {', '.join(STALENESS_MODELS)}")
+            raise ValueError(
+                f"engine.staleness={model} is not a staleness model; choose one of: {', '.join(STALENESS_MODELS)}"
+            )
         self.model, self.n, self.cv = model, n, float(cycle_cv)
         # gamma: shape k with scale 1/k has mean 1 and CV 1/sqrt(k)
         self.shape = torch.tensor([1.0 / self.cv**2 if self.cv > 0 else 0.0], dtype=torch.float64)
@@ -216,8 +227,15 @@ def run(job: Job, recorder) -> Result:
     opts = job.engine
     if not isinstance(opts, SimOptions):
         raise ValueError(f"engine=sim cannot run a job for engine={opts.name}")
-    schedule = Schedule(opts.staleness, n, job.seed, opts.straggler_fraction, opts.straggler_slowdown, opts.cycle_cv,
-                        read_trace(opts.trace) if opts.staleness == "trace" else None)
+    schedule = Schedule(
+        opts.staleness,
+        n,
+        job.seed,
+        opts.straggler_fraction,
+        opts.straggler_slowdown,
+        opts.cycle_cv,
+        read_trace(opts.trace) if opts.staleness == "trace" else None,
+    )
     # (simulated time the worker's first cycle, up to its first commit, ends; worker)
     queue = [(schedule.start(w, workers[w].window), w) for w in range(n)]
     heapq.heapify(queue)
@@ -262,8 +280,10 @@ def run(job: Job, recorder) -> Result:
             heapq.heappush(queue, (now + schedule.cycle(v, parked.pop(v)), v))
         if parked and not queue:
             barrier = min(workers[v].pull_at for v in parked)
-            raise RuntimeError(f"sim: workers {sorted(parked)} wait at a barrier (t={barrier}) that no commit can "
-                               f"reach (t={server.t}, no other worker runs)")
+            raise RuntimeError(
+                f"sim: workers {sorted(parked)} wait at a barrier (t={barrier}) that no commit can "
+                f"reach (t={server.t}, no other worker runs)"
+            )
         if coord.evaluation_due():
             coord.evaluate_at(server.t, server.theta)
             if coord.diverged:
@@ -275,12 +295,20 @@ def run(job: Job, recorder) -> Result:
     return coord.conclude({"placement": f"θ on {server.theta.device}, in this process with every virtual worker"})
 
 
-def _checkpoint(coord: Coordinator, workers: list[Worker], schedule: Schedule, queue: list,
-                parked: dict[int, int]) -> None:
+def _checkpoint(
+    coord: Coordinator, workers: list[Worker], schedule: Schedule, queue: list, parked: dict[int, int]
+) -> None:
     """Between two cycles every virtual worker is at a commit boundary with nothing in hand."""
     folder = ckpt.pending(coord.job.run_dir)
     for w in [*(w for _, w in queue), *parked]:
         ckpt.save_atomic(workers[w].state_dict(), ckpt.worker_file(folder, w))
-    coord.write_checkpoint(folder, coord.server.t, {**schedule.state_dict(), "sim_time": coord.sim_time,
-                                                    "queue": [[at, w] for at, w in queue],
-                                                    "parked": [[w, k] for w, k in parked.items()]})
+    coord.write_checkpoint(
+        folder,
+        coord.server.t,
+        {
+            **schedule.state_dict(),
+            "sim_time": coord.sim_time,
+            "queue": [[at, w] for at, w in queue],
+            "parked": [[w, k] for w, k in parked.items()],
+        },
+    )

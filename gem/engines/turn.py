@@ -83,8 +83,7 @@ class Turn:
                 return
         s[0] = -1
 
-    def acquire(self, who: int, waiting=None, on_request=None, timeout: float | None = None,
-                on_queued=None) -> bool:
+    def acquire(self, who: int, waiting=None, on_request=None, timeout: float | None = None, on_queued=None) -> bool:
         """Wait for the turn. `on_request(action)`: do what the coordinator asks (SAVE, FLUSH) meanwhile.
         With a `timeout`, give up after it, out of line again, and return False. `on_queued()` runs at the
         moment `who` takes its place (under `meta`): what is measured from then is the line's doing alone."""

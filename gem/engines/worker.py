@@ -71,6 +71,7 @@ class Link(Protocol):
     def now(self) -> float: ...  # seconds since the run started, for time_s
     def rows(self, row: dict, tensors: dict | None) -> None: ...  # a commit row, on its way to the recorder
     def await_clock(self, worker: int, t: int) -> View: ...  # a view of θ once the server's clock has reached t,
+
     # held until release (process: the turn); the worker pulls then (the server marks the pull: server.pull)
 
 
@@ -116,8 +117,11 @@ def uses_torchvision(job) -> bool:
     model = job.model
     if isinstance(model, str):  # a built-in model's name
         return model == "resnet18_cifar"
-    return model.name == "resnet18_cifar" or "torchvision" in model.factory or "torchvision" in json.dumps(
-        model.kwargs, default=str)
+    return (
+        model.name == "resnet18_cifar"
+        or "torchvision" in model.factory
+        or "torchvision" in json.dumps(model.kwargs, default=str)
+    )
 
 
 def worker_context(job=None):
@@ -214,7 +218,6 @@ def to_device(commit: Commit, device: torch.device, pinned: Pinned | None = None
     else:
         delta, payload = commit.delta.to(device), {k: v.to(device) for k, v in commit.payload.items()}
     return dataclasses.replace(commit, delta=delta, payload=payload)
-
 
 
 def barrier_pauses(first: float = 0.0005, most: float = 0.02):
@@ -327,9 +330,18 @@ class Worker:
                 self.x.copy_(view.theta)
         finally:
             link.release()
-        row = {"step": t, "worker": self.w, "worker_step": self.step, "staleness": view.staleness,
-               "loss": self.loss_sum / self.local, "time_s": stamp, "wait_s": waited, "apply_s": applied,
-               **link.extra, **commit.metrics}
+        row = {
+            "step": t,
+            "worker": self.w,
+            "worker_step": self.step,
+            "staleness": view.staleness,
+            "loss": self.loss_sum / self.local,
+            "time_s": stamp,
+            "wait_s": waited,
+            "apply_s": applied,
+            **link.extra,
+            **commit.metrics,
+        }
         tensors = None
         if self.algo.diagnostics is not None:
             metrics, tensors = self.algo.diagnostics(commit, self.layout, self.hp)
@@ -357,8 +369,9 @@ class Worker:
         if self._pinned is not None:  # once per host tensor: this copy and the pull's then run at PCIe speed
             self._pinned.host({"θ": view.theta, **view.server})
         if self._stage is None:
-            self._stage = {k: torch.empty_like(v, device=self.device)
-                           for k, v in {"theta": view.theta, **view.server}.items()}
+            self._stage = {
+                k: torch.empty_like(v, device=self.device) for k, v in {"theta": view.theta, **view.server}.items()
+            }
         theta = self._stage["theta"].copy_(view.theta)
         server = {k: self._stage[k].copy_(v) for k, v in view.server.items()}
         return View(theta, server, view.t, view.staleness, view.worker)
@@ -367,8 +380,17 @@ class Worker:
 
     def _progress(self) -> dict:
         s = self.stream
-        return {"step": self.step, "loss_sum": self.loss_sum, "local": self.local, "epoch": s.epoch, "pos": s.pos,
-                "perm": s.perm, "generator": s.generator.get_state(), "rng": self.rng, "pull_at": self.pull_at}
+        return {
+            "step": self.step,
+            "loss_sum": self.loss_sum,
+            "local": self.local,
+            "epoch": s.epoch,
+            "pos": s.pos,
+            "perm": s.perm,
+            "generator": s.generator.get_state(),
+            "rng": self.rng,
+            "pull_at": self.pull_at,
+        }
 
     def state_dict(self, in_hand: bool = False) -> dict:
         """`in_hand`: the worker waits for the turn with a gradient it has not committed yet; its state is then

@@ -52,8 +52,13 @@ class _RankZero:
         init = {f"{self._EXECUTOR}_{k}": v for k, v in self.params.items() if k in INIT_KEYS}
         executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=self.params["submitit_folder"], **init)
         base = set(OmegaConf.structured(BaseQueueConf).keys())
-        executor.update_parameters(**{k if k in base else f"{self._EXECUTOR}_{k}": v for k, v in self.params.items()
-                                      if k not in (*INIT_KEYS, "submitit_folder")})
+        executor.update_parameters(
+            **{
+                k if k in base else f"{self._EXECUTOR}_{k}": v
+                for k, v in self.params.items()
+                if k not in (*INIT_KEYS, "submitit_folder")
+            }
+        )
         return executor
 
     def launch(self, job_overrides, initial_job_idx):
@@ -72,7 +77,6 @@ class _RankZero:
             params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
         jobs = executor.map_array(self, *zip(*params, strict=True))
         return [_result(job, idx) for idx, job in enumerate(jobs, start=initial_job_idx)]
-
 
     def checkpoint(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state):
         """What submitit requeues when the job is preempted, or runs out of time with requeues left
@@ -99,21 +103,29 @@ def _result(job, num: int):
             why = "raised an error"
         else:
             continue
-        print(f"gem: job {num}: rank {rank} (worker {rank - 1}) {why}; rank 0 recorded it in the run directory; its "
-              f"output: {task.paths.stderr} and {task.paths.stdout}", file=sys.stderr, flush=True)
+        print(
+            f"gem: job {num}: rank {rank} (worker {rank - 1}) {why}; rank 0 recorded it in the run directory; its "
+            f"output: {task.paths.stderr} and {task.paths.stdout}",
+            file=sys.stderr,
+            flush=True,
+        )
     if ret.status != JobStatus.COMPLETED:  # the task function raised: the sweeper ends the sweep with it
         return ret
     summary, out = ret.return_value, job.task(0).paths
     if isinstance(summary, dict) and "status" in summary:
         reason = f" ({summary['reason']})" if summary.get("reason") else ""
-        print(f"gem: job {num}: {summary['status']}{reason}; run directory {summary.get('run_dir')}; the ranks' "
-              f"output: {out.folder}", file=sys.stderr, flush=True)
+        print(
+            f"gem: job {num}: {summary['status']}{reason}; run directory {summary.get('run_dir')}; the ranks' "
+            f"output: {out.folder}",
+            file=sys.stderr,
+            flush=True,
+        )
     else:  # refused: rank 0 said why in one line, in its output
         try:
             said = [line for line in out.stderr.read_text().splitlines() if line.startswith("error: ")]
         except OSError:
             said = []
-        why = f": {said[-1][len('error: '):]}" if said else f"; rank 0's output says why: {out.stderr}"
+        why = f": {said[-1][len('error: ') :]}" if said else f"; rank 0's output says why: {out.stderr}"
         print(f"gem: job {num}: did not run{why}", file=sys.stderr, flush=True)
     return ret
 

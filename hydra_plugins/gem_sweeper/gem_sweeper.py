@@ -23,8 +23,13 @@ from omegaconf import OmegaConf
 
 
 class GemSweeper(Sweeper):
-    def __init__(self, max_batch_size: int | None = None, params: dict | None = None,
-                 grids: list | None = None, heldout_seeds: str | None = None) -> None:
+    def __init__(
+        self,
+        max_batch_size: int | None = None,
+        params: dict | None = None,
+        grids: list | None = None,
+        heldout_seeds: str | None = None,
+    ) -> None:
         super().__init__()
         self.max_batch_size = max_batch_size  # jobs handed to the launcher at a time (None: all)
         self.params = dict(params or {})  # an experiment's swept keys (hydra.sweeper.params)
@@ -36,8 +41,9 @@ class GemSweeper(Sweeper):
 
     def setup(self, *, hydra_context, task_function, config) -> None:
         self.config, self.hydra_context = config, hydra_context
-        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
-                                                                task_function=task_function, config=config)
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
 
     def sweep(self, arguments: list[str]) -> list:
         from experiments import command
@@ -52,7 +58,7 @@ class GemSweeper(Sweeper):
         size = self.max_batch_size or len(jobs)
         returns = []
         for start in range(0, len(jobs), size):
-            results = self.launcher.launch(jobs[start:start + size], initial_job_idx=start)
+            results = self.launcher.launch(jobs[start : start + size], initial_job_idx=start)
             for r in results:
                 _ = r.return_value  # a job that raised ends the sweep with its error, as the basic sweeper does
             returns.append(results)

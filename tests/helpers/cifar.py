@@ -24,11 +24,34 @@ def write_cifar(root: Path, per_batch: int = 3, test_size: int = 4, seed: int = 
         data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
         labels = rng.integers(0, 10, size=n).tolist()
         with open(folder / name, "wb") as f:
-            pickle.dump({"data": data, "labels": labels, "batch_label": f"{name} of 5",
-                         "filenames": [f"{name}_{i}.png" for i in range(n)]}, f)
+            pickle.dump(
+                {
+                    "data": data,
+                    "labels": labels,
+                    "batch_label": f"{name} of 5",
+                    "filenames": [f"{name}_{i}.png" for i in range(n)],
+                },
+                f,
+            )
         written[name] = (data, labels)
     with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({"num_cases_per_batch": per_batch, "num_vis": 3072,
-                     "label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
-                                     "ship", "truck"]}, f)
+        pickle.dump(
+            {
+                "num_cases_per_batch": per_batch,
+                "num_vis": 3072,
+                "label_names": [
+                    "airplane",
+                    "automobile",
+                    "bird",
+                    "cat",
+                    "deer",
+                    "dog",
+                    "frog",
+                    "horse",
+                    "ship",
+                    "truck",
+                ],
+            },
+            f,
+        )
     return written

@@ -16,15 +16,19 @@ def run_py(*args, timeout=300, **kw):
     """`python run.py <args>` from the warm server (tests/helpers/warm_run.py); a fresh interpreter where a test gives
     subprocess.run's own arguments (preexec_fn)."""
     if kw:
-        return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout, **kw)
+        return subprocess.run(
+            [sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw
+        )
     return warm_run.run_py(*args, timeout=timeout)
 
 
 def snapshot(d: Path) -> dict:
     """Every file under `d`, by content and modification time: equal snapshots mean nothing was touched."""
-    return {str(p.relative_to(d)): (hashlib.sha1(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(d)): (hashlib.sha1(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(d.rglob("*"))
+        if p.is_file()
+    }
 
 
 def refused_line(capsys, *argv) -> str:

@@ -19,10 +19,20 @@ def hp_for(name, n, **kw):
 
 
 def job(data, engine, workers, algorithm="gem", hp=None, epochs=1, batch_size=32, options=None, **kw):
-    return Job(algorithm=algorithm, hp=hp or hp_for(algorithm, workers), model="mnist_cnn", data=data,
-               workers=workers, batch_size=batch_size, epochs=epochs, seed=0,
-               engine={"name": engine, "timeout_s": 60, **(options or {})},
-               eval_every=kw.pop("eval_every", 16), eval_train_size=64, **kw)
+    return Job(
+        algorithm=algorithm,
+        hp=hp or hp_for(algorithm, workers),
+        model="mnist_cnn",
+        data=data,
+        workers=workers,
+        batch_size=batch_size,
+        epochs=epochs,
+        seed=0,
+        engine={"name": engine, "timeout_s": 60, **(options or {})},
+        eval_every=kw.pop("eval_every", 16),
+        eval_train_size=64,
+        **kw,
+    )
 
 
 def run(job_, d):

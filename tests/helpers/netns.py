@@ -157,9 +157,28 @@ class Hosts:
         """tbf at rate_mbit on both ends of every link (replacing any earlier shaping); burst: see the module."""
         burst = burst_bytes or max(int(rate_mbit * 1e6 / 8 * BUCKET_S), 128 * 1024)
         for ns, dev in self.ends():
-            p = subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
-                                f"{rate_mbit}mbit", "burst", str(burst), "latency", f"{latency_ms}ms"],
-                               capture_output=True, text=True, timeout=30)
+            p = subprocess.run(
+                [
+                    "tc",
+                    "-n",
+                    ns,
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{rate_mbit}mbit",
+                    "burst",
+                    str(burst),
+                    "latency",
+                    f"{latency_ms}ms",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             if p.returncode:
                 raise RuntimeError(f"tc on {ns}/{dev}: {p.stderr.strip()}")
 
@@ -250,11 +269,16 @@ c.recv(1); print(time.perf_counter() - t0, flush=True)
 
 def transfer_s(hosts: Hosts, src: int, dst: int, nbytes: int, timeout_s: float = 120.0) -> float:
     """Seconds to send nbytes over TCP from host src to host dst, until dst has them all (one connection)."""
-    rx = hosts.popen(dst, [sys.executable, "-c", _RECEIVER, hosts.hosts[dst].addr, str(nbytes)],
-                     stdout=subprocess.PIPE, text=True)
+    rx = hosts.popen(
+        dst, [sys.executable, "-c", _RECEIVER, hosts.hosts[dst].addr, str(nbytes)], stdout=subprocess.PIPE, text=True
+    )
     port = rx.stdout.readline().strip()
-    tx = hosts.popen(src, [sys.executable, "-c", _SENDER, hosts.hosts[dst].addr, port, str(nbytes)],
-                     stdout=subprocess.PIPE, text=True)
+    tx = hosts.popen(
+        src,
+        [sys.executable, "-c", _SENDER, hosts.hosts[dst].addr, port, str(nbytes)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     out, _ = tx.communicate(timeout=timeout_s)
     got = int(rx.communicate(timeout=timeout_s)[0].strip())
     if tx.returncode or got != nbytes:
@@ -279,9 +303,11 @@ def main() -> None:
             times = [transfer_s(hosts, 1, 0, nbytes) for _ in range(a.repeats)]
             gbits = [nbytes * 8 / t / 1e9 for t in times]
             expect = f", expected {nbytes * 8 / (rate * 1e6):.3f} s" if rate else ""
-            print(f"{'unshaped' if not rate else f'tbf {rate:g} Mbit/s'}: {a.mbytes:g} MB in "
-                  f"{', '.join(f'{t:.3f}' for t in times)} s{expect}; {', '.join(f'{g:.2f}' for g in gbits)} Gbit/s",
-                  flush=True)
+            print(
+                f"{'unshaped' if not rate else f'tbf {rate:g} Mbit/s'}: {a.mbytes:g} MB in "
+                f"{', '.join(f'{t:.3f}' for t in times)} s{expect}; {', '.join(f'{g:.2f}' for g in gbits)} Gbit/s",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

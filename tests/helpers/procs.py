@@ -31,8 +31,11 @@ def workers_of(pid) -> list[int]:
     its own that run spawn_main, where workers are spawned); the forkserver and resource tracker are left out."""
     table = processes()
     servers = {p for p, (ppid, _, cmd) in table.items() if ppid == pid and "forkserver" in cmd}
-    return sorted(p for p, (ppid, state, cmd) in table.items() if state != "Z" and (
-        ppid in servers or (ppid == pid and "spawn_main" in cmd)))
+    return sorted(
+        p
+        for p, (ppid, state, cmd) in table.items()
+        if state != "Z" and (ppid in servers or (ppid == pid and "spawn_main" in cmd))
+    )
 
 
 def descendants(pid) -> list[int]:

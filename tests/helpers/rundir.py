@@ -4,8 +4,18 @@ import json
 
 import pandas as pd
 
-SUMMARY_KEYS = {"status", "algorithm", "engine", "workers", "steps", "final_train_loss", "val_loss",
-                "val_accuracy", "mean_staleness", "wall_time_s"}
+SUMMARY_KEYS = {
+    "status",
+    "algorithm",
+    "engine",
+    "workers",
+    "steps",
+    "final_train_loss",
+    "val_loss",
+    "val_accuracy",
+    "mean_staleness",
+    "wall_time_s",
+}
 
 
 def check_run_dir(d, steps=None):

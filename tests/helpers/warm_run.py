@@ -123,8 +123,16 @@ class Popen:
     kill, communicate and returncode as subprocess's. stdout and stderr are PIPE (read by communicate) or
     DEVNULL."""
 
-    def __init__(self, args, cwd: Path | str = ROOT, env: dict | None = None, stdout=PIPE, stderr=PIPE,
-                 start_new_session: bool = False, script: str = "run.py"):
+    def __init__(
+        self,
+        args,
+        cwd: Path | str = ROOT,
+        env: dict | None = None,
+        stdout=PIPE,
+        stderr=PIPE,
+        start_new_session: bool = False,
+        script: str = "run.py",
+    ):
         self.server = _the_server()
         self.args = [sys.executable, script, *args]
         self.returncode: int | None = None
@@ -139,9 +147,16 @@ class Popen:
                 self._pipes[stream] = os.open(names[stream], os.O_RDONLY | os.O_NONBLOCK)
                 self._read[stream] = []
         self._names = names
-        self.pid = self.server.start({"script": script, "argv": list(args), "cwd": str(cwd),
-                                      "env": dict(os.environ if env is None else env), "session": start_new_session,
-                                      **names})
+        self.pid = self.server.start(
+            {
+                "script": script,
+                "argv": list(args),
+                "cwd": str(cwd),
+                "env": dict(os.environ if env is None else env),
+                "session": start_new_session,
+                **names,
+            }
+        )
 
     def poll(self) -> int | None:
         while self.server.read(0):  # everything the server has said so far
@@ -199,8 +214,9 @@ class Popen:
             os.close(fd)
 
 
-def run_py(*args: str, timeout: float = 300, env: dict | None = None, cwd: Path | str = ROOT,
-           script: str = "run.py") -> subprocess.CompletedProcess:
+def run_py(
+    *args: str, timeout: float = 300, env: dict | None = None, cwd: Path | str = ROOT, script: str = "run.py"
+) -> subprocess.CompletedProcess:
     """`subprocess.run([sys.executable, script, *args], cwd=cwd, env=env, capture_output=True, text=True,
     timeout=timeout)` from the warm server. On timeout the run is killed, and subprocess.TimeoutExpired raised,
     as subprocess.run does."""

@@ -63,5 +63,17 @@ from gem.engines.distributed.launch import run
 from gem.engines.distributed.link import WAITING_S, worker_main
 from gem.engines.distributed.messages import ASK
 
-__all__ = ["run", "worker_main", "launched", "launched_rank", "export_submitit_env", "check_address", "check_host",
-           "check_port", "encode_job", "decode_job", "ASK", "WAITING_S"]
+__all__ = [
+    "run",
+    "worker_main",
+    "launched",
+    "launched_rank",
+    "export_submitit_env",
+    "check_address",
+    "check_host",
+    "check_port",
+    "encode_job",
+    "decode_job",
+    "ASK",
+    "WAITING_S",
+]

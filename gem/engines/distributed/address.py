@@ -36,13 +36,17 @@ def check_host(host: str, allow_remote: bool) -> str | None:
     if _loopback(host):
         return None
     if not allow_remote:
-        raise ValueError(f"engine.host={host} is not a loopback address, and anyone who can reach it could connect to "
-                         "the run and read its traffic; use engine.host=127.0.0.1 (or localhost, ::1), or set "
-                         "engine.allow_remote=true to expose the run on it")
+        raise ValueError(
+            f"engine.host={host} is not a loopback address, and anyone who can reach it could connect to "
+            "the run and read its traffic; use engine.host=127.0.0.1 (or localhost, ::1), or set "
+            "engine.allow_remote=true to expose the run on it"
+        )
     where = f"every address of this machine ({host or 'all'})" if _any_address(host) else host
-    return (f"gem: warning: engine.allow_remote=true: the run listens on {where}; anyone who can reach it can "
-            "connect, and read or disturb its traffic (gloo's is neither authenticated nor encrypted), though only "
-            "workers that prove the run's secret can join")
+    return (
+        f"gem: warning: engine.allow_remote=true: the run listens on {where}; anyone who can reach it can "
+        "connect, and read or disturb its traffic (gloo's is neither authenticated nor encrypted), though only "
+        "workers that prove the run's secret can join"
+    )
 
 
 def _loopback(host: str) -> bool:
@@ -96,9 +100,12 @@ def _listener(host: str, port: int) -> socket.socket:
     except OSError as e:
         s.close()
         if e.errno == errno.EADDRINUSE:
-            raise ValueError(f"engine.port={port} is in use on {host} (another run or program holds it); pick "
-                             "another port, or engine.port=0 for a free one") from None
-        raise ValueError(f"engine.host={host} cannot be listened on ({e.strerror or e}); give an address of this "
-                         "machine, such as 127.0.0.1") from None
+            raise ValueError(
+                f"engine.port={port} is in use on {host} (another run or program holds it); pick "
+                "another port, or engine.port=0 for a free one"
+            ) from None
+        raise ValueError(
+            f"engine.host={host} cannot be listened on ({e.strerror or e}); give an address of this "
+            "machine, such as 127.0.0.1"
+        ) from None
     return s
-

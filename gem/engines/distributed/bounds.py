@@ -48,8 +48,16 @@ STATE_SLACK = 1 << 20  # a saved worker state beside x, its algorithm state and 
 INT64 = 1 << 63  # an integer in a row or a spec must fit an int64 column or shape
 # how many bytes may follow a header of each kind (its `extra`): (at least, at most); READY's is b"1" from a worker
 # that maps θ from shared memory (window.py)
-EXTRA = {ASK: (0, 0), READY: (0, 1), FINISHED: (0, 0), DIVERGED: (1, TEXT_BYTES), ERROR: (1, TEXT_BYTES),
-         SAVED: (1, SPEC_BYTES), PULL: (1, CLOCK_DIGITS), ROWS: (0, 0)}
+EXTRA = {
+    ASK: (0, 0),
+    READY: (0, 1),
+    FINISHED: (0, 0),
+    DIVERGED: (1, TEXT_BYTES),
+    ERROR: (1, TEXT_BYTES),
+    SAVED: (1, SPEC_BYTES),
+    PULL: (1, CLOCK_DIGITS),
+    ROWS: (0, 0),
+}
 # the keys a commit row must have, for the ledger and the recorder, and their types
 ROW_SCHEMA = {"step": int, "worker": int, "worker_step": int, "staleness": int, "loss": float, "time_s": float}
 
@@ -67,16 +75,26 @@ def _parse_spec(data: bytes, max_bytes: int) -> dict:
         spec = json.loads(data)
     except (ValueError, RecursionError) as e:
         raise Malformed(f"a tensor spec that is not JSON ({e})") from None
-    if not (isinstance(spec, dict) and set(spec) == {"numbers", "tensors"} and isinstance(spec["numbers"], dict)
-            and isinstance(spec["tensors"], list)):
+    if not (
+        isinstance(spec, dict)
+        and set(spec) == {"numbers", "tensors"}
+        and isinstance(spec["numbers"], dict)
+        and isinstance(spec["tensors"], list)
+    ):
         raise Malformed("a tensor spec that is not {numbers, tensors}")
     if len(spec["tensors"]) > SPEC_TENSORS:
         raise Malformed(f"a tensor spec of {len(spec['tensors'])} tensors (at most {SPEC_TENSORS} allowed)")
     total = 0
     for entry in spec["tensors"]:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[1] in DTYPES
-                and isinstance(entry[2], list) and len(entry[2]) <= 8
-                and all(type(d) is int and 0 <= d < INT64 for d in entry[2])):
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 3
+            and isinstance(entry[0], str)
+            and entry[1] in DTYPES
+            and isinstance(entry[2], list)
+            and len(entry[2]) <= 8
+            and all(type(d) is int and 0 <= d < INT64 for d in entry[2])
+        ):
             raise Malformed(f"a tensor spec entry that is not [name, dtype, shape] of the wire's ({str(entry)[:80]})")
         total += math.prod(entry[2]) * DTYPES[entry[1]].itemsize
     if total > max_bytes:
@@ -122,17 +140,21 @@ class Bounds:
             raise Malformed(f"a header of unknown kind {kind}")
         header = f"{'an' if name[0] in 'AEIOU' else 'a'} {name} header"
         if min(rows_nbytes, rows_count, extra_nbytes) < 0:
-            raise Malformed(f"{header} with a negative size ({rows_nbytes} bytes of rows, {rows_count} rows, "
-                            f"{extra_nbytes} extra bytes)")
+            raise Malformed(
+                f"{header} with a negative size ({rows_nbytes} bytes of rows, {rows_count} rows, "
+                f"{extra_nbytes} extra bytes)"
+            )
         if rows_count > pending:
-            raise Malformed(f"{header} announcing the rows of {rows_count} commits, where {pending} of its commits "
-                            "await rows")
+            raise Malformed(
+                f"{header} announcing the rows of {rows_count} commits, where {pending} of its commits await rows"
+            )
         if kind == ROWS and not rows_count:
             raise Malformed(f"{header} with no rows")
         limit = rows_count * self.row_bytes
         if rows_nbytes > limit or (rows_nbytes == 0) != (rows_count == 0):
-            raise Malformed(f"{header} announcing {rows_nbytes} bytes of rows for {rows_count} commits (at most "
-                            f"{limit} allowed)")
+            raise Malformed(
+                f"{header} announcing {rows_nbytes} bytes of rows for {rows_count} commits (at most {limit} allowed)"
+            )
         low, high = EXTRA[kind]
         if not low <= extra_nbytes <= high:
             raise Malformed(f"{header} announcing {extra_nbytes} bytes after its rows ({low} to {high} allowed)")
@@ -150,17 +172,21 @@ class Bounds:
     def commit(self, spec_nbytes: int) -> None:
         """A commit's first word: the length of its payload's spec, none where its commits carry no payload."""
         if not 0 <= spec_nbytes <= (SPEC_BYTES if self.payload else 0):
-            raise Malformed(f"a commit announcing a payload spec of {spec_nbytes} bytes "
-                            f"({f'at most {SPEC_BYTES}' if self.payload else 'none'} allowed: algorithm "
-                            f"{self.algorithm}'s commits carry {self.payload or 'no payload'})")
+            raise Malformed(
+                f"a commit announcing a payload spec of {spec_nbytes} bytes "
+                f"({f'at most {SPEC_BYTES}' if self.payload else 'none'} allowed: algorithm "
+                f"{self.algorithm}'s commits carry {self.payload or 'no payload'})"
+            )
 
     def payload_of(self, data: bytes) -> dict:
         """A commit's payload spec: exactly the tensors the algorithm's commits carry."""
         spec = _parse_spec(data, INT64)  # nothing is allocated unless it is exactly the payload declared
         got = {path: [dtype, shape] for path, dtype, shape in spec["tensors"]}
         if got != self.payload or spec["numbers"]:
-            raise Malformed(f"a commit whose payload is {str(got or spec['numbers'])[:200]}, where algorithm "
-                            f"{self.algorithm}'s commits carry {self.payload}")
+            raise Malformed(
+                f"a commit whose payload is {str(got or spec['numbers'])[:200]}, where algorithm "
+                f"{self.algorithm}'s commits carry {self.payload}"
+            )
         return spec
 
     def rows(self, text: bytes, worker: int, steps: list[int]) -> list[tuple[dict, dict | None]]:
@@ -183,14 +209,17 @@ class Bounds:
                 if not (_number(row[key]) and (kind is float or type(row[key]) is int)):
                     raise Malformed(f"a row whose {key!r} is {str(row[key])[:40]} (a {kind.__name__} is expected)")
             if (row["step"], row["worker"]) != (step, worker):
-                raise Malformed(f"a row of worker {row['worker']} for commit {row['step']}, where its next row is "
-                                f"worker {worker}'s for commit {step}")
+                raise Malformed(
+                    f"a row of worker {row['worker']} for commit {row['step']}, where its next row is "
+                    f"worker {worker}'s for commit {step}"
+                )
             if len(row) > ROW_KEYS:
                 raise Malformed(f"a row of {len(row)} keys (at most {ROW_KEYS} allowed)")
             for key, value in row.items():
                 if not NAME.fullmatch(key) or key == "lost_row" or not (_number(value) or value is None):
-                    raise Malformed(f"a row whose {key[:70]!r} is {str(value)[:40]} (a column name and a number "
-                                    "are expected)")
+                    raise Malformed(
+                        f"a row whose {key[:70]!r} is {str(value)[:40]} (a column name and a number are expected)"
+                    )
             if tensors is not None:
                 self.tensor_statistics(tensors)
             out.append((row, tensors))
@@ -201,6 +230,10 @@ class Bounds:
         if not (isinstance(tensors, dict) and 0 < len(tensors) <= TENSOR_SERIES):
             raise Malformed(f"per-tensor statistics that are not a dict of 1 to {TENSOR_SERIES} lists")
         for key, values in tensors.items():
-            if not (NAME.fullmatch(key) and isinstance(values, list) and len(values) == self.tensors
-                    and all(_number(v) for v in values)):
+            if not (
+                NAME.fullmatch(key)
+                and isinstance(values, list)
+                and len(values) == self.tensors
+                and all(_number(v) for v in values)
+            ):
                 raise Malformed(f"a per-tensor statistic {key[:70]!r} that is not {self.tensors} numbers")

@@ -153,26 +153,44 @@ def refuse_newcomers(before: frozenset[int]) -> list[int]:
     ports, unseen = [], _Unseen()
     for fd, inode, listens, local, _ in _tcp_sockets(unseen):
         if listens and inode not in before:
-            if _libc.setsockopt(fd, socket.SOL_SOCKET, SO_ATTACH_FILTER, ctypes.byref(_PROGRAM),
-                                ctypes.sizeof(_PROGRAM)) != 0:
-                print(f"gem: port {local[1]} still takes new connections ({os.strerror(ctypes.get_errno())})",
-                      file=sys.stderr, flush=True)
+            if (
+                _libc.setsockopt(
+                    fd, socket.SOL_SOCKET, SO_ATTACH_FILTER, ctypes.byref(_PROGRAM), ctypes.sizeof(_PROGRAM)
+                )
+                != 0
+            ):
+                print(
+                    f"gem: port {local[1]} still takes new connections ({os.strerror(ctypes.get_errno())})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 continue
             ports.append(local[1])
     if unseen.listing:
-        print("gem: this process's descriptors could not be listed (no descriptor left); its listeners still take "
-              "new connections", file=sys.stderr, flush=True)
+        print(
+            "gem: this process's descriptors could not be listed (no descriptor left); its listeners still take "
+            "new connections",
+            file=sys.stderr,
+            flush=True,
+        )
     elif unseen.count:
-        print(f"gem: {unseen.count} socket(s) of this process could not be looked at (no descriptor left); any "
-              "listener among them still takes new connections", file=sys.stderr, flush=True)
+        print(
+            f"gem: {unseen.count} socket(s) of this process could not be looked at (no descriptor left); any "
+            "listener among them still takes new connections",
+            file=sys.stderr,
+            flush=True,
+        )
     return sorted(ports)
 
 
 def held_endpoints(port: int | None) -> bytes:
     """A worker's connections to the job's store (at `port`), as rank 0 sees their far ends: what it sends with
     its proof. ENDPOINTS_BYTES exactly."""
-    ends = [list(local) for _, _, listens, local, far in _tcp_sockets()
-            if port and not listens and far is not None and far[1] == port]
+    ends = [
+        list(local)
+        for _, _, listens, local, far in _tcp_sockets()
+        if port and not listens and far is not None and far[1] == port
+    ]
     text = json.dumps(ends[:MAX_ENDPOINTS]).encode()
     return text.ljust(ENDPOINTS_BYTES) if len(text) <= ENDPOINTS_BYTES else b"[]".ljust(ENDPOINTS_BYTES)
 
@@ -184,8 +202,11 @@ def parse_endpoints(data: bytes) -> set[tuple[str, int]]:
         ends = json.loads(data.decode())
         if not isinstance(ends, list) or len(ends) > MAX_ENDPOINTS:
             return set()
-        return {_endpoint(e) for e in ends if isinstance(e, list) and len(e) == 2 and isinstance(e[0], str)
-                and type(e[1]) is int and 0 < e[1] < 65536}
+        return {
+            _endpoint(e)
+            for e in ends
+            if isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and type(e[1]) is int and 0 < e[1] < 65536
+        }
     except (UnicodeDecodeError, ValueError, TypeError, RecursionError):
         return set()
 
@@ -202,8 +223,11 @@ def cut_strangers(port: int | None, keep: set[tuple[str, int]]) -> list[str]:
     if not _holds_store(port, sockets):
         return []
     own = {local for _, _, listens, local, far in sockets if not listens and far is not None and far[1] == port}
-    strangers = {inode for _, inode, listens, local, far in sockets
-                 if not listens and local[1] == port and far is not None and far not in own and far not in keep}
+    strangers = {
+        inode
+        for _, inode, listens, local, far in sockets
+        if not listens and local[1] == port and far is not None and far not in own and far not in keep
+    }
     cut = []
     for fd, inode, _, _, far in _tcp_sockets():
         # the store reads end of file and closes its side (ENOTCONN: the far end had gone already)
@@ -223,9 +247,12 @@ def empty_store(store, port: int | None) -> int:
     if lazy_gloo() or not _holds_store(port, list(_tcp_sockets())):
         return 0
     if not hasattr(store, "list_keys"):
-        print("gem: rank 0 cannot empty the job's store of what was stored before its workers were admitted (this "
-              "torch's store cannot list its keys: a newer torch's can); it stays for the run", file=sys.stderr,
-              flush=True)
+        print(
+            "gem: rank 0 cannot empty the job's store of what was stored before its workers were admitted (this "
+            "torch's store cannot list its keys: a newer torch's can); it stays for the run",
+            file=sys.stderr,
+            flush=True,
+        )
         return 0
     try:
         deleted = sum(bool(store.delete_key(key)) for key in store.list_keys())
@@ -233,13 +260,21 @@ def empty_store(store, port: int | None) -> int:
         # store's protocol itself stored outside that prefix, it can neither list nor delete
         unnamed = store.num_keys() - 1
     except (RuntimeError, NotImplementedError) as e:
-        print(f"gem: rank 0 could not empty the job's store of what was stored before its workers were admitted "
-              f"({type(e).__name__}: {e}); it stays for the run", file=sys.stderr, flush=True)
+        print(
+            f"gem: rank 0 could not empty the job's store of what was stored before its workers were admitted "
+            f"({type(e).__name__}: {e}); it stays for the run",
+            file=sys.stderr,
+            flush=True,
+        )
         return 0
     if unnamed > 0:
-        print(f"gem: rank 0's store keeps {unnamed} key(s) that torch's client can neither name nor delete, stored "
-              "before the workers were admitted by a client that speaks the store's protocol itself; they stay for "
-              "the run", file=sys.stderr, flush=True)
+        print(
+            f"gem: rank 0's store keeps {unnamed} key(s) that torch's client can neither name nor delete, stored "
+            "before the workers were admitted by a client that speaks the store's protocol itself; they stay for "
+            "the run",
+            file=sys.stderr,
+            flush=True,
+        )
     trim = getattr(_libc, "malloc_trim", None)  # glibc: the freed values' pages back to the system, not only to
     if deleted and trim is not None:  # malloc's free lists (values of a few MiB come from its heap, not mmap)
         trim(0)

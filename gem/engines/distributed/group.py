@@ -83,9 +83,11 @@ def _devices(host: str | None) -> list:
     except OSError:
         addresses = set()
     if not [a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_loopback]:
-        raise ValueError(f"this host's name {name!r} resolves to no address other nodes can reach "
-                         f"({', '.join(sorted(addresses)) or 'none'}); set GLOO_SOCKET_IFNAME to the network "
-                         "interface the nodes share (e.g. GLOO_SOCKET_IFNAME=eth0) on every node")
+        raise ValueError(
+            f"this host's name {name!r} resolves to no address other nodes can reach "
+            f"({', '.join(sorted(addresses)) or 'none'}); set GLOO_SOCKET_IFNAME to the network "
+            "interface the nodes share (e.g. GLOO_SOCKET_IFNAME=eth0) on every node"
+        )
     return [dist.ProcessGroupGloo.create_default_device()]
 
 

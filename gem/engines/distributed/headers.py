@@ -31,8 +31,9 @@ class Headers:
         self.arrived_at: dict[int, float] = {}  # when each rank's last header came (time.monotonic)
         self.go_on = {r: threading.Semaphore(0) for r in ranks}
         self.dropped: set[int] = set()
-        self.threads = [threading.Thread(target=self._receive, args=(r,), name=f"gem-headers-{r}", daemon=True)
-                        for r in ranks]
+        self.threads = [
+            threading.Thread(target=self._receive, args=(r,), name=f"gem-headers-{r}", daemon=True) for r in ranks
+        ]
         for t in self.threads:
             t.start()
 

@@ -68,8 +68,11 @@ def encode_job(job: Job, start: Start | None = None) -> tuple[bytes, dict[str, t
     if job.data is not None:
         if type(job.data) is not Dataset:  # a subclass's own behaviour would not travel with its fields
             raise TypeError(f"engine=distributed sends a gem.data.Dataset, not a {type(job.data).__name__}")
-        fields["data"] = {f.name: getattr(job.data, f.name) for f in dataclasses.fields(Dataset)
-                          if f.name not in DATASET_TENSORS + TEST_TENSORS}
+        fields["data"] = {
+            f.name: getattr(job.data, f.name)
+            for f in dataclasses.fields(Dataset)
+            if f.name not in DATASET_TENSORS + TEST_TENSORS
+        }
         tensors = {k: getattr(job.data, k) for k in DATASET_TENSORS + TEST_TENSORS if getattr(job.data, k) is not None}
     for name, value in fields.items():  # name the field that cannot travel, rather than fail somewhere in json
         try:
@@ -90,8 +93,9 @@ def _hp_fields(job: Job) -> dict:
     except (TypeError, ValueError):
         same = False
     if not same:
-        raise TypeError(f"engine=distributed sends algorithm={job.algorithm}'s Params as JSON, and {d} does not "
-                        "come back the same")
+        raise TypeError(
+            f"engine=distributed sends algorithm={job.algorithm}'s Params as JSON, and {d} does not come back the same"
+        )
     return d
 
 
@@ -152,9 +156,11 @@ def check_imports(named: set[str], allowed: frozenset[str]) -> None:
     own = GEM_MODELS | allowed
     refused = sorted(p for p in named if not any(_normal(p) == a or _normal(p).startswith(a + ".") for a in own))
     if refused:
-        raise ValueError(f"the job names {', '.join(refused)}, which this worker does not import: a worker imports "
-                         f"gem's own algorithms and models, the import paths of its own command line and model "
-                         f"configs, and those listed in {IMPORTS_ENV} (comma-separated) on its host")
+        raise ValueError(
+            f"the job names {', '.join(refused)}, which this worker does not import: a worker imports "
+            f"gem's own algorithms and models, the import paths of its own command line and model "
+            f"configs, and those listed in {IMPORTS_ENV} (comma-separated) on its host"
+        )
 
 
 def _normal(path: str) -> str:
@@ -175,4 +181,3 @@ def _recv_job(pg, timeout_s: float) -> tuple[bytes, dict | None]:
     wait(pg.recv([header], 0, TAG_JOB), timeout_s)
     text = recv_bytes(pg, int(header[0]), 0, TAG_JOB, timeout_s)
     return text, recv_packed(pg, 0, TAG_JOB, timeout_s)
-

@@ -91,15 +91,20 @@ def run(job: Job, recorder) -> Result:
         coord = _Coordinator(job, recorder, server, Evaluator(job, job.data), resumed)
         coord.placement = place
         saved = {w: ckpt.load_worker(job.resume, w) for w in coord.pending_workers()} if resumed else {}
-        start = Start(t0_wall=coord.t0_wall, train_examples=len(job.data.train_y),
-                      window=window.described() if window is not None else None)
+        start = Start(
+            t0_wall=coord.t0_wall,
+            train_examples=len(job.data.train_y),
+            window=window.described() if window is not None else None,
+        )
         # before any worker starts: a field that JSON cannot carry fails here
         encoded = encode_job(_for_workers(job), start)
         if launched():
             world = int(os.environ["WORLD_SIZE"])
             if world != n + 1:
-                raise ValueError(f"workers={n} but the launcher started {world} processes; engine=distributed needs "
-                                 f"workers + 1 (rank 0 is the parameter server): pass workers={world - 1}")
+                raise ValueError(
+                    f"workers={n} but the launcher started {world} processes; engine=distributed needs "
+                    f"workers + 1 (rank 0 is the parameter server): pass workers={world - 1}"
+                )
             secret = launched_secret()  # the config's validation has refused a multi-node launch without one
             torch.set_num_threads(threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
             store, pg = _connect(lambda: launched_group(START_TIMEOUT_S)[:2], [])
@@ -110,8 +115,15 @@ def run(job: Job, recorder) -> Result:
             before = listening()
             listener = _listener(host, port)
             port = listener.getsockname()[1]
-            store = dist.TCPStore(host, port, n + 1, True, timeout=timedelta_of(START_TIMEOUT_S),
-                                  wait_for_workers=False, master_listen_fd=listener.fileno())
+            store = dist.TCPStore(
+                host,
+                port,
+                n + 1,
+                True,
+                timeout=timedelta_of(START_TIMEOUT_S),
+                wait_for_workers=False,
+                master_listen_fd=listener.fileno(),
+            )
             # the store owns the listening socket now and closes it when it goes. Closed here as well, its number
             # could belong to another file by then (a parquet part being read, seen as EBADF in the tests)
             listener.detach()
@@ -138,9 +150,12 @@ def run(job: Job, recorder) -> Result:
                 turn.state[0] = n
                 alive, here = ctx.Pipe(duplex=False)
             for r in range(1, n + 1):
-                p = ctx.Process(target=_local_worker, name=f"gem-worker-{r - 1}", daemon=True,
-                                args=(r, n + 1, local, port, START_TIMEOUT_S, threads, secret, imports, turn, alive,
-                                      theta_handed))
+                p = ctx.Process(
+                    target=_local_worker,
+                    name=f"gem-worker-{r - 1}",
+                    daemon=True,
+                    args=(r, n + 1, local, port, START_TIMEOUT_S, threads, secret, imports, turn, alive, theta_handed),
+                )
                 with interrupts_held():  # a child started is a child recorded, and stopped below
                     p.start()
                     children.append(p)
@@ -219,18 +234,31 @@ class Placement:
 
     def describe(self) -> str:
         if self.handed:
-            return (f"θ on {self.central}, handed to the workers by CUDA IPC; they pass the server's turn among "
-                    "themselves in shared memory")
+            return (
+                f"θ on {self.central}, handed to the workers by CUDA IPC; they pass the server's turn among "
+                "themselves in shared memory"
+            )
         if self.local_turn:
             return "θ in shared memory on rank 0's host; the workers pass the server's turn among themselves there"
         if self.slots:
-            return (f"θ in rank 0's memory, served by rank 0; workers 0-{self.slots - 1} (on its host) read it from "
-                    "shared memory, the others over the wire")
+            return (
+                f"θ in rank 0's memory, served by rank 0; workers 0-{self.slots - 1} (on its host) read it from "
+                "shared memory, the others over the wire"
+            )
         return "θ in rank 0's memory, served by rank 0; every worker exchanges it over the wire"
 
 
-def _serve(coord: _Coordinator, pg, secret: str, encoded, states: dict, children: list, store=None,
-           window: Window | None = None, turn: Turn | None = None) -> Result:
+def _serve(
+    coord: _Coordinator,
+    pg,
+    secret: str,
+    encoded,
+    states: dict,
+    children: list,
+    store=None,
+    window: Window | None = None,
+    turn: Turn | None = None,
+) -> Result:
     """The run, once the group has formed: each worker proves the run's secret (secret.admit); each that did gets
     its job and its saved state (`states`, by rank); one that did not gets nothing and is recorded lost. Then the
     coordinator serves the run to its end."""
@@ -239,8 +267,12 @@ def _serve(coord: _Coordinator, pg, secret: str, encoded, states: dict, children
     cut = cut_strangers(getattr(store, "port", None), held)
     empty_store(store, getattr(store, "port", None))  # and what anyone stored there goes with its keys (doors.py)
     if cut:
-        print(f"gem: rank 0 closed {len(cut)} connection(s) to the job's store that no admitted worker holds "
-              f"(from {', '.join(cut[:5])}{', ...' if len(cut) > 5 else ''})", file=sys.stderr, flush=True)
+        print(
+            f"gem: rank 0 closed {len(cut)} connection(s) to the job's store that no admitted worker holds "
+            f"(from {', '.join(cut[:5])}{', ...' if len(cut) > 5 else ''})",
+            file=sys.stderr,
+            flush=True,
+        )
     for r, state in states.items():
         if r not in refused:
             _send_job(pg, encoded, r, START_TIMEOUT_S)
@@ -310,8 +342,15 @@ class _Coordinator(Coordinator):
         self.to_monotonic = self.t0_wall - time.time() + time.monotonic()  # a row's time_s, on time.monotonic
         self.placement: Placement | None = None  # where θ lives (`run` decides it)
 
-    def attach(self, pg, children: list, store=None, refused: dict[int, str] | None = None,
-               window: Window | None = None, turn: Turn | None = None) -> None:
+    def attach(
+        self,
+        pg,
+        children: list,
+        store=None,
+        refused: dict[int, str] | None = None,
+        window: Window | None = None,
+        turn: Turn | None = None,
+    ) -> None:
         """Start the server thread; `refused`: ranks that did not prove the run's secret, lost from the start."""
         ranks = [w + 1 for w in range(self.job.workers)]
         job, server = self.job, self.server
@@ -522,14 +561,21 @@ class _Coordinator(Coordinator):
         # the server, not the workers, set the pace
         # (none with a local turn: the workers apply their own commits)
         served = ps.served and ps.turn is None
-        extra = {"server_commit_s": round(ps.busy_s / ps.served, 6) if served else None,
-                 "server_busy": round(ps.busy_s / wall, 4) if served and wall > 0 else None,
-                 "shared_memory_workers": sorted(r - 1 for r in ps.mapped),
-                 "local_turn": ps.turn is not None, "central_device": str(self.server.theta.device),
-                 "placement": self.placement.describe() if self.placement is not None else None}
+        extra = {
+            "server_commit_s": round(ps.busy_s / ps.served, 6) if served else None,
+            "server_busy": round(ps.busy_s / wall, 4) if served and wall > 0 else None,
+            "shared_memory_workers": sorted(r - 1 for r in ps.mapped),
+            "local_turn": ps.turn is not None,
+            "central_device": str(self.server.theta.device),
+            "placement": self.placement.describe() if self.placement is not None else None,
+        }
         if self.write_error:  # every process has stopped and the rows are recorded: the runner says it, once
             raise WriteError(self.write_error)
         if self.fatal and not self.diverged:
-            return Result("failed", self.steps, reason="; ".join([self.fatal, *self.lost]),
-                          extra={"lost_workers": sorted(self.lost_workers), **extra})
+            return Result(
+                "failed",
+                self.steps,
+                reason="; ".join([self.fatal, *self.lost]),
+                extra={"lost_workers": sorted(self.lost_workers), **extra},
+            )
         return self.conclude(extra)

@@ -90,8 +90,19 @@ def worker_main(timeout_s: float = START_TIMEOUT_S, allowed=()) -> int:
     return _work(pg, rank, threads, secret, allowed_imports(allowed), ignore_sigint=False, store=store)
 
 
-def _local_worker(rank: int, world: int, host: str, port: int, timeout_s: float, threads: int, secret: str,
-                  allowed: tuple[str, ...], turn: Turn | None = None, alive=None, handed: dict | None = None) -> None:
+def _local_worker(
+    rank: int,
+    world: int,
+    host: str,
+    port: int,
+    timeout_s: float,
+    threads: int,
+    secret: str,
+    allowed: tuple[str, ...],
+    turn: Turn | None = None,
+    alive=None,
+    handed: dict | None = None,
+) -> None:
     """A worker of a local launch (`python run.py engine=distributed`): rank 0, its parent, hands it the run's
     secret and the import paths of its job as arguments, never over the network; and, where θ is in shared
     memory, the server's turn, which the workers then pass among themselves (window.py), with `alive`, the read
@@ -102,8 +113,7 @@ def _local_worker(rank: int, world: int, host: str, port: int, timeout_s: float,
         store = dist.TCPStore(host, port, world, False, timeout=timedelta_of(timeout_s))
         pg = form_group(store, rank, world, host, timeout_s)
         refuse_newcomers(before)  # gloo's listener: nobody is left to connect to it (doors.py)
-        _work(pg, rank, threads, secret, allowed_imports(allowed), store=store, turn=turn, alive=alive,
-              handed=handed)
+        _work(pg, rank, threads, secret, allowed_imports(allowed), store=store, turn=turn, alive=alive, handed=handed)
     finally:
         # rank 0 can free GPU memory it shared only once every process that received it has let go of it; this
         # process ends in os._exit, which runs no finaliser, and its Process object holds `handed` to the end
@@ -112,16 +122,29 @@ def _local_worker(rank: int, world: int, host: str, port: int, timeout_s: float,
             gc.collect()
 
 
-def _work(pg, rank: int, threads: int, secret: str, allowed: frozenset[str], ignore_sigint: bool = True,
-          store=None, turn: Turn | None = None, alive=None, handed: dict | None = None) -> int:
+def _work(
+    pg,
+    rank: int,
+    threads: int,
+    secret: str,
+    allowed: frozenset[str],
+    ignore_sigint: bool = True,
+    store=None,
+    turn: Turn | None = None,
+    alive=None,
+    handed: dict | None = None,
+) -> int:
     setup_process(threads, ignore_sigint)
     try:
         prove(pg, rank, secret, START_TIMEOUT_S, getattr(store, "port", None))
         text, tensors = _recv_job(pg, START_TIMEOUT_S)
         saved = recv_packed(pg, 0, TAG_JOB, START_TIMEOUT_S)  # this worker's state, when the run resumes
     except RuntimeError as e:
-        print(f"gem: worker rank {rank}: no job from rank 0 ({str(e).splitlines()[0] if str(e) else e!r}); rank 0 "
-              f"sends none to a worker that does not prove the run's secret ({SECRET_ENV})", file=sys.stderr)
+        print(
+            f"gem: worker rank {rank}: no job from rank 0 ({str(e).splitlines()[0] if str(e) else e!r}); rank 0 "
+            f"sends none to a worker that does not prove the run's secret ({SECRET_ENV})",
+            file=sys.stderr,
+        )
         return 1
     try:
         job, start = decode_job(text, tensors, allowed), decode_start(text)
@@ -172,8 +195,17 @@ class _RemoteLink:
     the server step in place, notes the commit in the window's log, and hands the turn on; only its rows, a
     checkpoint's state and the barriers' pulls go over the wire."""
 
-    def __init__(self, pg, rank: int, job: Job, start: Start, store=None, turn: Turn | None = None, alive=None,
-                 handed: dict | None = None):
+    def __init__(
+        self,
+        pg,
+        rank: int,
+        job: Job,
+        start: Start,
+        store=None,
+        turn: Turn | None = None,
+        alive=None,
+        handed: dict | None = None,
+    ):
         self.pg, self.rank, self.job, self.start = pg, rank, job, start
         self.turn, self.alive, self.handed = turn, alive, handed
         self.holding = False  # this worker holds the turn (`turn` only)
@@ -199,8 +231,12 @@ class _RemoteLink:
     def header(self, kind: int, extra: bytes = b"", rows: bool = False) -> None:
         """A header to the server, with the commit rows not yet sent: always with the last word (or `rows`), else
         in batches, so that most ASKs are one small message."""
-        batch = rows or kind != ASK or len(self.buffer) >= ROWS_PER_MESSAGE or \
-            time.monotonic() - self.sent_at > ROWS_SECONDS
+        batch = (
+            rows
+            or kind != ASK
+            or len(self.buffer) >= ROWS_PER_MESSAGE
+            or time.monotonic() - self.sent_at > ROWS_SECONDS
+        )
         rows = rows_json(self.buffer) if batch and self.buffer else b""
         try:
             _header(self.pg, kind, rows, len(self.buffer) if rows else 0, extra, self.wait_s)
@@ -238,8 +274,9 @@ class _RemoteLink:
         say on the store that it waits.)"""
         asked: list[int] = []  # the clock when it took its place in line (as the process engine's rows say)
         try:
-            self.turn.acquire(w, self._turn_waiting, self._turn_request,
-                              on_queued=lambda: asked.append(int(self.server.clock)))
+            self.turn.acquire(
+                w, self._turn_waiting, self._turn_request, on_queued=lambda: asked.append(int(self.server.clock))
+            )
         except Gone:
             self._request(ASK, b"", itertools.repeat(WAIT_S), rows=True)
             raise RuntimeError("the server answered GO to a worker that takes its turn in shared memory") from None
@@ -336,8 +373,9 @@ class _RemoteLink:
 
     def rows(self, row: dict, tensors) -> None:
         self.buffer.append((row, tensors))
-        if self.turn is not None and (len(self.buffer) >= ROWS_PER_MESSAGE
-                                      or time.monotonic() - self.sent_at > ROWS_SECONDS):
+        if self.turn is not None and (
+            len(self.buffer) >= ROWS_PER_MESSAGE or time.monotonic() - self.sent_at > ROWS_SECONDS
+        ):
             self.header(ROWS)  # no ASK to carry them: the turn is not rank 0's
 
     def run(self, saved: dict | None) -> None:
@@ -346,8 +384,10 @@ class _RemoteLink:
             data = job.data if job.data_source is None else load_dataset(**job.data_source)
             job = self.job = dataclasses.replace(job, data=data)
             if len(data.train_y) != self.start.train_examples:
-                raise ValueError(f"this rank loaded {len(data.train_y)} training examples of data={data.name}, rank "
-                                 f"0 has {self.start.train_examples}: every node needs the same data.root")
+                raise ValueError(
+                    f"this rank loaded {len(data.train_y)} training examples of data={data.name}, rank "
+                    f"0 has {self.start.train_examples}: every node needs the same data.root"
+                )
             algo = algorithms.get(job.algorithm)
             worker = self.worker = Worker(self.w, job, algo)  # its model: θ₀ from the seed, as on every rank
             # the replica of the server's state stays on the host, where gloo sends and receives it; page-locked for
@@ -362,13 +402,19 @@ class _RemoteLink:
             if self.turn is not None:
                 if self.window is None:
                     where = (self.start.window or {}).get("path")
-                    raise RuntimeError(f"cannot map rank 0's window {where}, where the workers of a local launch "
-                                       "take their turn")
+                    raise RuntimeError(
+                        f"cannot map rank 0's window {where}, where the workers of a local launch take their turn"
+                    )
                 handed = self.handed
                 if (handed is None) == (self.window.theta is None):
                     raise RuntimeError("rank 0's window and the θ it handed this worker disagree on where θ is")
-                self.server = self.window.adopt(self.replica if handed is None else Server(
-                    algo, job.hp, handed["theta"], handed["state"], self.replica.clock, self.replica.pulled_at))
+                self.server = self.window.adopt(
+                    self.replica
+                    if handed is None
+                    else Server(
+                        algo, job.hp, handed["theta"], handed["state"], self.replica.clock, self.replica.pulled_at
+                    )
+                )
             self.header(READY, b"1" if self.window is not None else b"")
             while worker.cycle(self):
                 pass
@@ -408,8 +454,10 @@ class _Waiting(threading.Thread):
                 except Exception as e:  # noqa: BLE001 - the store went with rank 0: the worker finds out itself
                     # or rank 0 cut this connection as a stranger's (doors.cut_strangers: an address translated
                     # on the way). Said once: a long wait for the server may then count as this worker's silence
-                    print(f"gem: worker rank {self.rank} can no longer say on the job's store that it waits for the "
-                          f"server ({str(e).splitlines()[0] if str(e) else type(e).__name__})", file=sys.stderr,
-                          flush=True)
+                    print(
+                        f"gem: worker rank {self.rank} can no longer say on the job's store that it waits for the "
+                        f"server ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return
-

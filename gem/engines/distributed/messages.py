@@ -23,11 +23,30 @@ ASK, READY, FINISHED, DIVERGED, ERROR, SAVED, PULL, ROWS = range(8)
 # server → worker, first word of the reply to an ASK, PULL or FINISHED: [kind, t, τ]
 GO, STOP, BYE, SAVE, WAIT = range(5)
 HEADER = 4  # int64 words: [kind, rows_nbytes, rows_count, extra_nbytes]
-KINDS = {ASK: "ASK", READY: "READY", FINISHED: "FINISHED", DIVERGED: "DIVERGED", ERROR: "ERROR", SAVED: "SAVED",
-         PULL: "PULL", ROWS: "ROWS"}
+KINDS = {
+    ASK: "ASK",
+    READY: "READY",
+    FINISHED: "FINISHED",
+    DIVERGED: "DIVERGED",
+    ERROR: "ERROR",
+    SAVED: "SAVED",
+    PULL: "PULL",
+    ROWS: "ROWS",
+}
 # the dtypes a state or payload may have on the wire
-DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                               torch.uint8, torch.bool)}
+DTYPES = {
+    str(d): d
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 class Malformed(ValueError):

@@ -20,8 +20,10 @@ from gem.engines.distributed.messages import TAG_JOB, connection_closed, recv_by
 SECRET_ENV, SECRET_FILE_ENV = "GEM_RUN_SECRET", "GEM_RUN_SECRET_FILE"
 SECRET_MIN_CHARS = 16  # a proof travels in the clear: a short secret could be found from one by trying them all
 NONCE_BYTES = 32  # rank 0's challenge to each worker, fresh for each run: a proof seen once cannot be replayed
-SECRET_HINT = (f'export {SECRET_ENV}=$(python -c "import secrets; print(secrets.token_hex(16))") on every host '
-               f"(the same value), or name a file that holds it in {SECRET_FILE_ENV}")
+SECRET_HINT = (
+    f'export {SECRET_ENV}=$(python -c "import secrets; print(secrets.token_hex(16))") on every host '
+    f"(the same value), or name a file that holds it in {SECRET_FILE_ENV}"
+)
 
 
 def run_secret() -> str | None:
@@ -40,8 +42,10 @@ def run_secret() -> str | None:
     if not secret:
         return None
     if len(secret) < SECRET_MIN_CHARS:
-        raise ValueError(f"{where} holds a secret of {len(secret)} characters, and the run's secret needs at least "
-                         f"{SECRET_MIN_CHARS}: {SECRET_HINT}")
+        raise ValueError(
+            f"{where} holds a secret of {len(secret)} characters, and the run's secret needs at least "
+            f"{SECRET_MIN_CHARS}: {SECRET_HINT}"
+        )
     return secret
 
 
@@ -53,8 +57,10 @@ def launched_secret() -> str:
     rank bound to loopback); set one all the same where other users share the machine."""
     secret = run_secret()
     if secret is None and not single_node():
-        raise ValueError(f"{SECRET_ENV} is not set, and a launch over several machines needs the run's secret so that "
-                         f"only its own workers can join: {SECRET_HINT}")
+        raise ValueError(
+            f"{SECRET_ENV} is not set, and a launch over several machines needs the run's secret so that "
+            f"only its own workers can join: {SECRET_HINT}"
+        )
     return secret or ""
 
 
@@ -89,8 +95,10 @@ def admit(pg, ranks: list[int], secret: str, timeout_s: float) -> tuple[dict[int
                 refused[r] = f"rank {r} refused: it did not prove the run's secret ({SECRET_ENV})"
         except RuntimeError as e:
             if not connection_closed(e):
-                raise RuntimeError(f"worker rank {r} did not answer rank 0's challenge within {timeout_s:.0f} s; "
-                                   "gloo gives up on the whole group after such a wait") from None
+                raise RuntimeError(
+                    f"worker rank {r} did not answer rank 0's challenge within {timeout_s:.0f} s; "
+                    "gloo gives up on the whole group after such a wait"
+                ) from None
             refused[r] = f"rank {r} refused: its connection closed before it proved the run's secret"
     return refused, held
 

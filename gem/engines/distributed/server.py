@@ -76,8 +76,17 @@ class _Server(threading.Thread):
     """Rank 0's exchanges with the workers, one at a time, in the order their headers arrive. Talks to the
     coordinator (the main thread) through `events`; `lock` guards the server's state and the bookkeeping."""
 
-    def __init__(self, pg, job: Job, server: Server, workers: list[int], events: queue.Queue, bounds: Bounds,
-                 window: Window | None = None, turn: Turn | None = None):
+    def __init__(
+        self,
+        pg,
+        job: Job,
+        server: Server,
+        workers: list[int],
+        events: queue.Queue,
+        bounds: Bounds,
+        window: Window | None = None,
+        turn: Turn | None = None,
+    ):
         super().__init__(name="gem-parameter-server", daemon=True)
         self.pg, self.job, self.server, self.events, self.bounds = pg, job, server, events, bounds
         # how long a wait on one worker may last (the coordinator keeps it at group.patience of the silence limit)
@@ -129,13 +138,15 @@ class _Server(threading.Thread):
     def _sync_log(self) -> None:
         t, log = self.server.t, self.window.log
         if t - self.logged > log.numel():
-            raise RuntimeError(f"{t - self.logged} commits since rank 0 last read the commit log, which holds "
-                               f"{log.numel()}")
+            raise RuntimeError(
+                f"{t - self.logged} commits since rank 0 last read the commit log, which holds {log.numel()}"
+            )
         if t <= self.logged:
             return
         lost = []
-        for i, entry in zip(range(self.logged, t), log[torch.arange(self.logged, t) % log.numel()].tolist(),
-                            strict=True):
+        for i, entry in zip(
+            range(self.logged, t), log[torch.arange(self.logged, t) % log.numel()].tolist(), strict=True
+        ):
             if entry // LOG_WORKERS != i:  # not yet visible here: read it at the next look (its rows come after it)
                 t = i
                 break
@@ -210,8 +221,9 @@ class _Server(threading.Thread):
 
     def serve_headers(self) -> None:
         while self.open():
-            started = len(self.ready | self.done) == len(self.ranks) or \
-                time.monotonic() - self.started > START_TIMEOUT_S
+            started = (
+                len(self.ready | self.done) == len(self.ranks) or time.monotonic() - self.started > START_TIMEOUT_S
+            )
             if self.early and started:
                 self.exchange(self.early.popleft())
                 continue
@@ -276,8 +288,9 @@ class _Server(threading.Thread):
             src, got = self.headers.get(POLL_S)
         except queue.Empty:
             if time.monotonic() - self.last_header > self.wait_s:
-                raise RuntimeError(f"no worker sent anything for {self.wait_s:.0f} s (twice the silence limit + "
-                                   "10 s)") from None
+                raise RuntimeError(
+                    f"no worker sent anything for {self.wait_s:.0f} s (twice the silence limit + 10 s)"
+                ) from None
             return None, None  # look again at what the loop waits for (a start, a checkpoint)
         self.last_header = time.monotonic()
         if got is None or isinstance(got, torch.Tensor):
@@ -354,18 +367,23 @@ class _Server(threading.Thread):
         """A worker is ready; b"1": it maps θ from the window, which it may only where the window gives it a slot.
         Once every worker is ready, no other process needs to open the window's file: it is removed."""
         if self.turn is not None and extra != b"1":
-            self.ban(src, f"a READY header followed by {extra!r}, where every worker takes its turn in shared memory "
-                          "(b'1')")
+            self.ban(
+                src, f"a READY header followed by {extra!r}, where every worker takes its turn in shared memory (b'1')"
+            )
             return
         if extra:
             window = self.window
             if extra != b"1":
-                self.ban(src, f"a READY header followed by {extra!r} (b'1', that it maps θ from shared memory, or "
-                              "nothing)")
+                self.ban(
+                    src, f"a READY header followed by {extra!r} (b'1', that it maps θ from shared memory, or nothing)"
+                )
                 return
             if window is None or not 0 <= src - 1 < window.slots:
-                self.ban(src, "a READY header saying that it maps θ from shared memory, where " + (
-                    "rank 0 keeps none" if window is None else f"only workers 0 to {window.slots - 1} have a slot"))
+                self.ban(
+                    src,
+                    "a READY header saying that it maps θ from shared memory, where "
+                    + ("rank 0 keeps none" if window is None else f"only workers 0 to {window.slots - 1} have a slot"),
+                )
                 return
             self.mapped.add(src)
         self.ready.add(src)
@@ -548,8 +566,10 @@ class _Server(threading.Thread):
             self.ban(src, str(e) if isinstance(e, Malformed) else f"what cannot be read ({e})")
             return
         if not connection_closed(e):
-            raise RuntimeError(f"worker rank {src} did not answer for {self.wait_s:.0f} s (twice the silence limit "
-                               "+ 10 s); gloo gives up on the whole group after such a wait") from None
+            raise RuntimeError(
+                f"worker rank {src} did not answer for {self.wait_s:.0f} s (twice the silence limit "
+                "+ 10 s); gloo gives up on the whole group after such a wait"
+            ) from None
         self.done_with(src)  # now: a checkpoint in progress must not wait for it
         self.events.put(("lost", src, "its connection closed"))
 
@@ -566,8 +586,10 @@ class _Server(threading.Thread):
         live = set(self.ranks) - self.done
         if not live or any(self.barriers.get(r, -1) <= self.server.t for r in live):
             return False
-        why = (f"workers {sorted(r - 1 for r in live)} wait at a barrier (t={min(self.barriers[r] for r in live)}) "
-               f"that no commit can reach (t={self.server.t}, the other workers are lost or finished)")
+        why = (
+            f"workers {sorted(r - 1 for r in live)} wait at a barrier (t={min(self.barriers[r] for r in live)}) "
+            f"that no commit can reach (t={self.server.t}, the other workers are lost or finished)"
+        )
         self.stop(why)
         self.events.put(("fatal", why))
         return True

@@ -67,8 +67,9 @@ def log_entry(t: int, w: int) -> int:
     return t * LOG_WORKERS + w
 
 
-def _layout(server: Server, slots: int, turn: bool, theta: bool = True) -> tuple[list[tuple[str, int, torch.Tensor]],
-                                                                              int]:
+def _layout(
+    server: Server, slots: int, turn: bool, theta: bool = True
+) -> tuple[list[tuple[str, int, torch.Tensor]], int]:
     """(name, byte offset, a tensor of its dtype and shape) for θ and each server tensor (`theta`: not where they
     live on the workers' GPU), the clock and the pull times, then (`turn`) the commit log or each worker's slot, and
     the size in all: the same on rank 0 and on a worker, from the same algorithm and model. The nonce is on the
@@ -98,8 +99,9 @@ class Window:
     """The mapped file: `theta`, `state` (the server's tensors, by name) and `slot(w)`, worker w's Δ (a worker
     has only its own); `slots`, how many workers have one. `views`: name → tensor, named as in _layout."""
 
-    def __init__(self, path: Path, views: dict[str, torch.Tensor], nonce: bytes, slots: int, owner: bool,
-                 turn: bool = False):
+    def __init__(
+        self, path: Path, views: dict[str, torch.Tensor], nonce: bytes, slots: int, owner: bool, turn: bool = False
+    ):
         self.path, self.nonce, self.slots, self.owner, self.turn = path, nonce, slots, owner, turn
         # θ: None where θ and the server's tensors live on the workers' GPU instead (`create`)
         self.theta, self.clock, self.pulled_at = views.get("theta"), views["clock"], views["pulled_at"]
@@ -161,8 +163,13 @@ class Window:
     def described(self) -> dict:
         """What the job tells the workers: where the window is, how to know it is rank 0's, who has a slot, whether
         θ is in it."""
-        return {"path": str(self.path), "nonce": self.nonce.hex(), "slots": self.slots, "turn": self.turn,
-                "theta": self.theta is not None}
+        return {
+            "path": str(self.path),
+            "nonce": self.nonce.hex(),
+            "slots": self.slots,
+            "turn": self.turn,
+            "theta": self.theta is not None,
+        }
 
     def unlink(self) -> None:
         """Remove the file: the mappings stay, no one else can open it."""
@@ -178,14 +185,22 @@ class Window:
         have one (another host, no slot for it, the file gone or not what the job says): it then uses the wire (a
         local launch's worker, which has no exchange to fall back on, says why and is lost)."""
         workers = replica.pulled_at.numel()
-        if not isinstance(described, dict) or type(described.get("slots")) is not int or \
-                not 0 <= w < described["slots"] <= workers:
+        if (
+            not isinstance(described, dict)
+            or type(described.get("slots")) is not int
+            or not 0 <= w < described["slots"] <= workers
+        ):
             return None
         path, nonce = Path(str(described.get("path", ""))), str(described.get("nonce", ""))
         theta = described.get("theta", True)
-        if path.parent != SHM or not NAME.fullmatch(path.name) or \
-                not re.fullmatch(f"[0-9a-f]{{{2 * NONCE_BYTES}}}", nonce) or \
-                (described.get("turn") is True) != writable or type(theta) is not bool or not (theta or writable):
+        if (
+            path.parent != SHM
+            or not NAME.fullmatch(path.name)
+            or not re.fullmatch(f"[0-9a-f]{{{2 * NONCE_BYTES}}}", nonce)
+            or (described.get("turn") is True) != writable
+            or type(theta) is not bool
+            or not (theta or writable)
+        ):
             return None
         layout, size = _layout(replica, described["slots"], writable, theta)
         parts = {name: (at, like) for name, at, like in layout}
