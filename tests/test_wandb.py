@@ -1,6 +1,7 @@
 """W&B by experiment (experiments/wandb_logger.py): a sweep's runs are grouped by experiment and launch time, each run
 is named by what its command sets, and the config logged has every key with its default filled in."""
 
+import dataclasses
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from experiments.runner import run
 from experiments.wandb_logger import group as wandb_group
 from experiments.wandb_logger import launch_time
 from experiments.wandb_logger import run_name as wandb_name
+from gem.engines.options import SimOptions
 
 STAMP = re.compile(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}")
 
@@ -143,7 +145,8 @@ def test_the_logged_config_has_every_default_the_choices_and_the_experiment(tmp_
     config = kw["config"]
     assert json.loads(json.dumps(config)) == config  # plain JSON
     # schema defaults the YAML does not set, and the algorithm's own defaults
-    assert config["engine"]["timeout_s"] == 60.0 and config["engine"]["silent_cycles"] == 10.0
+    # the engine's every option (gem.engines.options: sim has no silence timeout), and the run's checkpoint schedule
+    assert set(config["engine"]) == {f.name for f in dataclasses.fields(SimOptions)} | {"checkpoint_every"}
     assert config["data"]["augment"] is True and config["data"]["synthetic"]["train_size"] == 256
     assert config["algorithm"] == {"name": "gem", "kappa": 1.0, "pi_max": 5.0, "eps": 1e-12, "proxy": "local"}
     assert config["engine"]["staleness"] == "gamma"  # the experiment's own settings
