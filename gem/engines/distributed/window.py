@@ -121,8 +121,10 @@ class Window:
         writable, and (`theta=False`) without θ and the server's tensors, which then live on the workers' GPU,
         shared by CUDA IPC (launch.py). None where there is no /dev/shm, or no room in it (every worker then uses
         the wire)."""
-        if slots < 1 or (theta or not turn) and server.theta.device.type != "cpu" or not SHM.is_dir():
+        if slots < 1 or (theta or not turn) and server.theta.device.type != "cpu":
             return None
+        if not SHM.is_dir():
+            return _no_window(f"this host has no {SHM}")
         _remove_stale()
         layout, size = _layout(server, slots, turn, theta)
         path = SHM / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
