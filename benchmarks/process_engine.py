@@ -123,7 +123,7 @@ def engine_run(
         seed=SEED,
         eval_every=10**9,
         eval_train_size=64,
-        engine=options or {},
+        engine={"name": engine.__name__.rsplit(".", 1)[-1], **(options or {})},  # the module's own options
         device=device,
     )
     with tempfile.TemporaryDirectory() as d:

@@ -221,7 +221,7 @@ def test_a_sweep_logs_its_group_name_and_full_config_offline(tmp_path):
     assert re.fullmatch(r"fig1_quick " + STAMP.pattern, header.run_group)  # a custom sweep directory: launch time
     assert header.display_name == "gem κ=2 n=2 epochs=1 s0"
     config = {u.key: json.loads(u.value_json) for u in header.config.update}
-    assert config["algorithm"]["kappa"] == 2.0 and config["engine"]["timeout_s"] == 60.0
+    assert config["algorithm"]["kappa"] == 2.0 and config["engine"]["cycle_cv"] == 0.25
     assert config["data"]["augment"] is True and config["data"]["name"] == "digits"
     assert config["experiment"] == "fig1_quick" and config["choices"]["algorithm"] == "gem"
     ev = pd.read_parquet(tmp_path / "0" / "eval.parquet")  # and the evaluation rows carry worker_step

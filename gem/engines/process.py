@@ -45,6 +45,7 @@ from gem.engines import Job, Result
 from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model, central_device
+from gem.engines.options import ProcessOptions
 from gem.engines.server import Server
 from gem.engines.turn import FLUSH, SAVE, Gone, Turn
 from gem.engines.worker import (
@@ -201,6 +202,8 @@ def _share(job: Job) -> Job:
 
 
 def run(job: Job, recorder) -> Result:
+    if not isinstance(job.engine, ProcessOptions):
+        raise ValueError(f"engine=process cannot run a job for engine={job.engine.name}")
     algo = algorithms.get(job.algorithm)
     n = job.workers
     threads = threads_per_process(n)

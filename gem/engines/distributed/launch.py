@@ -54,6 +54,7 @@ from gem.engines.distributed.messages import TAG_JOB, Malformed, send_packed
 from gem.engines.distributed.secret import admit, launched_secret, run_secret
 from gem.engines.distributed.server import _Server
 from gem.engines.distributed.window import Window
+from gem.engines.options import DistributedOptions
 from gem.engines.turn import Gone, Turn
 from gem.engines.worker import (
     EXIT_WAIT_S,
@@ -70,6 +71,8 @@ SETTLE_S = 2.0  # rank 0's wait at its end for its threads in gloo's waits (_Ser
 
 def run(job: Job, recorder) -> Result:
     eng = job.engine
+    if not isinstance(eng, DistributedOptions):
+        raise ValueError(f"engine=distributed cannot run a job for engine={eng.name}")
     n = job.workers
     algo = algorithms.get(job.algorithm)
     # θ on rank 0's host: gloo moves CPU tensors. A GPU worker stages θ on its device at its commits.
