@@ -54,7 +54,6 @@ from gem.engines.worker import (
     ROWS_SECONDS,
     START_TIMEOUT_S,
     STOP_GRACE_S,
-    Diverged,
     Worker,
     barrier_pauses,
     interrupts_held,
@@ -62,12 +61,58 @@ from gem.engines.worker import (
     threads_per_process,
     worker_context,
 )
+from gem.engines.worker import Diverged as WorkerDiverged
 from gem.files import WriteError
 
 TURN_TIMEOUT_S = 120.0  # the coordinator waits for the turn at most this long beyond the silence limit (a frozen
 # holder is lost at the limit, and its turn handed on: this bound is a backstop)
 
 _ASKED = {SAVE: "SAVE", FLUSH: "FLUSH"}
+
+
+# --------------------------------------------------------------- what a worker process tells the coordinator
+# One value a message, sent down the worker's pipe (pickled between a parent and the children it started, never
+# between peers); the coordinator's `drain` has one case for each.
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """The worker has built its model from θ₀ (and its saved state): the race may begin."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    rows: list  # (row, tensors) of its latest commits, in their order
+
+
+@dataclasses.dataclass(frozen=True)
+class Replied:
+    """It has sent its rows (FLUSH), or its rows and its state into the checkpoint's folder (SAVE), as asked."""
+
+    action: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """Its last commit is made and its rows sent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Diverged:
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteFailed:
+    """Its checkpoint file could not be written: the disk, not the worker, failed, and the run ends."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Raised:
+    error: str  # "<type>: <message>"
+    traceback: str
 
 
 # ----------------------------------------------------------------------------------------------- worker
@@ -123,18 +168,16 @@ class _Link:
 
     def send_rows(self) -> None:
         if self.buffer:
-            self.conn.send(("rows", self.buffer))
+            self.conn.send(Rows(self.buffer))
             self.buffer, self.sent_at = [], time.monotonic()
 
     def on_request(self, action: int) -> None:
         """The coordinator holds the turn and asks for our rows (FLUSH), or our rows and state (SAVE)."""
         self.send_rows()
-        if action == FLUSH:
-            self.conn.send(("flushed", self.w))
-            return
-        folder = Path(self.run_dir) / ckpt.CHECKPOINT / "pending"
-        ckpt.save_atomic(self.worker.state_dict(in_hand=True), ckpt.worker_file(folder, self.w))
-        self.conn.send(("saved", self.w))
+        if action == SAVE:
+            folder = Path(self.run_dir) / ckpt.CHECKPOINT / "pending"
+            ckpt.save_atomic(self.worker.state_dict(in_hand=True), ckpt.worker_file(folder, self.w))
+        self.conn.send(Replied(action))
 
 
 def _worker(w: int, job: Job, tensors: dict, turn: Turn, conn, alive, threads: int, t0_wall: float):
@@ -162,21 +205,21 @@ def _work(w: int, job: Job, tensors: dict, turn: Turn, conn, alive, threads: int
             worker.load_state_dict(ckpt.load_worker(job.resume, w))
         link = _Link(w, server, turn, conn, alive, t0_wall, job.run_dir)
         link.worker = worker
-        conn.send(("ready",))
+        conn.send(Ready())
         while worker.cycle(link):
             pass
         link.send_rows()
-        conn.send(("finished", w))
-    except Diverged as e:
+        conn.send(Finished())
+    except WorkerDiverged as e:
         link.send_rows()
-        conn.send(("diverged", str(e)))
+        conn.send(Diverged(str(e)))
     except WriteError as e:  # its checkpoint file: the disk, not the worker, failed; the run ends
-        conn.send(("write_error", str(e)))
+        conn.send(WriteFailed(str(e)))
     except (Gone, BrokenPipeError, EOFError, ConnectionResetError):
         return
     except Exception as e:  # tell the coordinator why, then die
         try:
-            conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+            conn.send(Raised(f"{type(e).__name__}: {e}", traceback.format_exc()))
         except OSError:
             pass
 
@@ -336,25 +379,25 @@ class _Coordinator(Coordinator):
                 msg = c.conn.recv()
             except (EOFError, OSError):
                 return
-            kind = msg[0]
-            if kind == "rows":
-                for row, tensors in msg[1]:
-                    self.ledger.add(row, tensors)
-                    self.silence.progress(c.index, row["time_s"])  # stamped under the turn, on our clock
-            elif kind == "ready":
-                self.ready.add(c.index)
-            elif kind in ("saved", "flushed"):
-                self.replies.add(c.index)
-            elif kind == "finished":
-                c.finished = True
-                self.finish(c.index)
-            elif kind == "diverged":
-                self.diverge(msg[1])
-                c.finished = True  # it has stopped and will send nothing more (not counted as finished)
-            elif kind == "error":
-                self.lose_child(c, f"raised {msg[1]}")
-            elif kind == "write_error":
-                raise WriteError(msg[1])
+            match msg:
+                case Rows(rows):
+                    for row, tensors in rows:
+                        self.ledger.add(row, tensors)
+                        self.silence.progress(c.index, row["time_s"])  # stamped under the turn, on our clock
+                case Ready():
+                    self.ready.add(c.index)
+                case Replied():
+                    self.replies.add(c.index)
+                case Finished():
+                    c.finished = True
+                    self.finish(c.index)
+                case Diverged(reason):
+                    self.diverge(reason)
+                    c.finished = True  # it has stopped and will send nothing more (not counted as finished)
+                case Raised(error):
+                    self.lose_child(c, f"raised {error}")
+                case WriteFailed(reason):
+                    raise WriteError(reason)
 
     def watch(self) -> None:
         """Lose every worker silent for longer than the limit (`Silence`); poll notices the dead. A worker whose

@@ -52,7 +52,19 @@ from gem.engines.distributed.job import DONE, Start, _for_workers, _send_job, en
 from gem.engines.distributed.link import _local_worker
 from gem.engines.distributed.messages import TAG_JOB, Malformed, send_packed
 from gem.engines.distributed.secret import admit, launched_secret, run_secret
-from gem.engines.distributed.server import _Server
+from gem.engines.distributed.server import (
+    Diverged,
+    Fatal,
+    Finished,
+    Lost,
+    Raised,
+    RowsCame,
+    ServerDone,
+    StatesSaved,
+    StepsLost,
+    WriteFailed,
+    _Server,
+)
 from gem.engines.distributed.window import Window
 from gem.engines.options import DistributedOptions
 from gem.engines.turn import Gone, Turn
@@ -384,47 +396,48 @@ class _Coordinator(Coordinator):
             self.ledger.lost(s)
 
     def handle(self, ev) -> None:
-        kind = ev[0]
-        if kind == "rows":  # rank ev[1]'s rows for its commits ev[3], as it sent them (ev[2])
-            try:
-                rows = self.ps.bounds.rows(ev[2], ev[1] - 1, ev[3])
-            except Malformed as e:  # those commits' rows will never come; nor will any more of its own
-                for step in ev[3]:
+        """One event of the server thread (server.py)."""
+        match ev:
+            case RowsCame(rank, data, steps):
+                try:
+                    rows = self.ps.bounds.rows(data, rank - 1, steps)
+                except Malformed as e:  # those commits' rows will never come; nor will any more of its own
+                    for step in steps:
+                        self.ledger.lost(step)
+                    self.lose_rank(rank, f"it sent {e}", banned=True)
+                    return
+                for row, tensors in rows:
+                    self.ledger.add(row, tensors)
+                    if self.turn is not None:  # (else the server times each commit it applies)
+                        self.silence.progress(rank - 1, row["time_s"] + self.to_monotonic)
+            case Finished(rank):
+                if rank - 1 not in self.lost_workers:  # lost meanwhile for the rows that came with its last word
+                    self.finish(rank - 1)
+            case Diverged(_, reason):
+                self.diverge(reason)
+            case Raised(rank, text):
+                self.lose_rank(rank, f"raised {text.splitlines()[0]}")
+            case Lost(rank, why):
+                self.lose_rank(rank, why)
+            case StatesSaved(folder, t):  # the server waits until the checkpoint is written
+                try:
+                    if not self.diverged and not self.write_error:  # a diverged run's state is not worth resuming
+                        self.ledger.record()
+                        self.ledger.fill_gaps(t)
+                        self.write_checkpoint(folder, t)
+                except WriteError as e:
+                    self.write_error = str(e)
+                finally:
+                    self.ps.written.set()
+            case StepsLost(steps):
+                for step in steps:
                     self.ledger.lost(step)
-                self.lose_rank(ev[1], f"it sent {e}", banned=True)
-                return
-            for row, tensors in rows:
-                self.ledger.add(row, tensors)
-                if self.turn is not None:  # (else the server times each commit it applies)
-                    self.silence.progress(ev[1] - 1, row["time_s"] + self.to_monotonic)
-        elif kind == "finished":
-            if ev[1] - 1 not in self.lost_workers:  # lost meanwhile for the rows that came with its last word
-                self.finish(ev[1] - 1)
-        elif kind == "diverged":
-            self.diverge(ev[2])
-        elif kind == "error":
-            self.lose_rank(ev[1], f"raised {ev[2].splitlines()[0]}")
-        elif kind == "lost":
-            self.lose_rank(ev[1], ev[2])
-        elif kind == "saved":  # the server waits with every live worker's state in ev[1], θ as of ev[2]
-            try:
-                if not self.diverged and not self.write_error:  # a diverged run's state is not worth resuming
-                    self.ledger.record()
-                    self.ledger.fill_gaps(ev[2])
-                    self.write_checkpoint(ev[1], ev[2])
-            except WriteError as e:
-                self.write_error = str(e)
-            finally:
-                self.ps.written.set()
-        elif kind == "lost_steps":
-            for step in ev[1]:
-                self.ledger.lost(step)
-        elif kind == "fatal":
-            self.fatal = ev[1]
-        elif kind == "write_error":
-            self.write_error = ev[1]
-        elif kind == "done":
-            self.server_done = True
+            case Fatal(why):
+                self.fatal = why
+            case WriteFailed(reason):
+                self.write_error = reason
+            case ServerDone():
+                self.server_done = True
 
     # --- the engine hooks of Coordinator.serve
 

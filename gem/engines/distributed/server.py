@@ -30,6 +30,7 @@ make the server wait on it either.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -70,6 +71,74 @@ from gem.engines.turn import SAVE as TURN_SAVE
 from gem.engines.turn import Turn
 from gem.engines.worker import START_TIMEOUT_S
 from gem.files import WriteError
+
+# ------------------------------------------------------------- what the server thread tells the coordinator
+# One value an event, on the `events` queue; the coordinator's `handle` (launch.py) has one case for each.
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsCame:
+    """Rank `rank`'s rows for its commits `steps`, as it sent them: the coordinator checks and decodes them."""
+
+    rank: int
+    data: bytes
+    steps: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Diverged:
+    rank: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Raised:
+    rank: int
+    text: str  # the worker's error and its traceback
+
+
+@dataclasses.dataclass(frozen=True)
+class Lost:
+    rank: int
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StatesSaved:
+    """Every live worker's state is in `folder`, θ as of clock `t`: the coordinator writes the checkpoint, then sets
+    `written`, and the server hands out turns again."""
+
+    folder: object
+    t: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepsLost:
+    """Commits whose rows will never come (their worker was lost)."""
+
+    steps: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fatal:
+    """The run cannot go on (the server thread failed, or the workers wait at a barrier no commit can reach)."""
+
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteFailed:
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerDone:
+    """The server thread has ended."""
 
 
 class _Server(threading.Thread):
@@ -158,7 +227,7 @@ class _Server(threading.Thread):
                 lost.append(i + 1)
         self.logged = t
         if lost:
-            self.events.put(("lost_steps", lost))
+            self.events.put(StepsLost(lost))
 
     def lose(self, rank: int, banned: bool = False) -> list[int]:
         """(coordinator) Expect nothing more from `rank` (`banned`: nor read anything it sends); returns its commits
@@ -194,14 +263,14 @@ class _Server(threading.Thread):
         try:
             self.serve()
         except WriteError as e:  # a worker's checkpoint file: the disk failed, and the run ends
-            self.events.put(("write_error", str(e)))
+            self.events.put(WriteFailed(str(e)))
         except Exception as e:  # noqa: BLE001 - the coordinator reports it
             if self.open():  # (else every worker had finished or was lost: nobody waited on what failed)
-                self.events.put(("fatal", f"parameter server: {type(e).__name__}: {e}"))
+                self.events.put(Fatal(f"parameter server: {type(e).__name__}: {e}"))
         finally:
             if self.holding:  # (failed) the coordinator may wait for the turn
                 self.release_turn()
-            self.events.put(("done",))
+            self.events.put(ServerDone())
 
     def serve(self) -> None:
         self.headers = Headers(self.pg, self.ranks)
@@ -249,7 +318,7 @@ class _Server(threading.Thread):
         """Every live worker has sent its state: hand the checkpoint to the coordinator, and hand out no turn
         until it is written."""
         # the clock now, not when the save was asked for: an exchange in flight then has committed since
-        self.events.put(("saved", self.saving["folder"], self.server.t))
+        self.events.put(StatesSaved(self.saving["folder"], self.server.t))
         while not self.written.wait(POLL_S) and threading.main_thread().is_alive():
             pass  # the coordinator writes the checkpoint; θ must stay as saved until it is on disk
         self.saving = None  # the waiting workers are served as they ask again
@@ -327,7 +396,7 @@ class _Server(threading.Thread):
                 self.reply(src, STOP)
             return
         if rows:
-            self.events.put(("rows", src, rows, steps))
+            self.events.put(RowsCame(src, rows, steps))
         if kind == READY:
             self.on_ready(src, extra)
         elif kind == ASK:
@@ -430,7 +499,7 @@ class _Server(threading.Thread):
 
     def on_finished(self, src: int) -> None:
         self.done_with(src)
-        self.events.put(("finished", src))
+        self.events.put(Finished(src))
         self.reply(src, BYE)
 
     def on_end(self, src: int, kind: int, text: str) -> None:
@@ -438,9 +507,9 @@ class _Server(threading.Thread):
         self.done_with(src)
         if kind == DIVERGED:
             self.stop(text)
-            self.events.put(("diverged", src, text))
+            self.events.put(Diverged(src, text))
         else:
-            self.events.put(("error", src, text))
+            self.events.put(Raised(src, text))
 
     # --- the exchanges
 
@@ -496,7 +565,7 @@ class _Server(threading.Thread):
             if pending is not None:
                 pending.append(t)
             else:  # given up for lost while this exchange ran: its row will never come
-                self.events.put(("lost_steps", [t]))
+                self.events.put(StepsLost([t]))
         if pending is not None and len(pending) > ROWS_PENDING:
             self.ban(src, f"no rows for its last {len(pending)} commits (at most {ROWS_PENDING} may await rows)")
 
@@ -571,14 +640,14 @@ class _Server(threading.Thread):
                 "+ 10 s); gloo gives up on the whole group after such a wait"
             ) from None
         self.done_with(src)  # now: a checkpoint in progress must not wait for it
-        self.events.put(("lost", src, "its connection closed"))
+        self.events.put(Lost(src, "its connection closed"))
 
     def ban(self, src: int, sent: str) -> None:
         """`src` sent what the server does not accept: lost, and nothing more it sends is read or answered."""
         with self.lock:
             self.banned.add(src)
             self.done.add(src)  # now: a checkpoint in progress must not wait for it
-        self.events.put(("lost", src, f"it sent {sent}"))
+        self.events.put(Lost(src, f"it sent {sent}"))
 
     def unreachable(self) -> bool:
         """Every worker still expected waits at a barrier that only their own commits could reach (a lost worker
@@ -591,5 +660,5 @@ class _Server(threading.Thread):
             f"that no commit can reach (t={self.server.t}, the other workers are lost or finished)"
         )
         self.stop(why)
-        self.events.put(("fatal", why))
+        self.events.put(Fatal(why))
         return True
