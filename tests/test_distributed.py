@@ -37,7 +37,7 @@ from gem.engines.distributed.group import patience, waiting_key
 from gem.engines.distributed.job import Start, _for_workers, decode_start
 from gem.engines.distributed.launch import _Coordinator
 from gem.engines.distributed.link import _Waiting
-from gem.engines.distributed.server import _Server
+from gem.engines.distributed.server import Peer, Standing, _Server
 from gem.engines.server import Server
 from gem.metrics import Recorder, read_table
 
@@ -514,7 +514,7 @@ class _HighRankWaits(_Server):
     held = None
 
     def next_header(self):
-        others_running = len(set(self.ranks) - self.done) > 1
+        others_running = len(self.expected()) > 1
         if self.held is not None and (self.skipped >= 3 or not others_running):
             src, header, self.held = self.held, self.held_header, None
             return src, header
@@ -839,21 +839,24 @@ class _ServerThreadSeen:
 
     def __init__(self, ranks, now):
         self.lock = threading.Lock()
-        self.ranks, self.ready, self.done, self.lost = ranks, set(ranks), set(), []
-        self.heard = dict.fromkeys(ranks, now - 10.0)
+        self.ranks, self.lost = ranks, []
+        self.peers = {r: Peer(heard=now - 10.0, standing=Standing.WORKING, ready=True) for r in ranks}
         self.commits, self.started, self.wait_s = [], now - 10.0, None
         self.saving = None  # a checkpoint being taken: {"told": ranks asked for their state, "saved": ...}
         self.headers = None  # not started: no header has come
 
     def open(self):
-        return len(self.done) < len(self.ranks)
+        return bool(self.expected())
+
+    def expected(self):
+        return {r for r, p in self.peers.items() if p.expected}
 
     def sync_log(self):
         pass  # rank 0's server applies every commit: none to read from a log
 
     def lose(self, rank, banned=False):
         self.lost.append(rank)
-        self.done.add(rank)
+        self.peers[rank].standing = Standing.BANNED if banned else Standing.LOST
         return []
 
 

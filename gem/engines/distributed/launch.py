@@ -60,10 +60,12 @@ from gem.engines.distributed.server import (
     Raised,
     RowsCame,
     ServerDone,
+    Standing,
     StatesSaved,
     StepsLost,
     WriteFailed,
     _Server,
+    all_started,
 )
 from gem.engines.distributed.window import Window
 from gem.engines.options import DistributedOptions
@@ -374,8 +376,7 @@ class _Coordinator(Coordinator):
         self.ps = _Server(pg, job, server, ranks, self.events, bounds, window, turn)
         self.children, self.store, self.turn = children, store, turn
         for w in set(range(self.job.workers)) - set(self.pending_workers()):  # done before the checkpoint
-            self.ps.done.add(w + 1)
-            self.ps.ready.add(w + 1)
+            self.ps.done_before(w + 1)
         for r, why in (refused or {}).items():
             self.lose_rank(r, why, banned=True)
         self.ps.start()
@@ -477,15 +478,15 @@ class _Coordinator(Coordinator):
         arrived = ps.headers.arrived_at if ps.headers is not None else {}
         for r in ps.ranks:
             # a header taken, or one that came and waits for the server thread: the worker waits for the server
-            self.silence.seen(r - 1, max(ps.heard[r], arrived.get(r, 0.0)))
+            self.silence.seen(r - 1, max(ps.peers[r].heard, arrived.get(r, 0.0)))
             if self.waited_since_last_look(r) or r - 1 in line:
                 self.silence.seen(r - 1, now)
         ps.wait_s = patience(self.silence.limit())
         for r in ps.ranks:
-            if r not in ps.done and self.children and self.children[r - 1].exitcode is not None:
+            if ps.peers[r].expected and self.children and self.children[r - 1].exitcode is not None:
                 self.lose_rank(r, f"process died, exit code {self.children[r - 1].exitcode}")
         for w, silent_for in self.silence.silent(now):
-            if w + 1 in ps.done:  # finished (its event is on the way) or lost
+            if not ps.peers[w + 1].expected:  # finished (its event is on the way) or lost
                 self.silence.forget(w)
             else:
                 self.lose_rank(w + 1, self.silence.why(silent_for))
@@ -500,7 +501,7 @@ class _Coordinator(Coordinator):
             self.server_done = not ps.is_alive() or now - self.closed_at > ps.wait_s + BYE_TIMEOUT_S
 
     def waited_since_last_look(self, rank: int) -> bool:
-        if self.store is None or rank in self.ps.done:
+        if self.store is None or not self.ps.peers[rank].expected:
             return False
         try:
             count = int(self.store.add(waiting_key(rank), 0))
@@ -513,14 +514,14 @@ class _Coordinator(Coordinator):
         """The silence timers start once every worker is ready, as the server's turns do: a worker not ready
         START_TIMEOUT_S after the start is lost, and the others start without it."""
         ps = self.ps
-        if len(ps.ready | ps.done) < len(ps.ranks):
+        if not all_started(ps.peers):
             if now - ps.started <= START_TIMEOUT_S:
                 return
-            for r in ps.ranks:
-                if r not in ps.ready and r not in ps.done:
+            for r, peer in ps.peers.items():
+                if peer.standing is Standing.JOINING:
                     self.lose_rank(r, f"not ready within {START_TIMEOUT_S:.0f} s of its start")
         self.racing = True
-        self.silence.start([r - 1 for r in ps.ranks if r not in ps.done], now)
+        self.silence.start([r - 1 for r in sorted(ps.expected())], now)
 
     def sync(self) -> None:
         pass  # the server knows which commits a lost worker made: they are marked when it is lost
@@ -580,7 +581,7 @@ class _Coordinator(Coordinator):
         extra = {
             "server_commit_s": round(ps.busy_s / ps.served, 6) if served else None,
             "server_busy": round(ps.busy_s / wall, 4) if served and wall > 0 else None,
-            "shared_memory_workers": sorted(r - 1 for r in ps.mapped),
+            "shared_memory_workers": sorted(r - 1 for r, peer in ps.peers.items() if peer.maps_window),
             "local_turn": ps.turn is not None,
             "central_device": str(self.server.theta.device),
             "placement": self.placement.describe() if self.placement is not None else None,

@@ -31,6 +31,7 @@ make the server wait on it either.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import queue
 import threading
 import time
@@ -141,6 +142,40 @@ class ServerDone:
     """The server thread has ended."""
 
 
+# ---------------------------------------------------------------------- a worker, as the server sees it
+
+
+class Standing(enum.Enum):
+    JOINING = "joining"  # admitted; its READY has not come
+    WORKING = "working"  # ready: its exchanges are served
+    DONE = "done"  # finished, stopped, or its connection closed: the server expects nothing more of it
+    LOST = "lost"  # the coordinator recorded it lost: what it still sends is read and dropped, and answered STOP
+    BANNED = "banned"  # lost for what it sent: nothing more it sends is read or answered
+
+
+@dataclasses.dataclass
+class Peer:
+    """One worker at the server: where it stands, and what the server keeps of it."""
+
+    heard: float  # when its last header came: it asked, it waits
+    standing: Standing = Standing.JOINING
+    ready: bool = False  # its READY came
+    maps_window: bool = False  # it said at READY that it maps θ from rank 0's window: it exchanges only headers
+    barrier: int | None = None  # the barrier it last waited at (PULL), until it pulls
+    # its commits whose rows have not come; None once the coordinator has lost it (their rows will never come)
+    pending: deque | None = dataclasses.field(default_factory=deque)
+
+    @property
+    def expected(self) -> bool:
+        """The server expects more of it (it has not finished, stopped, gone or been lost)."""
+        return self.standing in (Standing.JOINING, Standing.WORKING)
+
+
+def all_started(peers: dict[int, Peer]) -> bool:
+    """Every worker is ready, or expected no more: the race may begin (all start from one θ)."""
+    return all(p.ready or not p.expected for p in peers.values())
+
+
 class _Server(threading.Thread):
     """Rank 0's exchanges with the workers, one at a time, in the order their headers arrive. Talks to the
     coordinator (the main thread) through `events`; `lock` guards the server's state and the bookkeeping."""
@@ -162,23 +197,16 @@ class _Server(threading.Thread):
         self.wait_s = patience(job.engine.timeout_s)
         self.lock = threading.Lock()
         self.ranks = workers  # ranks 1..n
-        self.pending: dict[int, deque] = {r: deque() for r in workers}  # commits whose rows have not come
-        self.heard = dict.fromkeys(workers, time.monotonic())  # each worker's last header: it asked, it waits
+        self.peers = {r: Peer(heard=time.monotonic()) for r in workers}  # each worker, by rank
         self.commits: list[tuple[int, float]] = []  # (worker, time) of the commits applied since the coordinator looked
-        self.ready: set[int] = set()
-        self.done: set[int] = set()  # finished, stopped, or lost: the server expects nothing more
-        self.lost: set[int] = set()
-        self.banned: set[int] = set()  # lost for what they sent: nothing more they send is read or answered
         self.stopping = ""  # once set, every ASK is answered STOP
         self.early: deque = deque()  # ASKs that came before every worker was ready: all start from one θ
-        self.barriers: dict[int, int] = {}  # the barrier each rank last waited at (PULL), until it pulls
         # a checkpoint being taken: {"folder", "told": ranks told SAVE, "saved": ranks that sent their state}
         self.saving: dict | None = None
         self.written = threading.Event()
         # Δ of a commit over the wire, received on the host (none comes with a local turn, whose θ may be on a GPU)
         self.delta = torch.empty_like(server.theta, device="cpu") if turn is None else None
-        # θ in shared memory (window.py): the ranks that said at READY that they map it exchange only headers
-        self.window, self.mapped = window, set()
+        self.window = window  # θ in shared memory (window.py), for the workers on rank 0's host
         self.started = time.monotonic()
         self.busy_s, self.served = 0.0, 0  # seconds spent in exchanges that ended in a commit, and how many
         self.headers: Headers | None = None  # started with the server thread
@@ -193,8 +221,8 @@ class _Server(threading.Thread):
     def stop(self, why: str) -> None:
         self.stopping = self.stopping or why
         if self.turn is not None:  # a worker stopped in line sends its rows with one last ASK, answered STOP
-            for r in self.ranks:
-                if r not in self.done:
+            for r, peer in self.peers.items():
+                if peer.expected:
                     self.turn.stop(r - 1)
 
     def sync_log(self) -> None:
@@ -219,8 +247,8 @@ class _Server(threading.Thread):
             if entry // LOG_WORKERS != i:  # not yet visible here: read it at the next look (its rows come after it)
                 t = i
                 break
-            w = entry % LOG_WORKERS
-            pending = self.pending.get(w + 1)
+            peer = self.peers.get(entry % LOG_WORKERS + 1)
+            pending = peer.pending if peer is not None else None
             if pending is not None:
                 pending.append(i + 1)
             else:  # lost: its row will never come
@@ -235,17 +263,24 @@ class _Server(threading.Thread):
         with self.lock:
             if self.turn is not None:  # its process is gone (launch: lose_rank): its last commits are logged
                 self._sync_log()
-            if banned:
-                self.banned.add(rank)
-            self.lost.add(rank)
-            self.done.add(rank)
-            pending = list(self.pending.pop(rank, ()))
+            peer = self.peers[rank]
+            if banned or peer.standing is not Standing.BANNED:
+                peer.standing = Standing.BANNED if banned else Standing.LOST
+            pending, peer.pending = list(peer.pending or ()), None
         if self.headers is not None:  # the server may wait for a header: it sees at once whether the run is over
             self.headers.arrived.put((rank, None))
         return pending
 
     def open(self) -> bool:
-        return len(self.done) < len(self.ranks)
+        return any(p.expected for p in self.peers.values())
+
+    def done_before(self, rank: int) -> None:
+        """(coordinator) A worker the checkpoint has finished (or lost): nothing is expected of it in this run."""
+        peer = self.peers[rank]
+        peer.standing, peer.ready = Standing.DONE, True
+
+    def expected(self) -> set[int]:
+        return {r for r, p in self.peers.items() if p.expected}
 
     def request_save(self, run_dir) -> bool:
         """(coordinator) Stop handing out turns and collect every live worker's state; False while a checkpoint
@@ -290,9 +325,7 @@ class _Server(threading.Thread):
 
     def serve_headers(self) -> None:
         while self.open():
-            started = (
-                len(self.ready | self.done) == len(self.ranks) or time.monotonic() - self.started > START_TIMEOUT_S
-            )
+            started = all_started(self.peers) or time.monotonic() - self.started > START_TIMEOUT_S
             if self.early and started:
                 self.exchange(self.early.popleft())
                 continue
@@ -301,7 +334,7 @@ class _Server(threading.Thread):
             if self.saving is not None and self.turn is not None and not self.holding:
                 self.take_turn_for_checkpoint()
                 continue
-            if self.saving is not None and self.saving["saved"] >= set(self.ranks) - self.done:
+            if self.saving is not None and self.saving["saved"] >= self.expected():
                 self.finish_checkpoint()
                 continue
             src, header = self.next_header()
@@ -309,7 +342,7 @@ class _Server(threading.Thread):
                 continue
             if header is not None:
                 self.take(src, *(int(v) for v in header))
-            if src in self.banned:
+            if self.peers[src].standing is Standing.BANNED:
                 self.headers.drop(src)
             elif header is not None:
                 self.headers.next(src)
@@ -322,7 +355,7 @@ class _Server(threading.Thread):
         while not self.written.wait(POLL_S) and threading.main_thread().is_alive():
             pass  # the coordinator writes the checkpoint; θ must stay as saved until it is on disk
         self.saving = None  # the waiting workers are served as they ask again
-        if self.holding and len(self.ready | self.done) == len(self.ranks):
+        if self.holding and all_started(self.peers):
             self.release_turn()
 
     # --- the turn, with the workers of a local launch
@@ -345,7 +378,7 @@ class _Server(threading.Thread):
         """Hold the turn, so that θ stays as saved, and ask every live worker for its state: one in line sends it
         at once, one computing when it next asks for the turn (link._turn_request)."""
         self.take_turn()
-        live = {r for r in self.ranks if r not in self.done}
+        live = self.expected()
         self.saving["told"] |= live
         self.turn.ask({r - 1 for r in live}, TURN_SAVE)
 
@@ -366,7 +399,7 @@ class _Server(threading.Thread):
             return src, got
         if not connection_closed(got):
             raise RuntimeError(f"worker rank {src}'s header: {got}")
-        if src not in self.done:
+        if self.peers[src].expected:
             self.gone(src, got)
         return src, None
 
@@ -375,8 +408,9 @@ class _Server(threading.Thread):
     def take(self, src: int, kind: int, rows_nbytes: int, rows_count: int, extra_nbytes: int) -> None:
         """Act on a header from `src`, with the rows and message that follow it, once checked (`admit`). The rows
         are decoded by the coordinator: this thread's time is every worker's wait."""
-        self.heard[src] = time.monotonic()
-        if src in self.banned or (src in self.done and src not in self.lost):
+        peer = self.peers[src]
+        peer.heard = time.monotonic()
+        if peer.standing in (Standing.BANNED, Standing.DONE):
             return  # banned, or finished or stopped (it exits): what it sends now is no message of the protocol
         try:
             self.admit(src, kind, rows_nbytes, rows_count, extra_nbytes)
@@ -413,7 +447,8 @@ class _Server(threading.Thread):
     def admit(self, src: int, kind: int, rows_nbytes: int, rows_count: int, extra_nbytes: int) -> None:
         """Malformed unless `src` may send a header of this kind now, of these sizes (bounds.Bounds). A worker given
         up for lost and back may still send the rows it holds, which are read and dropped."""
-        if kind == READY and src in self.ready:
+        peer = self.peers[src]
+        if kind == READY and peer.ready:
             raise Malformed("READY a second time")
         saving = self.saving
         if kind == SAVED and (saving is None or src not in saving["told"] or src in saving["saved"]):
@@ -421,16 +456,17 @@ class _Server(threading.Thread):
         with self.lock:
             if self.turn is not None:  # its commits are in the log, written before their rows were sent
                 self._sync_log()
-            pending = len(self.pending[src]) if src in self.pending else ROWS_PENDING
+            pending = len(peer.pending) if peer.pending is not None else ROWS_PENDING
         self.bounds.header(kind, rows_nbytes, rows_count, extra_nbytes, pending)
 
     def rows_came(self, src: int, count: int) -> list[int] | None:
         """The rows of `src`'s first `count` pending commits came: those are pending no more; returns their
         steps. None, and nothing done, if `src` was given up for lost."""
         with self.lock:
-            if src in self.lost:
+            pending = self.peers[src].pending
+            if pending is None:
                 return None
-            return [self.pending[src].popleft() for _ in range(count)]
+            return [pending.popleft() for _ in range(count)]
 
     def on_ready(self, src: int, extra: bytes) -> None:
         """A worker is ready; b"1": it maps θ from the window, which it may only where the window gives it a slot.
@@ -454,19 +490,19 @@ class _Server(threading.Thread):
                     + ("rank 0 keeps none" if window is None else f"only workers 0 to {window.slots - 1} have a slot"),
                 )
                 return
-            self.mapped.add(src)
-        self.ready.add(src)
-        if self.window is not None and len(self.ready | self.done) == len(self.ranks):
+            self.peers[src].maps_window = True
+        self.peers[src].ready, self.peers[src].standing = True, Standing.WORKING
+        if self.window is not None and all_started(self.peers):
             self.window.unlink()
 
     def on_ask(self, src: int) -> None:
         """A worker asks for its turn: during a checkpoint it is told to SAVE or WAIT; before every worker is
         ready it waits for them (all start from one θ); else its exchange, now."""
-        if self.turn is not None and not self.stopping and src not in self.lost:
+        if self.turn is not None and not self.stopping and self.peers[src].standing is not Standing.LOST:
             self.ban(src, "an ASK, where every worker takes its turn in shared memory")
         elif self.saving is not None and not self.stopping:
             self.hold(src)
-        elif len(self.ready | self.done) < len(self.ranks) and self.turn is None:
+        elif not all_started(self.peers) and self.turn is None:
             self.early.append(src)
         else:
             self.exchange(src)
@@ -480,14 +516,14 @@ class _Server(threading.Thread):
             self.done_with(src)
             self.reply(src, STOP)
         elif self.server.t < barrier:
-            self.barriers[src] = barrier
+            self.peers[src].barrier = barrier
             if self.unreachable():  # the others are told STOP when they next ask
                 self.done_with(src)
                 self.reply(src, STOP)
             else:
                 self.reply(src, WAIT)
         else:
-            self.barriers.pop(src, None)
+            self.peers[src].barrier = None
             self.pull(src)
 
     def on_saved(self, src: int, state: dict) -> None:
@@ -515,9 +551,10 @@ class _Server(threading.Thread):
 
     def exchange(self, src: int) -> None:
         """`src`'s turn: GO with θ, its commit back, applied; timed (busy_s) for the run's summary."""
-        if src in self.banned:
+        standing = self.peers[src].standing
+        if standing is Standing.BANNED:
             return  # it asked before it was banned
-        if self.stopping or src in self.lost:
+        if self.stopping or standing is Standing.LOST:
             self.done_with(src)
             self.reply(src, STOP)
             return
@@ -536,7 +573,7 @@ class _Server(threading.Thread):
         """GO with the clock and τ, the live θ and the server's tensors, all in flight at once; then the commit:
         Δ into self.delta, and the payload it returns. A worker that maps the window gets only GO (θ is where it
         reads it: nothing changes θ until this exchange ends), and leaves Δ in its slot there."""
-        server, mapped = self.server, src in self.mapped
+        server, mapped = self.server, self.peers[src].maps_window
         state = () if mapped else (server.theta, *server.state.values())
         header = torch.zeros(2, dtype=torch.long)
         wait_s = self.wait_s
@@ -561,7 +598,7 @@ class _Server(threading.Thread):
         with self.lock:
             t = self.server.apply(view, Commit(delta=self.delta, payload=payload))
             self.commits.append((src - 1, time.monotonic()))  # progress, for the coordinator's Silence
-            pending = self.pending.get(src)
+            pending = self.peers[src].pending
             if pending is not None:
                 pending.append(t)
             else:  # given up for lost while this exchange ran: its row will never come
@@ -604,7 +641,7 @@ class _Server(threading.Thread):
     # --- answers, and workers the server expects nothing more from
 
     def reply(self, src: int, kind: int, t: int = 0, staleness: int = 0) -> bool:
-        if src in self.banned:  # it may never take the answer, and a send not taken would time out
+        if self.peers[src].standing is Standing.BANNED:  # it may never take the answer: a send not taken times out
             return False
         try:
             reply = torch.tensor([kind, t, staleness, int(self.wait_s * 1000)], dtype=torch.long)
@@ -623,9 +660,11 @@ class _Server(threading.Thread):
             self.reply(src, SAVE)
 
     def done_with(self, src: int) -> None:
-        """Expect nothing more from `src`: finished, stopped, or lost."""
+        """Expect nothing more from `src`: finished, stopped, or its connection closed (one lost stays lost)."""
         with self.lock:
-            self.done.add(src)
+            peer = self.peers[src]
+            if peer.expected:
+                peer.standing = Standing.DONE
 
     def gone(self, src: int, e: Exception) -> None:
         """`src` closed its connection (a RuntimeError from gloo): it is lost; or sent what the server does not
@@ -645,18 +684,18 @@ class _Server(threading.Thread):
     def ban(self, src: int, sent: str) -> None:
         """`src` sent what the server does not accept: lost, and nothing more it sends is read or answered."""
         with self.lock:
-            self.banned.add(src)
-            self.done.add(src)  # now: a checkpoint in progress must not wait for it
+            self.peers[src].standing = Standing.BANNED  # now: a checkpoint in progress must not wait for it
         self.events.put(Lost(src, f"it sent {sent}"))
 
     def unreachable(self) -> bool:
         """Every worker still expected waits at a barrier that only their own commits could reach (a lost worker
         stalls synchronous rounds): end the run now, with the reason, rather than let them ask forever."""
-        live = set(self.ranks) - self.done
-        if not live or any(self.barriers.get(r, -1) <= self.server.t for r in live):
+        live = self.expected()
+        barriers = {r: self.peers[r].barrier for r in live}
+        if not live or any(b is None or b <= self.server.t for b in barriers.values()):
             return False
         why = (
-            f"workers {sorted(r - 1 for r in live)} wait at a barrier (t={min(self.barriers[r] for r in live)}) "
+            f"workers {sorted(r - 1 for r in live)} wait at a barrier (t={min(barriers.values())}) "
             f"that no commit can reach (t={self.server.t}, the other workers are lost or finished)"
         )
         self.stop(why)
