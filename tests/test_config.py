@@ -223,3 +223,13 @@ def test_an_engine_yaml_holds_its_options_defaults(name):
     node = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "engine" / f"{name}.yaml"))
     assert isinstance(node.pop("checkpoint_every"), int)
     assert node == dataclasses.asdict(options_class(name)())
+
+
+def test_an_experiments_sim_settings_do_not_refuse_another_engine():
+    """fig1 sets engine.staleness and engine.cycle_cv for the simulator; run on engine=process they do not apply,
+    and are not refused (a key no engine has still is)."""
+    from experiments.config import check_job
+    from gem.engines.options import ProcessOptions
+
+    _, spec = check_job(["experiment=fig1_quick", "engine=process", "workers=2"])
+    assert spec.engine == ProcessOptions()

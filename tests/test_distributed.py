@@ -514,7 +514,7 @@ class _HighRankWaits(_Server):
     held = None
 
     def next_header(self):
-        others_running = len(self.expected()) > 1
+        others_running = len(self.expected_ranks()) > 1
         if self.held is not None and (self.skipped >= 3 or not others_running):
             src, header, self.held = self.held, self.held_header, None
             return src, header
@@ -846,9 +846,9 @@ class _ServerThreadSeen:
         self.headers = None  # not started: no header has come
 
     def open(self):
-        return bool(self.expected())
+        return bool(self.expected_ranks())
 
-    def expected(self):
+    def expected_ranks(self):
         return {r for r, p in self.peers.items() if p.expected}
 
     def sync_log(self):

@@ -1,9 +1,11 @@
 """Each engine's options: a typed record, every default written here once.
 
-`conf/engine/<name>.yaml` takes its keys, types and defaults from these classes (experiments/schema.py registers
-them as the group's schema), a `Job` made in Python gets them too (`Job(engine={"name": "sim"})` is
-`SimOptions()`), and an engine reads `job.engine.<option>`: no engine looks an option up by string with a default
-of its own. `__post_init__` refuses a value out of range in one line naming the key, as `Params` does.
+The config's validation merges the engine group into its engine's record (experiments.config.engine_options: the
+keys, types and ranges are these); `conf/engine/<name>.yaml` shows the same values, which a test keeps equal to
+these defaults. A `Job` made in Python gets them too (`Job(engine={"name": "sim"})` is `SimOptions()`), and an
+engine reads `job.engine.<option>`: no engine looks an option up by string with a default of its own.
+`__post_init__` refuses a value out of range in one line naming the key, as `Params` does. Keys of another engine
+(an experiment's sim settings run with engine=process) are ignored, in a dict given to `Job` and in the config.
 
 `engine.checkpoint_every` is a key of the engine's config group but not an option of the engine: it is the run's
 schedule, `Job.checkpoint_every` (0 for a Job made in Python: no checkpoints unless asked).
@@ -92,6 +94,7 @@ class DistributedOptions(ProcessOptions):
 
 OPTIONS = {"sim": SimOptions, "process": ProcessOptions, "distributed": DistributedOptions}
 EngineOptions = SimOptions | ProcessOptions | DistributedOptions
+OPTION_KEYS = frozenset(f.name for c in OPTIONS.values() for f in dataclasses.fields(c))  # every engine's
 
 
 def options_class(name: str) -> type:
@@ -110,8 +113,7 @@ def of(engine) -> EngineOptions:
     given = dict(engine or {})
     cls = options_class(str(given.get("name", "sim")))
     keys = {f.name for f in dataclasses.fields(cls)}
-    anywhere = {f.name for c in OPTIONS.values() for f in dataclasses.fields(c)}
-    unknown = sorted(set(given) - anywhere)
+    unknown = sorted(set(given) - OPTION_KEYS)
     if unknown:
         raise ValueError(
             f"engine.{unknown[0]} is not an option of any engine; engine={cls().name}'s are: "

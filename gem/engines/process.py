@@ -45,7 +45,6 @@ from gem.engines import Job, Result
 from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model, central_device
-from gem.engines.options import ProcessOptions
 from gem.engines.server import Server
 from gem.engines.turn import FLUSH, SAVE, Gone, Turn
 from gem.engines.worker import (
@@ -54,6 +53,7 @@ from gem.engines.worker import (
     ROWS_SECONDS,
     START_TIMEOUT_S,
     STOP_GRACE_S,
+    Diverged,
     Worker,
     barrier_pauses,
     interrupts_held,
@@ -61,7 +61,6 @@ from gem.engines.worker import (
     threads_per_process,
     worker_context,
 )
-from gem.engines.worker import Diverged as WorkerDiverged
 from gem.files import WriteError
 
 TURN_TIMEOUT_S = 120.0  # the coordinator waits for the turn at most this long beyond the silence limit (a frozen
@@ -98,7 +97,9 @@ class Finished:
 
 
 @dataclasses.dataclass(frozen=True)
-class Diverged:
+class NonFinite:
+    """Its loss or θ is no longer finite (gem.engines.worker.Diverged): the run stops."""
+
     reason: str
 
 
@@ -210,9 +211,9 @@ def _work(w: int, job: Job, tensors: dict, turn: Turn, conn, alive, threads: int
             pass
         link.send_rows()
         conn.send(Finished())
-    except WorkerDiverged as e:
+    except Diverged as e:
         link.send_rows()
-        conn.send(Diverged(str(e)))
+        conn.send(NonFinite(str(e)))
     except WriteError as e:  # its checkpoint file: the disk, not the worker, failed; the run ends
         conn.send(WriteFailed(str(e)))
     except (Gone, BrokenPipeError, EOFError, ConnectionResetError):
@@ -245,7 +246,7 @@ def _share(job: Job) -> Job:
 
 
 def run(job: Job, recorder) -> Result:
-    if not isinstance(job.engine, ProcessOptions):
+    if job.engine.name != "process":
         raise ValueError(f"engine=process cannot run a job for engine={job.engine.name}")
     algo = algorithms.get(job.algorithm)
     n = job.workers
@@ -391,7 +392,7 @@ class _Coordinator(Coordinator):
                 case Finished():
                     c.finished = True
                     self.finish(c.index)
-                case Diverged(reason):
+                case NonFinite(reason):
                     self.diverge(reason)
                     c.finished = True  # it has stopped and will send nothing more (not counted as finished)
                 case Raised(error):

@@ -102,7 +102,7 @@ def _hp_fields(job: Job) -> dict:
 def decode_job(text: bytes, tensors: dict[str, torch.Tensor] | None, allowed: frozenset[str] = frozenset()) -> Job:
     """The Job that encode_job encoded: the same value in every field. ValueError, before anything is imported,
     if it names an algorithm or a model outside gem's own and `allowed` (allowed_imports)."""
-    fields = json.loads(text)["job"]
+    fields = _message(text)["job"]
     model = fields["model"]
     spec = ModelSpec(**model["spec"]) if isinstance(model, dict) else model
     check_imports(named_imports(fields["algorithm"], spec), allowed)
@@ -118,8 +118,18 @@ def decode_job(text: bytes, tensors: dict[str, torch.Tensor] | None, allowed: fr
 
 def decode_start(text: bytes) -> Start | None:
     """The run's Start that encode_job sent with the job (None where it sent none)."""
-    start = json.loads(text)["start"]
+    start = _message(text)["start"]
     return None if start is None else Start(**start)
+
+
+def _message(text: bytes) -> dict:
+    message = json.loads(text)
+    if not isinstance(message, dict) or set(message) != {"job", "start"}:
+        raise ValueError(
+            "rank 0's job message is not in this gem's format: rank 0 and this worker run different "
+            "versions of gem (every node needs the same checkout)"
+        )
+    return message
 
 
 def named_imports(algorithm, model) -> set[str]:

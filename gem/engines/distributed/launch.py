@@ -53,10 +53,10 @@ from gem.engines.distributed.link import _local_worker
 from gem.engines.distributed.messages import TAG_JOB, Malformed, send_packed
 from gem.engines.distributed.secret import admit, launched_secret, run_secret
 from gem.engines.distributed.server import (
-    Diverged,
     Fatal,
     Finished,
     Lost,
+    NonFinite,
     Raised,
     RowsCame,
     ServerDone,
@@ -414,7 +414,7 @@ class _Coordinator(Coordinator):
             case Finished(rank):
                 if rank - 1 not in self.lost_workers:  # lost meanwhile for the rows that came with its last word
                     self.finish(rank - 1)
-            case Diverged(_, reason):
+            case NonFinite(_, reason):
                 self.diverge(reason)
             case Raised(rank, text):
                 self.lose_rank(rank, f"raised {text.splitlines()[0]}")
@@ -521,7 +521,7 @@ class _Coordinator(Coordinator):
                 if peer.standing is Standing.JOINING:
                     self.lose_rank(r, f"not ready within {START_TIMEOUT_S:.0f} s of its start")
         self.racing = True
-        self.silence.start([r - 1 for r in sorted(ps.expected())], now)
+        self.silence.start([r - 1 for r in sorted(ps.expected_ranks())], now)
 
     def sync(self) -> None:
         pass  # the server knows which commits a lost worker made: they are marked when it is lost

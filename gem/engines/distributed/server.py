@@ -92,7 +92,9 @@ class Finished:
 
 
 @dataclasses.dataclass(frozen=True)
-class Diverged:
+class NonFinite:
+    """A worker's loss or θ is no longer finite: the run stops."""
+
     rank: int
     reason: str
 
@@ -279,7 +281,7 @@ class _Server(threading.Thread):
         peer = self.peers[rank]
         peer.standing, peer.ready = Standing.DONE, True
 
-    def expected(self) -> set[int]:
+    def expected_ranks(self) -> set[int]:
         return {r for r, p in self.peers.items() if p.expected}
 
     def request_save(self, run_dir) -> bool:
@@ -334,7 +336,7 @@ class _Server(threading.Thread):
             if self.saving is not None and self.turn is not None and not self.holding:
                 self.take_turn_for_checkpoint()
                 continue
-            if self.saving is not None and self.saving["saved"] >= self.expected():
+            if self.saving is not None and self.saving["saved"] >= self.expected_ranks():
                 self.finish_checkpoint()
                 continue
             src, header = self.next_header()
@@ -378,7 +380,7 @@ class _Server(threading.Thread):
         """Hold the turn, so that θ stays as saved, and ask every live worker for its state: one in line sends it
         at once, one computing when it next asks for the turn (link._turn_request)."""
         self.take_turn()
-        live = self.expected()
+        live = self.expected_ranks()
         self.saving["told"] |= live
         self.turn.ask({r - 1 for r in live}, TURN_SAVE)
 
@@ -543,7 +545,7 @@ class _Server(threading.Thread):
         self.done_with(src)
         if kind == DIVERGED:
             self.stop(text)
-            self.events.put(Diverged(src, text))
+            self.events.put(NonFinite(src, text))
         else:
             self.events.put(Raised(src, text))
 
@@ -690,7 +692,7 @@ class _Server(threading.Thread):
     def unreachable(self) -> bool:
         """Every worker still expected waits at a barrier that only their own commits could reach (a lost worker
         stalls synchronous rounds): end the run now, with the reason, rather than let them ask forever."""
-        live = self.expected()
+        live = self.expected_ranks()
         barriers = {r: self.peers[r].barrier for r in live}
         if not live or any(b is None or b <= self.server.t for b in barriers.values()):
             return False
