@@ -455,7 +455,7 @@ def profile_png(runs: pd.DataFrame, hit: pd.DataFrame) -> tuple[bytes | None, st
         plt.close(fig)
     note = (
         "Each method's time on a workload is the median over its seeds (a seed that never reached the target "
-        "counts as infinite); ρ(τ) is the fraction of workloads on which it is within τ times the fastest "
+        "counts as infinite); ρ(r) is the fraction of workloads on which it is within r times the fastest "
         "method's."
     )
     if dropped:

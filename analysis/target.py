@@ -27,8 +27,9 @@ computes it from one set of runs (the tuning sweep's, on its tuning seeds); the 
 and every report that does so says it.
 
 The performance profile (Dolan and Moré 2002, as AlgoPerf aggregates): for each method and workload, the ratio of
-its time to the best method's time on that workload (a method that never reached the target: +inf); ρ(τ) is the
-fraction of workloads on which the method is within a factor τ of the best. Each method's time on a workload is
+its time to the best method's time on that workload (a method that never reached the target: +inf); ρ(r) is the
+fraction of workloads on which the method is within a factor r of the best (Dolan and Moré's τ, a letter this
+project keeps for staleness). Each method's time on a workload is
 the median over its seeds (with an infinite time for a seed that never reached the target, so a method that
 reached it on fewer than half of its seeds has none).
 """
@@ -215,12 +216,13 @@ def per_method(runs: pd.DataFrame, hit: pd.DataFrame, method: str = "variant") -
     return pd.DataFrame(rows)
 
 
-def profile(methods: pd.DataFrame, taus: np.ndarray | None = None) -> tuple[pd.DataFrame, list[str]]:
-    """Dolan and Moré's performance profile of `per_method`'s frame: one row per (method, τ) with ρ, the fraction
-    of workloads on which the method's time is within τ times the best method's. Returns it and the workloads
+def profile(methods: pd.DataFrame, at: np.ndarray | None = None) -> tuple[pd.DataFrame, list[str]]:
+    """Dolan and Moré's performance profile of `per_method`'s frame: one row per (method, r) with ρ, the fraction
+    of workloads on which the method's time is within r times the best method's (at `at`, default a grid from 1 to
+    RATIO_MAX). Returns it and the workloads
     left out because no method reached the target on them (each said in one line)."""
     keys = [k for k in WORKLOAD if k in methods.columns]
-    taus = np.geomspace(1.0, RATIO_MAX, 200) if taus is None else np.asarray(taus, dtype=float)
+    at = np.geomspace(1.0, RATIO_MAX, 200) if at is None else np.asarray(at, dtype=float)
     ratios: dict[str, list[float]] = {m: [] for m in methods["method"].unique()}
     dropped = []
     for key, g in methods.groupby(keys, dropna=False, sort=True) if keys else [((), methods)]:
@@ -236,12 +238,12 @@ def profile(methods: pd.DataFrame, taus: np.ndarray | None = None) -> tuple[pd.D
     rows = []
     for m, rs in ratios.items():
         rs = np.asarray(rs, dtype=float)
-        for tau in taus:
+        for r in at:
             rows.append(
                 {
                     "method": m,
-                    "tau": float(tau),
-                    "rho": float((rs <= tau * (1 + 1e-12)).mean()) if len(rs) else math.nan,
+                    "r": float(r),
+                    "rho": float((rs <= r * (1 + 1e-12)).mean()) if len(rs) else math.nan,
                     "workloads": len(rs),
                 }
             )
@@ -249,22 +251,22 @@ def profile(methods: pd.DataFrame, taus: np.ndarray | None = None) -> tuple[pd.D
 
 
 def profile_figure(prof: pd.DataFrame, ax, palette: dict | None = None, title: str = "") -> None:
-    """ρ(τ) against τ (log axis, 1 to RATIO_MAX), one step line per method, as AlgoPerf draws it."""
+    """ρ(r) against r (log axis, 1 to RATIO_MAX), one step line per method, as AlgoPerf draws it."""
     from analysis import plots
 
     methods = sorted(prof["method"].unique(), key=lambda v: (plots.algorithm_order(str(v).split(" ")[0]), str(v)))
     palette = palette or plots.colours(methods)
     workloads = int(prof["workloads"].max()) if len(prof) else 0
     for i, m in enumerate(methods):
-        g = prof[prof["method"] == m].sort_values("tau")
+        g = prof[prof["method"] == m].sort_values("r")
         # methods that tie would hide each other: each is nudged by a hair, in drawing order
         ax.step(
-            g["tau"],
+            g["r"],
             g["rho"] + (i - len(methods) / 2) * 0.004,
             where="post",
             color=palette.get(m),
             lw=2,
-            label=f"{m} ({g['rho'].iloc[-1]:.0%} at τ = {RATIO_MAX:g})",
+            label=f"{m} ({g['rho'].iloc[-1]:.0%} at r = {RATIO_MAX:g})",
         )
     ax.set_xscale("log")
     ax.set_xlim(1, RATIO_MAX)
@@ -273,8 +275,8 @@ def profile_figure(prof: pd.DataFrame, ax, palette: dict | None = None, title: s
     ax.set_xticklabels([f"{t:g}" for t in ticks])
     ax.minorticks_off()
     ax.set_ylim(-0.03, 1.03)
-    ax.set_xlabel("τ: time within τ × the best method's")
-    ax.set_ylabel(f"fraction of the {workloads} workloads" if workloads != 1 else "reached within τ (1 workload)")
+    ax.set_xlabel("r: time within r × the best method's (Dolan and Moré's τ; here τ is staleness)")
+    ax.set_ylabel(f"fraction of the {workloads} workloads" if workloads != 1 else "reached within r (1 workload)")
     ax.grid(True, alpha=0.3)
     ax.set_title(title or "Performance profile: time to the validation target")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1), frameon=False)  # beside: inside, it hid steps

@@ -303,8 +303,8 @@ def test_the_performance_profile_is_the_share_of_workloads_within_tau_of_the_fas
             "time": [10.0, 20.0, 30.0, 15.0, 40.0, np.inf, np.inf, np.inf],
         }
     )
-    prof, dropped = target.profile(methods, taus=[1.0, 1.5, 2.0, 4.0])
-    rho = prof.pivot(index="tau", columns="method", values="rho")
+    prof, dropped = target.profile(methods, at=[1.0, 1.5, 2.0, 4.0])
+    rho = prof.pivot(index="r", columns="method", values="rho")
     # gem: best on n = 5 and 30, 2x on n = 10; downpour: best on n = 10, 2x on n = 5, never on n = 30
     assert rho["gem"].tolist() == pytest.approx([2 / 3, 2 / 3, 1.0, 1.0])
     assert rho["downpour"].tolist() == pytest.approx([1 / 3, 1 / 3, 2 / 3, 2 / 3])
