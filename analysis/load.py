@@ -153,15 +153,19 @@ def commits(
     paths, table: str = "metrics", columns: Iterable[str] | None = None, meta: pd.DataFrame | None = None
 ) -> pd.DataFrame:
     """The rows of `table` (metrics, eval or tensors) of every run, each joined with its run's columns
-    (`columns`, default: every config and summary column). Runs without that table add no rows. `meta`: the
-    runs frame of `paths`, when the caller has already loaded it."""
+    (`columns`, default: every config and summary column). Runs without that table add no rows, and nor do
+    `unreadable` ones (a damaged file: their status and reason say which). `meta`: the runs frame of `paths`, when
+    the caller has already loaded it."""
     meta = runs(paths) if meta is None else meta
+    damaged = set(meta.loc[meta["status"] == "unreadable", "run_dir"]) if "status" in meta else set()
     keep = list(columns) if columns is not None else [c for c in meta.columns if c != "reason"]
     if "run_dir" not in keep:
         keep.append("run_dir")
     frames = []
     # reindex: a column this sweep does not have (algorithm.kappa without a GEM run, say) comes back empty
     for rec in meta.reindex(columns=keep).to_dict("records"):
+        if rec["run_dir"] in damaged:
+            continue
         t = read_table(rec["run_dir"], table)
         if len(t):
             clash = [c for c in rec if c in t.columns and c != "run_dir"]

@@ -33,7 +33,7 @@ The CSV's columns (one row per table row, numbers unformatted, NaN written as an
     algorithm, <each varying setting, e.g. kappa>, n    what the row is
     workload                                            its data, engine, staleness model and n
     runs                                                every run of the row, whatever its status
-    completed, diverged, failed, incomplete             how many of them ended so
+    completed, diverged, failed, incomplete, unreadable how many of them ended so (unreadable: a damaged file)
     <q>_mean, <q>_ci_lo, <q>_ci_hi, <q>_k               for q in QUANTITIES: the mean over the k completed runs
                                                         with a value, and its 95% interval (empty when k < 2)
     target, target_source                               the validation loss of the columns below, and whence
@@ -63,7 +63,7 @@ from analysis.stats import LEVEL, Aggregate, mean_ci
 from gem.files import WriteError, write_atomic
 
 SUFFIXES = (".html", ".md", ".csv", ".tex")
-STATUSES = ("completed", "diverged", "failed", "incomplete")
+STATUSES = ("completed", "diverged", "failed", "incomplete", "unreadable")
 ENDED = target.ENDED  # the runs the time to the target is measured over
 # summary column: (the table's heading, its format, the scale of its interval: analysis.stats)
 QUANTITIES = {

@@ -3,7 +3,8 @@
 `experiments/` writes run directories (`rundir`, `runner`); this is the other half, reading them back, which both
 the Python API (`api.sweep` returns its runs) and `analysis/` use. A run directory is any folder with a
 `summary.json` or a `.hydra/config.yaml`; a sweep is any folder above them. Every run is kept, whatever its status:
-`completed`, `diverged`, `failed`, or `incomplete` when it has no summary (killed before it could write one). Config
+`completed`, `diverged`, `failed`, `incomplete` when it has no summary (killed before it could write one), or
+`unreadable` when one of its files cannot be read (its reason names the file). Config
 columns are the composed config, flattened to dotted keys (`lr`, `workers`, `algorithm.kappa`, `engine.staleness`,
 ...; a group's `name` becomes the group's own column, `algorithm`, `engine`, `model`, `data`), so runs of different
 sweeps line up.
@@ -35,6 +36,7 @@ SUMMARY_COLUMNS = (
     "stopped_by",
 )
 GROUPS = ("algorithm", "engine", "model", "data", "logger")
+TABLES = ("metrics", "eval", "tensors")  # a run directory's Parquet tables (docs/contract.md)
 # Summary keys that say what actually ran, over the config's request (a sequential algorithm runs 1 worker, say)
 RAN = (
     "algorithm",
@@ -91,13 +93,24 @@ def flatten(node: dict, prefix: str = "") -> dict:
 
 
 def run_record(run_dir: Path) -> dict:
-    """One run's config and summary as a flat dict."""
+    """One run's config and summary as a flat dict. A run whose files cannot be read (a summary, a config or a
+    table cut short or overwritten) is `unreadable`, its reason naming the file: one damaged run is left out and
+    said, never an error that hides its sweep."""
     rec: dict = {}
+    damaged = []
     config = run_dir / ".hydra" / "config.yaml"
     if config.exists():
-        rec.update({k: v for k, v in flatten(_config(config)).items() if not k.startswith("logger.")})
+        try:
+            rec.update({k: v for k, v in flatten(_config(config)).items() if not k.startswith("logger.")})
+        except ValueError as e:
+            damaged.append(str(e))
     rec["experiment"] = experiment_of(run_dir)
-    summary = _summary(run_dir / "summary.json")
+    try:
+        summary = _summary(run_dir / "summary.json")
+    except ValueError as e:
+        summary = {}
+        damaged.append(str(e))
+    damaged += unreadable_tables(run_dir)
     rec["workers_requested"] = summary.get("workers_requested", rec.get("workers"))  # before `workers` says what ran
     for k in RAN:
         if k in summary:
@@ -107,10 +120,30 @@ def run_record(run_dir: Path) -> dict:
     rec["status"] = summary.get("status", "incomplete")
     if not summary:  # killed before its summary: what the summary would say, from the config
         _as_the_summary_would(rec)
+    if damaged:
+        rec["status"], rec["reason"] = "unreadable", damaged[0]
     if isinstance(rec.get("lost_workers"), list):
         rec["lost_workers"] = len(rec["lost_workers"])
     rec["run_dir"] = str(run_dir)
     return rec
+
+
+def unreadable_tables(run_dir: Path) -> list[str]:
+    """A line for each of the run's Parquet files (its tables, and the parts of a run that did not close) that
+    cannot be read: a file cut short has no footer. Only the footers are read: cheap for a whole sweep."""
+    import pyarrow.parquet as pq
+
+    out = []
+    for name in TABLES:
+        for f in [run_dir / f"{name}.parquet", *sorted((run_dir / f"{name}.parts").glob("part-*.parquet"))]:
+            if not f.exists():
+                continue
+            try:
+                pq.read_metadata(f)
+            except Exception as e:  # noqa: BLE001 - pyarrow's own errors: a damaged or foreign file
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                out.append(f"{f} cannot be read as Parquet ({first}); move that run directory aside or delete it")
+    return out
 
 
 def _summary(path: Path) -> dict:

@@ -79,31 +79,51 @@ def test_flatten_names_groups_by_their_choice():
         ("summary.json", "{not json", "cannot be read as JSON (Expecting property name"),
         (".hydra/config.yaml", "a: [1,\n  b: {", "cannot be read as YAML ("),
         (".hydra/config.yaml", "- 1\n- 2\n", "holds a YAML ListConfig, not a run's config"),
+        ("metrics.parquet", "PAR1 cut short", "cannot be read as Parquet (Parquet magic bytes not found in footer"),
+        ("eval.parts/part-000001.parquet", "", "cannot be read as Parquet ("),
     ],
 )
-def test_a_damaged_run_file_is_one_line_naming_it(tmp_path, name, text, says):
-    """Was a traceback (a list, or YAML that is not YAML), or a line without the file's name (JSON)."""
+def test_a_damaged_run_file_leaves_that_run_out_naming_it(tmp_path, name, text, says):
+    """A damaged file is the run's status (`unreadable`) and its reason, in one line naming the file. It was a
+    ValueError that stopped `runs`, and with it the whole sweep's report (a Parquet file cut short: pyarrow's own
+    error, without the file's name)."""
+    run = tmp_path / "sweep" / "0"
+    (run / name).parent.mkdir(parents=True, exist_ok=True)
+    (run / ".hydra").mkdir(exist_ok=True)
+    if name != "summary.json":
+        (run / "summary.json").write_text(json.dumps({"status": "completed", "steps": 3}))
+    (run / name).write_text(text)
+    (row,) = runs(tmp_path / "sweep").to_dict("records")
+    assert row["status"] == "unreadable"
+    assert row["reason"].startswith(f"{run / name} {says}") and "\n" not in row["reason"], row["reason"]
+    assert commits(tmp_path / "sweep").empty  # its rows are not read
+
+
+def test_one_damaged_run_does_not_hide_its_sweep(sweep, tmp_path):
+    """`analysis.report` over a sweep with one run's metrics.parquet cut short: the others are reported, the
+    damaged run is left out of the means and named with its file (it stopped the report with pyarrow's error)."""
+    import shutil
     import subprocess
     import sys
 
     from helpers.paths import ROOT
 
-    run = tmp_path / "sweep" / "0"
-    (run / ".hydra").mkdir(parents=True)
-    (run / name).write_text(text)
-    with pytest.raises(ValueError) as e:
-        runs(tmp_path / "sweep")
-    assert str(e.value).startswith(f"{run / name} {says}") and "\n" not in str(e.value)
-    if text != "[1, 2]":
-        return  # the command line, once: it prints the same line
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep, copy)
+    cut = copy / "0" / "metrics.parquet"
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    out = tmp_path / "report.md"
     r = subprocess.run(
-        [sys.executable, "-m", "analysis.report", str(tmp_path / "sweep"), "--out", str(tmp_path / "report.md")],
+        [sys.executable, "-m", "analysis.report", str(copy), "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert r.returncode != 0 and r.stderr.startswith(f"error: {run / name} {says}") and r.stderr.count("\n") == 1
+    assert r.returncode == 0, r.stderr
+    page = out.read_text()
+    assert "1 unreadable" in page and f"{cut} cannot be read as Parquet" in page
+    assert "| downpour" in page  # the others are there
 
 
 @pytest.mark.slow
