@@ -572,23 +572,33 @@ def ensure_available(name: str, root: str, download: bool, timeout_s: float = 30
     """Make sure a file-backed dataset is on disk, downloading it if allowed; else raise DatasetMissing.
 
     Runs in the parent process before any job starts. A socket timeout bounds the download attempt, so an
-    offline machine fails in seconds rather than hanging.
+    offline machine fails in seconds rather than hanging. The download goes to a temporary folder, and its files
+    into `root` only once it has succeeded: a download that fails (the refusal that follows) leaves `root` as it
+    was, not even created.
     """
     if name not in ("mnist", "cifar10"):
         return
-    if name == "mnist":
-        folder, files = os.path.join(os.path.abspath(root), "MNIST", "raw"), MNIST_FILES
-    else:
-        folder, files = os.path.join(os.path.abspath(root), "cifar-10-batches-py"), CIFAR_FILES
+    inside = os.path.join("MNIST", "raw") if name == "mnist" else "cifar-10-batches-py"
+    folder, files = os.path.join(os.path.abspath(root), inside), (MNIST_FILES if name == "mnist" else CIFAR_FILES)
     if all(os.path.isfile(os.path.join(folder, f)) for f in files):
         return
     if not download:
         raise _download_failed(name, folder, files, download=False)
+    import shutil
     import socket
+    import tempfile
 
     old = socket.getdefaulttimeout()
     socket.setdefaulttimeout(timeout_s)
     try:
-        (load_mnist if name == "mnist" else load_cifar10)(root, download=True)
+        with tempfile.TemporaryDirectory(prefix="gem-download-") as tmp:
+            try:
+                (load_mnist if name == "mnist" else load_cifar10)(tmp, download=True)
+            except DatasetMissing:  # said of the folder the user named, not of the temporary one
+                raise _download_failed(name, folder, files, download=True) from None
+            os.makedirs(folder, exist_ok=True)
+            for f in os.listdir(os.path.join(tmp, inside)):
+                if not os.path.exists(os.path.join(folder, f)):
+                    shutil.move(os.path.join(tmp, inside, f), os.path.join(folder, f))
     finally:
         socket.setdefaulttimeout(old)

@@ -555,3 +555,36 @@ def test_digits_are_read_as_scikit_learn_reads_them():
     d = sk_digits()
     assert np.array_equal(images, d.images) and images.dtype == d.images.dtype
     assert np.array_equal(target, d.target)
+
+
+def _torchvision_like(fail: bool):
+    """A download as torchvision's makes it: it creates <root>/MNIST/raw first, then fetches (or fails to)."""
+
+    def load(root, download=False, val_size=None):
+        raw = Path(root) / "MNIST" / "raw"
+        raw.mkdir(parents=True, exist_ok=True)
+        if fail:
+            raise gd.DatasetMissing("no network")
+        for f in gd.MNIST_FILES:
+            (raw / f).write_bytes(b"idx")
+
+    return load
+
+
+def test_a_failed_download_leaves_the_data_root_as_it_was(tmp_path, monkeypatch):
+    """A refusal writes nothing: the download created <root>/MNIST/raw (as root, /nonexistent/x/MNIST/raw) before
+    it failed, and the refusal left it there. It now names the user's folder and creates nothing."""
+    monkeypatch.setattr(gd, "load_mnist", _torchvision_like(fail=True))
+    root = tmp_path / "nonexistent" / "x"
+    with pytest.raises(DatasetMissing, match=rf"files not found in {root}/MNIST/raw \(download failed\)"):
+        ensure_available("mnist", str(root), True)
+    assert not (tmp_path / "nonexistent").exists()
+
+
+def test_a_download_that_succeeds_lands_in_the_data_root(tmp_path, monkeypatch):
+    monkeypatch.setattr(gd, "load_mnist", _torchvision_like(fail=False))
+    (tmp_path / "MNIST" / "raw").mkdir(parents=True)
+    (tmp_path / "MNIST" / "raw" / gd.MNIST_FILES[0]).write_bytes(b"mine")  # a file already there is kept
+    ensure_available("mnist", str(tmp_path), True)
+    assert sorted(os.listdir(tmp_path / "MNIST" / "raw")) == sorted(gd.MNIST_FILES)
+    assert (tmp_path / "MNIST" / "raw" / gd.MNIST_FILES[0]).read_bytes() == b"mine"
