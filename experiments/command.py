@@ -578,7 +578,10 @@ def resume_hint(run_dir: Path, multirun: bool) -> str:
             else "starts again: it had no checkpoint yet)"
         )
     if step is None:
-        return "it had no checkpoint yet (engine.checkpoint_every), so resume=true cannot continue it: run it again"
+        return (
+            "it had no checkpoint yet (engine.checkpoint_every), so resume=true cannot continue it: run the command "
+            f"again with another hydra.run.dir ({run_dir} keeps the rows of this one)"
+        )
     return (
         f"to continue from its checkpoint at commit {step}, run the same command with resume=true "
         f"hydra.run.dir={run_dir}"

@@ -168,6 +168,11 @@ def _build_failed(node: DictConfig, e: Exception) -> str:
     text = str(cause).strip().splitlines()
     args = ", ".join(k for k in node if k != "_target_")
     hint = f" (it is given {args}; remove a key with ~model.<key>, add one with +model.<key>=...)" if args else ""
+    if isinstance(cause, ImportError):  # the module, not the keys: where Python looks for it
+        hint = (
+            " (Python cannot import it from here: put the folder that holds the module on PYTHONPATH, "
+            "PYTHONPATH=<that folder> python run.py ..., or pip install its package)"
+        )
     return (
         f"model._target_={node.get('_target_')} could not be built: {type(cause).__name__}: "
         f"{text[0] if text else ''}{hint}"

@@ -108,6 +108,13 @@ def check_fresh(run_dir: Path, key: str = "hydra.run.dir") -> None:
         raise Refused(
             f"{key}={run_dir} already holds a completed run; pick a new directory (results are never overwritten)"
         )
+    from gem.engines import checkpoint as ckpt
+
+    if not (run_dir / ckpt.CHECKPOINT / "manifest.json").exists():  # resume=true would be refused too
+        raise Refused(
+            f"{key}={run_dir} already holds a run (status {st}) that stopped before its first checkpoint, so "
+            "resume=true cannot continue it; pick a new directory for a new run (results are never overwritten)"
+        )
     raise Refused(
         f"{key}={run_dir} already holds a run (status {st}); resume=true continues it from its last "
         "checkpoint, or pick a new directory (results are never overwritten)"

@@ -117,6 +117,12 @@ BAD = [
         ["engine=sim", "engine.staleness=trace", "engine.trace=/no/run"],
         "engine.trace=/no/run is not a run directory (no summary.json)",
     ),
+    # a model whose module Python cannot find: the fix is where Python looks (was a hint about config keys)
+    (
+        ["model._target_=no_such_module_xyz.Net"],
+        "model._target_=no_such_module_xyz.Net could not be built: ModuleNotFoundError: No module named "
+        "'no_such_module_xyz' (Python cannot import it from here: put the folder that holds the module on PYTHONPATH",
+    ),
     (["device=tpu"], "device=tpu is not allowed; use cpu, cuda (workers spread over the visible GPUs) or cuda:N"),
     (["model=alexnet_cifar", "data=digits", "data=mnist"], "model=alexnet_cifar expects 3x32x32 inputs but data=mnist"),
     (

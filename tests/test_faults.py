@@ -350,7 +350,8 @@ def test_the_interruption_line_says_how_to_go_on(tmp_path):
     from gem.engines import checkpoint as ckpt
 
     assert resume_hint(tmp_path, False) == (
-        "it had no checkpoint yet (engine.checkpoint_every), so resume=true cannot continue it: run it again"
+        "it had no checkpoint yet (engine.checkpoint_every), so resume=true cannot continue it: run the command "
+        f"again with another hydra.run.dir ({tmp_path} keeps the rows of this one)"
     )
     assert resume_hint(tmp_path, True).endswith("resume=true (this job starts again: it had no checkpoint yet)")
     (tmp_path / ckpt.CHECKPOINT / "step-50").mkdir(parents=True)
@@ -360,3 +361,24 @@ def test_the_interruption_line_says_how_to_go_on(tmp_path):
         f"to continue from its checkpoint at commit 50, run the same command with resume=true hydra.run.dir={tmp_path}"
     )
     assert resume_hint(tmp_path, True).endswith("(this job resumes from its checkpoint at commit 50)")
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_not_sent_to_resume(tmp_path):
+    """A new run in the directory of one stopped before its first checkpoint was refused with "resume=true continues
+    it", and resume=true was refused in turn ("no checkpoint"): a circle. The refusal now says where to go."""
+    import json
+
+    from experiments.rundir import Refused, check_fresh
+    from gem.engines import checkpoint as ckpt
+
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "failed"}))
+    with pytest.raises(Refused) as e:
+        check_fresh(tmp_path)
+    assert str(e.value) == (
+        f"hydra.run.dir={tmp_path} already holds a run (status failed) that stopped before its first checkpoint, so "
+        "resume=true cannot continue it; pick a new directory for a new run (results are never overwritten)"
+    )
+    (tmp_path / ckpt.CHECKPOINT / "step-50").mkdir(parents=True)
+    (tmp_path / ckpt.CHECKPOINT / "manifest.json").write_text(json.dumps({"step": 50, "dir": "step-50"}))
+    with pytest.raises(Refused, match="resume=true continues it from its last checkpoint"):
+        check_fresh(tmp_path)
