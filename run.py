@@ -13,6 +13,8 @@ in each of a hundred workers).
 import sys
 
 if __name__ == "__main__":
+    import atexit
+
     import hydra
 
     from experiments import command, runner
@@ -24,4 +26,5 @@ if __name__ == "__main__":
     if runner.launched_worker():
         sys.exit(runner.work())
     command.precheck(sys.argv[1:])
+    atexit.register(command.end_helpers)  # no child left behind when the command returns
     main()

@@ -23,10 +23,13 @@ errors it prints as a traceback (`precheck` composes first with Hydra's compose 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -481,6 +484,45 @@ class Checks(Callback):
 
 
 # ----------------------------------------------------------------------------------------- one job
+
+
+def end_helpers(timeout_s: float = 10.0) -> None:
+    """Stop the helper processes multiprocessing started for this command (the forkserver the workers are forked
+    from, and the resource tracker) and wait for them, so that the command leaves no child behind when it returns:
+    a script that cleans up after gem, or a scheduler that counts processes, saw them alive for a second or two.
+    They end by themselves once the command has gone; this makes it before, each within `timeout_s` (then killed).
+    multiprocessing has no public call for this: where its private names differ, the helpers end as before."""
+    import multiprocessing.forkserver as forkserver
+    import multiprocessing.resource_tracker as resource_tracker
+    from multiprocessing import util
+
+    def end(pid, fd) -> None:
+        if pid is None or fd is None:
+            return
+        os.close(fd)  # its end of file is the helper's signal to exit
+        deadline = time.monotonic() + timeout_s
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return
+            time.sleep(0.01)
+
+    try:
+        server = forkserver._forkserver
+        with server._lock:
+            pid, address = server._forkserver_pid, server._forkserver_address
+            end(pid, server._forkserver_alive_fd)
+            if pid is not None and address and not util.is_abstract_socket_namespace(address):
+                with contextlib.suppress(OSError):
+                    os.unlink(address)
+            server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
+        tracker = resource_tracker._resource_tracker
+        with tracker._lock:
+            end(tracker._pid, tracker._fd)
+            tracker._pid = tracker._fd = None
+    except (AttributeError, ChildProcessError, OSError):
+        pass
 
 
 def main(cfg: DictConfig) -> dict | None:

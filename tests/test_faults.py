@@ -6,6 +6,7 @@ tests/helpers/warm_run.py's server, which has imported torch once), on the `sim`
 generous timeouts because CI machines are shared.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -382,3 +383,29 @@ def test_a_run_stopped_before_its_first_checkpoint_is_not_sent_to_resume(tmp_pat
     (tmp_path / ckpt.CHECKPOINT / "manifest.json").write_text(json.dumps({"step": 50, "dir": "step-50"}))
     with pytest.raises(Refused, match="resume=true continues it from its last checkpoint"):
         check_fresh(tmp_path)
+
+
+@pytest.mark.slow  # a fresh interpreter and a run of 2 processes: about 10 s
+def test_the_command_leaves_no_child_behind_when_it_returns(tmp_path):
+    """Right after `python run.py` returned, its forkserver and multiprocessing's resource tracker were still alive
+    for a second or two. Now nothing of its session is left once it has returned."""
+    from helpers.procs import in_session
+
+    argv = ["workers=2", "epochs=1", "logger.wandb.mode=disabled", "logger.progress=false"]
+    log = tmp_path / "log"
+    with open(log, "w") as out:  # (a pipe would be waited on to its end: by then a helper holding it is gone)
+        p = subprocess.Popen(
+            [sys.executable, "run.py", *argv, f"hydra.run.dir={tmp_path / 'run'}"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            p.wait(timeout=300)
+        finally:
+            p.kill()
+    left = in_session(p.pid)  # the run's session: its pid
+    err = log.read_text()
+    for pid in left:  # (not to outlive the test)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert p.returncode == 0, err
+    assert left == [], "alive after the command returned: " + ", ".join(map(str, left))
