@@ -64,7 +64,6 @@ def node(hosts, i, tmp_path, *overrides):
         "run.py",
         "engine=distributed",
         f"workers={WORKERS}",
-        "engine.allow_remote=true",
         "logger.wandb.mode=disabled",
         *overrides,
     ]
