@@ -46,6 +46,7 @@ import pandas as pd
 
 from analysis import load, target
 from analysis.stats import mean_ci
+from experiments import rundir
 from gem.files import write_atomic
 
 HELDOUT_SEEDS = (0, 1, 2)
@@ -83,6 +84,12 @@ def _check_finished(runs: pd.DataFrame, sweep) -> None:
     if missing:
         raise ValueError(f"{sweep}: {missing}; a trial on fewer seeds than the others is not comparable")
     bad = runs[~runs["status"].isin(["completed", "diverged"])]
+    running = [d for d in bad["run_dir"] if rundir.in_use(Path(d))]
+    if running:  # resume=true would be refused for them: their own command still holds them
+        raise ValueError(
+            f"{sweep}: {len(running)} run(s) still running ({running[0]}{', ...' if len(running) > 1 else ''}): "
+            "wait for their command to end, then tune"
+        )
     if len(bad):
         first = bad.iloc[0]
         raise ValueError(

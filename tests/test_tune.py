@@ -114,6 +114,19 @@ def test_tune_refuses_an_unfinished_sweep_and_held_out_seeds_that_were_tuned_on(
     assert tune.main([str(sweep)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "1 run(s) incomplete" in err and "resume=true" in err
+    # one still running (its command holds its directory): resume=true would be refused for it, so not advised
+    import fcntl
+    import os
+
+    fd = os.open(sweep / "3", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert tune.main([str(sweep)]) == 2
+        err = capsys.readouterr().err
+        running = f"1 run(s) still running ({sweep / '3'}): wait for their command to end, then tune"
+        assert err == f"error: {sweep}: {running}\n"
+    finally:
+        os.close(fd)
 
 
 def test_the_two_protocols_side_by_side_on_the_held_out_seeds(tmp_path, capsys):
