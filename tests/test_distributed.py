@@ -32,12 +32,12 @@ from gem.engines.coordinator import start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.distributed import address, launch, window
 from gem.engines.distributed import job as wire_job
-from gem.engines.distributed.address import _listener
+from gem.engines.distributed.address import open_listener
 from gem.engines.distributed.group import patience, waiting_key
-from gem.engines.distributed.job import Start, _for_workers, decode_start
+from gem.engines.distributed.job import Start, decode_start, job_for_workers
 from gem.engines.distributed.launch import _Coordinator
 from gem.engines.distributed.link import _Waiting
-from gem.engines.distributed.server import Peer, Standing, _Server
+from gem.engines.distributed.server import ParameterServer, Peer, Standing
 from gem.engines.server import Server
 from gem.metrics import Recorder, read_table
 
@@ -96,9 +96,9 @@ def test_a_run_closes_each_of_its_descriptors_once(data, tmp_path, monkeypatch):
         numbers.append((s := real_listener(*args)).fileno())
         return s
 
-    real, real_listener = dist.TCPStore, launch._listener
+    real, real_listener = dist.TCPStore, launch.open_listener
     monkeypatch.setattr(dist, "TCPStore", kept)
-    monkeypatch.setattr(launch, "_listener", listener)
+    monkeypatch.setattr(launch, "open_listener", listener)
     before = sockets()
     result, _, _ = run(job(data, 1, epochs=1), tmp_path / "run")
     assert result.status == "completed" and len(stores) == 1
@@ -183,9 +183,9 @@ def test_once_the_group_has_formed_nobody_new_reaches_a_rank(data, tmp_path, mon
         seen["children"] = children
         return real_serve(coord, pg, secret, encoded, states, children, *args)
 
-    real_listener, real_admit, real_serve = launch._listener, launch.admit, launch._serve
+    real_listener, real_admit, real_serve = launch.open_listener, launch.admit, launch._serve
     real_cut = launch.cut_strangers
-    monkeypatch.setattr(launch, "_listener", listener)
+    monkeypatch.setattr(launch, "open_listener", listener)
     monkeypatch.setattr(launch, "admit", admit)
     monkeypatch.setattr(launch, "cut_strangers", cut)
     monkeypatch.setattr(launch, "_serve", serve)
@@ -507,7 +507,7 @@ def test_torchrun_with_the_wrong_number_of_processes_says_so_in_one_line(tmp_pat
     ], p.stderr[-2000:]
 
 
-class _HighRankWaits(_Server):
+class _HighRankWaits(ParameterServer):
     """An unfair server, like the original code's polling in rank order: the highest rank is served only once
     3 commits of lower ranks have gone before it."""
 
@@ -530,7 +530,7 @@ class _HighRankWaits(_Server):
 @pytest.mark.slow  # a run of 4 distributed workers: 6 s
 def test_the_fairness_test_catches_an_unfair_server(data, tmp_path, monkeypatch):
     """The test above is not vacuous: a server that lets the highest rank wait fails it."""
-    monkeypatch.setattr(launch, "_Server", _HighRankWaits)
+    monkeypatch.setattr(launch, "ParameterServer", _HighRankWaits)
     with pytest.raises(AssertionError, match=r"0\.2 / 4"):
         test_commits_are_served_first_come_first_served(data, tmp_path)
 
@@ -621,7 +621,7 @@ def test_the_job_travels_as_json_and_raw_tensors(data, tmp_path):
         },
     )
     start = Start(t0_wall=1.5e9, train_examples=256, window={"path": "/dev/shm/x", "slots": 2})
-    for original in (full, _for_workers(full), _for_workers(job(data, 2))):
+    for original in (full, job_for_workers(full), job_for_workers(job(data, 2))):
         text, tensors = distributed.encode_job(original, start)
         assert isinstance(json.loads(text), dict)
         assert tensors is None or set(tensors) - {"test_x", "test_y"} == {"train_x", "train_y", "val_x", "val_y"}
@@ -783,7 +783,7 @@ def test_the_port_of_a_run_just_ended_is_not_refused(data, tmp_path):
     bind it again at once (the next run of a sweep with an explicit engine.port), so the check must not refuse."""
     import socket
 
-    listener = _listener("127.0.0.1", 0)
+    listener = open_listener("127.0.0.1", 0)
     port = listener.getsockname()[1]
     client = socket.create_connection(("127.0.0.1", port))
     accepted, _ = listener.accept()

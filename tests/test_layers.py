@@ -67,3 +67,15 @@ def test_the_tests_check_sees_every_kind_of_import(tmp_path):
         "def test_f():\n    from test_engines import run\n"
     )
     assert list(imported_test_modules(module)) == [(1, "conftest"), (3, "test_a"), (7, "test_engines")]
+
+
+def test_no_module_of_gem_imports_another_s_private_names():
+    """What one module of gem uses of another has a public name: a leading underscore says "only here" (the
+    distributed engine imported a dozen of them across its files)."""
+    private = []
+    for path in sorted((ROOT / "gem").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("gem"):
+                names = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                private += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n} from {node.module}" for n in names]
+    assert not private, "\n".join(private)

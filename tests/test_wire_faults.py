@@ -30,7 +30,7 @@ from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.distributed import bounds, doors, group, launch, link, secret, server
 from gem.engines.distributed import job as wire_job
 from gem.engines.distributed.group import form_group, timedelta_of
-from gem.engines.distributed.job import Start, _for_workers, _recv_job, decode_job, encode_job
+from gem.engines.distributed.job import Start, decode_job, encode_job, job_for_workers, recv_job
 from gem.engines.distributed.launch import _Coordinator
 from gem.engines.distributed.messages import (
     ASK,
@@ -98,7 +98,7 @@ class Peer:
 
     def join(self) -> None:
         prove(self.pg, self.rank, self.secret, WAIT_S)
-        text, tensors = _recv_job(self.pg, WAIT_S)
+        text, tensors = recv_job(self.pg, WAIT_S)
         recv_packed(self.pg, 0, TAG_JOB, WAIT_S)
         job = decode_job(text, tensors, self.allowed)
         theta = build_flat_model(job, device="cpu").param.clone()
@@ -194,7 +194,7 @@ def rank0(j: Job, run_dir, pg, slots: int = 0):
     start = Start(t0_wall=coord.t0_wall, train_examples=len(j.data.train_y), window=window and window.described())
     try:
         return launch._serve(
-            coord, pg, SECRET, encode_job(_for_workers(j), start), {1: None, 2: None}, [], None, window
+            coord, pg, SECRET, encode_job(job_for_workers(j), start), {1: None, 2: None}, [], None, window
         )
     finally:
         rec.close()
@@ -732,7 +732,7 @@ class OutsideNet(MnistCNN):
 
 def _naming(data, algorithm=None, model=None) -> tuple[bytes, dict]:
     """A job as rank 0 sends it, naming `algorithm` or `model` (JSON, as a peer speaking for rank 0 could)."""
-    text, tensors = encode_job(_for_workers(job(data)))
+    text, tensors = encode_job(job_for_workers(job(data)))
     message = json.loads(text)
     fields = message["job"]
     if algorithm is not None:

@@ -3,7 +3,7 @@ who can reach it connect to the run, so it needs `engine.allow_remote=true`; onl
 it hands the run's secret, can join it as workers (secret.admit). A launch over several machines needs the secret
 in every rank's environment (GEM_RUN_SECRET). The address, an explicit `engine.port` and the secret are checked
 before anything starts (check_address, called by the config's validation), and rank 0 binds its listening socket
-the same way (`_listener`)."""
+the same way (`open_listener`)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def check_address(host: str, port: int, allow_remote: bool) -> None:
         return
     warning = check_host(host, allow_remote)
     check_port(host, port)
-    _warn_once(warning)
+    warn_once(warning)
 
 
 def check_host(host: str, allow_remote: bool) -> str | None:
@@ -64,7 +64,7 @@ def _any_address(host: str) -> bool:
     return host in ("", "0.0.0.0", "::")
 
 
-def _local_address(host: str) -> str:
+def local_address(host: str) -> str:
     """The address a local launch's ranks use for one another: the one rank 0 listens on, or loopback when it
     listens on every address (a connection needs one destination, and gloo one interface)."""
     if not _any_address(host):
@@ -75,7 +75,7 @@ def _local_address(host: str) -> str:
 _warned: set[str] = set()  # each job of a sweep is validated, on the same host: one warning a process
 
 
-def _warn_once(line: str | None) -> None:
+def warn_once(line: str | None) -> None:
     if line and line not in _warned:
         _warned.add(line)
         print(line, file=sys.stderr, flush=True)
@@ -83,13 +83,13 @@ def _warn_once(line: str | None) -> None:
 
 def check_port(host: str, port: int) -> None:
     """ValueError, in one line, when rank 0 could not listen on (host, port): the port is taken, or the host is
-    not an address of this machine. It binds as rank 0 will (_listener) and lets go at once. (SO_REUSEADDR as
+    not an address of this machine. It binds as rank 0 will (open_listener) and lets go at once. (SO_REUSEADDR as
     there: without it, a port that the previous run of a sweep used would be refused while its closed
     connections wait out TIME_WAIT, though rank 0 could listen on it.)"""
-    _listener(host, port).close()
+    open_listener(host, port).close()
 
 
-def _listener(host: str, port: int) -> socket.socket:
+def open_listener(host: str, port: int) -> socket.socket:
     """Rank 0's listening socket for the job's TCPStore (port 0: a free one). A bind that fails, here or when a
     port free when the command was checked has been taken since, is one line naming the key."""
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)

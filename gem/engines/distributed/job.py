@@ -33,7 +33,7 @@ INSTANTIATE = "hydra.utils.instantiate"  # a ModelSpec's factory for a Hydra con
 GEM_MODELS = frozenset(f"{f.__module__}.{f.__qualname__}" for f in MODELS.values())  # gem.models.MnistCNN, ...
 
 DATASET_TENSORS = ("train_x", "train_y", "val_x", "val_y")  # raw on the wire; gem.data.Dataset's other fields: JSON
-TEST_TENSORS = ("test_x", "test_y")  # raw too where a job holds them (a worker's does not: _for_workers)
+TEST_TENSORS = ("test_x", "test_y")  # raw too where a job holds them (a worker's does not: job_for_workers)
 DONE = {"done": True}  # instead of a worker's state: the run resumes from a checkpoint in which it had no work left
 
 
@@ -46,7 +46,7 @@ class Start:
     window: dict | None = None  # rank 0's shared memory (window.Window.described()), for the workers on its host
 
 
-def _for_workers(job: Job) -> Job:
+def job_for_workers(job: Job) -> Job:
     """What travels to the workers: the job without the validation and test splits, and without the training set
     when the workers can load it themselves (job.data_source)."""
     data = None
@@ -177,14 +177,14 @@ def _normal(path: str) -> str:
     return str(path).replace(":", ".")  # Hydra's "package.module:attr" is gem's "package.module.attr"
 
 
-def _send_job(pg, encoded: tuple[bytes, dict | None], dst: int, timeout_s: float) -> None:
+def send_job(pg, encoded: tuple[bytes, dict | None], dst: int, timeout_s: float) -> None:
     text, tensors = encoded
     wait(pg.send([torch.tensor([len(text), 0, 0, 0], dtype=torch.long)], dst, TAG_JOB), timeout_s)
     send_bytes(pg, text, dst, TAG_JOB, timeout_s)
     send_packed(pg, tensors, dst, TAG_JOB, timeout_s)
 
 
-def _recv_job(pg, timeout_s: float) -> tuple[bytes, dict | None]:
+def recv_job(pg, timeout_s: float) -> tuple[bytes, dict | None]:
     """The job as it came (decode_job rebuilds it): every message rank 0 sends is received before the worker
     judges it, so that rank 0 waits on none."""
     header = torch.zeros(HEADER, dtype=torch.long)

@@ -36,7 +36,7 @@ from gem.engines import Job, Result
 from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model, central_device
-from gem.engines.distributed.address import _listener, _local_address, _warn_once, check_host
+from gem.engines.distributed.address import check_host, local_address, open_listener, warn_once
 from gem.engines.distributed.bounds import Bounds
 from gem.engines.distributed.doors import cut_strangers, empty_store, listening, refuse_newcomers
 from gem.engines.distributed.group import (
@@ -48,8 +48,8 @@ from gem.engines.distributed.group import (
     timedelta_of,
     waiting_key,
 )
-from gem.engines.distributed.job import DONE, Start, _for_workers, _send_job, encode_job, named_imports
-from gem.engines.distributed.link import _local_worker
+from gem.engines.distributed.job import DONE, Start, encode_job, job_for_workers, named_imports, send_job
+from gem.engines.distributed.link import local_worker
 from gem.engines.distributed.messages import TAG_JOB, Malformed, send_packed
 from gem.engines.distributed.secret import admit, launched_secret, run_secret
 from gem.engines.distributed.server import (
@@ -57,6 +57,7 @@ from gem.engines.distributed.server import (
     Finished,
     Lost,
     NonFinite,
+    ParameterServer,
     Raised,
     RowsCame,
     ServerDone,
@@ -64,7 +65,6 @@ from gem.engines.distributed.server import (
     StatesSaved,
     StepsLost,
     WriteFailed,
-    _Server,
     all_started,
 )
 from gem.engines.distributed.window import Window
@@ -80,7 +80,7 @@ from gem.engines.worker import (
 )
 from gem.files import WriteError
 
-SETTLE_S = 2.0  # rank 0's wait at its end for its threads in gloo's waits (_Server.settle)
+SETTLE_S = 2.0  # rank 0's wait at its end for its threads in gloo's waits (ParameterServer.settle)
 
 
 def run(job: Job, recorder) -> Result:
@@ -114,7 +114,7 @@ def run(job: Job, recorder) -> Result:
             window=window.described() if window is not None else None,
         )
         # before any worker starts: a field that JSON cannot carry fails here
-        encoded = encode_job(_for_workers(job), start)
+        encoded = encode_job(job_for_workers(job), start)
         if launched():
             world = int(os.environ["WORLD_SIZE"])
             if world != n + 1:
@@ -128,9 +128,9 @@ def run(job: Job, recorder) -> Result:
         else:
             host, port = eng.host, eng.port
             # the config's validation has checked the address; again here for a caller of the engine itself
-            _warn_once(check_host(host, eng.allow_remote))
+            warn_once(check_host(host, eng.allow_remote))
             before = listening()
-            listener = _listener(host, port)
+            listener = open_listener(host, port)
             port = listener.getsockname()[1]
             store = dist.TCPStore(
                 host,
@@ -145,7 +145,7 @@ def run(job: Job, recorder) -> Result:
             # could belong to another file by then (a parquet part being read, seen as EBADF in the tests)
             listener.detach()
             listener = None
-            local = _local_address(host)  # where this machine's ranks reach rank 0 and one another
+            local = local_address(host)  # where this machine's ranks reach rank 0 and one another
             # as on the process engine, the workers share the cores and the coordinating rank is not counted: it
             # mostly waits on the wire. The same threads as the other engines: the same arithmetic at n = 1.
             threads = threads_per_process(n)
@@ -168,7 +168,7 @@ def run(job: Job, recorder) -> Result:
                 alive, here = ctx.Pipe(duplex=False)
             for r in range(1, n + 1):
                 p = ctx.Process(
-                    target=_local_worker,
+                    target=local_worker,
                     name=f"gem-worker-{r - 1}",
                     daemon=True,
                     args=(r, n + 1, local, port, START_TIMEOUT_S, threads, secret, imports, turn, alive, theta_handed),
@@ -292,7 +292,7 @@ def _serve(
         )
     for r, state in states.items():
         if r not in refused:
-            _send_job(pg, encoded, r, START_TIMEOUT_S)
+            send_job(pg, encoded, r, START_TIMEOUT_S)
             send_packed(pg, state, r, TAG_JOB, START_TIMEOUT_S)
     coord.attach(pg, children, store, refused, window, turn)
     return coord.serve()
@@ -346,7 +346,7 @@ class _Coordinator(Coordinator):
         super().__init__(job, recorder, server, evaluate, resumed)
         self.events: queue.Queue = queue.Queue()
         self.children: list = []
-        self.ps: _Server | None = None
+        self.ps: ParameterServer | None = None
         self.fatal = ""
         self.write_error = ""  # a file of the run directory could not be written: the run ends, failed
         self.server_done = False
@@ -373,7 +373,7 @@ class _Coordinator(Coordinator):
         job, server = self.job, self.server
         like = torch.empty_like(server.theta, device="cpu")  # sizes only: nothing of θ's, on the host
         bounds = Bounds.of(server.algo, job.hp, like, len(self.ledger.tensor_names), len(job.data.train_y))
-        self.ps = _Server(pg, job, server, ranks, self.events, bounds, window, turn)
+        self.ps = ParameterServer(pg, job, server, ranks, self.events, bounds, window, turn)
         self.children, self.store, self.turn = children, store, turn
         for w in set(range(self.job.workers)) - set(self.pending_workers()):  # done before the checkpoint
             self.ps.done_before(w + 1)

@@ -34,7 +34,7 @@ from gem.engines import Job
 from gem.engines.distributed.bounds import TEXT_BYTES
 from gem.engines.distributed.doors import listening, refuse_newcomers
 from gem.engines.distributed.group import BYE_TIMEOUT_S, form_group, launched_group, patience, timedelta_of, waiting_key
-from gem.engines.distributed.job import DONE, Start, _recv_job, allowed_imports, decode_job, decode_start
+from gem.engines.distributed.job import DONE, Start, allowed_imports, decode_job, decode_start, recv_job
 from gem.engines.distributed.messages import (
     ASK,
     DIVERGED,
@@ -90,7 +90,7 @@ def worker_main(timeout_s: float = START_TIMEOUT_S, allowed=()) -> int:
     return _work(pg, rank, threads, secret, allowed_imports(allowed), ignore_sigint=False, store=store)
 
 
-def _local_worker(
+def local_worker(
     rank: int,
     world: int,
     host: str,
@@ -137,7 +137,7 @@ def _work(
     setup_process(threads, ignore_sigint)
     try:
         prove(pg, rank, secret, START_TIMEOUT_S, getattr(store, "port", None))
-        text, tensors = _recv_job(pg, START_TIMEOUT_S)
+        text, tensors = recv_job(pg, START_TIMEOUT_S)
         saved = recv_packed(pg, 0, TAG_JOB, START_TIMEOUT_S)  # this worker's state, when the run resumes
     except RuntimeError as e:
         print(

@@ -178,7 +178,7 @@ def all_started(peers: dict[int, Peer]) -> bool:
     return all(p.ready or not p.expected for p in peers.values())
 
 
-class _Server(threading.Thread):
+class ParameterServer(threading.Thread):
     """Rank 0's exchanges with the workers, one at a time, in the order their headers arrive. Talks to the
     coordinator (the main thread) through `events`; `lock` guards the server's state and the bookkeeping."""
 
