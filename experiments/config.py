@@ -29,7 +29,7 @@ from experiments.instantiate import ConfigError
 from experiments.schema import CONF_DIR, GROUPS, TOP_LEVEL_PARAMS, WANDB_MODES, Config, DataConfig, options
 from gem import algorithms, engines, models
 from gem import data as gdata
-from gem.engines.options import OPTION_KEYS, EngineOptions, SimOptions, options_class
+from gem.engines.options import EngineOptions, SimOptions, options_class, without_others
 from gem.engines.sim import TraceError, read_trace
 
 
@@ -201,8 +201,7 @@ def engine_options(node: dict) -> tuple[EngineOptions, int]:
         raise ConfigError(f"engine.checkpoint_every={every} is not allowed; it must be an integer >= 0 (0: none)")
     # an experiment's settings for another engine (fig1's engine.staleness with engine=process) do not apply here
     cls = options_class(name)
-    node = {k: v for k, v in node.items() if k not in OPTION_KEYS - {f.name for f in dataclasses.fields(cls)}}
-    eng = _merge_checked(cls, node, "engine", f"engine={name}")
+    eng = _merge_checked(cls, without_others(cls, node), "engine", f"engine={name}")
     if isinstance(eng, SimOptions) and eng.staleness == "trace":
         try:
             read_trace(eng.trace)

@@ -103,6 +103,13 @@ def options_class(name: str) -> type:
     return OPTIONS[name]
 
 
+def without_others(cls: type, given: dict) -> dict:
+    """`given` less the keys that are another engine's options and not `cls`'s (fig1's engine.staleness with
+    engine=process): they do not apply here. A key no engine has is kept, for the caller to refuse."""
+    own = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in given.items() if k in own or k not in OPTION_KEYS}
+
+
 def of(engine) -> EngineOptions:
     """An engine's options from its record or from a dict of some of them (`{"name": "process", "timeout_s": 5}`;
     without a name: sim). The dict may hold another engine's options too, which this one ignores: one dict serves a
@@ -112,11 +119,11 @@ def of(engine) -> EngineOptions:
         return engine
     given = dict(engine or {})
     cls = options_class(str(given.get("name", "sim")))
-    keys = {f.name for f in dataclasses.fields(cls)}
+    given = without_others(cls, given)
     unknown = sorted(set(given) - OPTION_KEYS)
     if unknown:
+        keys = sorted(f.name for f in dataclasses.fields(cls) if f.name != "name")
         raise ValueError(
-            f"engine.{unknown[0]} is not an option of any engine; engine={cls().name}'s are: "
-            f"{', '.join(sorted(keys - {'name'}))}"
+            f"engine.{unknown[0]} is not an option of any engine; engine={cls().name}'s are: {', '.join(keys)}"
         )
-    return cls(**{k: v for k, v in given.items() if k in keys})
+    return cls(**given)
