@@ -37,7 +37,8 @@ from gem.engines.distributed.group import patience, waiting_key
 from gem.engines.distributed.job import Start, decode_start, job_for_workers
 from gem.engines.distributed.launch import _Coordinator
 from gem.engines.distributed.link import _Waiting
-from gem.engines.distributed.server import ParameterServer, Peer, Standing
+from gem.engines.distributed.server import Peer, Standing
+from gem.engines.distributed.server_wire import WireServer
 from gem.engines.server import Server
 from gem.metrics import Recorder, read_table
 
@@ -507,7 +508,7 @@ def test_torchrun_with_the_wrong_number_of_processes_says_so_in_one_line(tmp_pat
     ], p.stderr[-2000:]
 
 
-class _HighRankWaits(ParameterServer):
+class _HighRankWaits(WireServer):
     """An unfair server, like the original code's polling in rank order: the highest rank is served only once
     3 commits of lower ranks have gone before it."""
 
@@ -530,7 +531,7 @@ class _HighRankWaits(ParameterServer):
 @pytest.mark.slow  # a run of 4 distributed workers: 6 s
 def test_the_fairness_test_catches_an_unfair_server(data, tmp_path, monkeypatch):
     """The test above is not vacuous: a server that lets the highest rank wait fails it."""
-    monkeypatch.setattr(launch, "ParameterServer", _HighRankWaits)
+    monkeypatch.setattr(launch, "WireServer", _HighRankWaits)
     with pytest.raises(AssertionError, match=r"0\.2 / 4"):
         test_commits_are_served_first_come_first_served(data, tmp_path)
 
@@ -997,23 +998,23 @@ def test_a_local_worker_waiting_in_line_exits_once_rank_0_is_gone():
     import multiprocessing
     import types
 
-    from gem.engines.distributed import link
+    from gem.engines.distributed import link, link_turn
     from gem.engines.turn import Turn
 
     ctx = multiprocessing.get_context("spawn")
     turn = Turn(ctx, 4, torch.device("cpu"))
     turn.state[0] = 2  # held by rank 0's server thread
     alive, here = ctx.Pipe(duplex=False)
-    worker = link._RemoteLink.__new__(link._RemoteLink)
+    worker = link_turn.TurnLink.__new__(link_turn.TurnLink)
     worker.turn, worker.alive, worker.waiting = turn, alive, None
     worker.server = types.SimpleNamespace(clock=torch.zeros((), dtype=torch.long))
     out = []
 
     def wait_in_line():
         try:
-            worker._take_turn(0)
+            worker.acquire(0)
             out.append("turn")
-        except link._ServerGone:
+        except link.ServerGone:
             out.append("gone")
 
     th = threading.Thread(target=wait_in_line, daemon=True)

@@ -4,7 +4,7 @@ refused before it gets the job or θ; a job cannot make a worker import what its
 
 Rank 0 runs as `launch.run` runs it once the group has formed (`launch._serve`: the handshake, the jobs, the
 coordinator and its server thread); its workers are threads of this process, each with its own gloo group on one
-store: an honest worker (`link._work`, the real one) and a `Peer` that speaks the protocol by hand.
+store: an honest worker (`rank._work`, the real one) and a `Peer` that speaks the protocol by hand.
 """
 
 import dataclasses
@@ -27,7 +27,7 @@ from gem.data import make_synthetic
 from gem.engines import Job
 from gem.engines.coordinator import start_server
 from gem.engines.core import Evaluator, build_flat_model
-from gem.engines.distributed import bounds, doors, group, launch, link, secret, server
+from gem.engines.distributed import bounds, doors, group, launch, rank, secret, server
 from gem.engines.distributed import job as wire_job
 from gem.engines.distributed.group import form_group, timedelta_of
 from gem.engines.distributed.job import Start, decode_job, encode_job, job_for_workers, recv_job
@@ -66,7 +66,7 @@ def data():
 def worker_threads(monkeypatch):
     """The honest worker runs in a thread of this process: it must leave the process's signals and heap as they
     are (setup_process is for a worker process of its own)."""
-    monkeypatch.setattr(link, "setup_process", lambda threads, ignore_sigint=True: None)
+    monkeypatch.setattr(rank, "setup_process", lambda threads, ignore_sigint=True: None)
 
 
 def job(data, hp=None, model="mnist_cnn", **kw):
@@ -215,7 +215,7 @@ def serve(j: Job, run_dir, peer_script, honest_allowed=frozenset(), peer_allowed
             failed.append(e)
 
     honest = threading.Thread(
-        target=link._work, args=(pgs[1], 1, 1, SECRET, honest_allowed), kwargs={"ignore_sigint": False}, daemon=True
+        target=rank._work, args=(pgs[1], 1, 1, SECRET, honest_allowed), kwargs={"ignore_sigint": False}, daemon=True
     )
     other = threading.Thread(target=run_peer, daemon=True)
     honest.start()
@@ -700,7 +700,7 @@ def test_a_launch_over_several_machines_without_a_secret_is_refused_in_one_line(
 
 def test_a_worker_without_the_secret_says_so_before_it_joins(two_machines, capsys):
     two_machines.setenv("RANK", "1")
-    assert link.worker_main(timeout_s=1) == 2  # it would otherwise wait for the group to form
+    assert rank.worker_main(timeout_s=1) == 2  # it would otherwise wait for the group to form
     assert capsys.readouterr().err.splitlines() == [f"error: {NO_SECRET}"]
 
 

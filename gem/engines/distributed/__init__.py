@@ -50,9 +50,15 @@ The engine by concern, each file read top to bottom; each imports only those abo
                  launch over several machines, the secret checked
     window.py    θ and the server's tensors in shared memory, for the workers on rank 0's host, with a slot
                  for each one's Δ (or, for a local launch's workers, the clock and the commit log)
-    link.py      a worker rank: the worker cycle's Link to the server, over the wire (or the window)
-    server.py    rank 0's server thread: the exchanges, one at a time (or the local turn's log), and the
-                 checkpoint barrier
+    link.py      a worker rank's Link to the server, whatever the transport: headers, requests, a
+                 checkpoint's state, a barrier's pull, the run of the worker cycle
+    link_wire.py   ... each commit one exchange with rank 0 (θ out, Δ back; or through the window's slots)
+    link_turn.py   ... a local launch's worker: the server's turn among the workers, θ in the window
+    rank.py      a worker rank's process: join, prove the secret, take the job, run with its transport's Link
+    server.py    rank 0's server thread, whatever the transport: the headers, where each worker stands, the
+                 checkpoint barrier, the answers
+    server_wire.py  ... the exchanges over the wire, one at a time
+    server_turn.py  ... a local launch: the turn's line, and the commits read from the window's log
     launch.py    rank 0: the run (the group, the local workers, the job) and the coordinator
 """
 
@@ -60,8 +66,9 @@ from gem.engines.distributed.address import check_address, check_host, check_por
 from gem.engines.distributed.group import export_submitit_env, launched, launched_rank
 from gem.engines.distributed.job import decode_job, encode_job
 from gem.engines.distributed.launch import run
-from gem.engines.distributed.link import WAITING_S, worker_main
+from gem.engines.distributed.link import WAITING_S
 from gem.engines.distributed.messages import ASK
+from gem.engines.distributed.rank import worker_main
 
 __all__ = [
     "run",

@@ -49,8 +49,8 @@ from gem.engines.distributed.group import (
     waiting_key,
 )
 from gem.engines.distributed.job import DONE, Start, encode_job, job_for_workers, named_imports, send_job
-from gem.engines.distributed.link import local_worker
 from gem.engines.distributed.messages import TAG_JOB, Malformed, send_packed
+from gem.engines.distributed.rank import local_worker
 from gem.engines.distributed.secret import admit, launched_secret, run_secret
 from gem.engines.distributed.server import (
     Fatal,
@@ -67,6 +67,8 @@ from gem.engines.distributed.server import (
     WriteFailed,
     all_started,
 )
+from gem.engines.distributed.server_turn import TurnServer
+from gem.engines.distributed.server_wire import WireServer
 from gem.engines.distributed.window import Window
 from gem.engines.options import DistributedOptions
 from gem.engines.turn import Gone, Turn
@@ -373,7 +375,8 @@ class _Coordinator(Coordinator):
         job, server = self.job, self.server
         like = torch.empty_like(server.theta, device="cpu")  # sizes only: nothing of θ's, on the host
         bounds = Bounds.of(server.algo, job.hp, like, len(self.ledger.tensor_names), len(job.data.train_y))
-        self.ps = ParameterServer(pg, job, server, ranks, self.events, bounds, window, turn)
+        args = (pg, job, server, ranks, self.events, bounds, window)
+        self.ps = WireServer(*args) if turn is None else TurnServer(*args, turn=turn)
         self.children, self.store, self.turn = children, store, turn
         for w in set(range(self.job.workers)) - set(self.pending_workers()):  # done before the checkpoint
             self.ps.done_before(w + 1)
@@ -577,12 +580,12 @@ class _Coordinator(Coordinator):
         # how loaded the parameter server was: its exchanges take server_commit_s each; busy close to 1 means
         # the server, not the workers, set the pace
         # (none with a local turn: the workers apply their own commits)
-        served = ps.served and ps.turn is None
+        served = ps.served and self.turn is None
         extra = {
             "server_commit_s": round(ps.busy_s / ps.served, 6) if served else None,
             "server_busy": round(ps.busy_s / wall, 4) if served and wall > 0 else None,
             "shared_memory_workers": sorted(r - 1 for r, peer in ps.peers.items() if peer.maps_window),
-            "local_turn": ps.turn is not None,
+            "local_turn": self.turn is not None,
             "central_device": str(self.server.theta.device),
             "placement": self.placement.describe() if self.placement is not None else None,
         }

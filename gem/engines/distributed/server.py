@@ -1,6 +1,9 @@
-"""Rank 0's parameter server: a thread that serves the workers' exchanges one at a time, in the order their
-headers arrive, and tells the coordinator (rank 0's main thread, gem.engines.distributed.launch) what happened
-through a queue of events.
+"""Rank 0's parameter server: a thread that takes the workers' headers in the order they arrive, and tells the
+coordinator (rank 0's main thread, gem.engines.distributed.launch) what happened through a queue of events. This
+module holds what every transport shares: the events, where each worker stands (`Peer`), the checkpoint barrier
+and the answers (`ParameterServer`). A transport says what a turn at the server is: server_wire.py (each commit an
+exchange over the wire) or server_turn.py (a local launch's workers pass the turn among themselves in shared
+memory); `launch.Placement.local_turn` chooses.
 
 For a checkpoint the server stops handing out turns: each worker, when it next asks, is answered SAVE and sends its
 state (the run directory is rank 0's, perhaps on another machine); asking again, it is told to WAIT and asks again
@@ -11,13 +14,6 @@ never came are marked (`lost_row`).
 
 Headers are taken first come, first served by a thread per worker (headers.Headers), each blocked in a receive from
 its own rank, which hands what it gets to the server in arrival order.
-
-The workers of a local launch take no exchange (`turn`): they pass the turn among themselves and commit to θ in
-rank 0's window (window.py), and send only rows (ROWS), a checkpoint's state and a barrier's PULL. This thread is
-then one participant in the turn's line: it holds the turn until every worker is ready (all start from one θ),
-takes it for a checkpoint (the workers are asked SAVE through the turn, and send their state while they wait in
-line) and to pull θ for a barrier, and reads who made each commit from the window's log (`sync_log`). Stopping the
-run stops the workers' turns; each sends its last rows with one ASK, answered STOP.
 
 A worker is held to what the server expects of it (bounds.Bounds): a header's kind must be one it may send now (SAVED
 only while a checkpoint is taken, and only from a worker told SAVE; READY once), and every size it announces must
@@ -39,7 +35,6 @@ from collections import deque
 
 import torch
 
-from gem.algorithms import Commit
 from gem.engines import Job
 from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S
@@ -66,10 +61,8 @@ from gem.engines.distributed.messages import (
     recv_tensors,
     wait,
 )
-from gem.engines.distributed.window import LOG_WORKERS, Window
+from gem.engines.distributed.window import Window
 from gem.engines.server import Server
-from gem.engines.turn import SAVE as TURN_SAVE
-from gem.engines.turn import Turn
 from gem.engines.worker import START_TIMEOUT_S
 from gem.files import WriteError
 
@@ -179,8 +172,11 @@ def all_started(peers: dict[int, Peer]) -> bool:
 
 
 class ParameterServer(threading.Thread):
-    """Rank 0's exchanges with the workers, one at a time, in the order their headers arrive. Talks to the
-    coordinator (the main thread) through `events`; `lock` guards the server's state and the bookkeeping."""
+    """Rank 0's server thread, whatever the transport: the workers' headers, first come, first served; where each
+    worker stands (`peers`); the checkpoint barrier; the answers. What a turn at the server is, the transport
+    says: `WireServer` (server_wire.py) serves each commit as an exchange over the wire, `TurnServer`
+    (server_turn.py) lets the workers of a local launch pass the turn among themselves in rank 0's window. Talks
+    to the coordinator (the main thread) through `events`; `lock` guards the server's state and the bookkeeping."""
 
     def __init__(
         self,
@@ -191,7 +187,6 @@ class ParameterServer(threading.Thread):
         events: queue.Queue,
         bounds: Bounds,
         window: Window | None = None,
-        turn: Turn | None = None,
     ):
         super().__init__(name="gem-parameter-server", daemon=True)
         self.pg, self.job, self.server, self.events, self.bounds = pg, job, server, events, bounds
@@ -202,69 +197,58 @@ class ParameterServer(threading.Thread):
         self.peers = {r: Peer(heard=time.monotonic()) for r in workers}  # each worker, by rank
         self.commits: list[tuple[int, float]] = []  # (worker, time) of the commits applied since the coordinator looked
         self.stopping = ""  # once set, every ASK is answered STOP
-        self.early: deque = deque()  # ASKs that came before every worker was ready: all start from one θ
         # a checkpoint being taken: {"folder", "told": ranks told SAVE, "saved": ranks that sent their state}
         self.saving: dict | None = None
         self.written = threading.Event()
-        # Δ of a commit over the wire, received on the host (none comes with a local turn, whose θ may be on a GPU)
-        self.delta = torch.empty_like(server.theta, device="cpu") if turn is None else None
         self.window = window  # θ in shared memory (window.py), for the workers on rank 0's host
         self.started = time.monotonic()
         self.busy_s, self.served = 0.0, 0  # seconds spent in exchanges that ended in a commit, and how many
         self.headers: Headers | None = None  # started with the server thread
-        # a local launch with θ in shared memory: the workers pass the turn among themselves (`turn`), and this
-        # thread is participant `me` in its line (the coordinator, me + 1); it holds the turn from the start until
-        # every worker is ready, and while a checkpoint is taken. The workers' commits are read from the window's
-        # log (`sync_log`): `logged`, the clock up to which they have been
-        self.turn, self.me, self.holding = turn, len(workers), turn is not None
-        self.logged = server.t
         self.last_header = time.monotonic()
+
+    # --- what each transport adds
+
+    def step(self, started: bool) -> bool:
+        """Before the next header: act on what the loop waits for (`started`: the race may begin); True to look
+        again before waiting for a header."""
+        return False
+
+    def read_log(self) -> None:
+        """(under `lock`) Note the commits made since the last look that this thread did not apply itself."""
+
+    def sync_log(self) -> None:
+        """(coordinator) `read_log` now."""
+        with self.lock:
+            self.read_log()
+
+    def claims(self, src: int, extra: bytes) -> str | None:
+        """What `src` said at READY about rank 0's window (`extra`), checked: None if allowed, else what it sent
+        that is not (it is banned for it)."""
+        raise NotImplementedError
+
+    def on_ask(self, src: int) -> None:
+        raise NotImplementedError
+
+    def pull(self, src: int) -> None:
+        """A worker at a barrier that the clock has reached: θ and the server's tensors; no commit follows."""
+        raise NotImplementedError
+
+    def checkpoint_written(self) -> None:
+        """The coordinator has written the checkpoint: θ may change again."""
+
+    def ended(self) -> None:
+        """The server thread ends (perhaps failed): let go of whatever the coordinator may wait for."""
+
+    # --- the coordinator's side
 
     def stop(self, why: str) -> None:
         self.stopping = self.stopping or why
-        if self.turn is not None:  # a worker stopped in line sends its rows with one last ASK, answered STOP
-            for r, peer in self.peers.items():
-                if peer.expected:
-                    self.turn.stop(r - 1)
-
-    def sync_log(self) -> None:
-        """(turn) The commits the workers made since the last look, from the window's log: pending until their
-        rows come (whose times are the coordinator's progress)."""
-        if self.turn is not None:
-            with self.lock:
-                self._sync_log()
-
-    def _sync_log(self) -> None:
-        t, log = self.server.t, self.window.log
-        if t - self.logged > log.numel():
-            raise RuntimeError(
-                f"{t - self.logged} commits since rank 0 last read the commit log, which holds {log.numel()}"
-            )
-        if t <= self.logged:
-            return
-        lost = []
-        for i, entry in zip(
-            range(self.logged, t), log[torch.arange(self.logged, t) % log.numel()].tolist(), strict=True
-        ):
-            if entry // LOG_WORKERS != i:  # not yet visible here: read it at the next look (its rows come after it)
-                t = i
-                break
-            peer = self.peers.get(entry % LOG_WORKERS + 1)
-            pending = peer.pending if peer is not None else None
-            if pending is not None:
-                pending.append(i + 1)
-            else:  # lost: its row will never come
-                lost.append(i + 1)
-        self.logged = t
-        if lost:
-            self.events.put(StepsLost(lost))
 
     def lose(self, rank: int, banned: bool = False) -> list[int]:
         """(coordinator) Expect nothing more from `rank` (`banned`: nor read anything it sends); returns its commits
         whose rows will never come."""
         with self.lock:
-            if self.turn is not None:  # its process is gone (launch: lose_rank): its last commits are logged
-                self._sync_log()
+            self.read_log()  # (its process is gone: its last commits, if it made any here, are noted)
             peer = self.peers[rank]
             if banned or peer.standing is not Standing.BANNED:
                 peer.standing = Standing.BANNED if banned else Standing.LOST
@@ -292,29 +276,9 @@ class ParameterServer(threading.Thread):
                 return False
             self.written.clear()
             self.saving = {"folder": ckpt.pending(run_dir), "told": set(), "saved": set()}
-        if self.headers is not None:  # wake the server thread: with a turn, it takes it now
+        if self.headers is not None:  # wake the server thread (with a turn, it takes it now)
             self.headers.arrived.put((None, None))
         return True
-
-    def run(self) -> None:
-        try:
-            self.serve()
-        except WriteError as e:  # a worker's checkpoint file: the disk failed, and the run ends
-            self.events.put(WriteFailed(str(e)))
-        except Exception as e:  # noqa: BLE001 - the coordinator reports it
-            if self.open():  # (else every worker had finished or was lost: nobody waited on what failed)
-                self.events.put(Fatal(f"parameter server: {type(e).__name__}: {e}"))
-        finally:
-            if self.holding:  # (failed) the coordinator may wait for the turn
-                self.release_turn()
-            self.events.put(ServerDone())
-
-    def serve(self) -> None:
-        self.headers = Headers(self.pg, self.ranks)
-        try:
-            self.serve_headers()
-        finally:
-            self.headers.close()
 
     def settle(self, timeout_s: float) -> None:
         """(rank 0, before it exits) Wait up to `timeout_s` for this thread and the header threads to end, as
@@ -325,16 +289,31 @@ class ParameterServer(threading.Thread):
         if self.headers is not None:
             self.headers.join(deadline)
 
+    # --- the thread
+
+    def run(self) -> None:
+        try:
+            self.serve()
+        except WriteError as e:  # a worker's checkpoint file: the disk failed, and the run ends
+            self.events.put(WriteFailed(str(e)))
+        except Exception as e:  # noqa: BLE001 - the coordinator reports it
+            if self.open():  # (else every worker had finished or was lost: nobody waited on what failed)
+                self.events.put(Fatal(f"parameter server: {type(e).__name__}: {e}"))
+        finally:
+            self.ended()
+            self.events.put(ServerDone())
+
+    def serve(self) -> None:
+        self.headers = Headers(self.pg, self.ranks)
+        try:
+            self.serve_headers()
+        finally:
+            self.headers.close()
+
     def serve_headers(self) -> None:
         while self.open():
             started = all_started(self.peers) or time.monotonic() - self.started > START_TIMEOUT_S
-            if self.early and started:
-                self.exchange(self.early.popleft())
-                continue
-            if self.holding and started and self.saving is None:  # the race begins: all start from one θ
-                self.release_turn()
-            if self.saving is not None and self.turn is not None and not self.holding:
-                self.take_turn_for_checkpoint()
+            if self.step(started):
                 continue
             if self.saving is not None and self.saving["saved"] >= self.expected_ranks():
                 self.finish_checkpoint()
@@ -357,32 +336,7 @@ class ParameterServer(threading.Thread):
         while not self.written.wait(POLL_S) and threading.main_thread().is_alive():
             pass  # the coordinator writes the checkpoint; θ must stay as saved until it is on disk
         self.saving = None  # the waiting workers are served as they ask again
-        if self.holding and all_started(self.peers):
-            self.release_turn()
-
-    # --- the turn, with the workers of a local launch
-
-    def take_turn(self) -> None:
-        """Wait in line for the turn (a frozen holder is lost, killed and its turn handed on by the coordinator)."""
-        if not self.turn.acquire(self.me, self._turn_waiting, timeout=self.wait_s):
-            raise RuntimeError(f"the server's turn did not come within {self.wait_s:.0f} s")
-        self.holding = True
-
-    def _turn_waiting(self) -> None:
-        if not threading.main_thread().is_alive():
-            raise RuntimeError("rank 0's main thread has ended")
-
-    def release_turn(self) -> None:
-        self.holding = False
-        self.turn.release()
-
-    def take_turn_for_checkpoint(self) -> None:
-        """Hold the turn, so that θ stays as saved, and ask every live worker for its state: one in line sends it
-        at once, one computing when it next asks for the turn (link._turn_request)."""
-        self.take_turn()
-        live = self.expected_ranks()
-        self.saving["told"] |= live
-        self.turn.ask({r - 1 for r in live}, TURN_SAVE)
+        self.checkpoint_written()
 
     def next_header(self) -> tuple[int, torch.Tensor | None]:
         """(rank, its header): the next header to arrive, first come, first served; (rank, None) when there is
@@ -456,8 +410,7 @@ class ParameterServer(threading.Thread):
         if kind == SAVED and (saving is None or src not in saving["told"] or src in saving["saved"]):
             raise Malformed("its state (SAVED) though no checkpoint asked it for its state")
         with self.lock:
-            if self.turn is not None:  # its commits are in the log, written before their rows were sent
-                self._sync_log()
+            self.read_log()  # (commits made in rank 0's window are logged before their rows are sent)
             pending = len(peer.pending) if peer.pending is not None else ROWS_PENDING
         self.bounds.header(kind, rows_nbytes, rows_count, extra_nbytes, pending)
 
@@ -471,43 +424,16 @@ class ParameterServer(threading.Thread):
             return [pending.popleft() for _ in range(count)]
 
     def on_ready(self, src: int, extra: bytes) -> None:
-        """A worker is ready; b"1": it maps θ from the window, which it may only where the window gives it a slot.
-        Once every worker is ready, no other process needs to open the window's file: it is removed."""
-        if self.turn is not None and extra != b"1":
-            self.ban(
-                src, f"a READY header followed by {extra!r}, where every worker takes its turn in shared memory (b'1')"
-            )
+        """A worker is ready, and says whether it maps θ from rank 0's window (`claims`). Once every worker is
+        ready, no other process needs to open the window's file: it is removed."""
+        refused = self.claims(src, extra)
+        if refused is not None:
+            self.ban(src, refused)
             return
-        if extra:
-            window = self.window
-            if extra != b"1":
-                self.ban(
-                    src, f"a READY header followed by {extra!r} (b'1', that it maps θ from shared memory, or nothing)"
-                )
-                return
-            if window is None or not 0 <= src - 1 < window.slots:
-                self.ban(
-                    src,
-                    "a READY header saying that it maps θ from shared memory, where "
-                    + ("rank 0 keeps none" if window is None else f"only workers 0 to {window.slots - 1} have a slot"),
-                )
-                return
-            self.peers[src].maps_window = True
-        self.peers[src].ready, self.peers[src].standing = True, Standing.WORKING
+        peer = self.peers[src]
+        peer.ready, peer.standing = True, Standing.WORKING
         if self.window is not None and all_started(self.peers):
             self.window.unlink()
-
-    def on_ask(self, src: int) -> None:
-        """A worker asks for its turn: during a checkpoint it is told to SAVE or WAIT; before every worker is
-        ready it waits for them (all start from one θ); else its exchange, now."""
-        if self.turn is not None and not self.stopping and self.peers[src].standing is not Standing.LOST:
-            self.ban(src, "an ASK, where every worker takes its turn in shared memory")
-        elif self.saving is not None and not self.stopping:
-            self.hold(src)
-        elif not all_started(self.peers) and self.turn is None:
-            self.early.append(src)
-        else:
-            self.exchange(src)
 
     def on_pull(self, src: int, barrier: int) -> None:
         """A worker waits at a barrier: θ once the server's clock has reached it; until then WAIT, or STOP when no
@@ -532,8 +458,6 @@ class ParameterServer(threading.Thread):
         """A worker's state for the checkpoint being taken: into the checkpoint's folder at once."""
         ckpt.save_atomic(state, ckpt.worker_file(self.saving["folder"], src - 1))
         self.saving["saved"].add(src)
-        if self.turn is not None:  # saved at a barrier (`hold`): the turn's request is answered too
-            self.turn.answered(src - 1, TURN_SAVE)
 
     def on_finished(self, src: int) -> None:
         self.done_with(src)
@@ -548,86 +472,6 @@ class ParameterServer(threading.Thread):
             self.events.put(NonFinite(src, text))
         else:
             self.events.put(Raised(src, text))
-
-    # --- the exchanges
-
-    def exchange(self, src: int) -> None:
-        """`src`'s turn: GO with θ, its commit back, applied; timed (busy_s) for the run's summary."""
-        standing = self.peers[src].standing
-        if standing is Standing.BANNED:
-            return  # it asked before it was banned
-        if self.stopping or standing is Standing.LOST:
-            self.done_with(src)
-            self.reply(src, STOP)
-            return
-        began = time.perf_counter()
-        view = self.server.view(src - 1)
-        try:
-            payload = self.go_and_commit(src, view)
-        except (RuntimeError, ValueError) as e:
-            self.gone(src, e)
-            return
-        self.apply(src, view, payload)
-        self.busy_s += time.perf_counter() - began
-        self.served += 1
-
-    def go_and_commit(self, src: int, view) -> dict:
-        """GO with the clock and τ, the live θ and the server's tensors, all in flight at once; then the commit:
-        Δ into self.delta, and the payload it returns. A worker that maps the window gets only GO (θ is where it
-        reads it: nothing changes θ until this exchange ends), and leaves Δ in its slot there."""
-        server, mapped = self.server, self.peers[src].maps_window
-        state = () if mapped else (server.theta, *server.state.values())
-        header = torch.zeros(2, dtype=torch.long)
-        wait_s = self.wait_s
-        go = torch.tensor([GO, view.t, view.staleness, int(wait_s * 1000)], dtype=torch.long)
-        sends = [self.pg.send([v], src, TAG_X) for v in (go, *state)]
-        for s in sends:
-            wait(s, wait_s)
-        wait(self.pg.recv([header], src, TAG_X), wait_s)
-        spec_nbytes = int(header[0])
-        self.bounds.commit(spec_nbytes)
-        if mapped:  # into rank 0's own memory: the worker can no more change Δ while the server rule reads it
-            self.delta.copy_(self.window.slot(src - 1))
-        else:
-            wait(self.pg.recv([self.delta], src, TAG_X), wait_s)  # Δ: θ's size, always
-        if not spec_nbytes:
-            return {}
-        spec = self.bounds.payload_of(recv_bytes(self.pg, spec_nbytes, src, TAG_X, wait_s))
-        return recv_tensors(self.pg, spec, src, TAG_X, wait_s)
-
-    def apply(self, src: int, view, payload: dict) -> None:
-        """The server rule on θ; the commit is pending until `src`'s row for it comes."""
-        with self.lock:
-            t = self.server.apply(view, Commit(delta=self.delta, payload=payload))
-            self.commits.append((src - 1, time.monotonic()))  # progress, for the coordinator's Silence
-            pending = self.peers[src].pending
-            if pending is not None:
-                pending.append(t)
-            else:  # given up for lost while this exchange ran: its row will never come
-                self.events.put(StepsLost([t]))
-        if pending is not None and len(pending) > ROWS_PENDING:
-            self.ban(src, f"no rows for its last {len(pending)} commits (at most {ROWS_PENDING} may await rows)")
-
-    def pull(self, src: int) -> None:
-        """A worker at a barrier that the clock has reached: θ and the server's tensors; no commit follows."""
-        if self.turn is not None:  # θ as of a clock, under the turn; sent once the turn is handed on
-            held = self.holding
-            if not held:
-                self.take_turn()
-            try:
-                with self.lock:
-                    view = self.server.pull(src - 1)
-                # copies on the host, where gloo sends from (θ may be on the workers' GPU: launch.py)
-                theta = self.server.theta.to("cpu", copy=True)
-                state = {k: v.to("cpu", copy=True) for k, v in self.server.state.items()}
-            finally:
-                if not held:
-                    self.release_turn()
-            self.send_pulled(src, view, theta, state)
-            return
-        with self.lock:
-            view = self.server.pull(src - 1)
-        self.send_pulled(src, view, self.server.theta, self.server.state)
 
     def send_pulled(self, src: int, view, theta: torch.Tensor, state: dict) -> None:
         try:

@@ -17,10 +17,10 @@ A local launch's workers (rank 0's own children, trusted as a `process` engine's
 the server's turn among themselves (gem.engines.turn) and run the server step in place on θ here, so no thread of
 another process needs waking inside a commit. Their window (`turn`) has no slots: the clock and the pull times are
 here too, every worker maps it all writable, and the holder of the turn notes in the commit log who made commit t
-(`log[t % len(log)]`, with t), which rank 0 reads to know whose rows to expect (server.sync_log). Where every one
-of them computes on one and the same GPU, θ and the server's tensors live on that GPU instead, shared by CUDA IPC
-as on engine=process (`engine.theta_on_gpu`, launch.py), and the window holds only the clock, the pull times and
-the log.
+(`log[t % len(log)]`, with t), which rank 0 reads to know whose rows to expect (server_turn.TurnServer.read_log).
+Where every one of them computes on one and the same GPU, θ and the server's tensors live on that GPU instead, shared
+by CUDA IPC as on engine=process (`engine.theta_on_gpu`, launch.py), and the window holds only the clock, the pull
+times and the log.
 
 A PULL at a barrier (no commit follows, and rank 0 goes on serving the others) still sends θ over the wire: θ as of
 the clock the worker is told.
