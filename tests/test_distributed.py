@@ -900,7 +900,7 @@ def _checkpoint_with_a_line(data, tmp_path, ctx):
     coord.ps, coord.store = _ServerThreadSeen([1, 2, 3], now), dist.HashStore()
     coord.turn = Turn(ctx, 5, torch.device("cpu"))
     coord.turn.state[0] = 3  # rank 0's server thread
-    coord.turn._lock_meta()
+    assert coord.turn._take(5)
     coord.turn._enqueue(0)
     coord.turn._enqueue(1)
     coord.turn._give()

@@ -820,18 +820,19 @@ def test_a_worker_frozen_inside_the_turn_s_lock_at_a_checkpoint_is_the_only_one_
     and were lost with it (2 runs in 5 here; once in a loaded run of the suite)."""
     from gem.engines import turn as turn_mod
 
-    real_ask, frozen = turn_mod.Turn.ask, []
+    real_ask, frozen = turn_mod.Turn.try_ask, []
 
-    def ask(self, workers, action, waiting=None):
-        real_ask(self, workers, action, waiting)
-        if action == turn_mod.SAVE and not frozen:
+    def try_ask(self, workers, action, timeout=turn_mod.POLL_S):
+        asked = real_ask(self, workers, action, timeout)
+        if asked and action == turn_mod.SAVE and not frozen:
             pid = next(p.pid for p in multiprocessing.active_children() if p.name == "gem-worker-1")
             os.kill(pid, signal.SIGSTOP)
             frozen.append(pid)
             hold_meta_for(self, pid)  # as if it had stopped inside meta
             time.sleep(silent_before)
+        return asked
 
-    monkeypatch.setattr(turn_mod.Turn, "ask", ask)
+    monkeypatch.setattr(turn_mod.Turn, "try_ask", try_ask)
     j = job(
         data,
         engine,

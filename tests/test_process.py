@@ -2,6 +2,8 @@
 processes' heap. The contract every engine keeps (every commit once, staleness, windows, resume, lost workers,
 signals, ...) is tested on all three engines in tests/test_engines.py."""
 
+import time
+
 import pytest
 from helpers.engines import job, run
 from helpers.procs import frozen_inside_meta, stopped_process
@@ -51,7 +53,7 @@ def test_a_participant_asked_to_stop_is_never_handed_the_turn():
 
     turn = Turn(multiprocessing.get_context("spawn"), 3, torch.device("cpu"))
     assert turn.acquire(0)
-    turn._lock_meta()
+    assert turn._take(5)
     turn._enqueue(1)  # 1 and then 2 wait in line behind 0
     turn._enqueue(2)
     turn._give()
@@ -78,7 +80,7 @@ def test_a_requests_left_over_permit_is_not_taken_for_the_turn():
 
     turn = Turn(multiprocessing.get_context("spawn"), 2, torch.device("cpu"))
     assert turn.acquire(0)
-    turn._lock_meta()
+    assert turn._take(5)
     turn._enqueue(1)
     turn._give()
     turn.ask({1}, SAVE)
@@ -88,6 +90,31 @@ def test_a_requests_left_over_permit_is_not_taken_for_the_turn():
     assert turn.acquire(0) and int(turn.state[0]) == 0
     assert not turn.acquire(1, timeout=1.5)  # the left-over permit is not the turn: 0 holds it
     assert int(turn.state[0]) == 0
+
+
+def test_a_coordinator_waits_on_the_turn_a_bounded_step_at_a_time():
+    """A coordinator never waits inside the turn for longer than one step: with `meta` held by someone else a step
+    returns None at once; in line, a step returns None after its timeout; between two steps it may take the turn
+    back from a holder that died (recover, from its own loop), and its next step finds the turn its own."""
+    import multiprocessing
+
+    import torch
+
+    from gem.engines.turn import GO, Ticket, Turn
+
+    turn = Turn(multiprocessing.get_context("spawn"), 3, torch.device("cpu"))
+    assert turn.acquire(0)  # worker 0 holds the turn, and then dies holding it
+    ticket = Ticket(turn, 2)  # the coordinator
+    assert turn._take(5)  # someone is inside `meta`
+    began = time.monotonic()
+    assert ticket.step(0.2) is None and not ticket.queued
+    turn._give()
+    assert ticket.step(0.2) is None and ticket.queued  # in line behind 0
+    assert ticket.step(0.2) is None  # nothing came
+    assert time.monotonic() - began < 5.0
+    turn.recover(0)  # between two steps: 0's turn handed on, to the coordinator
+    assert ticket.step(0.2) == GO and int(turn.state[0]) == 2 and not ticket.queued
+    assert turn.try_release() and int(turn.state[0]) == -1
 
 
 def test_a_participant_frozen_inside_the_turn_s_lock_is_the_one_waited_on():
@@ -103,7 +130,7 @@ def test_a_participant_frozen_inside_the_turn_s_lock_is_the_one_waited_on():
     ctx = multiprocessing.get_context("spawn")
     turn = Turn(ctx, 4, torch.device("cpu"))
     assert turn.acquire(0)
-    turn._lock_meta()
+    assert turn._take(5)
     turn._enqueue(2)  # 2 waits in line behind 0
     turn._give()
     p = frozen_inside_meta(ctx, turn)
@@ -117,7 +144,7 @@ def test_a_participant_frozen_inside_the_turn_s_lock_is_the_one_waited_on():
     turn.recover(1)  # the coordinator takes meta back from the dead process
     assert turn.peek({0: 11, 2: 12}) == ({2}, None) and turn.meta_pid.value == 0
     # frozen inside meta while it waits in line (woken to answer a request, say): still the one to blame
-    turn._lock_meta()
+    assert turn._take(5)
     turn._enqueue(3)
     turn._give()
     p = frozen_inside_meta(ctx, turn)

@@ -330,9 +330,7 @@ class Coordinator:
     def serve(self) -> Result:
         self.start()
         while self.running():
-            self.poll(POLL_S)
-            self.ledger.record()
-            self.watch()
+            self.look_after(POLL_S)
             if self.diverged:
                 break
             self.sync()
@@ -345,6 +343,25 @@ class Coordinator:
             if self.diverged:
                 break
         return self.wrap_up()
+
+    def look_after(self, timeout: float) -> None:
+        """Read what the workers sent (for up to `timeout` s), record it, and lose the dead and the silent."""
+        self.poll(timeout)
+        self.ledger.record()
+        self.watch()
+
+    def wait_on(self, attempt, timeout_s: float | None = None, give_up=None):
+        """The one way a coordinator waits on what it shares with its workers (the server's turn): `attempt()`, one
+        bounded try (turn.Ticket.step, Turn.try_release, ...: None until it succeeds), again and again, and between
+        two tries the workers looked after (`look_after`), which may lose one and take back its turn
+        (Turn.recover), never from inside a wait of the turn's. Returns what the attempt returned, or None after
+        `timeout_s`, or once `give_up()` says so."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while (done := attempt()) is None:
+            self.look_after(0)
+            if (give_up is not None and give_up()) or (deadline is not None and time.monotonic() > deadline):
+                return None
+        return done
 
     # engine hooks
     def running(self) -> bool: ...

@@ -46,7 +46,7 @@ from gem.engines import checkpoint as ckpt
 from gem.engines.coordinator import POLL_S, Coordinator, start_server
 from gem.engines.core import Evaluator, build_flat_model, central_device
 from gem.engines.server import Server
-from gem.engines.turn import FLUSH, SAVE, Gone, Turn
+from gem.engines.turn import FLUSH, SAVE, Gone, Ticket, Turn
 from gem.engines.worker import (
     EXIT_WAIT_S,
     ROWS_PER_MESSAGE,
@@ -473,17 +473,16 @@ class _Coordinator(Coordinator):
 
     def take_turn(self) -> bool:
         """Take the server's turn, waiting in line like a worker while reading rows and watching for the
-        dead and the silent (`lose_child` hands a lost holder's turn on). False, out of line again, if it did not
-        come in time."""
-        return self.turn.acquire(self.me, self._waiting, timeout=self.silence.limit() + TURN_TIMEOUT_S)
-
-    def _waiting(self) -> None:
-        self.poll(0)
-        self.ledger.record()
-        self.watch()
+        dead and the silent (`wait_on`; `lose_child` hands a lost holder's turn on). False, out of line again, if
+        it did not come in time."""
+        ticket = Ticket(self.turn, self.me)
+        if self.wait_on(ticket.step, self.silence.limit() + TURN_TIMEOUT_S) is None:
+            ticket.cancel()
+            return False
+        return True
 
     def release_turn(self) -> None:
-        self.turn.release(self._waiting)
+        self.wait_on(self.turn.try_release)
 
     def collect(self, action: int, stop_on_divergence: bool = True) -> None:
         """(holding the turn) Ask every active worker to SAVE or FLUSH and wait for each one's reply; a worker
@@ -491,7 +490,7 @@ class _Coordinator(Coordinator):
         computes, when it reaches its commit boundary and asks for the turn: within a cycle.)"""
         self.replies = set()
         want = {c.index for c in self.active()}
-        self.turn.ask(want, action, self._waiting)
+        self.wait_on(lambda: self.turn.try_ask(want, action))
         asked, lost = time.monotonic(), len(self.lost_workers)
         while not (stop_on_divergence and self.diverged):
             if len(self.lost_workers) > lost:
@@ -514,9 +513,7 @@ class _Coordinator(Coordinator):
                 for c in missing:
                     self.lose_child(c, self.silence.why(waited, f"no answer to a {_ASKED[action]} request"))
                 break
-            self.poll(POLL_S)
-            self.ledger.record()
-            self.watch()
+            self.look_after(POLL_S)
         self.poll(0)
 
     def flush_all(self, stop_on_divergence: bool = True, keep_turn: bool = False) -> None:

@@ -25,8 +25,12 @@ class Turn:
     a ring buffer of waiting participants and the current holder; it is held for a few instructions only. Each
     participant sleeps on its own semaphore, which the releaser posts when the turn is handed to it, or the
     coordinator posts with `action` set to SAVE (write a checkpoint), FLUSH (send your rows) or STOP. A lock held
-    by a process that died is taken back by the coordinator (`recover`), so a SIGKILL cannot hang the others. Every
-    wait polls: `waiting()` is called about once a second and may raise to give up.
+    by a process that died is taken back by the coordinator (`recover`), so a SIGKILL cannot hang the others.
+
+    No wait here lasts longer than POLL_S: each operation has a bounded try (`Ticket.step`, `try_release`,
+    `try_ask`, `try_answered`) that returns None when it could not finish. A coordinator loops over them itself and
+    looks after its workers between tries (coordinator.Coordinator.wait_on); a worker uses the looping forms
+    (`acquire`, `release`, ...), whose `waiting()`, called between tries, only checks that the coordinator is alive.
     """
 
     def __init__(self, ctx, participants: int, device: torch.device):
@@ -54,11 +58,6 @@ class Turn:
         self.meta_pid.value = 0
         self.meta.release()
 
-    def _lock_meta(self, waiting=None) -> None:
-        while not self._take(POLL_S):
-            if waiting is not None:
-                waiting()
-
     def _line(self) -> list[int]:
         s = self.state
         return [int(s[3 + (int(s[1]) + i) % self.size]) for i in range(int(s[2]))]
@@ -84,66 +83,58 @@ class Turn:
         s[0] = -1
 
     def acquire(self, who: int, waiting=None, on_request=None, timeout: float | None = None, on_queued=None) -> bool:
-        """Wait for the turn. `on_request(action)`: do what the coordinator asks (SAVE, FLUSH) meanwhile.
-        With a `timeout`, give up after it, out of line again, and return False. `on_queued()` runs at the
-        moment `who` takes its place (under `meta`): what is measured from then is the line's doing alone."""
+        """(a worker) Wait for the turn, a `Ticket` step at a time. `on_request(action)`: do what the coordinator
+        asks (SAVE, FLUSH) meanwhile. `waiting()`, between steps, may raise to give up (the coordinator is gone); it
+        must not act on the turn. With a `timeout`, give up after it, out of line again, and return False.
+        `on_queued()` runs at the moment `who` takes its place (under `meta`): what is measured from then is the
+        line's doing alone."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._lock_meta(waiting)
-        try:
-            act = int(self.action[who])
-            if act == STOP:
-                raise Gone()
-            if on_queued is not None:
-                on_queued()
-            if int(self.state[0]) == -1:
-                self.state[0] = who
-                return True
-            self._enqueue(who)
-        finally:
-            self._give()
-        if act in (SAVE, FLUSH) and on_request is not None:  # asked before we queued: nobody will wake us
-            self.answered(who, act, waiting)
-            on_request(act)
+        ticket = Ticket(self, who, on_queued)
         while True:
-            if not self.sems[who].acquire(timeout=POLL_S):
-                if waiting is not None:
-                    waiting()
-                if deadline is not None and time.monotonic() > deadline:
-                    self.leave(who)
-                    return False
-                continue
-            act = int(self.action[who])
-            if act == STOP:
-                raise Gone()
-            if act in (SAVE, FLUSH):
-                self.answered(who, act, waiting)  # (not a STOP that came meanwhile: its permit wakes us next)
+            got = ticket.step()
+            if got == GO:
+                return True
+            if got is not None:  # SAVE or FLUSH, answered: do it, then wait on
                 if on_request is not None:
-                    on_request(act)
+                    on_request(got)
                 continue
-            if self._holder(waiting) == who:
-                return True  # GO: the turn is ours
-            # a request's permit left over (a hand-over overwrote its action before we woke): not the turn
+            if waiting is not None:
+                waiting()
+            if deadline is not None and time.monotonic() > deadline:
+                ticket.cancel()
+                return False
 
-    def _holder(self, waiting=None) -> int:
-        self._lock_meta(waiting)
+    def holder(self, timeout: float = POLL_S) -> int | None:
+        """Who holds the turn (−1: nobody); None if `meta` could not be had within `timeout`."""
+        if not self._take(timeout):
+            return None
         try:
             return int(self.state[0])
         finally:
             self._give()
 
-    def release(self, waiting=None) -> None:
+    def try_release(self, timeout: float = POLL_S) -> bool | None:
+        """Hand the turn to the next in line (or free it): True, or None if `meta` could not be had in time."""
         if self.device.type == "cuda":  # what this process queued on θ's GPU is done
             torch.cuda.synchronize(self.device)  # before the next holder, whose stream is not ordered after ours
-        self._lock_meta(waiting)
+        if not self._take(timeout):
+            return None
         try:
             self._hand_over()
         finally:
             self._give()
+        return True
 
-    def ask(self, workers: set[int], action: int, waiting=None) -> None:
+    def release(self, waiting=None) -> None:
+        while self.try_release() is None:
+            if waiting is not None:
+                waiting()
+
+    def try_ask(self, workers: set[int], action: int, timeout: float = POLL_S) -> bool | None:
         """(coordinator, holding the turn) Ask these workers to SAVE or FLUSH: at once if they wait in line,
-        else as soon as they queue."""
-        self._lock_meta(waiting)
+        else as soon as they queue. True, or None if `meta` could not be had in time (nobody was asked)."""
+        if not self._take(timeout):
+            return None
         try:
             line = set(self._line())
             for w in workers:
@@ -154,15 +145,29 @@ class Turn:
                     self.sems[w].release()
         finally:
             self._give()
+        return True
 
-    def answered(self, who: int, action: int, waiting=None) -> None:
-        """`who` has done what `ask` asked of it (or by another way): ask it no more, unless asked to stop since."""
-        self._lock_meta(waiting)
+    def ask(self, workers: set[int], action: int, waiting=None) -> None:
+        while self.try_ask(workers, action) is None:
+            if waiting is not None:
+                waiting()
+
+    def try_answered(self, who: int, action: int, timeout: float = POLL_S) -> bool | None:
+        """`who` has done what `ask` asked of it (or by another way): ask it no more, unless asked to stop since.
+        True, or None if `meta` could not be had in time."""
+        if not self._take(timeout):
+            return None
         try:
             if int(self.action[who]) == action:
                 self.action[who] = GO
         finally:
             self._give()
+        return True
+
+    def answered(self, who: int, action: int, waiting=None) -> None:
+        while self.try_answered(who, action) is None:
+            if waiting is not None:
+                waiting()
 
     def peek(self, pids: dict[int, int] | None = None) -> tuple[set[int], int | None]:
         """(coordinator) The participants that wait for the turn now through no fault of their own, and the one
@@ -241,3 +246,71 @@ def _stopped(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
     except (OSError, IndexError):
         return False
+
+
+class Ticket:
+    """One participant's way to the turn, one bounded step at a time (`step`), with nothing of the turn held or
+    half done between two steps. A coordinator waits with it in a loop of its own (coordinator.Coordinator
+    .wait_on), looking after its workers between steps: it may lose one then, and take back its turn (`recover`),
+    never from inside a wait of the turn's. A worker waits with `Turn.acquire`, built on it."""
+
+    def __init__(self, turn: Turn, who: int, on_queued=None):
+        self.turn, self.who, self.on_queued = turn, who, on_queued
+        self.queued = False  # `who` has its place in line
+        self.asked: int | None = None  # a SAVE or FLUSH found but not yet answered (`meta` was busy)
+        self.woken = False  # woken, and whether the turn is ours not yet known (`meta` was busy)
+
+    def step(self, timeout: float = POLL_S) -> int | None:
+        """Take a place in line, or wait in it for up to `timeout`. GO: the turn is ours. SAVE or FLUSH: the
+        coordinator asks for it, and the request is answered (do it, then step again). None: not yet. Raises Gone
+        when `who` is asked to stop."""
+        turn, who = self.turn, self.who
+        if not self.queued:
+            if not turn._take(timeout):
+                return None
+            try:
+                act = int(turn.action[who])
+                if act == STOP:
+                    raise Gone()
+                if self.on_queued is not None:
+                    self.on_queued()
+                if int(turn.state[0]) == -1:
+                    turn.state[0] = who
+                    return GO
+                turn._enqueue(who)
+                self.queued = True
+            finally:
+                turn._give()
+            if act in (SAVE, FLUSH):  # asked before we queued: nobody will wake us for it
+                self.asked = act
+        elif self.asked is None and not self.woken:
+            if not turn.sems[who].acquire(timeout=timeout):
+                return None
+            act = int(turn.action[who])
+            if act == STOP:
+                raise Gone()
+            if act in (SAVE, FLUSH):  # (not a STOP that came meanwhile: its permit wakes us next)
+                self.asked = act
+            else:
+                self.woken = True
+        if self.asked is not None:
+            if turn.try_answered(who, self.asked) is None:
+                return None
+            act, self.asked = self.asked, None
+            return act
+        if not self.woken:
+            return None
+        holder = turn.holder()
+        if holder is None:
+            return None
+        self.woken = False
+        if holder == who:
+            self.queued = False
+            return GO
+        return None  # a request's permit left over (a hand-over overwrote its action before we woke): not the turn
+
+    def cancel(self) -> None:
+        """Give up waiting: out of line, or the turn handed on if it came just now."""
+        if self.queued:
+            self.turn.leave(self.who)
+            self.queued = False

@@ -110,7 +110,8 @@ def is_cut(p: subprocess.Popen, timeout: float = 5.0) -> bool:
 
 def _freeze_inside_meta(turn, named: bool) -> None:
     if named:
-        turn._lock_meta()
+        while not turn._take(1.0):
+            pass
     else:  # as if stopped between taking meta and writing its pid
         turn.meta.acquire()
     os.kill(os.getpid(), signal.SIGSTOP)

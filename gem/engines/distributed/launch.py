@@ -71,7 +71,7 @@ from gem.engines.distributed.server_turn import TurnServer
 from gem.engines.distributed.server_wire import WireServer
 from gem.engines.distributed.window import Window
 from gem.engines.options import DistributedOptions
-from gem.engines.turn import Gone, Turn
+from gem.engines.turn import Ticket, Turn
 from gem.engines.worker import (
     EXIT_WAIT_S,
     START_TIMEOUT_S,
@@ -533,29 +533,16 @@ class _Coordinator(Coordinator):
         if self.turn is None:
             with self.ps.lock:
                 return self.server.t, self.server.theta.clone()
-        me = self.ps.me + 1
-        try:
-            if not self.turn.acquire(me, self._waiting, timeout=self.silence.limit() + self.ps.wait_s):
-                return None
-        except Gone:  # the server thread has ended: the run ends, with no evaluation here
-            self.turn.leave(me)
+        # in line like a worker, looking after the workers meanwhile (a frozen holder is lost, and its turn handed
+        # on); given up once the server thread has ended: the run ends, with no evaluation here
+        ticket = Ticket(self.turn, self.ps.me + 1)
+        if self.wait_on(ticket.step, self.silence.limit() + self.ps.wait_s, lambda: self.server_done) is None:
+            ticket.cancel()
             return None
         try:
             return self.server.t, self.server.theta.clone()
         finally:
-            self.turn.release(self._watching)
-
-    def _watching(self) -> None:
-        """Waiting on the turn: go on reading rows and watching (a frozen holder is lost, and its turn handed on)."""
-        self.poll(0)
-        self.ledger.record()
-        self.watch()
-
-    def _waiting(self) -> None:
-        """In line for the turn: as `_watching`; give up once the server thread has ended."""
-        self._watching()
-        if self.server_done:
-            raise Gone()
+            self.wait_on(self.turn.try_release)
 
     def checkpoint(self) -> None:
         self.ps.request_save(self.job.run_dir)
