@@ -584,7 +584,7 @@ def main(cfg: DictConfig) -> dict | None:
             print(f"error: {e}", file=sys.stderr, flush=True)
             if not multirun:
                 sys.exit(2)
-            return None
+            return refused(e)
         if cfg.plan:  # a command whose checks Hydra skipped (--config-name of another config): this job's plan
             plan.show([(overrides, spec)])
             return None
@@ -604,7 +604,7 @@ def main(cfg: DictConfig) -> dict | None:
         print(f"error: {e}", file=sys.stderr, flush=True)
         if not multirun:
             sys.exit(2)
-        return None
+        return refused(e)
     except KeyboardInterrupt as e:  # the run directory is already closed, with status failed
         why, code = ("SIGTERM", 143) if isinstance(e, runner.Terminated) else ("Ctrl-C", 130)
         print(
@@ -635,6 +635,31 @@ def main(cfg: DictConfig) -> dict | None:
     if summary["status"] == "failed" and not multirun:
         sys.exit(1)
     return summary
+
+
+def refused(e: Exception) -> dict:
+    """What a sweep's job refused when its turn came returns, its line printed: the sweeper counts these, and
+    ends the sweep with exit code 1 once the other jobs have run (`end_if_refused`)."""
+    return {"status": "refused", "reason": str(e)}
+
+
+def end_if_refused(nums: list[int], total: int) -> None:
+    """A sweep some of whose jobs (`nums`) were refused when their turn came (a folder in use, a check only their
+    own process could make) has not done what it was asked: one line, and exit code 1, after the others have run."""
+    if not nums:
+        return
+    which = (
+        f"jobs {_ranges(nums)}: refused when their turn came"
+        if len(nums) > 1
+        else f"job {nums[0]}: refused when its turn came"
+    )
+    print(
+        f"error: {len(nums)} of the {total} jobs of the sweep did not run ({which}, as the lines above say); the "
+        "others ran",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.exit(1)
 
 
 def resume_hint(run_dir: Path, multirun: bool) -> str:
@@ -672,7 +697,7 @@ def _resume_job(spec: Spec, job_dir: Path, num: int) -> dict | None:
     except Refused as e:
         rundir.unclaim(job_dir)
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return {"status": "refused", "reason": str(e)}
+        return refused(e)
     if action == "skip":
         rundir.unclaim(job_dir)
         print(f"gem: job {num} ({job_dir}) is already {why}: skipped, left as it is", flush=True)

@@ -4,6 +4,8 @@ line for the commands Hydra would answer with a traceback (`--cfg` with -m, a la
 import json
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -367,3 +369,44 @@ def test_resume_while_the_sweep_still_runs_names_the_sweep(tmp_path):
     finally:
         first.send_signal(signal.SIGINT)
         first.communicate(timeout=300)
+
+
+HOLD_WHEN_LAUNCHED = """
+import os, sys, time
+from pathlib import Path
+from experiments import rundir
+sweep = Path(sys.argv[1])
+print("ready", flush=True)
+while not (sweep / "multirun.yaml").exists():  # the sweep has passed its checks
+    time.sleep(0.001)
+rundir.claim(sweep / "1")
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_sweep_whose_job_was_refused_at_its_turn_exits_1(tmp_path):
+    """A job refused when its turn comes (here its folder taken by another process after the sweep's checks) is one
+    line, and the other jobs run; the sweep then says it did not do all it was asked, and exits 1 (it exited 0)."""
+    sweep = tmp_path / "sweep"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_WHEN_LAUNCHED, str(sweep)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        # job 0 runs long enough for the holder to take job 1's folder
+        p = run_py("-m", "seed=0,1,2", *QUICK, "epochs=5", "workers=2", f"hydra.sweep.dir={sweep}", timeout=600)
+        assert holder.stdout.readline().strip() == "held"
+    finally:
+        holder.kill()
+        holder.wait(30)
+    assert p.returncode == 1, p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: hydra.run.dir={sweep / '1'} is in use by another run that is still going (it holds the "
+        "directory's lock); wait for it to end, or pick another directory",
+        "error: 1 of the 3 jobs of the sweep did not run (job 1: refused when its turn came, as the lines above "
+        "say); the others ran",
+    ], p.stderr
+    assert [_status(sweep / str(j)) for j in (0, 2)] == ["completed"] * 2 and list((sweep / "1").iterdir()) == []
