@@ -9,7 +9,8 @@ A command flows one way, and each job's config is validated once, into a Spec (e
                one run:  `Checks.on_run_start` (a Hydra Callback; it runs before Hydra makes the run directory):
                          `check_run`: the Spec, its data, plan=true, the run directory taken (experiments.rundir)
                a sweep:  the gem sweeper (hydra_plugins/gem_sweeper): `check_sweep`: every job's Spec, their
-                         data, plan=true, the sweep's folders and what resume=true does with each job
+                         data, plan=true, the sweep's folder taken (experiments.rundir), its jobs' folders and
+                         what resume=true does with each job
              launches each job: `main(cfg)`, the task function, takes the Spec checked above (`_ready`) and hands
              it to experiments.runner, which builds the Job, runs the engine and writes the run directory.
 
@@ -147,7 +148,7 @@ def precheck(argv: list[str]) -> argparse.Namespace | None:
 def preflight(argv: list[str]) -> list[Spec] | None:
     """Every check `python run.py <argv>` makes before a job runs, made in this process: one line and exit 2 on bad
     input, the plan and exit 0 for plan=true. Returns the jobs' Specs (None for a command Hydra answers by itself).
-    A single run's directory is taken (held by this process), as the real command takes it."""
+    A single run's directory, or a sweep's folder, is taken (held by this process), as the real command takes it."""
     args = precheck(argv)
     if args is None:
         return None
@@ -320,8 +321,9 @@ def heldout_seeds(config: DictConfig) -> list[int] | None:
 def check_sweep(config: DictConfig, jobs: list[list[str]], compose_job=None) -> list[Spec]:
     """A sweep (`config`: the command as Hydra composed it; `jobs`: each job's overrides; `compose_job`: how a job's
     config is composed, Hydra's compose API by default): every job's Spec and data, then its plan (exit 0) for
-    plan=true, else its folders: none in use or holding results, unless resume=true, which says what happens to
-    each job. Raises on bad input (`refusing` makes it one line); nothing is written."""
+    plan=true, else its folders: the sweep's taken for this command (made if need be, its lock held until this
+    process exits), no job's in use or holding results, unless resume=true, which says what happens to each job.
+    Raises on bad input (`refusing` makes it one line), with every folder as it was."""
     here = not _elsewhere(config)
     specs = [checked(composed(job, compose_job), here) for job in jobs]
     _check_tasks(config, specs)
@@ -396,20 +398,55 @@ def _check_tasks(config: DictConfig, specs: list[Spec]) -> None:
 
 
 def _check_sweep_dir(config: DictConfig, specs: list[Spec]) -> list[str] | None:
-    """No job's folder is in use or holds results (unless resume=true). Returns, for a sweep resumed with
-    resume=true, what happens to each job (experiments.rundir.sweep_action)."""
-    sweep_dir = os.path.abspath(_named_dir(config, "hydra.sweep.dir"))
+    """The sweep's folder taken for this command (its lock, held until this process exits; plan=true only checks
+    that no other command holds it), then no job's folder in use or holding results (unless resume=true). Returns,
+    for a sweep resumed with resume=true, what happens to each job (experiments.rundir.sweep_action)."""
+    sweep_dir = Path(os.path.abspath(_named_dir(config, "hydra.sweep.dir")))
     numbered = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir") == "${hydra.job.num}"
-    if any(spec.cfg.resume for spec in specs):
+    resume = any(spec.cfg.resume for spec in specs)
+    if resume:
         if not numbered:
             raise Refused(
                 "resume=true with -m needs the sweep's jobs in numbered folders "
                 "(hydra.sweep.subdir=${hydra.job.num}, the default)"
             )
-        return _plan_resume(Path(sweep_dir), specs)
+        if not sweep_dir.is_dir():  # before the lock, which would make it
+            raise Refused(
+                f"resume=true: hydra.sweep.dir={sweep_dir} does not exist; resuming a sweep needs "
+                "hydra.sweep.dir=<the folder of the sweep to finish> and the identical -m command"
+            )
+    # Two commands on one folder would split its jobs between them, each refusing the other's as "in use": the
+    # folder's lock, taken here, before any job folder is looked at, lets only one of them past this point. A
+    # sweep's command holds its jobs' folders too (each job's lock, until it exits), so without it the second
+    # command would blame a job that has finished.
+    busy = (
+        "is in use by a sweep that is still going (its command holds the folder's lock); wait for it to end; "
+        "if it leaves jobs undone, this command then finishes them"
+        if resume
+        else "is in use by another sweep that is still going (its command holds the folder's lock); wait for it "
+        "to end, or pick another sweep directory"
+    )
+    key = "resume=true: hydra.sweep.dir" if resume else "hydra.sweep.dir"
+    planning = any(spec.cfg.plan for spec in specs)
+    if planning:  # plan=true makes no folder and holds none
+        if rundir.in_use(sweep_dir):
+            raise Refused(f"{key}={sweep_dir} {busy}")
+    else:
+        rundir.claim(sweep_dir, key, busy)
+    try:
+        return _check_job_dirs(sweep_dir, specs, numbered, resume)
+    except Refused:
+        if not planning:
+            rundir.unclaim(sweep_dir)  # and remove it, if this command made it
+        raise
+
+
+def _check_job_dirs(sweep_dir: Path, specs: list[Spec], numbered: bool, resume: bool) -> list[str] | None:
+    if resume:
+        return _plan_resume(sweep_dir, specs)
     if numbered:
         for num in range(len(specs)):
-            job_dir = Path(sweep_dir) / str(num)
+            job_dir = sweep_dir / str(num)
             if rundir.in_use(job_dir):
                 raise Refused(
                     f"hydra.sweep.dir={sweep_dir}: job {num}'s directory {job_dir} is in use by another "
@@ -428,11 +465,6 @@ def _check_sweep_dir(config: DictConfig, specs: list[Spec]) -> list[str] | None:
 def _plan_resume(sweep_dir: Path, specs: list[Spec]) -> list[str]:
     """`-m ... resume=true`: say what happens to each job (experiments.rundir.sweep_action), or refuse the
     whole command before anything runs."""
-    if not sweep_dir.is_dir():
-        raise Refused(
-            f"resume=true: hydra.sweep.dir={sweep_dir} does not exist; resuming a sweep needs "
-            "hydra.sweep.dir=<the folder of the sweep to finish> and the identical -m command"
-        )
     actions, by = [], {}
     for num, spec in enumerate(specs):
         action, why = rundir.sweep_action(spec, sweep_dir / str(num), num)
@@ -552,7 +584,7 @@ def main(cfg: DictConfig) -> dict | None:
             print(f"error: {e}", file=sys.stderr, flush=True)
             if not multirun:
                 sys.exit(2)
-            return None
+            return refused(e)
         if cfg.plan:  # a command whose checks Hydra skipped (--config-name of another config): this job's plan
             plan.show([(overrides, spec)])
             return None
@@ -572,7 +604,7 @@ def main(cfg: DictConfig) -> dict | None:
         print(f"error: {e}", file=sys.stderr, flush=True)
         if not multirun:
             sys.exit(2)
-        return None
+        return refused(e)
     except KeyboardInterrupt as e:  # the run directory is already closed, with status failed
         why, code = ("SIGTERM", 143) if isinstance(e, runner.Terminated) else ("Ctrl-C", 130)
         print(
@@ -603,6 +635,31 @@ def main(cfg: DictConfig) -> dict | None:
     if summary["status"] == "failed" and not multirun:
         sys.exit(1)
     return summary
+
+
+def refused(e: Exception) -> dict:
+    """What a sweep's job refused when its turn came returns, its line printed: the sweeper counts these, and
+    ends the sweep with exit code 1 once the other jobs have run (`end_if_refused`)."""
+    return {"status": "refused", "reason": str(e)}
+
+
+def end_if_refused(nums: list[int], total: int) -> None:
+    """A sweep some of whose jobs (`nums`) were refused when their turn came (a folder in use, a check only their
+    own process could make) has not done what it was asked: one line, and exit code 1, after the others have run."""
+    if not nums:
+        return
+    which = (
+        f"jobs {_ranges(nums)}: refused when their turn came"
+        if len(nums) > 1
+        else f"job {nums[0]}: refused when its turn came"
+    )
+    print(
+        f"error: {len(nums)} of the {total} jobs of the sweep did not run ({which}, as the lines above say); the "
+        "others ran",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.exit(1)
 
 
 def resume_hint(run_dir: Path, multirun: bool) -> str:
@@ -640,7 +697,7 @@ def _resume_job(spec: Spec, job_dir: Path, num: int) -> dict | None:
     except Refused as e:
         rundir.unclaim(job_dir)
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return {"status": "refused", "reason": str(e)}
+        return refused(e)
     if action == "skip":
         rundir.unclaim(job_dir)
         print(f"gem: job {num} ({job_dir}) is already {why}: skipped, left as it is", flush=True)

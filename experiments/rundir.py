@@ -5,6 +5,8 @@ it exits. The kernel drops the lock on any exit, SIGKILL included, so a killed r
 and no lock file is left behind either. Spawned workers do not inherit it (Python opens descriptors
 non-inheritable), so a run whose main process died can be resumed at once.
 
+A sweep's command holds its folder the same way (experiments.command), so that two commands never share a sweep.
+
 A directory that already holds a run's results is never written over: `python run.py hydra.run.dir=<it>` is
 refused, `resume=true` continues it.
 """
@@ -31,30 +33,60 @@ class Refused(ValueError):
     """One line for the user; raised before anything in the run directory is created or changed."""
 
 
-def claim(run_dir: Path, key: str = "hydra.run.dir") -> None:
-    """Make `run_dir` (if needed) and hold its lock for the life of this process. Refused if another process
-    holds it, or it cannot be made or written."""
+IN_USE = (
+    "is in use by another run that is still going (it holds the directory's lock); wait for it to end, or pick "
+    "another directory"
+)
+
+
+def claim(run_dir: Path, key: str = "hydra.run.dir", in_use: str = IN_USE) -> None:
+    """Make `run_dir` (if needed) and hold its lock for the life of this process. Refused (`<key>=<run_dir>
+    <in_use>`) if another process holds it, or if it cannot be made or written."""
     run_dir = Path(run_dir)
     if holds(run_dir):
         return
-    created = not run_dir.exists()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as e:
-        raise Refused(f"{key}={run_dir} cannot be used as a run directory: {e.strerror or e}") from None
+    for _ in range(10):
+        try:
+            created = _make(run_dir)
+            fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            raise Refused(f"{key}={run_dir} cannot be used as a run directory: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            # held by another process, whose directory it is now (even if this one made it): left as it is
+            os.close(fd)
+            raise Refused(f"{key}={run_dir} {in_use}") from None
+        if _same(fd, run_dir):
+            break
+        # a command refused after it made the directory removed it between our open and our lock: make it again
+        os.close(fd)
+    else:
+        raise Refused(f"{key}={run_dir} cannot be used as a run directory: it keeps being removed")
     _held[os.path.realpath(run_dir)] = (fd, created)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        unclaim(run_dir)
-        raise Refused(
-            f"{key}={run_dir} is in use by another run that is still going (it holds the directory's "
-            "lock); wait for it to end, or pick another directory"
-        ) from None
     if not os.access(run_dir, os.W_OK | os.X_OK):
         unclaim(run_dir)
         raise Refused(f"{key}={run_dir} is not writable by this user")
+
+
+def _make(d: Path) -> bool:
+    """Make `d` (and its parents); True if this call made `d` itself. Two commands racing to make it cannot both
+    be told they did (mkdir is atomic), so only the one that made it ever removes it."""
+    d.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir()
+        return True
+    except FileExistsError:
+        return False
+
+
+def _same(fd: int, d: Path) -> bool:
+    """The descriptor `fd` is the directory at `d` still (not one removed, or replaced, since it was opened)."""
+    try:
+        a, b = os.fstat(fd), os.stat(d)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def holds(run_dir: Path) -> bool:
@@ -78,13 +110,13 @@ def in_use(run_dir: Path) -> bool:
 def unclaim(run_dir: Path) -> None:
     """Let go of `run_dir` (a command refused after `claim`), and remove it if this command made it."""
     fd, created = _held.pop(os.path.realpath(run_dir), (None, False))
-    if fd is not None:
-        os.close(fd)  # closing the descriptor drops the lock
     if created:
         try:
-            Path(run_dir).rmdir()  # only if still empty
+            Path(run_dir).rmdir()  # only if still empty; while the lock is held, so no one else takes it first
         except OSError:
             pass
+    if fd is not None:
+        os.close(fd)  # closing the descriptor drops the lock
 
 
 def status(run_dir: Path) -> str | None:

@@ -3,6 +3,10 @@ line for the commands Hydra would answer with a traceback (`--cfg` with -m, a la
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from helpers import warm_run
@@ -299,3 +303,110 @@ def test_jobs_at_once_reads_the_joblib_launcher_s_n_jobs():
     assert command.jobs_at_once(OmegaConf.create({"hydra": {"launcher": {"n_jobs": -1}}})) == plan.cores()
     assert command.jobs_at_once(OmegaConf.create({"hydra": {"launcher": {"n_jobs": -2}}})) == max(1, plan.cores() - 1)
     assert command.jobs_at_once(OmegaConf.create({"hydra": {"launcher": {"_target_": "basic"}}})) == 1
+
+
+AT_ONCE = """
+import os, runpy, sys, time
+sys.path[0] = ""  # the working directory, the checkout, as for python run.py: Hydra finds gem's sweeper there
+go = sys.argv[1]
+open(f"{go}.{os.getpid()}", "w").close()  # here, and waiting
+while not os.path.exists(go):
+    time.sleep(0.001)
+sys.argv = ["run.py", *sys.argv[2:]]
+runpy.run_path("run.py", run_name="__main__")
+"""
+
+
+def _wait_for(condition, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_two_identical_sweeps_started_at_once_do_not_split_the_jobs(tmp_path):
+    """Both commands passed the sweep's check before either had started a job, then split the jobs between them,
+    each refusing the other's as `in use` and exiting 0. The sweep's folder is one command's: the other is
+    refused in one line, before it runs anything."""
+    sweep, go = tmp_path / "sweep", tmp_path / "go"
+    script = tmp_path / "at_once.py"
+    script.write_text(AT_ONCE)
+    cmd = ["-m", "seed=0,1,2", *QUICK, "workers=2", f"hydra.sweep.dir={sweep}"]
+    procs = [warm_run.Popen([str(go), *cmd], script=str(script)) for _ in range(2)]
+    _wait_for(lambda: len(list(tmp_path.glob("go.*"))) == 2)  # both at the barrier, then off at the same instant
+    go.touch()
+    out = [p.communicate(timeout=600) for p in procs]
+    codes = [p.returncode for p in procs]
+    assert sorted(codes) == [0, 2], out
+    (won_out, won_err), (lost_out, lost_err) = out if codes[0] == 0 else out[::-1]
+    assert [line for line in lost_err.splitlines() if line.strip()] == [
+        f"error: hydra.sweep.dir={sweep} is in use by another sweep that is still going (its command holds the "
+        "folder's lock); wait for it to end, or pick another sweep directory"
+    ]
+    assert lost_out.strip() == ""  # no job launched
+    assert won_out.count("status          completed") == 3 and "error" not in won_err, won_err
+    assert [_status(sweep / str(j)) for j in range(3)] == ["completed"] * 3
+
+
+@pytest.mark.slow
+def test_resume_while_the_sweep_still_runs_names_the_sweep(tmp_path):
+    """`resume=true` while the sweep's command still runs (job 0 done, job 1 going) blamed job 0, "in use by a run
+    that is still going": the sweep's command holds each job's folder until it exits. It is the sweep that goes on."""
+    sweep = tmp_path / "sweep"
+    cmd = ["-m", "epochs=1,200", *QUICK[:1], *QUICK[2:], "workers=2", f"hydra.sweep.dir={sweep}"]
+    first = warm_run.Popen(cmd, start_new_session=True)
+    try:
+        _wait_for(lambda: (sweep / "0" / "summary.json").exists() and (sweep / "1").exists())
+        done = snapshot(sweep / "0")
+        p = run_py(*cmd, "resume=true")
+        assert first.poll() is None, "the first sweep ended before its resume was tried"
+        assert p.returncode == 2 and [line for line in p.stderr.splitlines() if line.strip()] == [
+            f"error: resume=true: hydra.sweep.dir={sweep} is in use by a sweep that is still going (its command "
+            "holds the folder's lock); wait for it to end; if it leaves jobs undone, this command then finishes them"
+        ], p.stderr
+        assert snapshot(sweep / "0") == done
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=300)
+
+
+HOLD_WHEN_LAUNCHED = """
+import os, sys, time
+from pathlib import Path
+from experiments import rundir
+sweep = Path(sys.argv[1])
+print("ready", flush=True)
+while not (sweep / "multirun.yaml").exists():  # the sweep has passed its checks
+    time.sleep(0.001)
+rundir.claim(sweep / "1")
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_sweep_whose_job_was_refused_at_its_turn_exits_1(tmp_path):
+    """A job refused when its turn comes (here its folder taken by another process after the sweep's checks) is one
+    line, and the other jobs run; the sweep then says it did not do all it was asked, and exits 1 (it exited 0)."""
+    sweep = tmp_path / "sweep"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_WHEN_LAUNCHED, str(sweep)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        # job 0 runs long enough for the holder to take job 1's folder
+        p = run_py("-m", "seed=0,1,2", *QUICK, "epochs=5", "workers=2", f"hydra.sweep.dir={sweep}", timeout=600)
+        assert holder.stdout.readline().strip() == "held"
+    finally:
+        holder.kill()
+        holder.wait(30)
+    assert p.returncode == 1, p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: hydra.run.dir={sweep / '1'} is in use by another run that is still going (it holds the "
+        "directory's lock); wait for it to end, or pick another directory",
+        "error: 1 of the 3 jobs of the sweep did not run (job 1: refused when its turn came, as the lines above "
+        "say); the others ran",
+    ], p.stderr
+    assert [_status(sweep / str(j)) for j in (0, 2)] == ["completed"] * 2 and list((sweep / "1").iterdir()) == []

@@ -112,7 +112,9 @@ def _result(job, num: int):
     if ret.status != JobStatus.COMPLETED:  # the task function raised: the sweeper ends the sweep with it
         return ret
     summary, out = ret.return_value, job.task(0).paths
-    if isinstance(summary, dict) and "status" in summary:
+    if isinstance(summary, dict) and summary.get("status") == "refused":  # its line is in rank 0's output
+        print(f"gem: job {num}: did not run: {summary['reason']}", file=sys.stderr, flush=True)
+    elif isinstance(summary, dict) and "status" in summary:
         reason = f" ({summary['reason']})" if summary.get("reason") else ""
         print(
             f"gem: job {num}: {summary['status']}{reason}; run directory {summary.get('run_dir')}; the ranks' "
@@ -120,7 +122,7 @@ def _result(job, num: int):
             file=sys.stderr,
             flush=True,
         )
-    else:  # refused: rank 0 said why in one line, in its output
+    else:  # no result: rank 0 said why in one line, in its output
         try:
             said = [line for line in out.stderr.read_text().splitlines() if line.startswith("error: ")]
         except OSError:

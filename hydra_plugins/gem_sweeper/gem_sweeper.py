@@ -7,7 +7,8 @@ basic sweeper's order), and, beyond the basic sweeper, those of each of its `hyd
 the first one starts, each is composed and validated into its Spec, its data is found, plan=true prints the plan
 and launches nothing, and the sweep's folders are checked (experiments.command.check_sweep); bad input is one line,
 exit 2, with nothing written. The Specs go to the jobs that Hydra's launcher runs in this process, so no job's
-config is validated twice.
+config is validated twice. A job refused when its turn comes (its line printed; the other jobs go on) ends the sweep,
+once the others have run, with one more line and exit code 1 (experiments.command.end_if_refused).
 
 Hydra looks for plugins in the `hydra_plugins` namespace package, which is why this module lives here and not in
 experiments/. It finds this one because `python run.py` puts the repository's root on sys.path.
@@ -56,12 +57,15 @@ class GemSweeper(Sweeper):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")  # as Hydra's basic sweeper records a sweep
         size = self.max_batch_size or len(jobs)
-        returns = []
+        returns, refused = [], []
         for start in range(0, len(jobs), size):
             results = self.launcher.launch(jobs[start : start + size], initial_job_idx=start)
-            for r in results:
-                _ = r.return_value  # a job that raised ends the sweep with its error, as the basic sweeper does
+            for num, r in enumerate(results, start=start):
+                value = r.return_value  # a job that raised ends the sweep with its error, as the basic sweeper does
+                if isinstance(value, dict) and value.get("status") == "refused":
+                    refused.append(num)
             returns.append(results)
+        command.end_if_refused(refused, len(jobs))  # exit code 1 if any was
         return returns
 
     def _compose(self, overrides: list[str]):
