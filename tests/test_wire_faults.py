@@ -704,6 +704,60 @@ def test_a_worker_without_the_secret_says_so_before_it_joins(two_machines, capsy
     assert capsys.readouterr().err.splitlines() == [f"error: {NO_SECRET}"]
 
 
+NOT_JOINED = "a rank that fails before it joins never will: its node's output says why"
+LEFT_WITHOUT_SECRET = (
+    "exited before joining without the run's secret (on that node GEM_RUN_SECRET is not set, GEM_RUN_SECRET_FILE "
+    "cannot be read, or the secret is shorter than 16 characters: its output says which; export the same "
+    "GEM_RUN_SECRET on every node)"
+)
+
+
+def _joined(store, *ranks):
+    for r in ranks:
+        store.set(group.joining_key(r), "1")
+
+
+def test_rank_0_names_the_ranks_that_have_not_joined_and_gives_up_at_its_limit(capsys):
+    """Gloo's group waits for every rank and says nothing while it does: rank 0 first waits for each to say it
+    joins, names those that have not after engine.timeout_s (then twice as long each time), and gives up at the
+    start's limit."""
+    store = dist.HashStore()
+    _joined(store, 0, 1)
+    with pytest.raises(RuntimeError) as e:
+        group.await_ranks(store, 4, say_after_s=0.2, timeout_s=1.0, poll_s=0.02)
+    assert str(e.value) == f"ranks 2-3 did not join within 1 s; {NOT_JOINED}"
+    lines = capsys.readouterr().err.splitlines()
+    said = f"gem: rank 0: ranks 2-3 have not joined after N s (the run fails at 1 s without them); {NOT_JOINED}"
+    assert 1 <= len(lines) <= 3 and {re.sub(r"after \d+ s", "after N s", line) for line in lines} == {said}, lines
+    # once every rank has said it joins, rank 0 goes on to form the group
+    later = threading.Timer(0.3, _joined, (store, 2, 3))
+    later.start()
+    group.await_ranks(store, 4, say_after_s=60, timeout_s=30, poll_s=0.02)
+    later.join()
+    assert capsys.readouterr().err == ""
+
+
+def test_rank_0_ends_the_start_at_once_when_a_rank_leaves_word_that_it_has_no_secret():
+    store = dist.HashStore()
+    _joined(store, 0, 1)
+    store.set(group.leaving_key(2), group.NO_SECRET)
+    store.add(group.LEAVING_COUNT, 1)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        group.await_ranks(store, 4, say_after_s=60, timeout_s=300)
+    assert time.monotonic() - started < 5
+    assert str(e.value) == f"rank 2 {LEFT_WITHOUT_SECRET}; rank 3 has not joined either; the group needs every rank"
+    # what a rank left is never printed: rank 0 says it in its own words
+    store.set(group.leaving_key(3), "\x1b[2J anything at all")
+    store.add(group.LEAVING_COUNT, 1)
+    with pytest.raises(RuntimeError) as e:
+        group.await_ranks(store, 4, say_after_s=60, timeout_s=300)
+    assert str(e.value) == (
+        f"rank 2 {LEFT_WITHOUT_SECRET}; rank 3 exited before joining with an error (that node's output says "
+        "which); the group needs every rank"
+    )
+
+
 def test_the_secret_comes_from_the_environment_or_a_file(two_machines, tmp_path):
     two_machines.setenv(secret.SECRET_ENV, SECRET)
     assert secret.launched_secret() == SECRET
