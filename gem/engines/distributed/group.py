@@ -21,6 +21,7 @@ from gem.engines.distributed.doors import listening, refuse_newcomers
 
 BYE_TIMEOUT_S = 30.0  # a worker waits this long for the server's last answer
 JOIN_POLL_S = 0.5  # rank 0 looks this often for the ranks that have not said they join (await_ranks)
+LEAVE_S = 10.0  # a rank that exits before it joins: its wait for the job's store, and for another to say why (leave)
 NO_SECRET = "no-secret"  # the word a rank without a usable run secret leaves (leave); rank 0 says what it means
 
 
@@ -213,3 +214,36 @@ def await_ranks(store, world: int, say_after_s: float, timeout_s: float, poll_s:
             )
             say_at = 2 * max(say_at, poll_s)  # less often the longer it lasts: a few lines in all
         time.sleep(poll_s)
+
+
+def leave(word: str, say, timeout_s: float = LEAVE_S) -> None:
+    """A launched rank that exits before it joins (`word`: why, e.g. NO_SECRET): leave word on the job's store for
+    rank 0, which then ends the run at once (await_ranks) instead of waiting for it, and say why on stderr (`say`)
+    once per node: a node's ranks share one environment and fail alike, and the first of them to reach the store
+    says it. The others wait until it has (up to twice timeout_s), since torchrun stops a node's other ranks as
+    soon as one of them exits. On rank 0's node, rank 0 itself refuses the run with the same line (its config's
+    check, in the same environment), after which torchrun stops this rank: the first waits timeout_s for that
+    before it says it. Without the store (unreachable within timeout_s), every rank says it."""
+    try:
+        store, rank, _ = next(dist.rendezvous("env://", timeout=timedelta_of(timeout_s)))
+        store.set(leaving_key(rank), word)
+        store.add(LEAVING_COUNT, 1)
+        node = os.environ.get("GROUP_RANK") or str(rank // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        said = f"gem-said/{node}/{word}"
+        first = int(store.add(said, 1)) == 1
+    except Exception:  # noqa: BLE001 - no store to leave word on (no launcher's, or out of reach): say it here
+        say()
+        return
+    if not first:
+        try:
+            store.wait([f"{said}/done"], timedelta_of(2 * timeout_s))
+        except Exception:  # noqa: BLE001 - the first has not said it after all: say it here as well
+            say()
+        return
+    if node == "0":
+        time.sleep(timeout_s)  # rank 0 says it, and this rank is stopped, unless rank 0 has not come so far
+    say()
+    try:
+        store.set(f"{said}/done", "")
+    except Exception:  # noqa: BLE001 - the others then say it as well, once their wait is over
+        pass

@@ -33,7 +33,16 @@ from gem.data import load_dataset
 from gem.engines import Job
 from gem.engines.distributed.bounds import TEXT_BYTES
 from gem.engines.distributed.doors import listening, refuse_newcomers
-from gem.engines.distributed.group import BYE_TIMEOUT_S, form_group, launched_group, patience, timedelta_of, waiting_key
+from gem.engines.distributed.group import (
+    BYE_TIMEOUT_S,
+    NO_SECRET,
+    form_group,
+    launched_group,
+    leave,
+    patience,
+    timedelta_of,
+    waiting_key,
+)
 from gem.engines.distributed.job import DONE, Start, allowed_imports, decode_job, decode_start, recv_job
 from gem.engines.distributed.messages import (
     ASK,
@@ -82,8 +91,9 @@ def worker_main(timeout_s: float = START_TIMEOUT_S, allowed=()) -> int:
     work, exit. `allowed`: the import paths its own command line names (job.allowed_imports)."""
     try:
         secret = launched_secret()  # before joining: a worker without it would only be refused
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    except ValueError as e:  # rank 0 hears of it at once, and the node's output says it once (group.leave)
+        line = f"error: {e}"
+        leave(NO_SECRET, lambda: print(line, file=sys.stderr, flush=True))
         return 2
     threads = threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     store, pg, rank, _world = launched_group(timeout_s)
