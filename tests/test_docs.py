@@ -3,6 +3,7 @@
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+CONFIG_GROUPS = ("algorithm", "engine", "model", "data", "logger", "budget", "hydra")
 
 
 def table_under(path: Path, heading: str) -> list[str]:
@@ -43,7 +44,8 @@ def test_every_name_in_the_fault_table_is_in_the_code():
             if "::" in ref:
                 tests.add(ref)
             elif re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", ref) and not ref.endswith((".py", ".json", ".parquet")):
-                names.add(ref)
+                if ref.split(".")[0] not in CONFIG_GROUPS:  # a config key, not a name in the code
+                    names.add(ref)
     missing = []
     for name in sorted(names):
         parts = name.split(".")

@@ -11,7 +11,10 @@ import dataclasses
 import json
 import os
 import re
+import shutil
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -19,6 +22,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.paths import ROOT
 from helpers.procs import is_cut, stranger
 
 from gem import algorithms
@@ -702,6 +706,164 @@ def test_a_worker_without_the_secret_says_so_before_it_joins(two_machines, capsy
     two_machines.setenv("RANK", "1")
     assert rank.worker_main(timeout_s=1) == 2  # it would otherwise wait for the group to form
     assert capsys.readouterr().err.splitlines() == [f"error: {NO_SECRET}"]
+
+
+NOT_JOINED = "a rank that fails before it joins never will: its node's output says why"
+LEFT_WITHOUT_SECRET = (
+    "exited before joining without the run's secret (on that node GEM_RUN_SECRET is not set, GEM_RUN_SECRET_FILE "
+    "cannot be read, or the secret is shorter than 16 characters: its output says which; export the same "
+    "GEM_RUN_SECRET on every node)"
+)
+
+
+def _joined(store, *ranks):
+    for r in ranks:
+        store.set(group.joining_key(r), "1")
+
+
+def test_rank_0_names_the_ranks_that_have_not_joined_and_gives_up_at_its_limit(capsys):
+    """Gloo's group waits for every rank and says nothing while it does: rank 0 first waits for each to say it
+    joins, names those that have not after engine.timeout_s (then twice as long each time), and gives up at the
+    start's limit."""
+    store = dist.HashStore()
+    _joined(store, 0, 1)
+    with pytest.raises(RuntimeError) as e:
+        group.await_ranks(store, 4, say_after_s=0.2, timeout_s=1.0, poll_s=0.02)
+    assert str(e.value) == f"ranks 2-3 did not join within 1 s; {NOT_JOINED}"
+    lines = capsys.readouterr().err.splitlines()
+    said = f"gem: rank 0: ranks 2-3 have not joined after N s (the run fails at 1 s without them); {NOT_JOINED}"
+    assert 1 <= len(lines) <= 3 and {re.sub(r"after \d+ s", "after N s", line) for line in lines} == {said}, lines
+    # once every rank has said it joins, rank 0 goes on to form the group
+    later = threading.Timer(0.3, _joined, (store, 2, 3))
+    later.start()
+    group.await_ranks(store, 4, say_after_s=60, timeout_s=30, poll_s=0.02)
+    later.join()
+    assert capsys.readouterr().err == ""
+
+
+def test_rank_0_ends_the_start_at_once_when_a_rank_leaves_word_that_it_has_no_secret():
+    store = dist.HashStore()
+    _joined(store, 0, 1)
+    store.set(group.leaving_key(2), group.NO_SECRET)
+    store.add(group.LEAVING_COUNT, 1)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        group.await_ranks(store, 4, say_after_s=60, timeout_s=300)
+    assert time.monotonic() - started < 5
+    assert str(e.value) == f"rank 2 {LEFT_WITHOUT_SECRET}; rank 3 has not joined either; the group needs every rank"
+    # what a rank left is never printed: rank 0 says it in its own words
+    store.set(group.leaving_key(3), "\x1b[2J anything at all")
+    store.add(group.LEAVING_COUNT, 1)
+    with pytest.raises(RuntimeError) as e:
+        group.await_ranks(store, 4, say_after_s=60, timeout_s=300)
+    assert str(e.value) == (
+        f"rank 2 {LEFT_WITHOUT_SECRET}; rank 3 exited before joining with an error (that node's output says "
+        "which); the group needs every rank"
+    )
+
+
+def test_a_nodes_ranks_without_the_secret_say_so_once(two_machines):
+    """torchrun's agent starts a node's ranks with one environment: each finds no secret, and one line per node
+    says so (the first to reach the job's store; on rank 0's node, rank 0); each leaves word for rank 0."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta_of(WAIT_S), wait_for_workers=False)
+    two_machines.setenv("MASTER_ADDR", "127.0.0.1")
+    two_machines.setenv("MASTER_PORT", str(store.port))
+    said = []
+    for node, rank in [(1, 2), (1, 3), (2, 4), (2, 5)]:
+        two_machines.setenv("GROUP_RANK", str(node))
+        two_machines.setenv("RANK", str(rank))
+        group.leave(group.NO_SECRET, lambda rank=rank: said.append(rank), timeout_s=5)
+    assert said == [2, 4]
+    assert [store.get(group.leaving_key(r)) for r in (2, 3, 4, 5)] == [group.NO_SECRET.encode()] * 4
+    # on rank 0's node, rank 0 says it (it refuses the run), and torchrun then stops the others: the first of
+    # them says it only if that has not happened within the wait
+    two_machines.setenv("GROUP_RANK", "0")
+    two_machines.setenv("RANK", "1")
+    started = time.monotonic()
+    group.leave(group.NO_SECRET, lambda: said.append(1), timeout_s=0.5)
+    assert said == [2, 4, 1] and time.monotonic() - started >= 0.5
+    # a rank that cannot reach the store says it all the same
+    two_machines.delenv("MASTER_ADDR")
+    group.leave(group.NO_SECRET, lambda: said.append("here"), timeout_s=5)
+    assert said == [2, 4, 1, "here"]
+
+
+def _torchrun():
+    exe = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if exe is None:
+        pytest.skip("torchrun is not on PATH")
+    return exe
+
+
+@pytest.mark.slow  # two torchrun nodes of 2 processes each, on loopback: 15 s
+def test_a_node_without_the_secret_ends_the_run_at_once_and_says_so_once(tmp_path):
+    """docs/distributed.md's multi-node command, both nodes on this machine's loopback, node 1 without
+    GEM_RUN_SECRET: its ranks exit 2 before they join, and rank 0 ends the run at once, saying why, instead of
+    waiting in gloo's silent wait for them to the start's limit (300 s)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free a moment ago: torchrun's agent on node 0 listens on it
+    d = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in (secret.SECRET_ENV, secret.SECRET_FILE_ENV)}
+    env.update(GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT))
+    procs = []
+    for i, secret_env in enumerate([{secret.SECRET_ENV: SECRET}, {}]):
+        argv = [
+            _torchrun(),
+            "--nnodes=2",
+            "--nproc_per_node=2",
+            f"--node_rank={i}",
+            "--rdzv_backend=static",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            "run.py",
+            "engine=distributed",
+            "workers=3",
+            "data=synthetic",
+            "data.synthetic.train_size=256",
+            "data.synthetic.val_size=128",
+            "batch_size=32",
+            "logger.wandb.mode=disabled",
+            "logger.progress=false",
+            f"hydra.run.dir={d}",
+        ]
+        with open(tmp_path / f"node{i}.log", "w") as out:
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    cwd=ROOT,
+                    env={**env, **secret_env},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    try:
+        for i, p in enumerate(procs):
+            try:
+                p.wait(120)  # before: node 0 waited 300 s, and said nothing
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"node {i} still runs after 120 s:\n{(tmp_path / f'node{i}.log').read_text()[-3000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    logs = [(tmp_path / f"node{i}.log").read_text(errors="replace") for i in range(2)]
+    assert [p.returncode for p in procs] == [1, 1], logs
+    # node 1: the error once, not once per rank
+    assert [line for line in logs[1].splitlines() if line.startswith("error:")] == [f"error: {NO_SECRET}"], logs[1]
+    # node 0: rank 0 ends the run, failed, naming the ranks and why
+    errors = [line for line in logs[0].splitlines() if line.startswith("error:")]
+    # (the second of node 1's ranks may be stopped by its torchrun before it leaves word too)
+    left = rf"(rank [23]|ranks 2-3) {re.escape(LEFT_WITHOUT_SECRET)}"
+    said = rf"{left}(; rank [23] has not joined either)?; the group needs every rank"
+    where = re.escape(str(d / "error.txt"))
+    assert len(errors) == 1 and re.fullmatch(
+        rf"error: run failed with RuntimeError: the group did not form: {said} \(traceback in {where}\)", errors[0]
+    ), logs[0]
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["status"] == "failed" and LEFT_WITHOUT_SECRET in summary["reason"]
 
 
 def test_the_secret_comes_from_the_environment_or_a_file(two_machines, tmp_path):

@@ -126,7 +126,8 @@ def run(job: Job, recorder) -> Result:
                 )
             secret = launched_secret()  # the config's validation has refused a multi-node launch without one
             torch.set_num_threads(threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-            store, pg = _connect(lambda: launched_group(START_TIMEOUT_S)[:2], [])
+            # rank 0 says which ranks have not joined after engine.timeout_s (group.await_ranks)
+            store, pg = _connect(lambda: launched_group(START_TIMEOUT_S, eng.timeout_s)[:2], [])
         else:
             host, port = eng.host, eng.port
             # the config's validation has checked the address; again here for a caller of the engine itself

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from gem.engines.distributed.bounds import TEXT_BYTES
 from gem.engines.distributed.doors import listening, refuse_newcomers
-from gem.engines.distributed.group import form_group, launched_group, timedelta_of
+from gem.engines.distributed.group import NO_SECRET, form_group, launched_group, leave, timedelta_of
 from gem.engines.distributed.job import DONE, allowed_imports, decode_job, decode_start, recv_job
 from gem.engines.distributed.link import ServerGone, send_header
 from gem.engines.distributed.link_turn import TurnLink
@@ -29,8 +29,9 @@ def worker_main(timeout_s: float = START_TIMEOUT_S, allowed=()) -> int:
     work, exit. `allowed`: the import paths its own command line names (job.allowed_imports)."""
     try:
         secret = launched_secret()  # before joining: a worker without it would only be refused
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    except ValueError as e:  # rank 0 hears of it at once, and the node's output says it once (group.leave)
+        line = f"error: {e}"
+        leave(NO_SECRET, lambda: print(line, file=sys.stderr, flush=True))
         return 2
     threads = threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     store, pg, rank, _world = launched_group(timeout_s)
