@@ -297,6 +297,8 @@ def _close(recorder: Recorder, summary: dict, result: Result, run_dir: Path, qui
         summary["test_loss"] = _finite_or_none(summary.get("test_loss"))
     if recorder.pi_median is not None:
         summary["pi_median"] = recorder.pi_median
+    if recorder.dropped is not None:  # counted, never silently lost: the rows say which (`dropped`)
+        summary["dropped_commits"] = recorder.dropped
     summary["commit_shares"] = recorder.commit_shares
 
 
@@ -321,6 +323,11 @@ def format_summary(s: dict) -> str:
         f"test accuracy   {num(s.get('test_accuracy'), '.4f')}",
         f"mean staleness  {num(s['mean_staleness'], '.2f')}  ({s.get('staleness_model')})",
         *([f"commit shares   {_shares(s['commit_shares'])}"] if len(s.get("commit_shares") or {}) > 1 else []),
+        *(
+            [f"dropped         {s['dropped_commits']} of the {s['steps']} commits (applied none: too stale)"]
+            if s.get("dropped_commits") is not None
+            else []
+        ),
         *(
             [f"median pi       {s['pi_median']:.3f}  (each commit's median over all elements, averaged over commits)"]
             if s.get("pi_median") is not None

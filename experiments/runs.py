@@ -30,6 +30,7 @@ SUMMARY_COLUMNS = (
     "test_accuracy",
     "mean_staleness",
     "pi_median",
+    "dropped_commits",
     "wall_time_s",
     "lost_workers",
     "staleness_model",

@@ -157,6 +157,8 @@ class Recorder:
         self._last_flush = time.monotonic()
         self._loss_ema: float | None = None
         self.pi_medians: list[float] = []  # GEM's per-commit median π, for the summary
+        # commits the server dropped (Ringmaster, Rennala: a `dropped` column); None for an algorithm that drops none
+        self.dropped: int | None = None
         self.worker_commits: dict[int, int] = {}  # commits per worker, for the summary's shares
         self.rows_on_disk: int | None = None  # metrics.parquet's rows, once closed
         if resume_step is not None:
@@ -180,6 +182,8 @@ class Recorder:
             self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
         if "pi_median" in row:
             self.pi_medians.append(float(row["pi_median"]))
+        if "dropped" in row:
+            self.dropped = (self.dropped or 0) + int(row["dropped"])
         if self.sink is not None and self.commits % self.sink_every == 0:
             self.sink("commit", row)
         if self.progress is not None:
@@ -204,6 +208,8 @@ class Recorder:
             self.worker_commits = {int(w): int(c) for w, c in m["worker"].value_counts().items()}
             if "pi_median" in m:
                 self.pi_medians = m["pi_median"].dropna().astype(float).tolist()
+            if "dropped" in m:
+                self.dropped = int(m["dropped"].fillna(0).astype(int).sum())
         ev = read_table(self.run_dir, "eval")
         if len(ev):
             self.last_eval = {k: (v.item() if hasattr(v, "item") else v) for k, v in ev.iloc[-1].items()}

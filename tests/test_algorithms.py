@@ -9,7 +9,22 @@ import torch
 
 from experiments.config import CONF_DIR
 from gem import algorithms
-from gem.algorithms import View, adaptive, agn, async_localsgd, dcasgd, downpour, eamsgd, easgd, gem, sgd, ssgd
+from gem.algorithms import (
+    View,
+    adaptive,
+    agn,
+    async_localsgd,
+    dcasgd,
+    delay_adaptive,
+    downpour,
+    eamsgd,
+    easgd,
+    gem,
+    rennala,
+    ringmaster,
+    sgd,
+    ssgd,
+)
 
 T = torch.tensor
 LAYOUT = [("a", slice(0, 4)), ("b", slice(4, 6))]
@@ -457,6 +472,88 @@ def test_sgd_rule():
         assert close(theta, [expected])
 
 
+# ------------------------------------------------------------------------- delay-adaptive, Ringmaster, Rennala
+
+
+@pytest.mark.parametrize(
+    "rule, tau, share",
+    [
+        ("mishchenko", 0, 1.0),
+        ("mishchenko", 4, 1.0),  # τ ≤ τ_C = n = 4: the whole step
+        ("mishchenko", 8, 0.5),  # τ_C/τ = 4/8
+        ("koloskova", 4, 1.0),
+        ("koloskova", 8, 0.125),  # 1/τ
+    ],
+)
+def test_delay_adaptive_scales_a_commit_by_its_delay_beyond_the_concurrency(rule, tau, share):
+    hp = delay_adaptive.Params(lr=0.5, workers=4, rule=rule)
+    theta = T([1.0, 1.0])
+    c = delay_adaptive.ALGORITHM.worker_rule({}, theta.clone(), T([2.0, -4.0]), at(theta, staleness=tau), hp)
+    assert close(c.delta, [-1.0, 2.0]) and c.metrics == {"step_share": share}  # −ηg
+    delay_adaptive.ALGORITHM.server_rule(at(theta, staleness=tau), c, hp)
+    assert close(theta, [1.0 - share, 1.0 + 2.0 * share])
+
+
+def test_delay_adaptive_concurrency_can_be_set():
+    assert delay_adaptive.factor(6, delay_adaptive.Params(workers=10, tau_c=3)) == 0.5
+
+
+def replay(module, hp, commits, workers=2):
+    """Commits of (worker, g) on θ = [0], η = 1, each worker pulling after its commit as every engine does;
+    returns θ after each commit and the commits' metrics."""
+    theta = T([0.0])
+    server = module.ALGORITHM.server_state(theta, hp, workers)
+    thetas, metrics = [], []
+    for t, (w, g) in enumerate(commits):
+        view = at(theta, server, t=t, worker=w)
+        c = module.ALGORITHM.worker_rule({}, theta.clone(), T([g]), view, hp)
+        module.ALGORITHM.server_rule(at(theta, server, t=t, worker=w), c, hp)
+        thetas.append(theta.item())
+        metrics.append(c.metrics)
+    return thetas, metrics
+
+
+def test_ringmaster_drops_a_commit_whose_delay_has_reached_r():
+    # R = 2. Worker 0 commits three times while worker 1 computes: its delay counts the 3 updates applied since
+    # its pull (k 0 -> 3), so its commit is dropped and θ stays; it pulls then, and its next commit is applied.
+    hp = ringmaster.Params(lr=1.0, workers=2, threshold=2)
+    thetas, metrics = replay(ringmaster, hp, [(0, 1.0), (0, 1.0), (0, 1.0), (1, 5.0), (1, 2.0)])
+    assert thetas == [-1.0, -2.0, -3.0, -3.0, -5.0]
+    assert [m["delay"] for m in metrics] == [0, 0, 0, 3, 0]
+    assert [m["dropped"] for m in metrics] == [0, 0, 0, 1, 0]
+
+
+def test_ringmaster_counts_only_the_updates_it_applied():
+    # R = 2: worker 1's commit at delay 2 is dropped (no update), so worker 0, which pulled before it, is at delay
+    # 1 when it commits next, not 2, and is applied; with gem's clock τ it would be 2, and dropped.
+    hp = ringmaster.Params(lr=1.0, workers=3, threshold=2)
+    thetas, metrics = replay(ringmaster, hp, [(2, 1.0), (0, 1.0), (2, 1.0), (1, 1.0), (0, 1.0)], workers=3)
+    assert [m["delay"] for m in metrics] == [0, 1, 1, 3, 1]
+    assert [m["dropped"] for m in metrics] == [0, 0, 0, 1, 0]
+    assert thetas == [-1.0, -2.0, -3.0, -3.0, -4.0]
+
+
+def test_ringmaster_threshold_defaults_to_the_workers():
+    assert ringmaster.Params(workers=7).R == 7 and ringmaster.Params(workers=7, threshold=3).R == 3
+
+
+def test_rennala_steps_with_the_mean_of_s_gradients_of_the_current_point():
+    # S = 2. Worker 0's gradient 1 and worker 1's 3 are of point 0: θ ← 0 − (1 + 3)/2 = −2, point 1. Worker 0's
+    # next was taken at point 0 (it pulled before the step): dropped. Then 2 and 4, of point 1: θ ← −2 − 3 = −5.
+    hp = rennala.Params(lr=1.0, workers=2, batch=2)
+    thetas, metrics = replay(rennala, hp, [(0, 1.0), (1, 3.0), (0, 7.0), (0, 2.0), (1, 4.0)])
+    assert thetas == [0.0, -2.0, -2.0, -2.0, -5.0]
+    assert [m["dropped"] for m in metrics] == [0, 0, 1, 0, 0]
+    assert [m["delay"] for m in metrics] == [0, 0, 1, 0, 0]
+
+
+def test_rennala_lets_a_fast_worker_fill_the_batch():
+    # S = 2, one fast worker: its two gradients of point 0 make the step; the slow one's, of point 0, is dropped.
+    hp = rennala.Params(lr=1.0, workers=2, batch=2)
+    thetas, metrics = replay(rennala, hp, [(0, 2.0), (0, 4.0), (1, 9.0)])
+    assert thetas == [0.0, -3.0, -3.0] and [m["dropped"] for m in metrics] == [0, 0, 1]
+
+
 @pytest.mark.parametrize("name", algorithms.ALGORITHMS)
 def test_every_algorithm_has_its_record_and_yaml(name):
     algo = algorithms.get(name)
@@ -485,6 +582,14 @@ def test_every_algorithm_has_its_record_and_yaml(name):
         (dcasgd, "dc_lambda", -1.0, "algorithm.dc_lambda=-1.0 is not allowed; dc_lambda must be a number >= 0"),
         (async_localsgd, "outer_momentum", 1.0, "algorithm.outer_momentum=1.0 is not allowed"),
         (async_localsgd, "outer_lr", 0.0, "algorithm.outer_lr=0.0 is not allowed; outer_lr must be a number > 0"),
+        (
+            delay_adaptive,
+            "rule",
+            "sqrt",
+            "algorithm.rule=sqrt is not allowed; rule must be one of: mishchenko, koloskova",
+        ),
+        (ringmaster, "threshold", 0, "algorithm.threshold=0 is not allowed; threshold must be an integer >= 1"),
+        (rennala, "batch", 1.5, "algorithm.batch=1.5 is not allowed; batch must be an integer >= 1"),
     ],
 )
 def test_bad_hyperparameters_get_one_line(module, key, value, message):

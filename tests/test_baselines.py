@@ -296,3 +296,40 @@ def test_a_lost_worker_fails_a_synchronous_run_instead_of_hanging(cnn_data, tmp_
     else:
         assert "silent for" in result.reason, result.reason
     assert time.monotonic() - began < 120
+
+
+def test_the_delay_rules_reduce_to_downpour_where_they_drop_and_scale_nothing(cnn_data, tmp_path, monkeypatch):
+    """Ringmaster with R beyond every delay, delay-adaptive ASGD with τ_C beyond every τ: DOWNPOUR, commit for
+    commit, bit for bit. With the defaults (R = τ_C = n = 3) and the `exponential` staleness, some commits are
+    dropped or scaled: the rows say so, and the runs differ."""
+    _, ref = run(sim_job(cnn_data, "downpour", downpour.Params(lr=0.1)), tmp_path / "downpour", monkeypatch)
+    for name, params in (
+        ("ringmaster", algorithms.get("ringmaster").Params(lr=0.1, workers=3, threshold=10**6)),
+        ("delay_adaptive", algorithms.get("delay_adaptive").Params(lr=0.1, workers=3, tau_c=10**6)),
+    ):
+        _, m = run(sim_job(cnn_data, name, params), tmp_path / name, monkeypatch)
+        assert m["loss"].tolist() == ref["loss"].tolist(), name
+    _, m = run(
+        sim_job(cnn_data, "ringmaster", algorithms.get("ringmaster").Params(lr=0.1, workers=3)),
+        tmp_path / "r3",
+        monkeypatch,
+    )
+    assert m["dropped"].sum() > 0 and (m["delay"][m["dropped"] == 1] >= 3).all()
+    assert m["loss"].tolist() != ref["loss"].tolist()
+    _, m = run(
+        sim_job(cnn_data, "delay_adaptive", algorithms.get("delay_adaptive").Params(lr=0.1, workers=3)),
+        tmp_path / "d3",
+        monkeypatch,
+    )
+    assert (m["step_share"][m["staleness"] > 3] < 1).all() and (m["step_share"][m["staleness"] <= 3] == 1).all()
+    assert (m["staleness"] > 3).any()
+
+
+def test_rennala_with_one_worker_and_a_batch_of_one_is_sgd_without_momentum(cnn_data, tmp_path, monkeypatch):
+    """One worker, S = 1: every gradient is of the current point and makes its step: DOWNPOUR at n = 1, bit for
+    bit; and nothing is dropped."""
+    one = dataclasses.replace(sim_job(cnn_data, "downpour", downpour.Params(lr=0.1)), workers=1)
+    _, ref = run(one, tmp_path / "downpour", monkeypatch)
+    params = algorithms.get("rennala").Params(lr=0.1, workers=1, batch=1)
+    _, m = run(dataclasses.replace(one, algorithm="rennala", hp=params), tmp_path / "rennala", monkeypatch)
+    assert m["loss"].tolist() == ref["loss"].tolist() and m["dropped"].sum() == 0

@@ -55,7 +55,21 @@ from dataclasses import dataclass, field
 import torch
 
 # every entry is a module gem.algorithms.<name> with an ALGORITHM record and a conf/algorithm/<name>.yaml
-ALGORITHMS = ("sgd", "gem", "downpour", "adaptive", "agn", "easgd", "eamsgd", "ssgd", "dcasgd", "async_localsgd")
+ALGORITHMS = (
+    "sgd",
+    "gem",
+    "downpour",
+    "adaptive",
+    "agn",
+    "easgd",
+    "eamsgd",
+    "ssgd",
+    "dcasgd",
+    "async_localsgd",
+    "delay_adaptive",
+    "ringmaster",
+    "rennala",
+)
 
 
 @dataclass
