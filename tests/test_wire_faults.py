@@ -769,10 +769,10 @@ def test_a_nodes_ranks_without_the_secret_say_so_once(two_machines):
     two_machines.setenv("MASTER_ADDR", "127.0.0.1")
     two_machines.setenv("MASTER_PORT", str(store.port))
     said = []
-    for node, rank in [(1, 2), (1, 3), (2, 4), (2, 5)]:
+    for node, r in [(1, 2), (1, 3), (2, 4), (2, 5)]:
         two_machines.setenv("GROUP_RANK", str(node))
-        two_machines.setenv("RANK", str(rank))
-        group.leave(group.NO_SECRET, lambda rank=rank: said.append(rank), timeout_s=5)
+        two_machines.setenv("RANK", str(r))
+        group.leave(group.NO_SECRET, lambda r=r: said.append(r), timeout_s=5)
     assert said == [2, 4]
     assert [store.get(group.leaving_key(r)) for r in (2, 3, 4, 5)] == [group.NO_SECRET.encode()] * 4
     # on rank 0's node, rank 0 says it (it refuses the run), and torchrun then stops the others: the first of
