@@ -722,3 +722,33 @@ def test_gem_fused_statistics_leave_a_nan_or_a_sign_to_numpy(bad):
     assert gem._pi_stats_fused(pi.numpy(), layout, 5.0) is None  # the numpy code decides, as before
     metrics, _ = gem.pi_stats(pi, layout, 5.0)
     assert metrics["pi_zero_frac"] == (0.001 if bad == 0 else 0.0)
+
+
+def test_dylu_sets_each_workers_window_from_its_pace_against_the_fastest():
+    # H = 8; paces known at the server: worker 0 at 4 steps per unit, worker 2 at 1. Worker 1 measured 2 now:
+    # ⌊8·2/4⌋ = 4. Worker 2 at 1: ⌊8/4⌋ = 2. Worker 0, the fastest: 8. Unknown pace: H. Never below 1.
+    hp = async_localsgd.Params(window=8, dynamic_window=True, workers=3)
+    server = async_localsgd.ALGORITHM.server_state(torch.zeros(2), hp, 3)
+    server["pace"].copy_(T([4.0, 0.0, 1.0]))
+
+    def view(worker, pace):
+        return View(torch.zeros(2), server, 0, 0, worker, window=8, pace=pace)
+
+    assert async_localsgd.next_window(view(1, 2.0), hp) == 4
+    assert async_localsgd.next_window(view(2, 0.0), hp) == 2  # its pace as the server last noted it
+    assert async_localsgd.next_window(view(0, 4.0), hp) == 8
+    assert async_localsgd.next_window(view(1, 0.0), hp) == 8  # not known yet: H
+    assert async_localsgd.next_window(view(2, 0.1), hp) == 1  # ⌊0.2⌋ = 0 would never commit: at least 1
+    assert async_localsgd.next_window(view(0, 8.0), hp) == 8  # faster than any noted: it is the fastest
+
+
+def test_dylu_commit_carries_its_pace_and_the_server_notes_it():
+    hp = async_localsgd.Params(window=4, dynamic_window=True, workers=2, outer_lr=1.0, outer="nesterov")
+    theta = torch.zeros(2)
+    server = async_localsgd.ALGORITHM.server_state(theta, hp, 2)
+    state = async_localsgd.ALGORITHM.init_state(theta, hp)
+    v = View(theta, server, 0, 0, 1, window=1, pace=0.5)  # a window of 1: no local step began it
+    c = async_localsgd.ALGORITHM.worker_rule(state, theta.clone(), T([1.0, 2.0]), v, hp)
+    assert close(c.delta, [0.05, 0.1]) and c.window == 4 and c.metrics == {"window": 1, "pace": 0.5}
+    async_localsgd.ALGORITHM.server_rule(View(theta, server, 0, 0, 1), c, hp)
+    assert server["pace"].tolist() == [0.0, 0.5]

@@ -333,3 +333,28 @@ def test_rennala_with_one_worker_and_a_batch_of_one_is_sgd_without_momentum(cnn_
     params = algorithms.get("rennala").Params(lr=0.1, workers=1, batch=1)
     _, m = run(dataclasses.replace(one, algorithm="rennala", hp=params), tmp_path / "rennala", monkeypatch)
     assert m["loss"].tolist() == ref["loss"].tolist() and m["dropped"].sum() == 0
+
+
+def test_dylu_gives_a_straggler_a_window_its_pace_allows_on_sim(cnn_data, tmp_path, monkeypatch):
+    """`stragglers` on sim: one worker of 4 takes 4 times longer per step. With fixed windows each commit of it is
+    H steps; with DyLU its window becomes ⌊H/4⌋ once its pace is known, the fast ones keep H, and it commits about
+    4 times as often, and its pseudo-gradients are less stale: its τ falls. Without `dynamic_window` nothing changes."""
+    params = algorithms.get("async_localsgd").Params
+    runs = {}
+    for dynamic in (False, True):
+        j = dataclasses.replace(
+            sim_job(cnn_data, "async_localsgd", params(window=8, workers=4, dynamic_window=dynamic), "stragglers"),
+            workers=4,
+            epochs=12,
+        )
+        _, runs[dynamic] = run(j, tmp_path / str(dynamic), monkeypatch)
+    fixed, dylu = runs[False], runs[True]
+    assert "window" not in fixed
+    slow = int(dylu.groupby("worker")["pace"].median().idxmin())
+    # its first commit measures nothing (H follows), its second its pace: ⌊8·(1/4)/1⌋ = 2 from its third on
+    assert set(dylu[dylu["worker"] == slow]["window"].iloc[2:]) == {2}
+    assert set(dylu[dylu["worker"] != slow]["window"]) == {8}
+    commits = dylu["worker"].value_counts()
+    assert commits[slow] >= 3 * commits.drop(slow).max()
+    assert fixed["worker"].value_counts().nunique() == 1  # fixed windows: every worker the same commits
+    assert dylu[dylu["worker"] == slow]["staleness"].mean() < fixed[fixed["worker"] == slow]["staleness"].mean()

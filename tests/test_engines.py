@@ -102,6 +102,9 @@ class _CountingLink:
     def now(self):
         return 0.0
 
+    def clock(self):
+        return 0.0
+
     def rows(self, row, tensors):
         self.rows_seen.append(row)
 

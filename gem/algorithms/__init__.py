@@ -35,6 +35,11 @@ Each algorithm module ends with one `Algorithm` record, in the spirit of optax's
   per statistic with one value per parameter tensor, in layout order (GEM's π heatmaps).
 - ``sequential``: True for the proxy, momentum SGD: it always runs with one worker.
 
+A commit may set ``window``, the length of the worker's next window (dynamic local updates): every engine's
+worker cycle honours it, and the sim engine times the next cycle by it. The worker rule sees the window it ends
+(``view.window``) and the worker's measured pace (``view.pace``: local steps per unit of the worker's clock, the
+simulated clock on sim, between its last two commits).
+
 After a commit has been applied the worker pulls, copying θ into ``x``, unless the commit says ``pull=False``
 (EASGD's workers keep their own variable). A commit may instead set ``pull_at``, a clock value: a barrier. The
 worker then takes no further gradient until the server's clock has reached it, and pulls θ then (synchronous SGD:
@@ -81,6 +86,9 @@ class View:
     t: int  # the server's clock: commits applied before this one
     staleness: int  # τ: commits applied between this worker's last pull and this commit
     worker: int  # the committing worker's id, 0..n−1
+    # set by the worker's cycle for its worker rule (the server rule gets neither):
+    window: int | None = None  # the local gradients of the window this commit ends (None: commit_every's)
+    pace: float = 0.0  # the worker's local steps per unit of its clock between its last two commits (0: unknown)
 
 
 @dataclass
@@ -89,6 +97,8 @@ class Commit:
     pull: bool = True  # copy θ into the worker's x once the commit is applied
     pull_at: int | None = None  # a barrier: pull only once the server's clock has reached this t (not before
     # the worker's next gradient); None or a t already reached: pull at once, as `pull` says
+    window: int | None = None  # the local gradients of this worker's next window; None: as it was (dynamic
+    # local updates, async_localsgd's `dynamic_window`)
     payload: dict[str, torch.Tensor] = field(default_factory=dict)  # extra tensors for server_rule only
     metrics: dict[str, float] = field(default_factory=dict)  # numbers that must be read under the turn
     aux: dict[str, torch.Tensor] = field(default_factory=dict)  # worker-private tensors for diagnostics

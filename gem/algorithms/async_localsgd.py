@@ -30,13 +30,20 @@ worker): AGN's window in the paper's experiments, so that the two windowed metho
 baselines. With η_o = 1, μ_o = 0 and `outer: nesterov` the outer step adds x − s: DOWNPOUR with a window and
 worker momentum.
 
-Dynamic local updates (Liu et al.'s DyLU, each worker's H scaled by its speed) are not implemented: the window is
-one number for every worker in every engine (`commit_every`), and of the simulator's schedules only `stragglers`
-gives workers lastingly different speeds.
+Dynamic local updates (`dynamic_window`; Liu et al.'s DyLU, their Sec. 5): each worker's window follows its speed,
+H_w = ⌊H·v_w / max_w' v_w'⌋, so that the fastest worker takes H inner steps between commits and a slower one
+proportionally fewer, and every pseudo-gradient stands for about the same time of work. v_w is the worker's pace as
+its cycle measures it (`View.pace`): its local steps per unit of its clock between its last two commits, the
+simulated clock on sim, seconds elsewhere (the wait for the server's turn included, which every worker pays alike).
+The server keeps each worker's last pace (`pace`, a payload of each commit) and the worker rule sets the next window
+(`Commit.window`) from them at every commit; a worker whose pace is not known yet (its first commit, or the first
+after a resume) keeps H. Liu et al.'s formula can give 0 steps; here a window is at least 1 (their toy code floors
+at 5). Rows add `window` (the window the commit ends) and `pace`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +63,7 @@ class Params:
     outer_momentum: float = 0.9  # μ_o, Nesterov (DiLoCo)
     outer: str = "delayed_nesterov"  # delayed_nesterov (Liu et al. 2024) | nesterov (on every commit)
     nesterov_every: int | None = None  # N, commits between momentum steps (delayed_nesterov); None: n
+    dynamic_window: bool = False  # DyLU: each worker's window H·v_w/max v, its pace against the fastest's
 
     def __post_init__(self):
         require(isinstance(self.window, int) and self.window >= 1, "window", self.window, "an integer >= 1")
@@ -73,6 +81,7 @@ class Params:
             self.nesterov_every,
             "an integer >= 1, or null for the number of workers",
         )
+        require(isinstance(self.dynamic_window, bool), "dynamic_window", self.dynamic_window, "true or false")
 
 
 def delay(hp: Params) -> int:
@@ -90,10 +99,28 @@ def init_state(theta: torch.Tensor, hp: Params) -> dict:
 
 
 def init_server(theta: torch.Tensor, hp: Params, workers: int) -> dict:
-    return {
+    server = {
         "v": torch.zeros_like(theta),  # the outer momentum
-        "buffer": torch.zeros_like(theta),
-    }  # the sum of the pseudo-gradients since the last momentum step
+        "buffer": torch.zeros_like(theta),  # the sum of the pseudo-gradients since the last momentum step
+    }
+    if hp.dynamic_window:  # each worker's last pace (0: not known yet)
+        server["pace"] = torch.zeros(max(workers, 1), dtype=torch.float32, device=theta.device)
+    return server
+
+
+def payload(theta: torch.Tensor, hp: Params) -> dict:
+    return {"pace": torch.zeros(1, dtype=torch.float32)} if hp.dynamic_window else {}
+
+
+def next_window(view: View, hp: Params) -> int:
+    """DyLU: ⌊H·v_w / max v⌋, at least 1; H while this worker's pace is not known."""
+    paces = view.server["pace"].tolist()
+    if view.pace > 0:
+        paces[view.worker] = view.pace  # its own, measured now: the server notes it with this commit
+    own, fastest = paces[view.worker], max(paces)
+    if own <= 0:
+        return hp.window
+    return max(1, math.floor(hp.window * own / fastest))
 
 
 def commit_every(hp: Params) -> int:
@@ -115,11 +142,19 @@ def local_step(state, x, grad, hp: Params, k: int) -> None:
 
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     m = inner_step(state, grad, hp)
-    moved = state["moved"].copy_(m) if hp.window == 1 else state["moved"].add_(m)
-    return Commit(delta=moved.neg_())  # Δ = s − x; x itself is overwritten by the pull
+    window = view.window or hp.window  # (a dynamic window may be 1: no local step began it)
+    moved = state["moved"].copy_(m) if window == 1 else state["moved"].add_(m)
+    commit = Commit(delta=moved.neg_())  # Δ = s − x; x itself is overwritten by the pull
+    if hp.dynamic_window:
+        commit.window = next_window(view, hp)
+        commit.payload = {"pace": torch.tensor([view.pace], dtype=torch.float32, device=x.device)}
+        commit.metrics = {"window": window, "pace": view.pace}
+    return commit
 
 
 def server_rule(view: View, commit: Commit, hp: Params) -> None:
+    if hp.dynamic_window and float(commit.payload["pace"][0]) > 0:
+        view.server["pace"][view.worker] = commit.payload["pace"][0]
     n_delay = delay(hp)
     buffer = view.server["buffer"].add_(commit.delta)
     view.theta.add_(commit.delta, alpha=-hp.outer_lr / n_delay)
@@ -138,4 +173,5 @@ ALGORITHM = Algorithm(
     commit_every=commit_every,
     local_step=local_step,
     init_server=init_server,
+    payload=payload,
 )

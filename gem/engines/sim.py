@@ -193,6 +193,10 @@ class _Link:
     def __init__(self, server: Server, coord: Coordinator):
         self.server, self.coord = server, coord
         self.extra: dict = {}
+        self.at = 0.0  # the simulated time the cycle being run ends at, with its commit
+
+    def clock(self) -> float:
+        return self.at
 
     def acquire(self, w: int):
         return self.server.view(w)
@@ -259,8 +263,7 @@ def run(job: Job, recorder) -> Result:
             coord.sim_capped = True
             coord.finish(w)
             continue
-        link.extra = {"sim_time": now}
-        before = wk.step
+        link.extra, link.at = {"sim_time": now}, now
         try:
             committed = wk.cycle(link)
         except Diverged as e:
@@ -270,9 +273,9 @@ def run(job: Job, recorder) -> Result:
             coord.sim_time = now
         if committed and wk.step < wk.budget:
             if wk.pull_at > server.t:
-                parked[w] = wk.step - before
+                parked[w] = wk.window
             else:
-                heapq.heappush(queue, (now + schedule.cycle(w, wk.step - before), w))
+                heapq.heappush(queue, (now + schedule.cycle(w, wk.window), w))  # its next window (DyLU: its own)
         else:
             coord.finish(w)
         for v in [v for v in parked if workers[v].pull_at <= server.t]:  # this commit reached their barrier:

@@ -69,6 +69,8 @@ class Link(Protocol):
     def submit(self, view: View, commit: Commit) -> None: ...  # send the commit, where the server is remote
     def release(self) -> None: ...  # hand the turn on
     def now(self) -> float: ...  # seconds since the run started, for time_s
+    def clock(self) -> float: ...  # what a worker's pace is measured on: the simulated time of the commit on sim,
+    # time.monotonic() elsewhere
     def rows(self, row: dict, tensors: dict | None) -> None: ...  # a commit row, on its way to the recorder
     def await_clock(self, worker: int, t: int) -> View: ...  # a view of θ once the server's clock has reached t,
 
@@ -272,6 +274,8 @@ class Worker:
         self.loss_sum, self.local = 0.0, 0  # since the last commit
         self.before: dict = {}  # the state before the gradient in hand (for a checkpoint taken at the turn)
         self.pull_at = -1  # a barrier this worker waits at before its next gradient (Commit.pull_at); −1: none
+        self.committed_at: float | None = None  # link.clock() at this worker's last commit (None: none yet here)
+        self.pace = 0.0  # its local steps per unit of link.clock() between its last two commits (0: not yet known)
         self._stage: dict | None = None  # the server's tensors on this worker's device, if they live elsewhere
         # a GPU worker whose θ stays in host memory copies it through page-locked memory (pinned.py)
         self._pinned = pinned_for(self.device, f"worker {w}")
@@ -294,7 +298,7 @@ class Worker:
                 return False  # budget.commits or budget.seconds reached: no new gradient
             if self.pull_at >= 0:
                 self.await_pull(link)
-            k = (self.step + 1) % self.window  # this gradient's place in its window; 0: it ends the window
+            k = (self.local + 1) % self.window  # this gradient's place in its window; 0: it ends the window
             if k == 0:
                 self.before = self._progress()
             loss = self.gradient()
@@ -313,17 +317,24 @@ class Worker:
     def commit(self, link: Link) -> None:
         if self.algo.prepare is not None:  # what does not read θ, before the turn
             self.algo.prepare(self.state, self.x, self.model.grad, self.hp)
+        clock = link.clock()
+        if self.committed_at is not None and clock > self.committed_at:
+            self.pace = self.local / (clock - self.committed_at)
         asked = time.monotonic()
         view = link.acquire(self.w)
         try:
             waited, stamp = time.monotonic() - asked, link.now()  # stamped in turn: times follow the clock
-            commit = self.algo.worker_rule(self.state, self.x, self.model.grad, self.staged(view), self.hp)
+            staged = self.staged(view)
+            staged.window, staged.pace = self.window, self.pace
+            commit = self.algo.worker_rule(self.state, self.x, self.model.grad, staged, self.hp)
             # the server gets the commit on its device; the diagnostics below read the one made here, beside aux
             sent = to_device(commit, view.theta.device, self._pinned)
             link.submit(view, sent)
             applied = time.perf_counter()
             t = link.server.apply(view, sent)
             applied = time.perf_counter() - applied
+            if commit.window is not None:
+                self.window = commit.window
             if commit.pull_at is not None and commit.pull_at > t:
                 self.pull_at = commit.pull_at  # a barrier: pull before the next gradient, once t has reached it
             elif commit.pull:
@@ -347,6 +358,7 @@ class Worker:
             metrics, tensors = self.algo.diagnostics(commit, self.layout, self.hp)
             row.update(metrics)
         self.loss_sum, self.local = 0.0, 0
+        self.committed_at = clock
         link.rows(row, tensors or None)
 
     def await_pull(self, link: Link) -> None:
@@ -390,6 +402,7 @@ class Worker:
             "generator": s.generator.get_state(),
             "rng": self.rng,
             "pull_at": self.pull_at,
+            "window": self.window,
         }
 
     def state_dict(self, in_hand: bool = False) -> dict:
@@ -408,3 +421,4 @@ class Worker:
         self.rng = saved["rng"]
         self.step, self.loss_sum, self.local = int(saved["step"]), float(saved["loss_sum"]), int(saved["local"])
         self.pull_at = int(saved.get("pull_at", -1))
+        self.window = int(saved.get("window", self.window))
