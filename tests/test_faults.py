@@ -409,3 +409,29 @@ def test_the_command_leaves_no_child_behind_when_it_returns(tmp_path):
             os.kill(pid, signal.SIGKILL)
     assert p.returncode == 0, err
     assert left == [], "alive after the command returned: " + ", ".join(map(str, left))
+
+
+def test_a_changed_sim_schedule_names_its_engine_key(tmp_path):
+    """resume=true with another staleness model named `staleness=gamma` and `cycle_cv=0.25`, which the command line
+    refuses as unknown keys: the refusal now names engine.staleness and engine.cycle_cv, as the command writes them."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from gem.algorithms import gem as gem_algo
+    from gem.engines.checkpoint import CheckpointError, check_resumable, fingerprint
+    from gem.engines.options import SimOptions
+
+    def identity(**engine):
+        return SimpleNamespace(
+            algorithm="gem", workers=2, batch_size=64, epochs=1.0, seed=0, device="cpu", loss="nll",
+            precision="fp32", model="mnist_cnn", data=SimpleNamespace(name="digits"),
+            hp=gem_algo.Params(), engine=dataclasses.replace(SimOptions(), **engine),
+        )  # fmt: skip
+
+    manifest = {"fingerprint": fingerprint(identity())}
+    with pytest.raises(CheckpointError) as e:
+        check_resumable(manifest, identity(staleness="round_robin"))
+    assert "made with engine.staleness=gamma, this command has engine.staleness=round_robin" in str(e.value)
+    with pytest.raises(CheckpointError) as e:
+        check_resumable(manifest, identity(cycle_cv=0.5))
+    assert "made with engine.cycle_cv=0.25, this command has engine.cycle_cv=0.5" in str(e.value)
