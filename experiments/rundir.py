@@ -99,6 +99,15 @@ def status(run_dir: Path) -> str | None:
         return "incomplete"
 
 
+def _reason(run_dir: Path) -> str:
+    """The reason in `run_dir`'s summary.json, in a few words for a refusal."""
+    try:
+        reason = str(json.loads((Path(run_dir) / "summary.json").read_text()).get("reason") or "")
+    except (OSError, ValueError, AttributeError):
+        reason = ""
+    return reason or "no reason recorded"
+
+
 def check_fresh(run_dir: Path, key: str = "hydra.run.dir") -> None:
     """A new run (resume=false) must not write over another run's results."""
     st = status(run_dir)
@@ -107,6 +116,11 @@ def check_fresh(run_dir: Path, key: str = "hydra.run.dir") -> None:
     if st == "completed":
         raise Refused(
             f"{key}={run_dir} already holds a completed run; pick a new directory (results are never overwritten)"
+        )
+    if st == "diverged":  # a result too: resume=true is refused for it (check_run_dir)
+        raise Refused(
+            f"{key}={run_dir} already holds a run that diverged ({_reason(run_dir)}), a result as a completed "
+            "run is; pick a new directory for a new run (results are never overwritten)"
         )
     from gem.engines import checkpoint as ckpt
 
@@ -138,6 +152,11 @@ def check_run_dir(spec: Spec, run_dir: Path, key: str = "hydra.run.dir") -> dict
             return None
         if status(run_dir) == "completed":
             raise Refused(f"resume=true: the run in {run_dir} has already completed; nothing to resume")
+        if status(run_dir) == "diverged":  # resuming would take the same commits toward the same non-finite θ
+            raise Refused(
+                f"resume=true: the run in {run_dir} diverged ({_reason(run_dir)}), a result as a completed run "
+                f"is; nothing to resume: start a new run (a smaller lr, say) in a new {key}"
+            )
         manifest = read_manifest(run_dir)
         identity = _identity(spec)
         check_resumable(manifest, identity)

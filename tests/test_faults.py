@@ -435,3 +435,31 @@ def test_a_changed_sim_schedule_names_its_engine_key(tmp_path):
     with pytest.raises(CheckpointError) as e:
         check_resumable(manifest, identity(cycle_cv=0.5))
     assert "made with engine.cycle_cv=0.25, this command has engine.cycle_cv=0.5" in str(e.value)
+
+
+def test_a_diverged_run_is_not_sent_to_resume(tmp_path, capsys):
+    """A new run in the directory of a diverged one was refused with "resume=true continues it from its last
+    checkpoint", and resume=true then took the same commits to the same non-finite θ (on sim, exactly): a circle.
+    A diverged run is a result, as in a resumed sweep: both commands say to start a new run elsewhere."""
+    import json
+
+    from experiments.rundir import Refused, check_fresh
+    from gem.engines import checkpoint as ckpt
+
+    reason = "non-finite loss nan at worker 0, worker step 6 (commit 10)"
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "diverged", "reason": reason}))
+    (tmp_path / ckpt.CHECKPOINT / "step-5").mkdir(parents=True)
+    (tmp_path / ckpt.CHECKPOINT / "manifest.json").write_text(json.dumps({"step": 5, "dir": "step-5"}))
+    with pytest.raises(Refused) as e:
+        check_fresh(tmp_path)
+    assert str(e.value) == (
+        f"hydra.run.dir={tmp_path} already holds a run that diverged ({reason}), a result as a completed run is; "
+        "pick a new directory for a new run (results are never overwritten)"
+    )
+    before = snapshot(tmp_path)
+    line = refused_line(capsys, *QUICK, "resume=true", f"hydra.run.dir={tmp_path}")
+    assert line == (
+        f"error: resume=true: the run in {tmp_path} diverged ({reason}), a result as a completed run is; nothing "
+        "to resume: start a new run (a smaller lr, say) in a new hydra.run.dir"
+    )
+    assert snapshot(tmp_path) == before
