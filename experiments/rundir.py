@@ -18,7 +18,7 @@ from pathlib import Path
 
 from experiments.config import Spec
 from gem import algorithms
-from gem.engines.checkpoint import CheckpointError, check_resumable, read_manifest, verify
+from gem.engines.checkpoint import CHECKPOINT, CheckpointError, check_resumable, read_manifest, verify
 from gem.files import write_atomic
 
 # what a run writes: a directory holding any of these holds a run
@@ -156,6 +156,18 @@ def check_run_dir(spec: Spec, run_dir: Path, key: str = "hydra.run.dir") -> dict
             raise Refused(
                 f"resume=true: the run in {run_dir} diverged ({_reason(run_dir)}), a result as a completed run "
                 f"is; nothing to resume: start a new run (a smaller lr, say) in a new {key}"
+            )
+        st = status(run_dir)
+        if st is None:
+            raise Refused(
+                f"resume=true: {key}={run_dir} holds no run to continue (no summary.json, rows or checkpoint); "
+                f"resume needs {key}=<the directory of the run to continue>"
+            )
+        if not (run_dir / CHECKPOINT / "manifest.json").exists():  # a whole checkpoint is named there
+            raise Refused(
+                f"resume=true: the run in {run_dir} (status {st}) stopped before its first checkpoint "
+                f"(engine.checkpoint_every), so it cannot be continued; run the command without resume=true in a "
+                f"new {key}"
             )
         manifest = read_manifest(run_dir)
         identity = _identity(spec)

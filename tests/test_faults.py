@@ -463,3 +463,29 @@ def test_a_diverged_run_is_not_sent_to_resume(tmp_path, capsys):
         "to resume: start a new run (a smaller lr, say) in a new hydra.run.dir"
     )
     assert snapshot(tmp_path) == before
+
+
+def test_resume_says_whether_the_directory_holds_no_run_or_one_without_a_checkpoint(tmp_path, capsys):
+    """resume=true on a folder that never held a run, and on a run stopped before its first checkpoint, both said
+    "no checkpoint in <dir>/checkpoint; resume needs the run directory of a run that wrote checkpoints", which
+    sends the second to a directory it does not have. Each now says what the folder holds and where to go."""
+    import json
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = refused_line(capsys, *QUICK, "resume=true", f"hydra.run.dir={empty}")
+    assert line == (
+        f"error: resume=true: hydra.run.dir={empty} holds no run to continue (no summary.json, rows or checkpoint); "
+        "resume needs hydra.run.dir=<the directory of the run to continue>"
+    )
+    early = tmp_path / "early"
+    early.mkdir()
+    (early / "summary.json").write_text(json.dumps({"status": "failed", "reason": "interrupted (Ctrl-C)"}))
+    before = snapshot(early)
+    line = refused_line(capsys, *QUICK, "resume=true", f"hydra.run.dir={early}")
+    assert line == (
+        f"error: resume=true: the run in {early} (status failed) stopped before its first checkpoint "
+        "(engine.checkpoint_every), so it cannot be continued; run the command without resume=true in a new "
+        "hydra.run.dir"
+    )
+    assert snapshot(early) == before and sorted(p.name for p in tmp_path.iterdir()) == ["early", "empty"]
