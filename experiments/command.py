@@ -27,6 +27,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -122,7 +123,7 @@ def precheck(argv: list[str]) -> argparse.Namespace | None:
             f"config (python run.py <overrides> --cfg {args.cfg}), or add plan=true to list every job of the "
             "sweep and its cost"
         )
-    missing = _missing_launcher(args.overrides)
+    missing = _missing_launcher(args.overrides) or _hydra_refusal(args.overrides)
     if missing:
         _refuse(missing)
     if (
@@ -193,6 +194,41 @@ def _missing_launcher(overrides: list[str]) -> str | None:
                 f'pip install -e ".[{extra}]" (in this project\'s folder)'
             )
     return None
+
+
+def _hydra_refusal(overrides: list[str]) -> str | None:
+    """An override of Hydra's own config (`hydra/launcher=foo`, `hydra.launcher.n_jobs=2` under the basic launcher,
+    `hydra.job.chdir=maybe`) that Hydra would answer with several lines and exit code 1: its one line. Composed
+    only when the command has such overrides (50 ms)."""
+    from hydra.errors import MissingConfigException
+
+    mine = [o for o in overrides if re.split(r"[./=]", o.lstrip("+~"), maxsplit=1)[0] == "hydra"]
+    swept = [o for o in mine if o not in base(mine)]
+    if swept:
+        return f"{swept[0]}: Hydra's own keys cannot be swept; give one value (one command per value)"
+    if not mine:
+        return None
+    try:
+        compose(mine, return_hydra_config=True)
+        return None
+    except MissingConfigException as e:  # an option its group does not have
+        group, _, value = str(e.missing_cfg_file or "").rpartition("/")
+        if group and e.options:
+            return f"{group}={value} is not an option; choose one of: {', '.join(e.options)}"
+        return refusal(e)
+    except Exception as e:  # noqa: BLE001 - every error of Hydra's config is one line
+        cause = e.__cause__
+        if not isinstance(cause, OmegaConfBaseException):
+            return refusal(e)
+        key, first = getattr(cause, "full_key", None) or "hydra", str(cause).strip().splitlines()[0]
+        if "not in" not in first:
+            return f"{key}: {first}"
+        if key.startswith("hydra.launcher."):
+            return (
+                f"{key} is not a key of the launcher this command uses ({first}); choose the launcher that has it "
+                "on the same command (hydra/launcher=joblib for hydra.launcher.n_jobs, submitit_slurm, ...)"
+            )
+        return f"{key} is not a key of Hydra's config ({first}); python run.py --cfg hydra shows its keys"
 
 
 def _refuse(line: str):

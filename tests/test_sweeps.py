@@ -299,3 +299,37 @@ def test_jobs_at_once_reads_the_joblib_launcher_s_n_jobs():
     assert command.jobs_at_once(OmegaConf.create({"hydra": {"launcher": {"n_jobs": -1}}})) == plan.cores()
     assert command.jobs_at_once(OmegaConf.create({"hydra": {"launcher": {"n_jobs": -2}}})) == max(1, plan.cores() - 1)
     assert command.jobs_at_once(OmegaConf.create({"hydra": {"launcher": {"_target_": "basic"}}})) == 1
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["hydra/launcher=foo"],
+            # (then joblib and submitit_*, where their plugins are installed)
+            "error: hydra/launcher=foo is not an option; choose one of: basic, distributed_local, distributed_slurm",
+        ),
+        (["hydra/sweeper=foo"], "error: hydra/sweeper=foo is not an option; choose one of: basic, gem"),
+        (
+            ["hydra.launcher.n_jobs=2"],
+            "error: hydra.launcher.n_jobs is not a key of the launcher this command uses (Key 'n_jobs' not in "
+            "'BasicLauncherConf'); choose the launcher that has it on the same command (hydra/launcher=joblib for "
+            "hydra.launcher.n_jobs, submitit_slurm, ...)",
+        ),
+        (
+            ["hydra.foo=1"],
+            "error: hydra.foo is not a key of Hydra's config (Key 'foo' not in 'HydraConf'); python run.py --cfg "
+            "hydra shows its keys",
+        ),
+        (["hydra.job.chdir=maybe"], "error: hydra.job.chdir: Value 'maybe' is not a valid bool (type str)"),
+        (
+            ["-m", "hydra.launcher.n_jobs=1,2"],
+            "error: hydra.launcher.n_jobs=1,2: Hydra's own keys cannot be swept; give one value (one command per "
+            "value)",
+        ),
+    ],
+)
+def test_a_bad_override_of_hydras_own_config_is_one_line(argv, line, capsys):
+    """Hydra answered these with several lines (its message, the config search path, HYDRA_FULL_ERROR) and exit
+    code 1; the options a group has, or the key, are now in one line, exit code 2."""
+    assert refused_line(capsys, *argv, "engine=sim").startswith(line)
