@@ -69,9 +69,45 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
+# Hydra's flags that take a value (`--cfg job`)
+_VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+
+
 def parse(argv: list[str]) -> argparse.Namespace | None:
     """Hydra's command line: its flags (as `python run.py --hydra-help` lists them) and the overrides. None when
     it does not parse; Hydra then says why."""
+    try:
+        return _parser().parse_args(argv)
+    except ValueError:
+        return None
+
+
+def _flags_between_overrides(argv: list[str]) -> str | None:
+    """`python run.py engine=sim -m seed=0,1`: Hydra's parser takes the overrides only before and after its flags,
+    not on both sides, and says `unrecognized arguments: seed=0,1`, which names the override and not the flag.
+    The line that says so, with the command put in order; None for any other command."""
+    try:
+        _parser().parse_intermixed_args(argv)
+    except (ValueError, TypeError):
+        return None
+    flags, overrides, i = [], [], 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("-"):
+            overrides.append(token)
+        elif token in _VALUE_FLAGS + ("--experimental-rerun",) and i + 1 < len(argv):
+            flags += argv[i : i + 2]
+            i += 1
+        else:
+            flags.append(token)
+        i += 1
+    return (
+        "Hydra reads its flags (-m, --cfg, ...) before the overrides or after them, not between them; "
+        f"put them first: python run.py {' '.join(flags + overrides)}"
+    )
+
+
+def _parser() -> _Parser:
     p = _Parser(add_help=False, allow_abbrev=False)
     p.add_argument("overrides", nargs="*")
     for flags in (
@@ -94,10 +130,7 @@ def parse(argv: list[str]) -> argparse.Namespace | None:
     ):
         p.add_argument(*flags)
     p.add_argument("--info", "-i", nargs="?", const="all")
-    try:
-        return p.parse_args(argv)
-    except ValueError:
-        return None
+    return p
 
 
 def precheck(argv: list[str]) -> argparse.Namespace | None:
@@ -105,6 +138,9 @@ def precheck(argv: list[str]) -> argparse.Namespace | None:
     None for one that Hydra answers by itself (--help, --cfg, --info, another config...)."""
     args = parse(argv)
     if args is None:
+        between = _flags_between_overrides(argv)
+        if between:
+            _refuse(between)
         return None
     from gem.engines import distributed
 

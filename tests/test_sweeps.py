@@ -333,3 +333,17 @@ def test_a_bad_override_of_hydras_own_config_is_one_line(argv, line, capsys):
     """Hydra answered these with several lines (its message, the config search path, HYDRA_FULL_ERROR) and exit
     code 1; the options a group has, or the key, are now in one line, exit code 2."""
     assert refused_line(capsys, *argv, "engine=sim").startswith(line)
+
+
+def test_a_flag_between_overrides_is_named_with_the_command_in_order(capsys):
+    """`python run.py engine=sim -m seed=0,1` got Hydra's `unrecognized arguments: seed=0,1`, which names the
+    override, not the flag between two of them; the line now says so and gives the command in order."""
+    line = refused_line(capsys, "engine=sim", "-m", "seed=0,1", "plan=true")
+    assert line == (
+        "error: Hydra reads its flags (-m, --cfg, ...) before the overrides or after them, not between them; put "
+        "them first: python run.py -m engine=sim seed=0,1 plan=true"
+    )
+    from experiments.command import parse
+
+    assert parse(["-m", "engine=sim", "seed=0,1", "plan=true"]).multirun  # the command it gives parses
+    assert "--cfg job engine=sim seed=1" in refused_line(capsys, "engine=sim", "--cfg", "job", "seed=1")
