@@ -323,11 +323,6 @@ def check_run(config: DictConfig, exit_on_plan: bool = True) -> Spec:
     lock is held until this process exits) and checked. Raises on bad input (`refusing` makes it one line)."""
     spec = checked(task_config(config))
     _check_data([spec])
-    if spec.cfg.plan:
-        plan.show([(list(config.hydra.overrides.task), spec)])
-        if exit_on_plan:
-            sys.exit(0)
-        return spec
     run_dir = Path(os.path.abspath(_named_dir(config, "hydra.run.dir")))
     if not spec.cfg.resume and (run_dir.parent / "multirun.yaml").exists():
         # analysis.load reads every folder of a sweep as one of its jobs: a run started by hand there would count
@@ -336,6 +331,12 @@ def check_run(config: DictConfig, exit_on_plan: bool = True) -> Spec:
             "multirun.yaml): a run started there by hand would be counted as one of its jobs; give the run "
             "a folder of its own, or finish the sweep with its identical -m command and resume=true"
         )
+    if spec.cfg.plan:  # a plan lists no run that its command would refuse, as a sweep's plan does
+        rundir.check_planned(spec, run_dir)
+        plan.show([(list(config.hydra.overrides.task), spec)])
+        if exit_on_plan:
+            sys.exit(0)
+        return spec
     rundir.check_run_dir(spec, run_dir)
     note = _single_run_note(config)
     if note:

@@ -489,3 +489,27 @@ def test_resume_says_whether_the_directory_holds_no_run_or_one_without_a_checkpo
         "hydra.run.dir"
     )
     assert snapshot(early) == before and sorted(p.name for p in tmp_path.iterdir()) == ["early", "empty"]
+
+
+def test_a_plan_lists_no_run_its_command_would_refuse(tmp_path, capsys):
+    """`plan=true` on a run directory that holds a completed run listed the job and its time, and the same command
+    without plan=true was then refused: a sweep's plan refuses a folder that holds results, a run's plan now too,
+    and still makes no directory."""
+    import json
+
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "summary.json").write_text(json.dumps({"status": "completed"}))
+    line = refused_line(capsys, *QUICK, "plan=true", f"hydra.run.dir={done}")
+    assert line == (
+        f"error: hydra.run.dir={done} already holds a completed run; pick a new directory (results are never "
+        "overwritten)"
+    )
+    line = refused_line(capsys, *QUICK, "plan=true", "resume=true", f"hydra.run.dir={done}")
+    assert line == f"error: resume=true: the run in {done} has already completed; nothing to resume"
+    from experiments.command import preflight
+
+    with pytest.raises(SystemExit) as e:
+        preflight([*QUICK, "plan=true", f"hydra.run.dir={tmp_path / 'new'}"])
+    assert e.value.code == 0 and "plan for 1 job" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done"]  # the plan made no directory
