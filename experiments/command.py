@@ -268,7 +268,10 @@ def _hydra_refusal(overrides: list[str]) -> str | None:
 
 
 def _refuse(line: str):
-    print(f"error: {line}", file=sys.stderr)
+    try:
+        print(f"error: {line}", file=sys.stderr)
+    except OSError:  # stderr closed (`plan=true 2>&1 | head`): exit all the same, before Hydra makes the run directory
+        pass
     sys.exit(2)
 
 

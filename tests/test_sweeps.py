@@ -347,3 +347,21 @@ def test_a_flag_between_overrides_is_named_with_the_command_in_order(capsys):
 
     assert parse(["-m", "engine=sim", "seed=0,1", "plan=true"]).multirun  # the command it gives parses
     assert "--cfg job engine=sim seed=1" in refused_line(capsys, "engine=sim", "--cfg", "job", "seed=1")
+
+
+def test_a_refusal_exits_when_its_line_cannot_be_written(monkeypatch):
+    """`python run.py ... plan=true 2>&1 | head -2`: the plan's output met a closed pipe, and so did the refusal's
+    line, whose BrokenPipeError left the Hydra callback as an exception, which Hydra turns into a warning: it then
+    made the run directory (`no directory is made`, said the plan) and started the job. The refusal exits anyway."""
+    import io
+
+    from experiments import command
+
+    class Closed(io.StringIO):
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stderr", Closed())
+    with pytest.raises(SystemExit) as e:
+        command.refusing(lambda: print("a plan's line", file=Closed()))
+    assert e.value.code == 2
