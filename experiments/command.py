@@ -311,6 +311,11 @@ def _check_data(specs: list[Spec]) -> None:
     for spec in specs:
         d = spec.data
         key = (d.name, data_root(d.root), d.download)
+        path = OmegaConf.select(spec.cfg, "data.path")
+        if d.name == "tensors" and not os.path.isfile(str(path)):  # the class would name data._target_, not this
+            raise ConfigError(
+                f"data.path={path}: no such file (from {os.getcwd()}); give the path of your .npz or .pt file"
+            )
         if key not in available:
             gdata.ensure_available(*key)
             available.add(key)

@@ -281,7 +281,8 @@ def _check_device(device: str) -> None:
 
 def _check_data(node: DictConfig) -> DataConfig:
     """A built-in dataset's keys against DataConfig; a `_target_` dataset's own keys go to its class unchecked,
-    gem's (experiments.instantiate.DATA_KEYS) are checked here."""
+    gem's (experiments.instantiate.DATA_KEYS) are checked here, and data=tensors's own (its file is looked for
+    with the other datasets' files, experiments.command)."""
     if not instantiate.is_instantiated(node):
         dat = _merge_checked(DataConfig, OmegaConf.to_container(node, resolve=True), "data", "data")
         if dat.name not in gdata.DATASETS:
@@ -307,6 +308,8 @@ def _check_data(node: DictConfig) -> DataConfig:
         models.locate(str(target))
     except ValueError as e:
         raise ConfigError(f"data._target_={target}: {e}") from None
+    if instantiate.display_name("data", node) == "tensors":
+        _check_tensor_file(node)
     num_classes, augment = node.get("num_classes", 10), node.get("augment", False)
     if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 2:
         raise ConfigError(f"data.num_classes={num_classes} is not allowed; it must be an integer >= 2")
@@ -339,6 +342,20 @@ def _check_data(node: DictConfig) -> DataConfig:
         num_classes=num_classes,
         val_size=val_size,
     )
+
+
+def _check_tensor_file(node: DictConfig) -> None:
+    """data=tensors: its file's kind and the share held out, named by their keys (the class would say
+    `val_fraction=2` under `data._target_=gem.data.TensorFile ... could not be loaded`, a key the command did not
+    name)."""
+    fraction, path = node.get("val_fraction", 0.1), str(node.get("path"))
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise ConfigError(
+            f"data.val_fraction={fraction} is not allowed; it must be a number in (0, 1): the share of the "
+            "training arrays held out for validation when the file has none"
+        )
+    if not path.endswith((".npz", ".pt")):
+        raise ConfigError(f"data.path={path} is not allowed; data=tensors reads a .npz or .pt file")
 
 
 def _check_memory(cfg: DictConfig, hp, n: int, engine: str, dat, module) -> None:

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 from helpers import warm_run
+from helpers.commands import refused_line
 from helpers.paths import ROOT
 
 from experiments.command import preflight
@@ -239,3 +240,28 @@ def test_an_experiments_sim_settings_do_not_refuse_another_engine():
 
     _, spec = check_job(["experiment=fig1_quick", "engine=process", "workers=2"])
     assert spec.engine == ProcessOptions()
+
+
+def test_data_tensors_names_its_own_keys(tmp_path, capsys, monkeypatch):
+    """data=tensors with a bad data.val_fraction or data.path said `data._target_=gem.data.TensorFile
+    (train_kwargs={'split': 'train'}) could not be loaded: ValueError: val_fraction=2 must be in (0, 1)`: a key the
+    command did not name, and one it did under another name. Each is now refused by its key."""
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    np.savez("t.npz", x=np.zeros((20, 1, 28, 28), dtype="float32"), y=np.zeros(20, dtype="int64"))
+    common = ["data=tensors", "data.num_classes=2", "engine=sim"]
+    line = f"data.path=no.npz: no such file (from {tmp_path}); give the path of your .npz or .pt file"
+    assert refused_line(capsys, *common, "data.path=no.npz") == f"error: {line}"
+    for extra, line in (
+        (
+            ["data.path=t.npz", "data.val_fraction=2"],
+            "data.val_fraction=2 is not allowed; it must be a number in (0, 1): the share of the training arrays "
+            "held out for validation when the file has none",
+        ),
+        (["data.path=t.txt"], "data.path=t.txt is not allowed; data=tensors reads a .npz or .pt file"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            check_job([*common, *extra])
+        assert str(e.value) == line
+    check_job([*common, "data.path=t.npz"])  # the file as given
