@@ -300,7 +300,8 @@ def _check_data(node: DictConfig) -> DataConfig:
         if dat.name == "synthetic" and dat.num_classes != dat.synthetic.num_classes:
             raise ConfigError(
                 f"data.num_classes={dat.num_classes} but data.synthetic.num_classes="
-                f"{dat.synthetic.num_classes}; set data.synthetic.num_classes"
+                f"{dat.synthetic.num_classes}; data=synthetic draws its classes by data.synthetic.num_classes: set "
+                f"data.synthetic.num_classes={dat.num_classes} instead (data.num_classes follows it)"
             )
         return dat
     target = node.get("_target_")

@@ -265,3 +265,16 @@ def test_data_tensors_names_its_own_keys(tmp_path, capsys, monkeypatch):
             check_job([*common, *extra])
         assert str(e.value) == line
     check_job([*common, "data.path=t.npz"])  # the file as given
+
+
+def test_synthetic_classes_are_set_by_the_key_that_draws_them():
+    """data=synthetic data.num_classes=5 said `set data.synthetic.num_classes`, without the value; the line gives
+    the override to type, and that override alone is the run asked for."""
+    with pytest.raises(ConfigError) as e:
+        check_job(["data=synthetic", "data.num_classes=5", "engine=sim"])
+    assert str(e.value) == (
+        "data.num_classes=5 but data.synthetic.num_classes=10; data=synthetic draws its classes by "
+        "data.synthetic.num_classes: set data.synthetic.num_classes=5 instead (data.num_classes follows it)"
+    )
+    _, spec = check_job(["data=synthetic", "data.synthetic.num_classes=5", "engine=sim"])
+    assert spec.data.num_classes == 5
