@@ -682,6 +682,8 @@ def main(cfg: DictConfig) -> dict | None:
     # A failed job ends a single run with an error code; in a sweep the other jobs go on. A diverged run is a
     # result, not an error.
     if summary["status"] == "failed" and not multirun:
+        # where to go from here: as after an interruption (a sweep's line is its resume=true, at the end)
+        print(f"gem: the run failed; {resume_hint(Path(hc.runtime.output_dir), False)}", file=sys.stderr)
         sys.exit(1)
     return summary
 

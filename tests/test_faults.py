@@ -282,6 +282,11 @@ def test_a_write_error_ends_the_run_with_one_line_and_no_temporary_files(tmp_pat
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "cannot write" in errors[0] and "File too large" in errors[0], p.stderr
     assert "Traceback" not in p.stderr
+    # where to go from here, as after an interruption: its only checkpoint was the write that failed
+    assert p.stderr.rstrip().endswith(
+        "gem: the run failed; it had no checkpoint yet (engine.checkpoint_every), so resume=true cannot continue it: "
+        f"run the command again with another hydra.run.dir ({d} keeps the rows of this one)"
+    ), p.stderr
     summary = json.loads((d / "summary.json").read_text())
     assert summary["status"] == "failed" and "cannot write" in summary["reason"]
     assert not list(d.rglob("*.tmp")) and not (d / "checkpoint" / "pending").exists()
