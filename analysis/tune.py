@@ -420,8 +420,13 @@ def _main(args) -> int:
     if args.heldout:
         heldout = Path(args.heldout)
         held = _finished_runs(heldout)
-        if set(int(s) for s in runs["seed"]) & set(int(s) for s in held["seed"]):
-            raise ValueError(f"{heldout} has runs on tuning seeds")
+        shared = sorted(tuned & set(int(s) for s in held["seed"]))
+        if shared:
+            raise ValueError(
+                f"--heldout {heldout} has runs on seed{'s' if len(shared) > 1 else ''} "
+                f"{', '.join(map(str, shared))}, which the tuning sweep {sweep} used: the held-out stage must run on "
+                f"new seeds; pass the sweep of the held-out experiment that analysis.tune {sweep} wrote"
+            )
         out = Path(args.out) if args.out else heldout / "protocols.md"
         if out.suffix not in (".md", ".csv"):
             raise ValueError(f"--out={out} is not allowed; its suffix must be .md or .csv")

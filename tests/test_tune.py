@@ -285,3 +285,17 @@ def test_held_out_seeds_the_user_did_not_type_are_not_named_as_their_flag(tmp_pa
     assert tune.main([str(sweep), "--seeds", "2,3,4"]) == 0
     node = yaml.safe_load((tmp_path / "conf" / "experiment" / "tune_quick_heldout.yaml").read_text())
     assert node["hydra"]["sweeper"]["grids"] == [{"algorithm": "gem", "workers": "4", "lr": 0.05}]
+
+
+def test_a_held_out_sweep_on_tuning_seeds_names_them(tmp_path, capsys):
+    """`--heldout` a sweep that shares seeds with the tuning sweep said `<folder> has runs on tuning seeds`: which
+    seeds, and what to pass instead, are now in the line."""
+    sweep = _tuning_sweep(tmp_path / "sweep")
+    held = tmp_path / "held"
+    for job, seed in enumerate((11, 12)):
+        _run(held / str(job), "gem", 4, seed, 0.05, kappa=1)
+    assert tune.main([str(sweep), "--heldout", str(held)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --heldout {held} has runs on seed 11, which the tuning sweep {sweep} used: the held-out stage must "
+        f"run on new seeds; pass the sweep of the held-out experiment that analysis.tune {sweep} wrote\n"
+    )
