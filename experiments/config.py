@@ -137,9 +137,11 @@ def validate(cfg: DictConfig, here: bool = True) -> Spec:
     want = models.input_shape(module)
     if want is not None and dat.name in fixed and fixed[dat.name] != want:
         name = instantiate.display_name("model", cfg.model)
+        gives = "x".join(map(str, fixed[dat.name]))
+        fits = [f"model={m}" for m in sorted(models.MODELS) if models.input_shape(m) == fixed[dat.name]]
         raise ConfigError(
-            f"model={name} expects {'x'.join(map(str, want))} inputs but data={dat.name} gives "
-            f"{'x'.join(map(str, fixed[dat.name]))}; pick a matching model"
+            f"model={name} expects {'x'.join(map(str, want))} inputs but data={dat.name} gives {gives}; pick a "
+            + (f"model that takes {gives} ({', '.join(fits)})" if fits else "matching model")
         )
     if log.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={log.wandb.mode} is not allowed; choose one of: {', '.join(WANDB_MODES)}")

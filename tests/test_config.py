@@ -278,3 +278,15 @@ def test_synthetic_classes_are_set_by_the_key_that_draws_them():
     )
     _, spec = check_job(["data=synthetic", "data.synthetic.num_classes=5", "engine=sim"])
     assert spec.data.num_classes == 5
+
+
+def test_a_model_that_does_not_take_the_data_names_those_that_do():
+    """model=mnist_cnn data=cifar10 said `pick a matching model`, without a name: the line names the built-in
+    models that take the data's inputs, and the first of them passes."""
+    with pytest.raises(ConfigError) as e:
+        check_job(["data=cifar10", "engine=sim"])
+    assert str(e.value) == (
+        "model=mnist_cnn expects 1x28x28 inputs but data=cifar10 gives 3x32x32; pick a model that takes 3x32x32 "
+        "(model=alexnet_cifar, model=resnet18_cifar)"
+    )
+    check_job(["data=cifar10", "model=alexnet_cifar", "engine=sim"])
