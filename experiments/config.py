@@ -16,6 +16,7 @@ import itertools
 import math
 import os
 import re
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,15 @@ def _merge_checked(schema, node, prefix: str, what: str):
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
     except OmegaConfBaseException as e:
         key = f"{prefix}.{e.full_key}" if getattr(e, "full_key", None) else prefix
-        allowed = ", ".join(f.name for f in dataclasses.fields(schema))
+        # a key inside a nested record (logger.wandb.foo): that record's keys, not the group's
+        inner, path = schema, []
+        for part in str(getattr(e, "full_key", None) or "").split(".")[:-1]:
+            field = typing.get_type_hints(inner).get(part) if dataclasses.is_dataclass(inner) else None
+            if not dataclasses.is_dataclass(field):
+                break
+            inner, path = field, [*path, part]
+        allowed = ", ".join(f.name for f in dataclasses.fields(inner))
+        what = ".".join([prefix, *path]) if path else what
         msg = str(e).splitlines()[0]
         if "not in struct" in msg or "Key '" in msg and "not" in msg:
             raise ConfigError(f"{key} is not a key of {what}; its keys are: {allowed}") from None
@@ -103,6 +112,13 @@ def validate(cfg: DictConfig, here: bool = True) -> Spec:
     for key in cfg:
         if key not in known:  # `+foo=1` adds a key that nothing reads: refuse it rather than ignore it
             raise ConfigError(f"{key} is not a config key; top-level keys are: {', '.join(known)}")
+    budget_keys = [f.name for f in dataclasses.fields(schema.BudgetConfig)]
+    for key in cfg.get("budget") or {}:
+        if key not in budget_keys:  # `+budget.foo=1`: refused as `budget.foo=1` is, not ignored
+            raise ConfigError(
+                f"budget.{key} is not a config key; the keys of budget are: "
+                + ", ".join(f"budget.{k}" for k in budget_keys)
+            )
     name = cfg.algorithm.get("name")
     if name not in algorithms.ALGORITHMS:
         raise ConfigError(f"algorithm={name} is not an algorithm; choose one of: {', '.join(algorithms.ALGORITHMS)}")
@@ -466,6 +482,11 @@ def one_line(exc: Exception) -> str:
     m = re.search(r"Key '([^']+)' (is )?not in", str(exc) + str(cause))
     if m:
         bad = key or m.group(1)
+        top = bad.split(".", 1)[0]
+        parent = typing.get_type_hints(Config).get(top)
+        if "." in bad and dataclasses.is_dataclass(parent):  # budget.foo: the keys of budget, not the top level's
+            have = ", ".join(f"{top}.{f.name}" for f in dataclasses.fields(parent))
+            return f"{bad} is not a config key; the keys of {top} are: {have}"
         return f"{bad} is not a config key; top-level keys are: {', '.join(f.name for f in dataclasses.fields(Config))}"
     return f"{key}: {first}" if key and key not in first else first
 
@@ -573,8 +594,19 @@ def composed(overrides: list[str], compose_fn=None) -> DictConfig:
             choice = [o for o in overrides if o.split("=", 1)[0] == group]
             node = compose(choice)[group]
             what = f"{group}={node.name}" if "name" in node else group
-            line = f"{line.split(' ', 1)[0]} is not a key of {what}; its keys are: {', '.join(node)}" + (
-                " (lr, momentum and workers are top-level keys)" if group == "algorithm" else ""
+            bad = line.split(" ", 1)[0]
+            inner = bad.split(".")[1:-1]  # a key inside a nested node (logger.wandb.foo): that node's keys
+            if inner and all(isinstance(node := node.get(p), DictConfig) for p in inner):
+                what = ".".join([group, *inner])
+            else:
+                node = compose(choice)[group]
+            arg = bad.split(".", 1)[1]
+            line = f"{bad} is not a key of {what}; its keys are: {', '.join(node)}" + (
+                " (lr, momentum and workers are top-level keys)"
+                if group == "algorithm"
+                else f" (+{bad}=<value> adds it: an argument {arg} of the {group}'s own constructor)"
+                if group in ("model", "data") and not inner and node.get("_target_") is not None
+                else ""
             )
         raise ConfigError(line) from None
 

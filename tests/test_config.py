@@ -290,3 +290,40 @@ def test_a_model_that_does_not_take_the_data_names_those_that_do():
         "(model=alexnet_cifar, model=resnet18_cifar)"
     )
     check_job(["data=cifar10", "model=alexnet_cifar", "engine=sim"])
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        # `budget.foo` listed the top-level keys, and `+budget.foo` was ignored: both now list budget's
+        (
+            "budget.foo=1",
+            "budget.foo is not a config key; the keys of budget are: budget.worker_steps, budget.commits, "
+            "budget.seconds, budget.sim_time",
+        ),
+        (
+            "+budget.foo=1",
+            "budget.foo is not a config key; the keys of budget are: budget.worker_steps, budget.commits, "
+            "budget.seconds, budget.sim_time",
+        ),
+        # a key inside a nested node listed the group's keys
+        (
+            "logger.wandb.foo=1",
+            "logger.wandb.foo is not a key of logger.wandb; its keys are: mode, project, entity, group, log_every",
+        ),
+        (
+            "+logger.wandb.foo=1",
+            "logger.wandb.foo is not a key of logger.wandb; its keys are: mode, project, entity, group, log_every",
+        ),
+        # a model's own constructor argument is added with +model.<arg> (docs/contract.md): the line says so
+        (
+            "model.width=64",
+            "model.width is not a key of model; its keys are: _target_, num_classes (+model.width=<value> adds "
+            "it: an argument width of the model's own constructor)",
+        ),
+    ],
+)
+def test_an_unknown_nested_key_lists_the_keys_beside_it(override, line, capsys):
+    with pytest.raises(SystemExit) as e:
+        preflight(["engine=sim", override])
+    assert e.value.code == 2 and capsys.readouterr().err == f"error: {line}\n"
