@@ -94,7 +94,7 @@ def _check_finished(runs: pd.DataFrame, sweep) -> None:
         first = bad.iloc[0]
         raise ValueError(
             f"{sweep}: {len(bad)} run(s) {'/'.join(sorted(set(bad['status'])))} ({first['run_dir']}, "
-            f"...); finish them first: the identical -m command with resume=true"
+            f"...); finish them first: the identical -m command with hydra.sweep.dir={sweep} resume=true"
         )
 
 

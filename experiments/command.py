@@ -337,7 +337,8 @@ def check_run(config: DictConfig, exit_on_plan: bool = True) -> Spec:
         raise Refused(
             f"hydra.run.dir={run_dir} is a job folder of the sweep in {run_dir.parent} (it has "
             "multirun.yaml): a run started there by hand would be counted as one of its jobs; give the run "
-            "a folder of its own, or finish the sweep with its identical -m command and resume=true"
+            f"a folder of its own, or finish the sweep with its identical -m command and "
+            f"hydra.sweep.dir={run_dir.parent} resume=true"
         )
     if spec.cfg.plan:  # a plan lists no run that its command would refuse, as a sweep's plan does
         rundir.check_planned(spec, run_dir)
@@ -697,10 +698,15 @@ def resume_hint(run_dir: Path, multirun: bool) -> str:
     except ckpt.CheckpointError:
         step = None
     if multirun:
-        return "to finish the sweep, run the identical -m command with resume=true (this job " + (
-            f"resumes from its checkpoint at commit {step})"
-            if step is not None
-            else "starts again: it had no checkpoint yet)"
+        # hydra.sweep.dir named: without it the identical command makes a new folder (multirun/<date>/<time>)
+        return (
+            f"to finish the sweep, run the identical -m command with hydra.sweep.dir={run_dir.parent} resume=true "
+            "(this job "
+            + (
+                f"resumes from its checkpoint at commit {step})"
+                if step is not None
+                else "starts again: it had no checkpoint yet)"
+            )
         )
     if step is None:
         return (

@@ -518,3 +518,34 @@ def test_a_plan_lists_no_run_its_command_would_refuse(tmp_path, capsys):
         preflight([*QUICK, "plan=true", f"hydra.run.dir={tmp_path / 'new'}"])
     assert e.value.code == 0 and "plan for 1 job" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["done"]  # the plan made no directory
+
+
+def test_the_way_back_to_a_sweep_names_its_folder(tmp_path):
+    """An interrupted sweep, a run started by hand in a job's folder, and analysis.tune on an unfinished sweep said
+    "the identical -m command with resume=true": for a sweep in its default folder (multirun/<date>/<time>) that
+    command makes a new folder, and resume=true is refused there. Each line now names hydra.sweep.dir."""
+    import json
+
+    from analysis import tune
+    from experiments.command import resume_hint
+
+    job = tmp_path / "sweep" / "3"
+    job.mkdir(parents=True)
+    assert resume_hint(job, True) == (
+        f"to finish the sweep, run the identical -m command with hydra.sweep.dir={tmp_path / 'sweep'} resume=true "
+        "(this job starts again: it had no checkpoint yet)"
+    )
+    (job / ".hydra").mkdir()
+    (job / ".hydra" / "config.yaml").write_text("algorithm: {name: gem}\nworkers: 2\nseed: 0\nlr: 0.05\n")
+    (job / "summary.json").write_text(json.dumps({"status": "failed", "algorithm": "gem", "workers": 2, "seed": 0}))
+    with pytest.raises(ValueError) as e:
+        tune._check_finished(tune.load.runs(tmp_path / "sweep"), tmp_path / "sweep")
+    assert str(e.value).endswith(f"the identical -m command with hydra.sweep.dir={tmp_path / 'sweep'} resume=true")
+
+
+def test_a_run_by_hand_in_a_sweeps_job_folder_names_the_sweep(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "multirun.yaml").write_text("{}\n")
+    line = refused_line(capsys, *QUICK, f"hydra.run.dir={sweep / '0'}")
+    assert line.endswith(f"finish the sweep with its identical -m command and hydra.sweep.dir={sweep} resume=true")
