@@ -89,11 +89,19 @@ def main(argv=None) -> int:
     p.add_argument("paths", nargs="+", help="sweep or run folders")
     p.add_argument("--by", nargs="+", default=["workers"], help="settings to group runs by (default: workers)")
     args = p.parse_args(argv)
-    r = load.runs(args.paths)
+    try:
+        r = load.runs(args.paths)
+    except (FileNotFoundError, ValueError) as e:  # a folder that does not exist: one line, as the report says it
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     r = r[r["algorithm"] == "gem"] if "algorithm" in r else r
     if r.empty:
-        print("no GEM runs under " + " ".join(args.paths))
-        return 1
+        print(
+            f"error: no GEM runs under {' '.join(args.paths)}: π is GEM's (pass the folder of a sweep with "
+            "algorithm=gem)",
+            file=sys.stderr,
+        )
+        return 2
     missing = [k for k in args.by if k not in r.columns]
     if missing:
         print(

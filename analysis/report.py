@@ -573,7 +573,8 @@ def _write(paths, out: str | Path, given: float | None, source, band=BAND) -> tu
         raise ValueError(f"--out {out}: the report is written as {', '.join(SUFFIXES[:-1])} or {SUFFIXES[-1]}")
     runs = load.without_twins(load.runs(paths))
     if runs.empty:
-        raise ValueError(f"no runs found under {paths}")
+        where = " ".join(map(str, [paths] if isinstance(paths, (str, os.PathLike)) else paths))
+        raise ValueError(f"no runs under {where}: a run's folder holds its summary.json or .hydra/config.yaml")
     variants(runs)  # the same seed twice is refused before anything is read further
     goals, whence = targets_for(runs, given, source)
     ev = load.commits(paths, table="eval", columns=["algorithm", "workers", "seed", "status", "engine"], meta=runs)

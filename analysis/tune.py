@@ -94,7 +94,7 @@ def _check_finished(runs: pd.DataFrame, sweep) -> None:
         first = bad.iloc[0]
         raise ValueError(
             f"{sweep}: {len(bad)} run(s) {'/'.join(sorted(set(bad['status'])))} ({first['run_dir']}, "
-            f"...); finish them first: the identical -m command with resume=true"
+            f"...); finish them first: the identical -m command with hydra.sweep.dir={sweep} resume=true"
         )
 
 
@@ -181,10 +181,12 @@ def heldout_experiment(
     are the paper's."""
     grids, same = [], 0
     for algorithm, g in chosen.groupby("algorithm", sort=False):
-        paper = paper_setting(algorithm, experiment, columns)
+        # η always (a sweep that tunes only κ, say, has no lr among its settings), compared on the settings only
+        full = paper_setting(algorithm, experiment, [*columns, "lr"])
+        paper = {k: v for k, v in full.items() if k in columns}
         workers = ",".join(str(int(n)) for n in g["workers"])
         grids.append(
-            f'      - {{algorithm: {algorithm}, workers: "{workers}", lr: {_text(paper["lr"])}}}'
+            f'      - {{algorithm: {algorithm}, workers: "{workers}", lr: {_text(full["lr"])}}}'
             "  # the paper's protocol"
         )
         for _, row in g.iterrows():
@@ -388,18 +390,28 @@ def _main(args) -> int:
     sweep = Path(args.sweep)
     runs = _finished_runs(sweep)
     experiment = runs["experiment"].dropna().iloc[0] if runs["experiment"].notna().any() else None
-    given = args.seeds or _declared_seeds(sweep)
+    given, whence = (args.seeds, "--seeds") if args.seeds else _declared_seeds(sweep)
     try:
         seeds = sorted({int(s) for s in given.split(",") if s.strip()})
     except ValueError:
+        key = "--seeds" if args.seeds else "the sweep's hydra.sweeper.heldout_seeds"
         raise ValueError(
-            f"--seeds={given} is not allowed; it must be integers separated by commas, such as 0,1,2"
+            f"{key}={given} is not allowed; it must be integers separated by commas, such as 0,1,2"
+            + ("" if args.seeds else " (pass --seeds)")
         ) from None
-    used = sorted(set(seeds) & set(int(s) for s in runs["seed"]))
-    if used:
+    tuned = set(int(s) for s in runs["seed"])
+    used = sorted(set(seeds) & tuned)
+    if used and args.seeds:
         raise ValueError(
             f"--seeds={','.join(map(str, seeds))} is not allowed; seed {used[0]} was a tuning seed, "
             "the held-out seeds must be new"
+        )
+    if used:  # the default, which the user did not type: say where it came from and which seeds would do
+        free = [s for s in range(len(seeds) + len(tuned)) if s not in tuned][: len(seeds)]
+        raise ValueError(
+            f"the held-out seeds {','.join(map(str, seeds))} ({whence}) include seed {used[0]}, which this "
+            f"sweep's runs used: the held-out seeds must be new; pass --seeds={','.join(map(str, free))} (or "
+            "other seeds the sweep did not use)"
         )
     table = trials(runs, select)
     columns = settings_of(runs)
@@ -408,8 +420,13 @@ def _main(args) -> int:
     if args.heldout:
         heldout = Path(args.heldout)
         held = _finished_runs(heldout)
-        if set(int(s) for s in runs["seed"]) & set(int(s) for s in held["seed"]):
-            raise ValueError(f"{heldout} has runs on tuning seeds")
+        shared = sorted(tuned & set(int(s) for s in held["seed"]))
+        if shared:
+            raise ValueError(
+                f"--heldout {heldout} has runs on seed{'s' if len(shared) > 1 else ''} "
+                f"{', '.join(map(str, shared))}, which the tuning sweep {sweep} used: the held-out stage must run on "
+                f"new seeds; pass the sweep of the held-out experiment that analysis.tune {sweep} wrote"
+            )
         out = Path(args.out) if args.out else heldout / "protocols.md"
         if out.suffix not in (".md", ".csv"):
             raise ValueError(f"--out={out} is not allowed; its suffix must be .md or .csv")
@@ -424,7 +441,8 @@ def _main(args) -> int:
 
     write_atomic(sweep / "tuning.csv", table.to_csv(index=False).encode())
     write_atomic(sweep / "targets.csv", goals.to_csv(index=False).encode())
-    figure = sensitivity_figure(table, sweep / "sensitivity.png") if select == SCORE else None
+    # against η: none where the sweep did not vary it (it crashed with KeyError: 'lr')
+    figure = sensitivity_figure(table, sweep / "sensitivity.png") if select == SCORE and "lr" in table else None
     show = chosen[["algorithm", "workers", "setting", "seeds", "diverged", f"{select}_mean"]]
     best = "lowest mean validation loss" if select == SCORE else "highest mean validation accuracy"
     print(
@@ -470,16 +488,18 @@ def _finished_runs(sweep: Path) -> pd.DataFrame:
     return runs
 
 
-def _declared_seeds(sweep: Path) -> str:
+def _declared_seeds(sweep: Path) -> tuple[str, str]:
     """The held-out seeds the tuning experiment declares (hydra.sweeper.heldout_seeds in the sweep's
-    multirun.yaml), else HELDOUT_SEEDS."""
+    multirun.yaml), else HELDOUT_SEEDS; and which of the two, in words."""
     import yaml
 
     try:
         seeds = yaml.safe_load((sweep / "multirun.yaml").read_text())["hydra"]["sweeper"].get("heldout_seeds")
     except Exception:  # no multirun.yaml (runs copied by hand), or another sweeper's
         seeds = None
-    return str(seeds) if seeds is not None else ",".join(map(str, HELDOUT_SEEDS))
+    if seeds is None:
+        return ",".join(map(str, HELDOUT_SEEDS)), "the default, without --seeds"
+    return str(seeds), "the sweep's hydra.sweeper.heldout_seeds"
 
 
 def _write_comparison(c: pd.DataFrame, sweep: Path, heldout: Path, out: Path, goals: pd.DataFrame) -> None:

@@ -28,6 +28,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -69,9 +70,45 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
+# Hydra's flags that take a value (`--cfg job`)
+_VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+
+
 def parse(argv: list[str]) -> argparse.Namespace | None:
     """Hydra's command line: its flags (as `python run.py --hydra-help` lists them) and the overrides. None when
     it does not parse; Hydra then says why."""
+    try:
+        return _parser().parse_args(argv)
+    except ValueError:
+        return None
+
+
+def _flags_between_overrides(argv: list[str]) -> str | None:
+    """`python run.py engine=sim -m seed=0,1`: Hydra's parser takes the overrides only before and after its flags,
+    not on both sides, and says `unrecognized arguments: seed=0,1`, which names the override and not the flag.
+    The line that says so, with the command put in order; None for any other command."""
+    try:
+        _parser().parse_intermixed_args(argv)
+    except (ValueError, TypeError):
+        return None
+    flags, overrides, i = [], [], 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("-"):
+            overrides.append(token)
+        elif token in _VALUE_FLAGS + ("--experimental-rerun",) and i + 1 < len(argv):
+            flags += argv[i : i + 2]
+            i += 1
+        else:
+            flags.append(token)
+        i += 1
+    return (
+        "Hydra reads its flags (-m, --cfg, ...) before the overrides or after them, not between them; "
+        f"put them first: python run.py {' '.join(flags + overrides)}"
+    )
+
+
+def _parser() -> _Parser:
     p = _Parser(add_help=False, allow_abbrev=False)
     p.add_argument("overrides", nargs="*")
     for flags in (
@@ -94,10 +131,7 @@ def parse(argv: list[str]) -> argparse.Namespace | None:
     ):
         p.add_argument(*flags)
     p.add_argument("--info", "-i", nargs="?", const="all")
-    try:
-        return p.parse_args(argv)
-    except ValueError:
-        return None
+    return p
 
 
 def precheck(argv: list[str]) -> argparse.Namespace | None:
@@ -105,6 +139,9 @@ def precheck(argv: list[str]) -> argparse.Namespace | None:
     None for one that Hydra answers by itself (--help, --cfg, --info, another config...)."""
     args = parse(argv)
     if args is None:
+        between = _flags_between_overrides(argv)
+        if between:
+            _refuse(between)
         return None
     from gem.engines import distributed
 
@@ -123,7 +160,7 @@ def precheck(argv: list[str]) -> argparse.Namespace | None:
             f"config (python run.py <overrides> --cfg {args.cfg}), or add plan=true to list every job of the "
             "sweep and its cost"
         )
-    missing = _missing_launcher(args.overrides)
+    missing = _missing_launcher(args.overrides) or _hydra_refusal(args.overrides)
     if missing:
         _refuse(missing)
     if (
@@ -196,8 +233,46 @@ def _missing_launcher(overrides: list[str]) -> str | None:
     return None
 
 
+def _hydra_refusal(overrides: list[str]) -> str | None:
+    """An override of Hydra's own config (`hydra/launcher=foo`, `hydra.launcher.n_jobs=2` under the basic launcher,
+    `hydra.job.chdir=maybe`) that Hydra would answer with several lines and exit code 1: its one line. Composed
+    only when the command has such overrides (50 ms)."""
+    from hydra.errors import MissingConfigException
+
+    mine = [o for o in overrides if re.split(r"[./=]", o.lstrip("+~"), maxsplit=1)[0] == "hydra"]
+    swept = [o for o in mine if o not in base(mine)]
+    if swept:
+        return f"{swept[0]}: Hydra's own keys cannot be swept; give one value (one command per value)"
+    if not mine:
+        return None
+    try:
+        compose(mine, return_hydra_config=True)
+        return None
+    except MissingConfigException as e:  # an option its group does not have
+        group, _, value = str(e.missing_cfg_file or "").rpartition("/")
+        if group and e.options:
+            return f"{group}={value} is not an option; choose one of: {', '.join(e.options)}"
+        return refusal(e)
+    except Exception as e:  # noqa: BLE001 - every error of Hydra's config is one line
+        cause = e.__cause__
+        if not isinstance(cause, OmegaConfBaseException):
+            return refusal(e)
+        key, first = getattr(cause, "full_key", None) or "hydra", str(cause).strip().splitlines()[0]
+        if "not in" not in first:
+            return f"{key}: {first}"
+        if key.startswith("hydra.launcher."):
+            return (
+                f"{key} is not a key of the launcher this command uses ({first}); choose the launcher that has it "
+                "on the same command (hydra/launcher=joblib for hydra.launcher.n_jobs, submitit_slurm, ...)"
+            )
+        return f"{key} is not a key of Hydra's config ({first}); python run.py --cfg hydra shows its keys"
+
+
 def _refuse(line: str):
-    print(f"error: {line}", file=sys.stderr)
+    try:
+        print(f"error: {line}", file=sys.stderr)
+    except OSError:  # stderr closed (`plan=true 2>&1 | head`): exit all the same, before Hydra makes the run directory
+        pass
     sys.exit(2)
 
 
@@ -237,6 +312,11 @@ def _check_data(specs: list[Spec]) -> None:
     for spec in specs:
         d = spec.data
         key = (d.name, data_root(d.root), d.download)
+        path = OmegaConf.select(spec.cfg, "data.path")
+        if d.name == "tensors" and not os.path.isfile(str(path)):  # the class would name data._target_, not this
+            raise ConfigError(
+                f"data.path={path}: no such file (from {os.getcwd()}); give the path of your .npz or .pt file"
+            )
         if key not in available:
             gdata.ensure_available(*key)
             available.add(key)
@@ -252,19 +332,21 @@ def check_run(config: DictConfig, exit_on_plan: bool = True) -> Spec:
     lock is held until this process exits) and checked. Raises on bad input (`refusing` makes it one line)."""
     spec = checked(task_config(config))
     _check_data([spec])
-    if spec.cfg.plan:
-        plan.show([(list(config.hydra.overrides.task), spec)])
-        if exit_on_plan:
-            sys.exit(0)
-        return spec
     run_dir = Path(os.path.abspath(_named_dir(config, "hydra.run.dir")))
     if not spec.cfg.resume and (run_dir.parent / "multirun.yaml").exists():
         # analysis.load reads every folder of a sweep as one of its jobs: a run started by hand there would count
         raise Refused(
             f"hydra.run.dir={run_dir} is a job folder of the sweep in {run_dir.parent} (it has "
             "multirun.yaml): a run started there by hand would be counted as one of its jobs; give the run "
-            "a folder of its own, or finish the sweep with its identical -m command and resume=true"
+            f"a folder of its own, or finish the sweep with its identical -m command and "
+            f"hydra.sweep.dir={run_dir.parent} resume=true"
         )
+    if spec.cfg.plan:  # a plan lists no run that its command would refuse, as a sweep's plan does
+        rundir.check_planned(spec, run_dir)
+        plan.show([(list(config.hydra.overrides.task), spec)])
+        if exit_on_plan:
+            sys.exit(0)
+        return spec
     rundir.check_run_dir(spec, run_dir)
     note = _single_run_note(config)
     if note:
@@ -633,6 +715,8 @@ def main(cfg: DictConfig) -> dict | None:
     # A failed job ends a single run with an error code; in a sweep the other jobs go on. A diverged run is a
     # result, not an error.
     if summary["status"] == "failed" and not multirun:
+        # where to go from here: as after an interruption (a sweep's line is its resume=true, at the end)
+        print(f"gem: the run failed; {resume_hint(Path(hc.runtime.output_dir), False)}", file=sys.stderr)
         sys.exit(1)
     return summary
 
@@ -671,10 +755,15 @@ def resume_hint(run_dir: Path, multirun: bool) -> str:
     except ckpt.CheckpointError:
         step = None
     if multirun:
-        return "to finish the sweep, run the identical -m command with resume=true (this job " + (
-            f"resumes from its checkpoint at commit {step})"
-            if step is not None
-            else "starts again: it had no checkpoint yet)"
+        # hydra.sweep.dir named: without it the identical command makes a new folder (multirun/<date>/<time>)
+        return (
+            f"to finish the sweep, run the identical -m command with hydra.sweep.dir={run_dir.parent} resume=true "
+            "(this job "
+            + (
+                f"resumes from its checkpoint at commit {step})"
+                if step is not None
+                else "starts again: it had no checkpoint yet)"
+            )
         )
     if step is None:
         return (

@@ -16,6 +16,7 @@ import itertools
 import math
 import os
 import re
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,15 @@ def _merge_checked(schema, node, prefix: str, what: str):
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
     except OmegaConfBaseException as e:
         key = f"{prefix}.{e.full_key}" if getattr(e, "full_key", None) else prefix
-        allowed = ", ".join(f.name for f in dataclasses.fields(schema))
+        # a key inside a nested record (logger.wandb.foo): that record's keys, not the group's
+        inner, path = schema, []
+        for part in str(getattr(e, "full_key", None) or "").split(".")[:-1]:
+            field = typing.get_type_hints(inner).get(part) if dataclasses.is_dataclass(inner) else None
+            if not dataclasses.is_dataclass(field):
+                break
+            inner, path = field, [*path, part]
+        allowed = ", ".join(f.name for f in dataclasses.fields(inner))
+        what = ".".join([prefix, *path]) if path else what
         msg = str(e).splitlines()[0]
         if "not in struct" in msg or "Key '" in msg and "not" in msg:
             raise ConfigError(f"{key} is not a key of {what}; its keys are: {allowed}") from None
@@ -103,6 +112,13 @@ def validate(cfg: DictConfig, here: bool = True) -> Spec:
     for key in cfg:
         if key not in known:  # `+foo=1` adds a key that nothing reads: refuse it rather than ignore it
             raise ConfigError(f"{key} is not a config key; top-level keys are: {', '.join(known)}")
+    budget_keys = [f.name for f in dataclasses.fields(schema.BudgetConfig)]
+    for key in cfg.get("budget") or {}:
+        if key not in budget_keys:  # `+budget.foo=1`: refused as `budget.foo=1` is, not ignored
+            raise ConfigError(
+                f"budget.{key} is not a config key; the keys of budget are: "
+                + ", ".join(f"budget.{k}" for k in budget_keys)
+            )
     name = cfg.algorithm.get("name")
     if name not in algorithms.ALGORITHMS:
         raise ConfigError(f"algorithm={name} is not an algorithm; choose one of: {', '.join(algorithms.ALGORITHMS)}")
@@ -137,9 +153,11 @@ def validate(cfg: DictConfig, here: bool = True) -> Spec:
     want = models.input_shape(module)
     if want is not None and dat.name in fixed and fixed[dat.name] != want:
         name = instantiate.display_name("model", cfg.model)
+        gives = "x".join(map(str, fixed[dat.name]))
+        fits = [f"model={m}" for m in sorted(models.MODELS) if models.input_shape(m) == fixed[dat.name]]
         raise ConfigError(
-            f"model={name} expects {'x'.join(map(str, want))} inputs but data={dat.name} gives "
-            f"{'x'.join(map(str, fixed[dat.name]))}; pick a matching model"
+            f"model={name} expects {'x'.join(map(str, want))} inputs but data={dat.name} gives {gives}; pick a "
+            + (f"model that takes {gives} ({', '.join(fits)})" if fits else "matching model")
         )
     if log.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={log.wandb.mode} is not allowed; choose one of: {', '.join(WANDB_MODES)}")
@@ -281,7 +299,8 @@ def _check_device(device: str) -> None:
 
 def _check_data(node: DictConfig) -> DataConfig:
     """A built-in dataset's keys against DataConfig; a `_target_` dataset's own keys go to its class unchecked,
-    gem's (experiments.instantiate.DATA_KEYS) are checked here."""
+    gem's (experiments.instantiate.DATA_KEYS) are checked here, and data=tensors's own (its file is looked for
+    with the other datasets' files, experiments.command)."""
     if not instantiate.is_instantiated(node):
         dat = _merge_checked(DataConfig, OmegaConf.to_container(node, resolve=True), "data", "data")
         if dat.name not in gdata.DATASETS:
@@ -299,7 +318,8 @@ def _check_data(node: DictConfig) -> DataConfig:
         if dat.name == "synthetic" and dat.num_classes != dat.synthetic.num_classes:
             raise ConfigError(
                 f"data.num_classes={dat.num_classes} but data.synthetic.num_classes="
-                f"{dat.synthetic.num_classes}; set data.synthetic.num_classes"
+                f"{dat.synthetic.num_classes}; data=synthetic draws its classes by data.synthetic.num_classes: set "
+                f"data.synthetic.num_classes={dat.num_classes} instead (data.num_classes follows it)"
             )
         return dat
     target = node.get("_target_")
@@ -307,6 +327,8 @@ def _check_data(node: DictConfig) -> DataConfig:
         models.locate(str(target))
     except ValueError as e:
         raise ConfigError(f"data._target_={target}: {e}") from None
+    if instantiate.display_name("data", node) == "tensors":
+        _check_tensor_file(node)
     num_classes, augment = node.get("num_classes", 10), node.get("augment", False)
     if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 2:
         raise ConfigError(f"data.num_classes={num_classes} is not allowed; it must be an integer >= 2")
@@ -339,6 +361,20 @@ def _check_data(node: DictConfig) -> DataConfig:
         num_classes=num_classes,
         val_size=val_size,
     )
+
+
+def _check_tensor_file(node: DictConfig) -> None:
+    """data=tensors: its file's kind and the share held out, named by their keys (the class would say
+    `val_fraction=2` under `data._target_=gem.data.TensorFile ... could not be loaded`, a key the command did not
+    name)."""
+    fraction, path = node.get("val_fraction", 0.1), str(node.get("path"))
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise ConfigError(
+            f"data.val_fraction={fraction} is not allowed; it must be a number in (0, 1): the share of the "
+            "training arrays held out for validation when the file has none"
+        )
+    if not path.endswith((".npz", ".pt")):
+        raise ConfigError(f"data.path={path} is not allowed; data=tensors reads a .npz or .pt file")
 
 
 def _check_memory(cfg: DictConfig, hp, n: int, engine: str, dat, module) -> None:
@@ -446,6 +482,11 @@ def one_line(exc: Exception) -> str:
     m = re.search(r"Key '([^']+)' (is )?not in", str(exc) + str(cause))
     if m:
         bad = key or m.group(1)
+        top = bad.split(".", 1)[0]
+        parent = typing.get_type_hints(Config).get(top)
+        if "." in bad and dataclasses.is_dataclass(parent):  # budget.foo: the keys of budget, not the top level's
+            have = ", ".join(f"{top}.{f.name}" for f in dataclasses.fields(parent))
+            return f"{bad} is not a config key; the keys of {top} are: {have}"
         return f"{bad} is not a config key; top-level keys are: {', '.join(f.name for f in dataclasses.fields(Config))}"
     return f"{key}: {first}" if key and key not in first else first
 
@@ -553,8 +594,19 @@ def composed(overrides: list[str], compose_fn=None) -> DictConfig:
             choice = [o for o in overrides if o.split("=", 1)[0] == group]
             node = compose(choice)[group]
             what = f"{group}={node.name}" if "name" in node else group
-            line = f"{line.split(' ', 1)[0]} is not a key of {what}; its keys are: {', '.join(node)}" + (
-                " (lr, momentum and workers are top-level keys)" if group == "algorithm" else ""
+            bad = line.split(" ", 1)[0]
+            inner = bad.split(".")[1:-1]  # a key inside a nested node (logger.wandb.foo): that node's keys
+            if inner and all(isinstance(node := node.get(p), DictConfig) for p in inner):
+                what = ".".join([group, *inner])
+            else:
+                node = compose(choice)[group]
+            arg = bad.split(".", 1)[1]
+            line = f"{bad} is not a key of {what}; its keys are: {', '.join(node)}" + (
+                " (lr, momentum and workers are top-level keys)"
+                if group == "algorithm"
+                else f" (+{bad}=<value> adds it: an argument {arg} of the {group}'s own constructor)"
+                if group in ("model", "data") and not inner and node.get("_target_") is not None
+                else ""
             )
         raise ConfigError(line) from None
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from experiments.config import Spec
 from gem import algorithms
-from gem.engines.checkpoint import CheckpointError, check_resumable, read_manifest, verify
+from gem.engines.checkpoint import CHECKPOINT, CheckpointError, check_resumable, read_manifest, verify
 from gem.files import write_atomic
 
 # what a run writes: a directory holding any of these holds a run
@@ -131,6 +131,15 @@ def status(run_dir: Path) -> str | None:
         return "incomplete"
 
 
+def _reason(run_dir: Path) -> str:
+    """The reason in `run_dir`'s summary.json, in a few words for a refusal."""
+    try:
+        reason = str(json.loads((Path(run_dir) / "summary.json").read_text()).get("reason") or "")
+    except (OSError, ValueError, AttributeError):
+        reason = ""
+    return reason or "no reason recorded"
+
+
 def check_fresh(run_dir: Path, key: str = "hydra.run.dir") -> None:
     """A new run (resume=false) must not write over another run's results."""
     st = status(run_dir)
@@ -139,6 +148,11 @@ def check_fresh(run_dir: Path, key: str = "hydra.run.dir") -> None:
     if st == "completed":
         raise Refused(
             f"{key}={run_dir} already holds a completed run; pick a new directory (results are never overwritten)"
+        )
+    if st == "diverged":  # a result too: resume=true is refused for it (check_run_dir)
+        raise Refused(
+            f"{key}={run_dir} already holds a run that diverged ({_reason(run_dir)}), a result as a completed "
+            "run is; pick a new directory for a new run (results are never overwritten)"
         )
     from gem.engines import checkpoint as ckpt
 
@@ -158,26 +172,71 @@ def check_run_dir(spec: Spec, run_dir: Path, key: str = "hydra.run.dir") -> dict
     can run there: a new run only where no results are, a resume only from a whole checkpoint of the same
     configuration, every file of it read. Returns the checkpoint's manifest (resume) or None. Refused, with the
     directory as it was, otherwise."""
-    run_dir, cfg = Path(run_dir), spec.cfg
-    if cfg.resume and not run_dir.is_dir():  # before claim(), which would create it
-        raise Refused(
-            f"resume=true: {key}={run_dir} does not exist; resume needs {key}=<the directory of the run to continue>"
-        )
+    run_dir = Path(run_dir)
+    _check_exists(spec, run_dir, key)  # before claim(), which would create it
     claim(run_dir, key)
     try:
-        if not cfg.resume:
-            check_fresh(run_dir, key)
-            return None
-        if status(run_dir) == "completed":
-            raise Refused(f"resume=true: the run in {run_dir} has already completed; nothing to resume")
-        manifest = read_manifest(run_dir)
-        identity = _identity(spec)
-        check_resumable(manifest, identity)
-        verify(manifest, identity.workers, algorithms.get(spec.algorithm), spec.hp)
-        return manifest
+        return _check_contents(spec, run_dir, key)
     except (CheckpointError, Refused) as e:
         unclaim(run_dir)
         raise Refused(str(e)) from None
+
+
+def check_planned(spec: Spec, run_dir: Path, key: str = "hydra.run.dir") -> None:
+    """plan=true: what `check_run_dir` would refuse in `run_dir`, checked without taking it or making it (a plan
+    makes no directory), so that a plan does not list a run its command would refuse."""
+    run_dir = Path(run_dir)
+    _check_exists(spec, run_dir, key)
+    if not run_dir.is_dir():
+        return
+    if in_use(run_dir):
+        raise Refused(
+            f"{key}={run_dir} is in use by another run that is still going (it holds the directory's lock); wait "
+            "for it to end, or pick another directory"
+        )
+    try:
+        _check_contents(spec, run_dir, key)
+    except CheckpointError as e:
+        raise Refused(str(e)) from None
+
+
+def _check_exists(spec: Spec, run_dir: Path, key: str) -> None:
+    if spec.cfg.resume and not run_dir.is_dir():
+        raise Refused(
+            f"resume=true: {key}={run_dir} does not exist; resume needs {key}=<the directory of the run to continue>"
+        )
+
+
+def _check_contents(spec: Spec, run_dir: Path, key: str) -> dict | None:
+    """What `run_dir` holds, against the command: a new run only where no results are, a resume only from a whole
+    checkpoint of the same configuration, every file of it read. Returns the checkpoint's manifest (resume)."""
+    if not spec.cfg.resume:
+        check_fresh(run_dir, key)
+        return None
+    st = status(run_dir)
+    if st == "completed":
+        raise Refused(f"resume=true: the run in {run_dir} has already completed; nothing to resume")
+    if st == "diverged":  # resuming would take the same commits toward the same non-finite θ
+        raise Refused(
+            f"resume=true: the run in {run_dir} diverged ({_reason(run_dir)}), a result as a completed run "
+            f"is; nothing to resume: start a new run (a smaller lr, say) in a new {key}"
+        )
+    if st is None:
+        raise Refused(
+            f"resume=true: {key}={run_dir} holds no run to continue (no summary.json, rows or checkpoint); "
+            f"resume needs {key}=<the directory of the run to continue>"
+        )
+    if not (run_dir / CHECKPOINT / "manifest.json").exists():  # a whole checkpoint is named there
+        raise Refused(
+            f"resume=true: the run in {run_dir} (status {st}) stopped before its first checkpoint "
+            f"(engine.checkpoint_every), so it cannot be continued; run the command without resume=true in a "
+            f"new {key}"
+        )
+    manifest = read_manifest(run_dir)
+    identity = _identity(spec)
+    check_resumable(manifest, identity)
+    verify(manifest, identity.workers, algorithms.get(spec.algorithm), spec.hp)
+    return manifest
 
 
 def _identity(spec: Spec):

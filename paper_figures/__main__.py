@@ -52,11 +52,12 @@ def sweeps_by_experiment(root) -> dict[str, list[list[Path]]]:
 def draw_all(root, out: Path, target: float | None = None, band="minmax", target_from=None) -> tuple[int, int]:
     """Draw every figure it finds runs for; returns (drawn, not drawn)."""
     sweeps = sweeps_by_experiment(root)
+    where = " ".join(map(str, [root] if isinstance(root, (str, Path)) else root))
     drawn = missing = 0
     for fig_id in IDS:
         source = next((s for s in SOURCES[fig_id] if s in sweeps), None)
         if source is None:
-            print(f"{fig_id}: skipped, no sweep of experiment={' or '.join(SOURCES[fig_id])} (or _quick) under {root}")
+            print(f"{fig_id}: skipped, no sweep of experiment={' or '.join(SOURCES[fig_id])} (or _quick) under {where}")
             missing += 1
             continue
         run_dirs = sweeps[source][0]

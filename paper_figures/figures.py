@@ -564,9 +564,14 @@ def heatmaps(paths, ns=None, number="Figs. 9 and 10"):
         table="tensors",
         need="the π heatmaps need the per-tensor rows of GEM runs (a fig9_10 or fig7 sweep)",
     )
+    wanted = ns
     ns = [n for n in (ns or sorted(t["workers"].unique())) if n in set(t["workers"])]
-    if not ns:
-        raise NoRuns("the π heatmaps need GEM runs with the requested number of workers")
+    if not ns:  # fig9 and fig10 draw one n each (the paper's 8 and 16); fig9_10 draws every n there is
+        have = ", ".join(str(int(n)) for n in sorted(t["workers"].unique()))
+        raise NoRuns(
+            f"{number} needs GEM runs with workers={'/'.join(map(str, wanted))}, and these have workers={have}; "
+            "fig9_10 draws a heatmap for each n there is"
+        )
     cols = 1 if len(ns) <= 3 else 2
     fig, axes = grid(len(ns), width=10.5 / cols, height=3.4, cols=cols)
     for ax, n in zip(axes, ns, strict=True):

@@ -168,3 +168,19 @@ def test_many_variants_take_their_algorithm_s_colour_in_lighter_shades():
     dark, light = c["agn lr=0.025"], c["agn lr=0.05"]
     assert dark[:3] == plots.plt.get_cmap("tab10")(2)[:3]
     assert all(lv >= dv for lv, dv in zip(light[:3], dark[:3], strict=True)) and light != dark
+
+
+def test_analysis_pi_refuses_a_missing_or_empty_folder_in_one_line(tmp_path, capsys):
+    """`python -m analysis.pi <a folder that does not exist>` ended in a traceback, and one without GEM runs said
+    so on stdout with exit code 1; both are now one `error:` line on stderr, exit code 2, as the report's."""
+    from analysis import pi
+
+    missing = tmp_path / "missing"
+    assert pi.main([str(missing)]) == 2
+    assert capsys.readouterr().err == f"error: {missing}: no such run or sweep directory\n"
+    (tmp_path / "empty").mkdir()
+    assert pi.main([str(tmp_path / "empty")]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == (
+        f"error: no GEM runs under {tmp_path / 'empty'}: π is GEM's (pass the folder of a sweep with algorithm=gem)\n"
+    )

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 from helpers import warm_run
+from helpers.commands import refused_line
 from helpers.paths import ROOT
 
 from experiments.command import preflight
@@ -239,3 +240,90 @@ def test_an_experiments_sim_settings_do_not_refuse_another_engine():
 
     _, spec = check_job(["experiment=fig1_quick", "engine=process", "workers=2"])
     assert spec.engine == ProcessOptions()
+
+
+def test_data_tensors_names_its_own_keys(tmp_path, capsys, monkeypatch):
+    """data=tensors with a bad data.val_fraction or data.path said `data._target_=gem.data.TensorFile
+    (train_kwargs={'split': 'train'}) could not be loaded: ValueError: val_fraction=2 must be in (0, 1)`: a key the
+    command did not name, and one it did under another name. Each is now refused by its key."""
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    np.savez("t.npz", x=np.zeros((20, 1, 28, 28), dtype="float32"), y=np.zeros(20, dtype="int64"))
+    common = ["data=tensors", "data.num_classes=2", "engine=sim"]
+    line = f"data.path=no.npz: no such file (from {tmp_path}); give the path of your .npz or .pt file"
+    assert refused_line(capsys, *common, "data.path=no.npz") == f"error: {line}"
+    for extra, line in (
+        (
+            ["data.path=t.npz", "data.val_fraction=2"],
+            "data.val_fraction=2 is not allowed; it must be a number in (0, 1): the share of the training arrays "
+            "held out for validation when the file has none",
+        ),
+        (["data.path=t.txt"], "data.path=t.txt is not allowed; data=tensors reads a .npz or .pt file"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            check_job([*common, *extra])
+        assert str(e.value) == line
+    check_job([*common, "data.path=t.npz"])  # the file as given
+
+
+def test_synthetic_classes_are_set_by_the_key_that_draws_them():
+    """data=synthetic data.num_classes=5 said `set data.synthetic.num_classes`, without the value; the line gives
+    the override to type, and that override alone is the run asked for."""
+    with pytest.raises(ConfigError) as e:
+        check_job(["data=synthetic", "data.num_classes=5", "engine=sim"])
+    assert str(e.value) == (
+        "data.num_classes=5 but data.synthetic.num_classes=10; data=synthetic draws its classes by "
+        "data.synthetic.num_classes: set data.synthetic.num_classes=5 instead (data.num_classes follows it)"
+    )
+    _, spec = check_job(["data=synthetic", "data.synthetic.num_classes=5", "engine=sim"])
+    assert spec.data.num_classes == 5
+
+
+def test_a_model_that_does_not_take_the_data_names_those_that_do():
+    """model=mnist_cnn data=cifar10 said `pick a matching model`, without a name: the line names the built-in
+    models that take the data's inputs, and the first of them passes."""
+    with pytest.raises(ConfigError) as e:
+        check_job(["data=cifar10", "engine=sim"])
+    assert str(e.value) == (
+        "model=mnist_cnn expects 1x28x28 inputs but data=cifar10 gives 3x32x32; pick a model that takes 3x32x32 "
+        "(model=alexnet_cifar, model=resnet18_cifar)"
+    )
+    check_job(["data=cifar10", "model=alexnet_cifar", "engine=sim"])
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        # `budget.foo` listed the top-level keys, and `+budget.foo` was ignored: both now list budget's
+        (
+            "budget.foo=1",
+            "budget.foo is not a config key; the keys of budget are: budget.worker_steps, budget.commits, "
+            "budget.seconds, budget.sim_time",
+        ),
+        (
+            "+budget.foo=1",
+            "budget.foo is not a config key; the keys of budget are: budget.worker_steps, budget.commits, "
+            "budget.seconds, budget.sim_time",
+        ),
+        # a key inside a nested node listed the group's keys
+        (
+            "logger.wandb.foo=1",
+            "logger.wandb.foo is not a key of logger.wandb; its keys are: mode, project, entity, group, log_every",
+        ),
+        (
+            "+logger.wandb.foo=1",
+            "logger.wandb.foo is not a key of logger.wandb; its keys are: mode, project, entity, group, log_every",
+        ),
+        # a model's own constructor argument is added with +model.<arg> (docs/contract.md): the line says so
+        (
+            "model.width=64",
+            "model.width is not a key of model; its keys are: _target_, num_classes (+model.width=<value> adds "
+            "it: an argument width of the model's own constructor)",
+        ),
+    ],
+)
+def test_an_unknown_nested_key_lists_the_keys_beside_it(override, line, capsys):
+    with pytest.raises(SystemExit) as e:
+        preflight(["engine=sim", override])
+    assert e.value.code == 2 and capsys.readouterr().err == f"error: {line}\n"

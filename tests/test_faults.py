@@ -282,6 +282,11 @@ def test_a_write_error_ends_the_run_with_one_line_and_no_temporary_files(tmp_pat
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "cannot write" in errors[0] and "File too large" in errors[0], p.stderr
     assert "Traceback" not in p.stderr
+    # where to go from here, as after an interruption: its only checkpoint was the write that failed
+    assert p.stderr.rstrip().endswith(
+        "gem: the run failed; it had no checkpoint yet (engine.checkpoint_every), so resume=true cannot continue it: "
+        f"run the command again with another hydra.run.dir ({d} keeps the rows of this one)"
+    ), p.stderr
     summary = json.loads((d / "summary.json").read_text())
     assert summary["status"] == "failed" and "cannot write" in summary["reason"]
     assert not list(d.rglob("*.tmp")) and not (d / "checkpoint" / "pending").exists()
@@ -409,3 +414,138 @@ def test_the_command_leaves_no_child_behind_when_it_returns(tmp_path):
             os.kill(pid, signal.SIGKILL)
     assert p.returncode == 0, err
     assert left == [], "alive after the command returned: " + ", ".join(map(str, left))
+
+
+def test_a_changed_sim_schedule_names_its_engine_key(tmp_path):
+    """resume=true with another staleness model named `staleness=gamma` and `cycle_cv=0.25`, which the command line
+    refuses as unknown keys: the refusal now names engine.staleness and engine.cycle_cv, as the command writes them."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from gem.algorithms import gem as gem_algo
+    from gem.engines.checkpoint import CheckpointError, check_resumable, fingerprint
+    from gem.engines.options import SimOptions
+
+    def identity(**engine):
+        return SimpleNamespace(
+            algorithm="gem", workers=2, batch_size=64, epochs=1.0, seed=0, device="cpu", loss="nll",
+            precision="fp32", model="mnist_cnn", data=SimpleNamespace(name="digits"),
+            hp=gem_algo.Params(), engine=dataclasses.replace(SimOptions(), **engine),
+        )  # fmt: skip
+
+    manifest = {"fingerprint": fingerprint(identity())}
+    with pytest.raises(CheckpointError) as e:
+        check_resumable(manifest, identity(staleness="round_robin"))
+    assert "made with engine.staleness=gamma, this command has engine.staleness=round_robin" in str(e.value)
+    with pytest.raises(CheckpointError) as e:
+        check_resumable(manifest, identity(cycle_cv=0.5))
+    assert "made with engine.cycle_cv=0.25, this command has engine.cycle_cv=0.5" in str(e.value)
+
+
+def test_a_diverged_run_is_not_sent_to_resume(tmp_path, capsys):
+    """A new run in the directory of a diverged one was refused with "resume=true continues it from its last
+    checkpoint", and resume=true then took the same commits to the same non-finite θ (on sim, exactly): a circle.
+    A diverged run is a result, as in a resumed sweep: both commands say to start a new run elsewhere."""
+    import json
+
+    from experiments.rundir import Refused, check_fresh
+    from gem.engines import checkpoint as ckpt
+
+    reason = "non-finite loss nan at worker 0, worker step 6 (commit 10)"
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "diverged", "reason": reason}))
+    (tmp_path / ckpt.CHECKPOINT / "step-5").mkdir(parents=True)
+    (tmp_path / ckpt.CHECKPOINT / "manifest.json").write_text(json.dumps({"step": 5, "dir": "step-5"}))
+    with pytest.raises(Refused) as e:
+        check_fresh(tmp_path)
+    assert str(e.value) == (
+        f"hydra.run.dir={tmp_path} already holds a run that diverged ({reason}), a result as a completed run is; "
+        "pick a new directory for a new run (results are never overwritten)"
+    )
+    before = snapshot(tmp_path)
+    line = refused_line(capsys, *QUICK, "resume=true", f"hydra.run.dir={tmp_path}")
+    assert line == (
+        f"error: resume=true: the run in {tmp_path} diverged ({reason}), a result as a completed run is; nothing "
+        "to resume: start a new run (a smaller lr, say) in a new hydra.run.dir"
+    )
+    assert snapshot(tmp_path) == before
+
+
+def test_resume_says_whether_the_directory_holds_no_run_or_one_without_a_checkpoint(tmp_path, capsys):
+    """resume=true on a folder that never held a run, and on a run stopped before its first checkpoint, both said
+    "no checkpoint in <dir>/checkpoint; resume needs the run directory of a run that wrote checkpoints", which
+    sends the second to a directory it does not have. Each now says what the folder holds and where to go."""
+    import json
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = refused_line(capsys, *QUICK, "resume=true", f"hydra.run.dir={empty}")
+    assert line == (
+        f"error: resume=true: hydra.run.dir={empty} holds no run to continue (no summary.json, rows or checkpoint); "
+        "resume needs hydra.run.dir=<the directory of the run to continue>"
+    )
+    early = tmp_path / "early"
+    early.mkdir()
+    (early / "summary.json").write_text(json.dumps({"status": "failed", "reason": "interrupted (Ctrl-C)"}))
+    before = snapshot(early)
+    line = refused_line(capsys, *QUICK, "resume=true", f"hydra.run.dir={early}")
+    assert line == (
+        f"error: resume=true: the run in {early} (status failed) stopped before its first checkpoint "
+        "(engine.checkpoint_every), so it cannot be continued; run the command without resume=true in a new "
+        "hydra.run.dir"
+    )
+    assert snapshot(early) == before and sorted(p.name for p in tmp_path.iterdir()) == ["early", "empty"]
+
+
+def test_a_plan_lists_no_run_its_command_would_refuse(tmp_path, capsys):
+    """`plan=true` on a run directory that holds a completed run listed the job and its time, and the same command
+    without plan=true was then refused: a sweep's plan refuses a folder that holds results, a run's plan now too,
+    and still makes no directory."""
+    import json
+
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "summary.json").write_text(json.dumps({"status": "completed"}))
+    line = refused_line(capsys, *QUICK, "plan=true", f"hydra.run.dir={done}")
+    assert line == (
+        f"error: hydra.run.dir={done} already holds a completed run; pick a new directory (results are never "
+        "overwritten)"
+    )
+    line = refused_line(capsys, *QUICK, "plan=true", "resume=true", f"hydra.run.dir={done}")
+    assert line == f"error: resume=true: the run in {done} has already completed; nothing to resume"
+    from experiments.command import preflight
+
+    with pytest.raises(SystemExit) as e:
+        preflight([*QUICK, "plan=true", f"hydra.run.dir={tmp_path / 'new'}"])
+    assert e.value.code == 0 and "plan for 1 job" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done"]  # the plan made no directory
+
+
+def test_the_way_back_to_a_sweep_names_its_folder(tmp_path):
+    """An interrupted sweep, a run started by hand in a job's folder, and analysis.tune on an unfinished sweep said
+    "the identical -m command with resume=true": for a sweep in its default folder (multirun/<date>/<time>) that
+    command makes a new folder, and resume=true is refused there. Each line now names hydra.sweep.dir."""
+    import json
+
+    from analysis import tune
+    from experiments.command import resume_hint
+
+    job = tmp_path / "sweep" / "3"
+    job.mkdir(parents=True)
+    assert resume_hint(job, True) == (
+        f"to finish the sweep, run the identical -m command with hydra.sweep.dir={tmp_path / 'sweep'} resume=true "
+        "(this job starts again: it had no checkpoint yet)"
+    )
+    (job / ".hydra").mkdir()
+    (job / ".hydra" / "config.yaml").write_text("algorithm: {name: gem}\nworkers: 2\nseed: 0\nlr: 0.05\n")
+    (job / "summary.json").write_text(json.dumps({"status": "failed", "algorithm": "gem", "workers": 2, "seed": 0}))
+    with pytest.raises(ValueError) as e:
+        tune._check_finished(tune.load.runs(tmp_path / "sweep"), tmp_path / "sweep")
+    assert str(e.value).endswith(f"the identical -m command with hydra.sweep.dir={tmp_path / 'sweep'} resume=true")
+
+
+def test_a_run_by_hand_in_a_sweeps_job_folder_names_the_sweep(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "multirun.yaml").write_text("{}\n")
+    line = refused_line(capsys, *QUICK, f"hydra.run.dir={sweep / '0'}")
+    assert line.endswith(f"finish the sweep with its identical -m command and hydra.sweep.dir={sweep} resume=true")

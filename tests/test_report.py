@@ -325,3 +325,18 @@ def test_the_report_sets_its_targets_per_setting_and_says_where_none_was_announc
     assert hit["time"].isna().all() and not hit["reached"].any()
     t = report.table(r, hit).set_index("algorithm")
     assert t.loc["gem", "time to target"] == "n/a (no target announced for this workload)"
+
+
+def test_a_folder_without_runs_is_named_as_typed(tmp_path, capsys):
+    """The report said `no runs found under ['<folder>']`, a Python list; it names the folders as typed, and what
+    it looked for."""
+    from analysis import report
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert report.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "r.md")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: no runs under {tmp_path / 'a'} {tmp_path / 'b'}: a run's folder holds its summary.json or "
+        ".hydra/config.yaml\n"
+    )
+    assert not (tmp_path / "r.md").exists()

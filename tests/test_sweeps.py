@@ -410,3 +410,69 @@ def test_a_sweep_whose_job_was_refused_at_its_turn_exits_1(tmp_path):
         "say); the others ran",
     ], p.stderr
     assert [_status(sweep / str(j)) for j in (0, 2)] == ["completed"] * 2 and list((sweep / "1").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["hydra/launcher=foo"],
+            # (then joblib and submitit_*, where their plugins are installed)
+            "error: hydra/launcher=foo is not an option; choose one of: basic, distributed_local, distributed_slurm",
+        ),
+        (["hydra/sweeper=foo"], "error: hydra/sweeper=foo is not an option; choose one of: basic, gem"),
+        (
+            ["hydra.launcher.n_jobs=2"],
+            "error: hydra.launcher.n_jobs is not a key of the launcher this command uses (Key 'n_jobs' not in "
+            "'BasicLauncherConf'); choose the launcher that has it on the same command (hydra/launcher=joblib for "
+            "hydra.launcher.n_jobs, submitit_slurm, ...)",
+        ),
+        (
+            ["hydra.foo=1"],
+            "error: hydra.foo is not a key of Hydra's config (Key 'foo' not in 'HydraConf'); python run.py --cfg "
+            "hydra shows its keys",
+        ),
+        (["hydra.job.chdir=maybe"], "error: hydra.job.chdir: Value 'maybe' is not a valid bool (type str)"),
+        (
+            ["-m", "hydra.launcher.n_jobs=1,2"],
+            "error: hydra.launcher.n_jobs=1,2: Hydra's own keys cannot be swept; give one value (one command per "
+            "value)",
+        ),
+    ],
+)
+def test_a_bad_override_of_hydras_own_config_is_one_line(argv, line, capsys):
+    """Hydra answered these with several lines (its message, the config search path, HYDRA_FULL_ERROR) and exit
+    code 1; the options a group has, or the key, are now in one line, exit code 2."""
+    assert refused_line(capsys, *argv, "engine=sim").startswith(line)
+
+
+def test_a_flag_between_overrides_is_named_with_the_command_in_order(capsys):
+    """`python run.py engine=sim -m seed=0,1` got Hydra's `unrecognized arguments: seed=0,1`, which names the
+    override, not the flag between two of them; the line now says so and gives the command in order."""
+    line = refused_line(capsys, "engine=sim", "-m", "seed=0,1", "plan=true")
+    assert line == (
+        "error: Hydra reads its flags (-m, --cfg, ...) before the overrides or after them, not between them; put "
+        "them first: python run.py -m engine=sim seed=0,1 plan=true"
+    )
+    from experiments.command import parse
+
+    assert parse(["-m", "engine=sim", "seed=0,1", "plan=true"]).multirun  # the command it gives parses
+    assert "--cfg job engine=sim seed=1" in refused_line(capsys, "engine=sim", "--cfg", "job", "seed=1")
+
+
+def test_a_refusal_exits_when_its_line_cannot_be_written(monkeypatch):
+    """`python run.py ... plan=true 2>&1 | head -2`: the plan's output met a closed pipe, and so did the refusal's
+    line, whose BrokenPipeError left the Hydra callback as an exception, which Hydra turns into a warning: it then
+    made the run directory (`no directory is made`, said the plan) and started the job. The refusal exits anyway."""
+    import io
+
+    from experiments import command
+
+    class Closed(io.StringIO):
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stderr", Closed())
+    with pytest.raises(SystemExit) as e:
+        command.refusing(lambda: print("a plan's line", file=Closed()))
+    assert e.value.code == 2

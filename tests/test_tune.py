@@ -258,3 +258,44 @@ def test_a_sweep_declares_its_held_out_seeds_in_its_sweeper_config():
     from experiments.schema import CONF_DIR
 
     assert OmegaConf.load(CONF_DIR / "experiment" / "tune.yaml").hydra.sweeper.heldout_seeds == "0,1,2"
+
+
+def test_held_out_seeds_the_user_did_not_type_are_not_named_as_their_flag(tmp_path, monkeypatch, capsys):
+    """A sweep whose runs used seed 0, tuned without --seeds, was refused with "--seeds=0,1,2 is not allowed",
+    a flag the command did not have. The line now says where the seeds came from and which seeds would do."""
+    sweep = tmp_path / "sweep"
+    for job, seed in enumerate((0, 1)):
+        _run(sweep / str(job), "gem", 4, seed, 0.05)
+    assert tune.main([str(sweep)]) == 2
+    assert capsys.readouterr().err == (
+        "error: the held-out seeds 0,1,2 (the default, without --seeds) include seed 0, which this sweep's runs "
+        "used: the held-out seeds must be new; pass --seeds=2,3,4 (or other seeds the sweep did not use)\n"
+    )
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"sweeper": {"heldout_seeds": "1,7"}}}))
+    assert tune.main([str(sweep)]) == 2
+    assert capsys.readouterr().err == (
+        "error: the held-out seeds 1,7 (the sweep's hydra.sweeper.heldout_seeds) include seed 1, which this sweep's "
+        "runs used: the held-out seeds must be new; pass --seeds=2,3 (or other seeds the sweep did not use)\n"
+    )
+    import experiments.schema
+
+    monkeypatch.setattr(experiments.schema, "CONF_DIR", tmp_path / "conf")  # where the experiment file goes
+    # the advice, followed: a sweep with nothing to choose between (it crashed with KeyError: 'lr') gives the
+    # paper's setting alone
+    assert tune.main([str(sweep), "--seeds", "2,3,4"]) == 0
+    node = yaml.safe_load((tmp_path / "conf" / "experiment" / "tune_quick_heldout.yaml").read_text())
+    assert node["hydra"]["sweeper"]["grids"] == [{"algorithm": "gem", "workers": "4", "lr": 0.05}]
+
+
+def test_a_held_out_sweep_on_tuning_seeds_names_them(tmp_path, capsys):
+    """`--heldout` a sweep that shares seeds with the tuning sweep said `<folder> has runs on tuning seeds`: which
+    seeds, and what to pass instead, are now in the line."""
+    sweep = _tuning_sweep(tmp_path / "sweep")
+    held = tmp_path / "held"
+    for job, seed in enumerate((11, 12)):
+        _run(held / str(job), "gem", 4, seed, 0.05, kappa=1)
+    assert tune.main([str(sweep), "--heldout", str(held)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --heldout {held} has runs on seed 11, which the tuning sweep {sweep} used: the held-out stage must "
+        f"run on new seeds; pass the sweep of the held-out experiment that analysis.tune {sweep} wrote\n"
+    )

@@ -79,7 +79,8 @@ def check_resumable(manifest: dict, job) -> None:
     if not isinstance(hp_theirs, dict):  # a checkpoint that recorded them otherwise: compare the whole
         hp_theirs, hp_ours = {"algorithm parameters": hp_theirs}, {"algorithm parameters": repr(job.hp)}
     top = ("lr", "momentum", "workers")
-    pairs = [(k, v, ours.get(k)) for k, v in theirs.items()]
+    # the sim engine's schedule is set by engine.* keys: named as the command line names them
+    pairs = [(f"engine.{k}" if k in SCHEDULE_KEYS else k, v, ours.get(k)) for k, v in theirs.items()]
     pairs += [(k if k in top or " " in k else f"algorithm.{k}", v, hp_ours.get(k)) for k, v in hp_theirs.items()]
     for shown, v, mine in pairs:
         if mine != v:
