@@ -563,11 +563,20 @@ def _sweep_value(value) -> str:
 
 
 def compose(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
+    """The config of `overrides`, composed with Hydra's compose API; also inside a running Hydra app (a sweep
+    explaining a job it cannot compose), whose global state is put back as it was."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose("config", overrides=overrides, return_hydra_config=return_hydra_config)
+    backup = get_gh_backup()
+    GlobalHydra.instance().clear()  # (initialize_config_dir refuses to start while another Hydra is initialized)
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return hydra_compose("config", overrides=overrides, return_hydra_config=return_hydra_config)
+    finally:
+        restore_gh_from_backup(backup)
 
 
 def composed(overrides: list[str], compose_fn=None) -> DictConfig:

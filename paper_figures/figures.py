@@ -40,6 +40,7 @@ SOURCES = {
     "fig10": ("fig9_10", "fig7"),
     "fig9_10": ("fig9_10", "fig7"),
     "baselines": ("baselines",),
+    "dylu": ("dylu",),
 }
 COMMIT_COLUMNS = [
     "algorithm",
@@ -49,6 +50,7 @@ COMMIT_COLUMNS = [
     "experiment",
     "algorithm.kappa",
     "algorithm.window",
+    "algorithm.dynamic_window",
     "lr",
     "engine.staleness",
     "engine.cycle_cv",
@@ -608,6 +610,71 @@ def fig9_10(paths, band=None):
     return heatmaps(paths)
 
 
+def dylu(paths, band="minmax"):
+    """Beyond the paper: async_localsgd with fixed windows against dynamic local updates (DyLU, Liu et al. 2024)
+    on sim with stragglers (a dylu sweep). (a) validation loss against simulated time; (b) the window each commit
+    ends, against simulated time, stragglers and the others apart (DyLU); (c) the mean τ of the stragglers' commits
+    and of the others'; (d) their commits per worker. A straggler is a worker whose pace (local steps per unit of
+    simulated time, from its rows) is under half the median's."""
+    key = "algorithm.dynamic_window"
+    m, r = load_for("dylu", paths, [key, "workers"], ["async_localsgd"], need="dylu needs the runs of a dylu sweep")
+    ev, _ = load_for("dylu", paths, [key, "workers"], ["async_localsgd"], table="eval", need="dylu needs evaluations")
+    label = {False: "fixed windows", True: "DyLU"}
+    for f in (m, ev):
+        f["windows"] = f[key].map(lambda v: label[bool(v)] if pd.notna(v) else "fixed windows")
+    done = m[m["status"] == "completed"].sort_values(["run_dir", "step"])
+    # each worker's pace from its own rows: local steps over the simulated time they took
+    span = done.groupby(["run_dir", "worker"]).agg(
+        steps=("worker_step", "max"), began=("sim_time", "min"), ended=("sim_time", "max"), first=("worker_step", "min")
+    )
+    span["pace"] = (span["steps"] - span["first"]) / (span["ended"] - span["began"]).where(lambda d: d > 0)
+    median = span.groupby(level="run_dir")["pace"].transform("median")
+    span["kind"] = np.where(span["pace"] < 0.5 * median, "stragglers", "the others")
+    done = done.join(span["kind"], on=["run_dir", "worker"])
+    fig, axes = grid(4, width=5.2, height=4.0)
+    palette = plots.colours(["fixed windows", "DyLU"])
+    plots.curves(ev, axes[0], x="sim_time", y="val_loss", hue="windows", palette=palette, band=band)
+    axes[0].set_title("(a) validation loss")
+    axes[0].set_xlabel("simulated time (mean cycles of one local step)")
+    plots.legend(axes[0], fontsize=8)
+    dy = done[done["windows"] == "DyLU"]
+    if "window" in dy and dy["window"].notna().any():
+        kinds = {"the others": "tab:gray", "stragglers": "tab:red"}  # not the colours of the two variants
+        for kind, g in dy.groupby("kind"):
+            axes[1].scatter(g["sim_time"], g["window"], s=6, alpha=0.4, color=kinds[kind], label=kind)
+        axes[1].set_ylim(bottom=0)
+        plots.legend(axes[1], fontsize=8)
+    else:
+        empty_panel(axes[1], "no DyLU runs with windows yet")
+    axes[1].set_title("(b) DyLU: the window each commit ends")
+    axes[1].set_xlabel("simulated time")
+    axes[1].set_ylabel("window (local steps)")
+    per_run = done.groupby(["windows", "kind", "run_dir"]).agg(
+        tau=("staleness", "mean"), commits=("step", "size"), workers=("worker", "nunique")
+    )
+    per_run["commits"] = per_run["commits"] / per_run["workers"]
+    for ax, col, title in ((axes[2], "tau", "(c) mean τ of a commit"), (axes[3], "commits", "(d) commits per worker")):
+        stats = per_run.groupby(["windows", "kind"])[col].agg(["mean", "min", "max"]).reset_index()
+        kinds = ["the others", "stragglers"]
+        for i, windows in enumerate(["fixed windows", "DyLU"]):
+            s = stats[stats["windows"] == windows].set_index("kind").reindex(kinds)
+            xs = np.arange(len(kinds)) + (i - 0.5) * 0.38
+            ax.bar(xs, s["mean"], width=0.36, color=palette[windows], label=windows)
+            ax.errorbar(xs, s["mean"], yerr=[s["mean"] - s["min"], s["max"] - s["mean"]], fmt="none", color="k", lw=1)
+        ax.set_xticks(range(len(kinds)), kinds)
+        ax.set_title(title)
+        plots.legend(ax, fontsize=8)
+    return _finish(
+        fig,
+        "DyLU",
+        "async_localsgd's fixed windows against dynamic local updates, with stragglers",
+        m,
+        r,
+        band,
+        notes=["bars: mean over seeds, from the lowest to the highest"],
+    )
+
+
 FIGURES = {
     "fig1": fig1,
     "fig2": fig2,
@@ -621,4 +688,5 @@ FIGURES = {
     "fig9": fig9,
     "fig10": fig10,
     "fig9_10": fig9_10,
+    "dylu": dylu,
 }

@@ -327,3 +327,19 @@ def test_an_unknown_nested_key_lists_the_keys_beside_it(override, line, capsys):
     with pytest.raises(SystemExit) as e:
         preflight(["engine=sim", override])
     assert e.value.code == 2 and capsys.readouterr().err == f"error: {line}\n"
+
+
+def test_compose_works_inside_a_running_hydra_and_leaves_it_as_it_was():
+    """A sweep that explains why it cannot compose a job composes again from inside Hydra's app: that must give
+    the config (and so the job's real one-line reason), not "GlobalHydra is already initialized"."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from experiments.config import CONF_DIR, compose
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(["algorithm=ringmaster"])
+        assert cfg.algorithm.name == "ringmaster"
+        assert GlobalHydra.instance().is_initialized()  # the running app's, put back
+        assert hydra_compose("config", overrides=["algorithm=rennala"]).algorithm.name == "rennala"
