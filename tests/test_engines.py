@@ -301,8 +301,17 @@ def test_a_checkpoints_server_tensors_of_another_shape_are_refused_not_broadcast
     checkpoint.verify({"path": str(tmp_path)}, 3, algo, algo.Params(workers=3))  # this version's own: accepted
 
 
-@pytest.mark.parametrize("staleness", [{"staleness": "exponential"}, {"staleness": "gamma", "cycle_cv": 0.5}])
-def test_a_resumed_sim_run_is_the_uninterrupted_run(data, tmp_path, staleness):
+@pytest.mark.parametrize(
+    "staleness, algorithm, hp",
+    [
+        ({"staleness": "exponential"}, "gem", {}),
+        ({"staleness": "gamma", "cycle_cv": 0.5}, "gem", {}),
+        # DyLU: each worker's pace and window are its state too (a resumed worker must size its windows as before)
+        ({"staleness": "stragglers"}, "async_localsgd", {"window": 4, "dynamic_window": True}),
+        ({"staleness": "gamma", "cycle_cv": 0.5}, "async_localsgd", {"window": 4, "dynamic_window": True}),
+    ],
+)
+def test_a_resumed_sim_run_is_the_uninterrupted_run(data, tmp_path, staleness, algorithm, hp):
     """sim is deterministic, and its checkpoint holds every random stream and the event queue: a run killed after
     a checkpoint and resumed gives exactly the rows of a run never killed, whatever it recorded after the
     checkpoint before it died."""
@@ -312,8 +321,8 @@ def test_a_resumed_sim_run_is_the_uninterrupted_run(data, tmp_path, staleness):
             data,
             "sim",
             4,
-            "gem",
-            hp_for("gem", 4),
+            algorithm,
+            hp_for(algorithm, 4, **hp),
             epochs=3,
             run_dir=str(d),
             checkpoint_every=10,
@@ -334,7 +343,7 @@ def test_a_resumed_sim_run_is_the_uninterrupted_run(data, tmp_path, staleness):
     m = read_table(d)
     cols = [c for c in m_whole.columns if c not in TIMING]
     pd.testing.assert_frame_equal(m[cols], m_whole[cols])
-    t, t_whole = (pd.read_parquet(p / "tensors.parquet") for p in (d, tmp_path / "whole"))
+    t, t_whole = (read_table(p, "tensors") for p in (d, tmp_path / "whole"))  # (GEM's π per tensor; others: none)
     pd.testing.assert_frame_equal(t, t_whole)
     ev, ev_whole = (read_table(p, "eval").drop(columns="time_s") for p in (d, tmp_path / "whole"))
     pd.testing.assert_frame_equal(ev, ev_whole)

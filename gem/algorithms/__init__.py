@@ -37,8 +37,8 @@ Each algorithm module ends with one `Algorithm` record, in the spirit of optax's
 
 A commit may set ``window``, the length of the worker's next window (dynamic local updates): every engine's
 worker cycle honours it, and the sim engine times the next cycle by it. The worker rule sees the window it ends
-(``view.window``) and the worker's measured pace (``view.pace``: local steps per unit of the worker's clock, the
-simulated clock on sim, between its last two commits).
+(``view.window``) and the worker's measured pace (``view.pace``: its local steps since its first commit, per unit
+of its clock: the simulated clock on sim, the run's seconds elsewhere).
 
 After a commit has been applied the worker pulls, copying θ into ``x``, unless the commit says ``pull=False``
 (EASGD's workers keep their own variable). A commit may instead set ``pull_at``, a clock value: a barrier. The
@@ -88,7 +88,7 @@ class View:
     worker: int  # the committing worker's id, 0..n−1
     # set by the worker's cycle for its worker rule (the server rule gets neither):
     window: int | None = None  # the local gradients of the window this commit ends (None: commit_every's)
-    pace: float = 0.0  # the worker's local steps per unit of its clock between its last two commits (0: unknown)
+    pace: float = 0.0  # the worker's local steps per unit of its clock since its first commit (0: not yet measured)
 
 
 @dataclass

@@ -32,13 +32,17 @@ worker momentum.
 
 Dynamic local updates (`dynamic_window`; Liu et al.'s DyLU, their Sec. 5): each worker's window follows its speed,
 H_w = ⌊H·v_w / max_w' v_w'⌋, so that the fastest worker takes H inner steps between commits and a slower one
-proportionally fewer, and every pseudo-gradient stands for about the same time of work. v_w is the worker's pace as
-its cycle measures it (`View.pace`): its local steps per unit of its clock between its last two commits, the
-simulated clock on sim, seconds elsewhere (the wait for the server's turn included, which every worker pays alike).
-The server keeps each worker's last pace (`pace`, a payload of each commit) and the worker rule sets the next window
-(`Commit.window`) from them at every commit; a worker whose pace is not known yet (its first commit, or the first
-after a resume) keeps H. Liu et al.'s formula can give 0 steps; here a window is at least 1 (their toy code floors
-at 5). Rows add `window` (the window the commit ends) and `pace`.
+proportionally fewer, and every pseudo-gradient stands for about the same time of work. v_w is the worker's speed as
+its cycle measures it (`View.pace`): its local steps since its first commit, per unit of its clock (the simulated
+clock on sim; the run's seconds elsewhere, the waits for the server's turn included, which every worker pays
+alike). Since its first commit, not over its last cycle: one cycle's time is noisy (a Gamma draw on sim, a loaded
+machine), and the max over n noisy paces would shrink every window even where the workers are equally fast; nor
+from the run's start, which a worker's own start (sim's staggered first cycles, a process loading its data) would
+skew. A worker keeps H until its second commit. Liu et al. do not
+say how they measure it (their simulator gives each device a fixed speed). The server keeps each worker's last
+pace (`pace`, a payload of each commit) and the worker rule sets the next window (`Commit.window`) from them at every
+commit. Liu et al.'s formula can give 0 steps; here a window is at least 1 (their toy code floors at 5). Rows add
+`window` (the window the commit ends) and `pace`.
 """
 
 from __future__ import annotations
@@ -104,16 +108,16 @@ def init_server(theta: torch.Tensor, hp: Params, workers: int) -> dict:
         "buffer": torch.zeros_like(theta),  # the sum of the pseudo-gradients since the last momentum step
     }
     if hp.dynamic_window:  # each worker's last pace (0: not known yet)
-        server["pace"] = torch.zeros(max(workers, 1), dtype=torch.float32, device=theta.device)
+        server["pace"] = torch.zeros(max(workers, 1), dtype=torch.float64, device=theta.device)
     return server
 
 
 def payload(theta: torch.Tensor, hp: Params) -> dict:
-    return {"pace": torch.zeros(1, dtype=torch.float32)} if hp.dynamic_window else {}
+    return {"pace": torch.zeros(1, dtype=torch.float64)} if hp.dynamic_window else {}
 
 
 def next_window(view: View, hp: Params) -> int:
-    """DyLU: ⌊H·v_w / max v⌋, at least 1; H while this worker's pace is not known."""
+    """DyLU: ⌊H·v_w / max v⌋, at least 1; H while this worker's pace is not measured."""
     paces = view.server["pace"].tolist()
     if view.pace > 0:
         paces[view.worker] = view.pace  # its own, measured now: the server notes it with this commit
@@ -147,7 +151,7 @@ def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     commit = Commit(delta=moved.neg_())  # Δ = s − x; x itself is overwritten by the pull
     if hp.dynamic_window:
         commit.window = next_window(view, hp)
-        commit.payload = {"pace": torch.tensor([view.pace], dtype=torch.float32, device=x.device)}
+        commit.payload = {"pace": torch.tensor([view.pace], dtype=torch.float64, device=x.device)}
         commit.metrics = {"window": window, "pace": view.pace}
     return commit
 

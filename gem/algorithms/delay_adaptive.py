@@ -43,7 +43,8 @@ class Params:
     def __post_init__(self):
         require(self.rule in RULES, "rule", self.rule, "one of: " + ", ".join(RULES))
         require(
-            self.tau_c is None or (isinstance(self.tau_c, int) and self.tau_c >= 1),
+            self.tau_c is None
+            or (isinstance(self.tau_c, int) and not isinstance(self.tau_c, bool) and self.tau_c >= 1),
             "tau_c",
             self.tau_c,
             "an integer >= 1, or null for the number of workers",

@@ -36,7 +36,8 @@ class Params:
 
     def __post_init__(self):
         require(
-            self.batch is None or (isinstance(self.batch, int) and self.batch >= 1),
+            self.batch is None
+            or (isinstance(self.batch, int) and not isinstance(self.batch, bool) and self.batch >= 1),
             "batch",
             self.batch,
             "an integer >= 1, or null for the number of workers",

@@ -36,7 +36,8 @@ class Params:
 
     def __post_init__(self):
         require(
-            self.threshold is None or (isinstance(self.threshold, int) and self.threshold >= 1),
+            self.threshold is None
+            or (isinstance(self.threshold, int) and not isinstance(self.threshold, bool) and self.threshold >= 1),
             "threshold",
             self.threshold,
             "an integer >= 1, or null for the number of workers",

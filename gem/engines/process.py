@@ -162,9 +162,6 @@ class _Link:
     def now(self) -> float:
         return time.time() - self.t0_wall
 
-    def clock(self) -> float:
-        return time.monotonic()
-
     def rows(self, row: dict, tensors) -> None:
         self.buffer.append((row, tensors))
         if len(self.buffer) >= ROWS_PER_MESSAGE or time.monotonic() - self.sent_at > ROWS_SECONDS:

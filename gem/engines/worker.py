@@ -70,7 +70,7 @@ class Link(Protocol):
     def release(self) -> None: ...  # hand the turn on
     def now(self) -> float: ...  # seconds since the run started, for time_s
     def clock(self) -> float: ...  # what a worker's pace is measured on: the simulated time of the commit on sim,
-    # time.monotonic() elsewhere
+    # now() elsewhere (optional: now() stands in)
     def rows(self, row: dict, tensors: dict | None) -> None: ...  # a commit row, on its way to the recorder
     def await_clock(self, worker: int, t: int) -> View: ...  # a view of θ once the server's clock has reached t,
 
@@ -274,8 +274,8 @@ class Worker:
         self.loss_sum, self.local = 0.0, 0  # since the last commit
         self.before: dict = {}  # the state before the gradient in hand (for a checkpoint taken at the turn)
         self.pull_at = -1  # a barrier this worker waits at before its next gradient (Commit.pull_at); −1: none
-        self.committed_at: float | None = None  # link.clock() at this worker's last commit (None: none yet here)
-        self.pace = 0.0  # its local steps per unit of link.clock() between its last two commits (0: not yet known)
+        self.pace = 0.0  # its local steps per unit of link.clock() since its first commit (0: not yet measured)
+        self.paced_from: tuple[int, float] | None = None  # (its steps, link.clock()) at its first commit
         self._stage: dict | None = None  # the server's tensors on this worker's device, if they live elsewhere
         # a GPU worker whose θ stays in host memory copies it through page-locked memory (pinned.py)
         self._pinned = pinned_for(self.device, f"worker {w}")
@@ -317,9 +317,14 @@ class Worker:
     def commit(self, link: Link) -> None:
         if self.algo.prepare is not None:  # what does not read θ, before the turn
             self.algo.prepare(self.state, self.x, self.model.grad, self.hp)
-        clock = link.clock()
-        if self.committed_at is not None and clock > self.committed_at:
-            self.pace = self.local / (clock - self.committed_at)
+        # its pace, measured from its first commit on: one cycle's would carry that cycle's noise (a Gamma draw on
+        # sim, a loaded machine elsewhere), and the time before the first commit its start (sim staggers the first
+        # cycles; a process loads its data). The clock goes on across a resume, as the steps do
+        clock = getattr(link, "clock", link.now)()
+        if self.paced_from is None:
+            self.paced_from = (self.step, clock)
+        elif clock > self.paced_from[1]:
+            self.pace = (self.step - self.paced_from[0]) / (clock - self.paced_from[1])
         asked = time.monotonic()
         view = link.acquire(self.w)
         try:
@@ -334,6 +339,11 @@ class Worker:
             t = link.server.apply(view, sent)
             applied = time.perf_counter() - applied
             if commit.window is not None:
+                if not (isinstance(commit.window, int) and commit.window >= 1):
+                    raise ValueError(
+                        f"{self.algo.name}: a commit set the next window to {commit.window!r}; it must be an "
+                        "integer >= 1"
+                    )
                 self.window = commit.window
             if commit.pull_at is not None and commit.pull_at > t:
                 self.pull_at = commit.pull_at  # a barrier: pull before the next gradient, once t has reached it
@@ -358,7 +368,6 @@ class Worker:
             metrics, tensors = self.algo.diagnostics(commit, self.layout, self.hp)
             row.update(metrics)
         self.loss_sum, self.local = 0.0, 0
-        self.committed_at = clock
         link.rows(row, tensors or None)
 
     def await_pull(self, link: Link) -> None:
@@ -403,6 +412,10 @@ class Worker:
             "rng": self.rng,
             "pull_at": self.pull_at,
             "window": self.window,
+            "pace": self.pace,
+            # numbers only (a distributed worker's state travels as JSON numbers and tensors): −1, not yet
+            "paced_from_step": self.paced_from[0] if self.paced_from is not None else -1,
+            "paced_from_clock": self.paced_from[1] if self.paced_from is not None else 0.0,
         }
 
     def state_dict(self, in_hand: bool = False) -> dict:
@@ -422,3 +435,6 @@ class Worker:
         self.step, self.loss_sum, self.local = int(saved["step"]), float(saved["loss_sum"]), int(saved["local"])
         self.pull_at = int(saved.get("pull_at", -1))
         self.window = int(saved.get("window", self.window))
+        self.pace = float(saved.get("pace", 0.0))
+        paced = int(saved.get("paced_from_step", -1))
+        self.paced_from = (paced, float(saved["paced_from_clock"])) if paced >= 0 else None

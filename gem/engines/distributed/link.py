@@ -193,9 +193,6 @@ class RemoteLink:
     def now(self) -> float:
         return time.time() - self.t0_wall
 
-    def clock(self) -> float:
-        return time.monotonic()
-
     def rows(self, row: dict, tensors) -> None:
         self.buffer.append((row, tensors))
 
