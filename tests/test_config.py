@@ -239,3 +239,20 @@ def test_an_experiments_sim_settings_do_not_refuse_another_engine():
 
     _, spec = check_job(["experiment=fig1_quick", "engine=process", "workers=2"])
     assert spec.engine == ProcessOptions()
+
+
+def test_a_sweep_composes_an_experiment_that_only_its_config_dir_holds():
+    from experiments.config import composed
+
+    # conf/ has no such experiment: composed as `python run.py` composes (conf/ alone), the line of its options
+    with pytest.raises(ConfigError, match="experiment=x_heldout is not an option; choose one of: baselines, "):
+        composed(["experiment=x_heldout"])
+    # a sweep composes with Hydra's own loader, which also searches --config-dir (where analysis.tune writes the
+    # held-out stage): there it composes, and only where that loader fails too is it refused, with the same line
+    assert composed(["experiment=x_heldout"], lambda overrides: overrides) == ["experiment=x_heldout"]
+
+    def nowhere(overrides):
+        raise RuntimeError("In 'config': Could not find 'experiment/x_heldout'")
+
+    with pytest.raises(ConfigError, match="experiment=x_heldout is not an option; choose one of: baselines, "):
+        composed(["experiment=x_heldout"], nowhere)
