@@ -1,9 +1,9 @@
 """The tuning protocol's second stage: from a tuning sweep, each algorithm's best setting at each n, and the sweep
 that reruns it on held-out seeds; then the two protocols side by side.
 
-    python run.py -m experiment=tune data.root=<folder with MNIST/raw>      # stage 1: every trial, tuning seeds
+    python run.py -m experiment=tune_quick                                  # stage 1: every trial, tuning seeds
     python -m analysis.tune <tuning sweep>                                  # the choice, and stage 2's command
-    python run.py -m experiment=tune_heldout data.root=...                  # stage 2: held-out seeds
+    python run.py -m --config-dir <tuning sweep>/heldout experiment=tune_quick_heldout   # stage 2: held-out seeds
     python -m analysis.tune <tuning sweep> --heldout <held-out sweep>       # the table: paper's protocol | tuned
 
 The protocol (REPRODUCTION.md, "Tuning"), as optimiser benchmarks run it (Schmidt et al. 2021, "Descending
@@ -19,8 +19,13 @@ takes no test quantity).
   job is refused in one line: a trial on fewer seeds than the others is not the same measurement.
 - Stage 2 reruns, on the held-out seeds (0, 1, 2 by default: the paper protocol's seeds), both the chosen setting
   and the paper's (η as the experiment sets it, every knob at its default), so that the two protocols are
-  compared on the same seeds; a chosen setting that is the paper's runs once. It is written as an experiment,
-  `conf/experiment/<experiment>_heldout.yaml`, which a reviewer can read and anyone can rerun.
+  compared on the same seeds; a chosen setting that is the paper's runs once. Stage 2 is written as an
+  experiment, `<tuning sweep>/heldout/experiment/<experiment>_heldout.yaml` (beside the runs it was chosen from;
+  Hydra's `--config-dir <tuning sweep>/heldout` finds it), or with --write-conf the repository's
+  `conf/experiment/<experiment>_heldout.yaml` (the paper's tune_heldout), which a reviewer can read and anyone can
+  rerun. Its suggested command repeats the tuning sweep's own command-line settings (its data, with data.root only
+  where the data reads files, made absolute; its budget), so that both stages run the same workload, and names
+  hydra/launcher=joblib only where that plugin is installed.
 
 - The targets of the time-to-target comparison are announced here, from the tuning seeds and before the held-out
   runs: per workload (n), the best chosen setting's median final validation loss (`analysis.target.announce`,
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -49,7 +55,7 @@ from analysis.stats import mean_ci
 from experiments import rundir
 from gem.files import write_atomic
 
-HELDOUT_SEEDS = (0, 1, 2)
+HELDOUT_SEEDS = (0, 1, 2)  # how many seeds the held-out stage runs (and experiment=tune's, which it declares)
 SCORE = "val_loss"  # selection: the final validation loss of the central variable
 # what --select may name, and whether lower is better: the validation split only (the test split is for the report)
 SCORES = {"val_loss": "lower", "val_accuracy": "higher"}
@@ -174,11 +180,12 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def heldout_experiment(
-    chosen: pd.DataFrame, columns: list[str], experiment: str, seeds, select: str = SCORE
+    chosen: pd.DataFrame, columns: list[str], experiment: str | None, seeds, select: str = SCORE
 ) -> tuple[str, int]:
     """The held-out stage as an experiment file's text: every algorithm at the paper's setting, and each chosen
-    setting that is not the paper's, at its n, on `seeds`. Returns the text and how many of the chosen settings
-    are the paper's."""
+    setting that is not the paper's, at its n, on `seeds`; on top of the tuning's `experiment`, or of nothing for
+    a sweep without one (its command's own settings come with the command: stage_two_overrides). Returns the text
+    and how many of the chosen settings are the paper's."""
     grids, same = [], 0
     for algorithm, g in chosen.groupby("algorithm", sort=False):
         paper = paper_setting(algorithm, experiment, columns)
@@ -198,16 +205,17 @@ def heldout_experiment(
                 f"  # tuned: {select.replace('_', ' ')} {row[f'{select}_mean']:.4f} over {row['seeds']} "
                 "seeds"
             )
+    source = f"experiment={experiment}" if experiment else "no experiment (its command's settings go with its own)"
     text = (
-        f"# @package _global_\n"
-        f"# The tuning protocol's held-out stage, written by `python -m analysis.tune` from a sweep of "
-        f"experiment={experiment}:\n"
-        f"# each algorithm at the paper's setting and, at each n, at the setting the tuning chose (where it "
-        f"differs),\n# on seeds the tuning did not use. Then: python -m analysis.tune <tuning sweep> --heldout "
-        f"<this sweep>\ndefaults:\n  - {experiment}\n\nhydra:\n  sweeper:\n    params:\n"
+        "# @package _global_\n"
+        f"# The tuning protocol's held-out stage, written by `python -m analysis.tune` from a sweep of {source}:\n"
+        "# each algorithm at the paper's setting and, at each n, at the setting the tuning chose (where it differs),\n"
+        "# on seeds the tuning did not use. Then: python -m analysis.tune <tuning sweep> --heldout <this sweep>\n"
+        + (f"defaults:\n  - {experiment}\n" if experiment else "")
+        + "\nhydra:\n  sweeper:\n    params:\n"
         f"      seed: {','.join(str(s) for s in seeds)}\n"
-        f"    heldout_seeds: null  # this is the held-out stage: nothing is held out of it\n"
-        f"    grids:\n" + "\n".join(grids) + "\n"
+        "    heldout_seeds: null  # this is the held-out stage: nothing is held out of it\n"
+        "    grids:\n" + "\n".join(grids) + "\n"
     )
     return text, same
 
@@ -364,6 +372,12 @@ def main(argv=None) -> int:
         help="the held-out seeds, none of them a tuning seed (default: the tuning sweep's "
         "hydra.sweeper.heldout_seeds, else 0,1,2)",
     )
+    p.add_argument(
+        "--write-conf",
+        action="store_true",
+        help="write the held-out experiment into the repository's conf/experiment/ (as the paper's tune_heldout), "
+        "not under the tuning sweep's folder",
+    )
     p.add_argument("--force", action="store_true", help="overwrite the held-out experiment file if it exists")
     p.add_argument("--heldout", help="the held-out sweep: print and write the two protocols side by side")
     p.add_argument("--out", help="with --heldout: the table, .md or .csv (default <held-out sweep>/protocols.md)")
@@ -385,6 +399,11 @@ def _main(args) -> int:
     """Every check first (the sweeps, the seeds, --out, an existing choice), then the files: a refused command
     writes nothing."""
     select = check_select(args.select)  # before anything is read
+    if args.write_conf and args.heldout:
+        raise ValueError(
+            "--write-conf is not allowed with --heldout; --write-conf places the held-out experiment that "
+            "python -m analysis.tune <sweep> writes, --heldout reports on its runs"
+        )
     sweep = Path(args.sweep)
     runs = _finished_runs(sweep)
     experiment = runs["experiment"].dropna().iloc[0] if runs["experiment"].notna().any() else None
@@ -414,13 +433,18 @@ def _main(args) -> int:
         if out.suffix not in (".md", ".csv"):
             raise ValueError(f"--out={out} is not allowed; its suffix must be .md or .csv")
     else:
-        from experiments.schema import CONF_DIR
-
         name = f"{experiment or 'tuning'}_heldout"
-        path = CONF_DIR / "experiment" / f"{name}.yaml"
-        text, same = heldout_experiment(chosen, columns, experiment or "baselines", seeds, select)
+        if args.write_conf:  # the repository's own: the paper's tune_heldout, committed and rerun by name
+            from experiments.schema import CONF_DIR
+
+            config_dir, path = None, CONF_DIR / "experiment" / f"{name}.yaml"
+        else:  # beside the sweep it was chosen from, as run outputs are; Hydra's --config-dir finds it there
+            config_dir = (sweep / "heldout").resolve()
+            path = config_dir / "experiment" / f"{name}.yaml"
+        text, same = heldout_experiment(chosen, columns, experiment, seeds, select)
         if path.exists() and path.read_text() != text and not args.force:
             raise ValueError(f"{path} exists and holds another choice; add --force to replace it")
+        carried, left = stage_two_overrides(sweep, runs, columns)
 
     write_atomic(sweep / "tuning.csv", table.to_csv(index=False).encode())
     write_atomic(sweep / "targets.csv", goals.to_csv(index=False).encode())
@@ -451,15 +475,87 @@ def _main(args) -> int:
         return 0
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, text.encode())
+    run = "python run.py -m" + (f" --config-dir {config_dir}" if config_dir else "") + f" experiment={name}"
+    run += "".join(f" {o}" for o in carried)
+    from experiments.command import launcher_installed
+
+    joblib = launcher_installed("joblib")  # not in the README's install: suggested only where it is there
     print(
         f"held-out stage: {path} ({len(chosen)} chosen settings, {same} of them the paper's; seeds "
         f"{','.join(map(str, seeds))}). Run it, then compare:\n"
-        f"  python run.py -m experiment={name} data.root=<folder with MNIST/raw> plan=true\n"
-        f"  python run.py -m experiment={name} data.root=<folder with MNIST/raw> hydra/launcher=joblib "
-        f"hydra.launcher.n_jobs=2\n"
+        f"  {run} plan=true\n"
+        f"  {run}" + (" hydra/launcher=joblib hydra.launcher.n_jobs=2" if joblib else "") + "\n"
         f"  python -m analysis.tune {sweep} --heldout <its sweep folder>"
     )
+    if carried:
+        print(f"  (the tuning sweep's own settings, so that both stages run the same workload: {' '.join(carried)})")
+    if left:
+        print(
+            f"  (left out of the tuning sweep's command: {' '.join(left)}: the held-out experiment sets the seeds, "
+            "n and the settings, and the logger's keys change what is recorded, not what is trained)"
+        )
+    if not joblib:
+        print(
+            '  (to run its jobs side by side: pip install -e ".[joblib]" in this project\'s folder, then add '
+            "hydra/launcher=joblib hydra.launcher.n_jobs=2)"
+        )
     return 0
+
+
+def stage_two_overrides(sweep: Path, runs: pd.DataFrame, columns: list[str]) -> tuple[list[str], list[str]]:
+    """What the held-out stage's command repeats of the tuning sweep's command line (its multirun.yaml), so that
+    it runs the workload that was tuned (its data, model, engine, budget, ...): every override that is not swept,
+    is not a key the held-out experiment sets itself (seed, workers, the settings, experiment) and is not the
+    logger's (what is recorded, not what is trained: the held-out runs keep the experiment's evaluations, which
+    their time to the target is read from); Hydra's own and plan, resume aside. A relative data.root is made
+    absolute (the sweep's working folder), and left out where the data reads no files (digits, synthetic).
+    Without a multirun.yaml (runs gathered by hand), the runs' own data.root where the data needs one. Returns
+    those carried and those left out (the experiment's and the logger's keys)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    needs_root = _needs_root(runs)
+    task, cwd = _sweep_command(sweep)
+    if task is None:
+        roots = runs["data.root"].dropna().map(str).unique() if "data.root" in runs else []
+        return ([f"data.root={roots[0]}"] if needs_root and len(roots) == 1 else []), []
+    own = {"seed", "workers", "algorithm", "lr", "experiment", *columns}
+    carried, left = [], []
+    for o in OverridesParser.create().parse_overrides(task):
+        key = o.key_or_group
+        if o.is_sweep_override() or key.startswith("hydra") or key in ("plan", "resume"):
+            continue
+        if key in own or key.startswith(("algorithm.", "logger")):
+            if key != "experiment":
+                left.append(o.input_line)
+            continue
+        if key == "data.root":
+            if not needs_root:
+                continue
+            root = o.get_value_element_as_str()
+            carried.append(f"data.root={root if cwd is None else os.path.normpath(os.path.join(cwd, root))}")
+            continue
+        carried.append(o.input_line)
+    return carried, left
+
+
+def _needs_root(runs: pd.DataFrame) -> bool:
+    """Whether the sweep's data reads files under data.root: every dataset but the bundled digits and the
+    generated synthetic, and but a file of tensors (data.path)."""
+    names = set(runs["data"].dropna().map(str)) if "data" in runs else set()
+    has_root = "data.root" in runs and runs["data.root"].notna().any()
+    return bool(has_root and names - {"digits", "synthetic"})
+
+
+def _sweep_command(sweep: Path) -> tuple[list[str] | None, str | None]:
+    """The tuning sweep's command-line overrides and working folder (hydra.overrides.task and hydra.runtime.cwd
+    in its multirun.yaml); None, None without one."""
+    import yaml
+
+    try:
+        hydra = yaml.safe_load((sweep / "multirun.yaml").read_text())["hydra"]
+        return list(hydra["overrides"]["task"] or []), (hydra.get("runtime") or {}).get("cwd")
+    except Exception:  # no multirun.yaml (runs copied by hand), or not Hydra's
+        return None, None
 
 
 def _finished_runs(sweep: Path) -> pd.DataFrame:

@@ -10,10 +10,13 @@ from analysis import load, tune
 from experiments.config import ConfigError, check_job, expand, jobs_of
 
 
-def _run(d, algorithm, n, seed, lr, status="completed", val_loss=1.0, experiment="tune_quick", **knobs):
-    """A run directory with what analysis.tune reads: its config (the settings) and its summary."""
+def _run(d, algorithm, n, seed, lr, status="completed", val_loss=1.0, experiment="tune_quick", data=None, **knobs):
+    """A run directory with what analysis.tune reads: its config (the settings; `data`, its data group) and its
+    summary."""
     (d / ".hydra").mkdir(parents=True)
     config = {"algorithm": {"name": algorithm, **knobs}, "workers": n, "seed": seed, "lr": lr}
+    if data:
+        config["data"] = data
     (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
     (d / "summary.json").write_text(
         json.dumps(
@@ -33,12 +36,12 @@ def _run(d, algorithm, n, seed, lr, status="completed", val_loss=1.0, experiment
     )
 
 
-def _tuning_sweep(root):
+def _tuning_sweep(root, seeds=(10, 11), data=None, downpour=((0.9, 0.9), (0.7, 0.7))):
     """GEM at n = 4: (lr, κ) = (0.05, 1) scores 1.0; (0.2, 2) 0.5 on one seed but diverges on the other; (0.05, 2)
-    0.8. DOWNPOUR: lr 0.05 scores 0.9, lr 0.2 0.7. Seeds 10 and 11."""
+    0.8 (0.7 and 0.9). DOWNPOUR: lr 0.05 scores 0.9, lr 0.2 0.7 (`downpour`: each seed's). Seeds 10 and 11."""
     job = 0
     for lr, kappa, losses in [(0.05, 1, (1.0, 1.0)), (0.2, 2, (0.5, None)), (0.05, 2, (0.7, 0.9))]:
-        for seed, loss in zip((10, 11), losses, strict=True):
+        for seed, loss in zip(seeds, losses, strict=True):
             _run(
                 root / str(job),
                 "gem",
@@ -47,14 +50,26 @@ def _tuning_sweep(root):
                 lr,
                 status="completed" if loss else "diverged",
                 val_loss=loss,
+                data=data,
                 kappa=kappa,
             )
             job += 1
-    for lr, loss in [(0.05, 0.9), (0.2, 0.7)]:
-        for seed in (10, 11):
-            _run(root / str(job), "downpour", 4, seed, lr, val_loss=loss)
+    for lr, losses in zip((0.05, 0.2), downpour, strict=True):
+        for seed, loss in zip(seeds, losses, strict=True):
+            _run(root / str(job), "downpour", 4, seed, lr, val_loss=loss, data=data)
             job += 1
     return root
+
+
+def _multirun_yaml(sweep, task, heldout_seeds=None, cwd="/home/user/project"):
+    """The multirun.yaml gem's sweeper writes: what analysis.tune reads of it (the command's overrides, its
+    working folder, the declared held-out seeds)."""
+    hydra = {
+        "sweeper": {"_target_": "hydra_plugins.gem_sweeper.gem_sweeper.GemSweeper", "heldout_seeds": heldout_seeds},
+        "overrides": {"task": list(task)},
+        "runtime": {"cwd": cwd},
+    }
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": hydra}))
 
 
 def test_a_trial_is_scored_by_its_mean_validation_loss_and_a_diverged_seed_makes_it_the_worst(tmp_path):
@@ -74,11 +89,18 @@ def test_tune_writes_the_held_out_experiment_with_the_papers_setting_beside_each
 
     sweep = _tuning_sweep(tmp_path / "sweep")
     conf = tmp_path / "conf"
-    monkeypatch.setattr(experiments.schema, "CONF_DIR", conf)  # where the experiment file goes (not the repo's)
+    monkeypatch.setattr(experiments.schema, "CONF_DIR", conf)  # where --write-conf writes (not the repo's conf/)
+    # by default beside the tuning sweep, as run outputs are, and found there by Hydra's --config-dir
     assert tune.main([str(sweep)]) == 0
     out = capsys.readouterr().out
-    assert "python run.py -m experiment=tune_quick_heldout" in out and "1 of them the paper's" not in out
-    text = (conf / "experiment" / "tune_quick_heldout.yaml").read_text()
+    here = (sweep / "heldout").resolve()
+    assert f"python run.py -m --config-dir {here} experiment=tune_quick_heldout plan=true" in out
+    assert "1 of them the paper's" not in out and not conf.exists()
+    text = (here / "experiment" / "tune_quick_heldout.yaml").read_text()
+    # --write-conf: into the repository's conf/experiment/ (the paper's tune_heldout), run by its name alone
+    assert tune.main([str(sweep), "--write-conf"]) == 0
+    assert "  python run.py -m experiment=tune_quick_heldout plan=true" in capsys.readouterr().out
+    assert (conf / "experiment" / "tune_quick_heldout.yaml").read_text() == text
     node = yaml.safe_load(text)
     assert node["defaults"] == ["tune_quick"] and node["hydra"]["sweeper"]["params"] == {"seed": "0,1,2"}
     assert node["hydra"]["sweeper"]["heldout_seeds"] is None  # it is the held-out stage
@@ -91,15 +113,31 @@ def test_tune_writes_the_held_out_experiment_with_the_papers_setting_beside_each
     assert (sweep / "tuning.csv").exists() and (sweep / "sensitivity.png").stat().st_size > 10_000
 
     # the same choice again is no change; another choice is not overwritten without --force
-    assert tune.main([str(sweep)]) == 0
+    assert tune.main([str(sweep), "--write-conf"]) == 0
     (conf / "experiment" / "tune_quick_heldout.yaml").write_text(text.replace("0.2", "0.4"))
     capsys.readouterr()
-    assert tune.main([str(sweep)]) == 2
+    assert tune.main([str(sweep), "--write-conf"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds another choice; add --force" in err
 
-    # every job it makes is a valid job of the experiment it names (composed from the repository's conf/)
+    # Hydra finds it where the suggested command says: a plan of its jobs, from another folder
+    from helpers import warm_run
+    from helpers.paths import ROOT
+
     monkeypatch.undo()
+    r = warm_run.run_py(
+        "-m",
+        "--config-dir",
+        str(here),
+        "experiment=tune_quick_heldout",
+        "plan=true",
+        cwd=tmp_path,
+        script=str(ROOT / "run.py"),
+    )
+    assert r.returncode == 0, r.stderr
+    assert "gem: plan for 12 jobs" in r.stdout and "algorithm=downpour lr=0.2 seed=2" in r.stdout
+
+    # every job it makes is a valid job of the experiment it names (composed from the repository's conf/)
     jobs = jobs_of({"seed": "0,1,2"}, ["experiment=tune_quick"], node["hydra"]["sweeper"]["grids"])
     assert len(jobs) == 12 and all(check_job(j) for j in jobs[::3])
 
@@ -127,6 +165,72 @@ def test_tune_refuses_an_unfinished_sweep_and_held_out_seeds_that_were_tuned_on(
         assert err == f"error: {sweep}: {running}\n"
     finally:
         os.close(fd)
+
+
+def _suggested(out: str) -> list[str]:
+    """The commands analysis.tune suggests for the held-out stage (its indented lines)."""
+    return [line.strip() for line in out.splitlines() if line.startswith("  python ")]
+
+
+def test_the_suggested_commands_fit_the_sweeps_data_and_the_installed_launchers(tmp_path, capsys, monkeypatch):
+    import experiments.schema
+    from experiments import command
+
+    # nothing is written into the source tree's conf/ (were it, it would be this test's folder)
+    monkeypatch.setattr(experiments.schema, "CONF_DIR", tmp_path / "conf")
+    # digits reads no files: no data.root, whatever the sweep's command said; no joblib where it is not installed
+    monkeypatch.setattr(command, "launcher_installed", lambda name: False, raising=False)
+    digits = {"name": "digits", "root": "data", "num_classes": 10}
+    sweep = _tuning_sweep(tmp_path / "digits", data=digits)
+    _multirun_yaml(sweep, ["experiment=tune_quick", "data.root=somewhere", "workers=4"], heldout_seeds="0,1,2")
+    assert tune.main([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    here = (sweep / "heldout").resolve()
+    assert _suggested(out) == [
+        f"python run.py -m --config-dir {here} experiment=tune_quick_heldout plan=true",
+        f"python run.py -m --config-dir {here} experiment=tune_quick_heldout",
+        f"python -m analysis.tune {sweep} --heldout <its sweep folder>",
+    ]
+    assert 'pip install -e ".[joblib]"' in out and "data.root" not in out
+    # MNIST reads its files under data.root: the sweep's own, made absolute, with the rest of its command (not
+    # what the held-out experiment sets itself: the seeds, n, the settings); joblib where it is installed
+    monkeypatch.setattr(command, "launcher_installed", lambda name: True)
+    mnist = {"name": "mnist", "root": "../data/full", "num_classes": 10}
+    sweep = _tuning_sweep(tmp_path / "mnist", data=mnist)
+    task = [
+        "experiment=tune_quick",
+        "data=mnist",
+        "data.root=../data/full",
+        "workers=4",
+        "budget.worker_steps=40",
+        "logger.eval_every=80",
+    ]
+    _multirun_yaml(sweep, [*task, "seed=10,11"], heldout_seeds="0,1,2", cwd="/home/user/project")
+    assert tune.main([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    run = (
+        f"python run.py -m --config-dir {(sweep / 'heldout').resolve()} experiment=tune_quick_heldout data=mnist "
+        "data.root=/home/user/data/full budget.worker_steps=40"
+    )
+    assert _suggested(out)[:2] == [f"{run} plan=true", f"{run} hydra/launcher=joblib hydra.launcher.n_jobs=2"]
+    assert "(left out of the tuning sweep's command: workers=4 logger.eval_every=80: the held-out experiment" in out
+    # a sweep of no experiment: the held-out stage stands on nothing but the command's own settings, carried
+    plain = tmp_path / "plain"
+    for job, (lr, seed) in enumerate([(0.05, 10), (0.05, 11), (0.2, 10), (0.2, 11)]):
+        _run(plain / str(job), "downpour", 4, seed, lr, val_loss=1.0 - lr, experiment=None, data=digits)
+    _multirun_yaml(plain, ["algorithm=downpour", "lr=0.05,0.2", "seed=10,11", "engine=sim", "epochs=2"])
+    assert tune.main([str(plain)]) == 0
+    out = capsys.readouterr().out
+    node = yaml.safe_load((plain / "heldout" / "experiment" / "tuning_heldout.yaml").read_text())
+    assert "defaults" not in node and node["hydra"]["sweeper"]["grids"][1] == {
+        "algorithm": "downpour",
+        "workers": 4,
+        "lr": 0.2,
+    }
+    here = (plain / "heldout").resolve()
+    run = f"python run.py -m --config-dir {here} experiment=tuning_heldout engine=sim epochs=2"
+    assert _suggested(out)[0] == f"{run} plan=true"
+    assert not (tmp_path / "conf").exists()
 
 
 def test_the_two_protocols_side_by_side_on_the_held_out_seeds(tmp_path, capsys):
