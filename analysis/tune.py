@@ -17,9 +17,11 @@ takes no test quantity).
   that all diverged, none is better than another, and the first in the grid is kept.
 - The choice is the trial with the lowest score, per algorithm and n. A sweep with a failed, killed or missing
   job is refused in one line: a trial on fewer seeds than the others is not the same measurement.
-- Stage 2 reruns, on the held-out seeds (0, 1, 2 by default: the paper protocol's seeds), both the chosen setting
-  and the paper's (η as the experiment sets it, every knob at its default), so that the two protocols are
-  compared on the same seeds; a chosen setting that is the paper's runs once. Stage 2 is written as an
+- Stage 2 reruns, on the held-out seeds, both the chosen setting and the paper's (η as the experiment sets it,
+  every knob at its default), so that the two protocols are compared on the same seeds; a chosen setting that is
+  the paper's runs once. The held-out seeds are --seeds, else the tuning sweep's declared
+  hydra.sweeper.heldout_seeds (experiment=tune: 0, 1, 2, the paper protocol's), else the 3 smallest seeds the
+  tuning did not use (tuning seeds 0, 1: 2, 3, 4); seeds the tuning used are refused. Stage 2 is written as an
   experiment, `<tuning sweep>/heldout/experiment/<experiment>_heldout.yaml` (beside the runs it was chosen from;
   Hydra's `--config-dir <tuning sweep>/heldout` finds it), or with --write-conf the repository's
   `conf/experiment/<experiment>_heldout.yaml` (the paper's tune_heldout), which a reviewer can read and anyone can
@@ -370,7 +372,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--seeds",
         help="the held-out seeds, none of them a tuning seed (default: the tuning sweep's "
-        "hydra.sweeper.heldout_seeds, else 0,1,2)",
+        f"hydra.sweeper.heldout_seeds, else the {len(HELDOUT_SEEDS)} smallest seeds the tuning sweep did not use)",
     )
     p.add_argument(
         "--write-conf",
@@ -407,19 +409,7 @@ def _main(args) -> int:
     sweep = Path(args.sweep)
     runs = _finished_runs(sweep)
     experiment = runs["experiment"].dropna().iloc[0] if runs["experiment"].notna().any() else None
-    given = args.seeds or _declared_seeds(sweep)
-    try:
-        seeds = sorted({int(s) for s in given.split(",") if s.strip()})
-    except ValueError:
-        raise ValueError(
-            f"--seeds={given} is not allowed; it must be integers separated by commas, such as 0,1,2"
-        ) from None
-    used = sorted(set(seeds) & set(int(s) for s in runs["seed"]))
-    if used:
-        raise ValueError(
-            f"--seeds={','.join(map(str, seeds))} is not allowed; seed {used[0]} was a tuning seed, "
-            "the held-out seeds must be new"
-        )
+    seeds, why = heldout_seeds(args.seeds, sweep, sorted({int(s) for s in runs["seed"]}))
     table = trials(runs, select)
     columns = settings_of(runs)
     chosen = table[table["chosen"]]
@@ -481,8 +471,8 @@ def _main(args) -> int:
 
     joblib = launcher_installed("joblib")  # not in the README's install: suggested only where it is there
     print(
-        f"held-out stage: {path} ({len(chosen)} chosen settings, {same} of them the paper's; seeds "
-        f"{','.join(map(str, seeds))}). Run it, then compare:\n"
+        f"held-out stage: {path} ({len(chosen)} chosen settings, {same} of them the paper's), on seeds "
+        f"{','.join(map(str, seeds))} ({why}). Run it, then compare:\n"
         f"  {run} plan=true\n"
         f"  {run}" + (" hydra/launcher=joblib hydra.launcher.n_jobs=2" if joblib else "") + "\n"
         f"  python -m analysis.tune {sweep} --heldout <its sweep folder>"
@@ -500,6 +490,53 @@ def _main(args) -> int:
             "hydra/launcher=joblib hydra.launcher.n_jobs=2)"
         )
     return 0
+
+
+def heldout_seeds(given: str | None, sweep: Path, tuning: list[int]) -> tuple[list[int], str]:
+    """The held-out seeds and, in words, where they come from: --seeds (`given`), else the tuning sweep's
+    declared hydra.sweeper.heldout_seeds, else the len(HELDOUT_SEEDS) smallest seeds the tuning did not use
+    (tuning seeds 0,1 -> 2,3,4: a user's own sweep on the first seeds gets fresh ones, not a refusal). Seeds
+    given or declared that the tuning used are refused, naming where they came from."""
+    declared = _declared_seeds(sweep)
+    if given is not None:
+        key, where, text = "--seeds", "", given
+    elif declared is not None:
+        key, text = "hydra.sweeper.heldout_seeds", declared
+        where = f" (declared by the tuning sweep, in {sweep / 'multirun.yaml'})"
+    else:
+        seeds = _fresh(tuning, len(HELDOUT_SEEDS))
+        return seeds, (
+            f"the {len(seeds)} smallest seeds the tuning sweep did not use: it ran seeds "
+            f"{','.join(map(str, tuning))}; --seeds picks others"
+        )
+    try:
+        seeds = sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        seeds = []
+    if not seeds:
+        raise ValueError(f"{key}={text}{where} is not allowed; it must be integers separated by commas, such as 0,1,2")
+    used = sorted(set(seeds) & set(tuning))
+    if used:
+        raise ValueError(
+            f"{key}={','.join(map(str, seeds))}{where} is not allowed; seed {used[0]} was a tuning seed (the tuning "
+            f"sweep ran seeds {','.join(map(str, tuning))}), the held-out seeds must be new"
+            + ("" if given is not None else f": pass others with --seeds, such as --seeds={_text_seeds(tuning, seeds)}")
+        )
+    return seeds, ("--seeds" if given is not None else "the tuning sweep's hydra.sweeper.heldout_seeds")
+
+
+def _text_seeds(tuning: list[int], seeds: list[int]) -> str:
+    return ",".join(map(str, _fresh(tuning, len(seeds))))
+
+
+def _fresh(used: list[int], k: int) -> list[int]:
+    """The k smallest non-negative seeds not in `used`."""
+    out, s, taken = [], 0, set(used)
+    while len(out) < k:
+        if s not in taken:
+            out.append(s)
+        s += 1
+    return out
 
 
 def stage_two_overrides(sweep: Path, runs: pd.DataFrame, columns: list[str]) -> tuple[list[str], list[str]]:
@@ -566,16 +603,16 @@ def _finished_runs(sweep: Path) -> pd.DataFrame:
     return runs
 
 
-def _declared_seeds(sweep: Path) -> str:
+def _declared_seeds(sweep: Path) -> str | None:
     """The held-out seeds the tuning experiment declares (hydra.sweeper.heldout_seeds in the sweep's
-    multirun.yaml), else HELDOUT_SEEDS."""
+    multirun.yaml), else None."""
     import yaml
 
     try:
         seeds = yaml.safe_load((sweep / "multirun.yaml").read_text())["hydra"]["sweeper"].get("heldout_seeds")
     except Exception:  # no multirun.yaml (runs copied by hand), or another sweeper's
         seeds = None
-    return str(seeds) if seeds is not None else ",".join(map(str, HELDOUT_SEEDS))
+    return str(seeds) if seeds is not None else None
 
 
 def _write_comparison(c: pd.DataFrame, sweep: Path, heldout: Path, out: Path, goals: pd.DataFrame) -> None:

@@ -146,7 +146,8 @@ def test_tune_refuses_an_unfinished_sweep_and_held_out_seeds_that_were_tuned_on(
     sweep = _tuning_sweep(tmp_path / "sweep")
     assert tune.main([str(sweep), "--seeds", "0,11"]) == 2
     assert capsys.readouterr().err == (
-        "error: --seeds=0,11 is not allowed; seed 11 was a tuning seed, the held-out seeds must be new\n"
+        "error: --seeds=0,11 is not allowed; seed 11 was a tuning seed (the tuning sweep ran seeds 10,11), the "
+        "held-out seeds must be new\n"
     )
     (sweep / "3" / "summary.json").unlink()  # a job killed before its summary
     assert tune.main([str(sweep)]) == 2
@@ -165,6 +166,32 @@ def test_tune_refuses_an_unfinished_sweep_and_held_out_seeds_that_were_tuned_on(
         assert err == f"error: {sweep}: {running}\n"
     finally:
         os.close(fd)
+
+
+def test_the_held_out_seeds_default_to_fresh_ones_where_the_sweep_declares_none(tmp_path, capsys):
+    # a user's own sweep on seeds 0 and 1, declaring no hydra.sweeper.heldout_seeds: the next three, said so
+    sweep = _tuning_sweep(tmp_path / "sweep", seeds=(0, 1))
+    assert tune.main([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "on seeds 2,3,4 (the 3 smallest seeds the tuning sweep did not use: it ran seeds 0,1; --seeds picks others)"
+        in out
+    )
+    node = yaml.safe_load((sweep / "heldout" / "experiment" / "tune_quick_heldout.yaml").read_text())
+    assert node["hydra"]["sweeper"]["params"] == {"seed": "2,3,4"}
+    # held-out seeds the sweep declares (experiment=tune's 0,1,2) that it also tuned on (seed=0,1 on its command)
+    # are refused, naming where they came from; the command writes nothing
+    other = _tuning_sweep(tmp_path / "other", seeds=(0, 1))
+    _multirun_yaml(other, ["experiment=tune_quick", "seed=0,1"], heldout_seeds="0,1,2")
+    before = sorted(p.name for p in other.iterdir())
+    assert tune.main([str(other)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: hydra.sweeper.heldout_seeds=0,1,2 (declared by the tuning sweep, in {other / 'multirun.yaml'}) is "
+        "not allowed; seed 0 was a tuning seed (the tuning sweep ran seeds 0,1), the held-out seeds must be new: "
+        "pass others with --seeds, such as --seeds=2,3,4\n"
+    )
+    assert sorted(p.name for p in other.iterdir()) == before
+    assert tune.main([str(other), "--seeds", "5,6,7"]) == 0 and "on seeds 5,6,7 (--seeds)" in capsys.readouterr().out
 
 
 def _suggested(out: str) -> list[str]:
