@@ -17,6 +17,11 @@ takes no test quantity).
   that all diverged, none is better than another, and the first in the grid is kept.
 - The choice is the trial with the lowest score, per algorithm and n. A sweep with a failed, killed or missing
   job is refused in one line: a trial on fewer seeds than the others is not the same measurement.
+- What a choice is worth: its tuning seeds against the runner-up's (the next best trial of that algorithm and n),
+  Welch's t-test on the log scale (`analysis.stats.welch_p`). A choice with p ≥ 0.05 is "not told apart" (on
+  these seeds it is as good as the runner-up), and a workload whose chosen trial's mean validation loss is within
+  10% of chance's, ln(classes), "did not learn": the choice says nothing there. Both are printed beside each
+  choice and counted below the table, and written to tuning.csv.
 - Stage 2 reruns, on the held-out seeds, both the chosen setting and the paper's (η as the experiment sets it,
   every knob at its default), so that the two protocols are compared on the same seeds; a chosen setting that is
   the paper's runs once. The held-out seeds are --seeds, else the tuning sweep's declared
@@ -34,11 +39,11 @@ takes no test quantity).
   AlgoPerf's rule), written to `<tuning sweep>/targets.csv`.
 
 Files: `<tuning sweep>/tuning.csv` (every trial: its setting, seeds, how many diverged, the mean validation loss,
-its rank and whether it was chosen), `<tuning sweep>/targets.csv` and `<tuning sweep>/sensitivity.png` (final
-validation loss against η, one panel per n, diverged trials marked); with --heldout, the table as `--out` (.md or
-.csv; default `<held-out sweep>/protocols.md`): per algorithm and n, the paper's setting and the tuned one on the
-held-out seeds, each with its final test loss and accuracy, its validation loss, and its worker steps and time to
-the announced target.
+whether it learned, its rank and whether it was chosen; a chosen one's runner-up, p and whether it is told apart),
+`<tuning sweep>/targets.csv` and `<tuning sweep>/sensitivity.png` (final validation loss against η, one panel per
+n, diverged trials marked); with --heldout, the table as `--out` (.md or .csv; default `<held-out
+sweep>/protocols.md`): per algorithm and n, the paper's setting and the tuned one on the held-out seeds, each with
+its final test loss and accuracy, its validation loss, and its worker steps and time to the announced target.
 """
 
 from __future__ import annotations
@@ -52,12 +57,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import load, target
+from analysis import load, stats, target
 from analysis.stats import mean_ci
 from experiments import rundir
 from gem.files import write_atomic
 
 HELDOUT_SEEDS = (0, 1, 2)  # how many seeds the held-out stage runs (and experiment=tune's, which it declares)
+CHANCE_MARGIN = 0.1  # a mean validation loss above (1 - this) x ln(classes), chance's loss, learned nothing
 SCORE = "val_loss"  # selection: the final validation loss of the central variable
 # what --select may name, and whether lower is better: the validation split only (the test split is for the report)
 SCORES = {"val_loss": "lower", "val_accuracy": "higher"}
@@ -137,9 +143,14 @@ def trials(runs: pd.DataFrame, select: str = SCORE) -> pd.DataFrame:
         for _, t in g.groupby(keys, sort=False):
             first = t.iloc[0]
             diverged = int((t["status"] == "diverged").sum())
-            values = pd.to_numeric(t[select], errors="coerce")
-            mean = float(values[t["status"] == "completed"].mean()) if diverged < len(t) else math.nan
+            done = t["status"] == "completed"
+            values = pd.to_numeric(t[select], errors="coerce")[done]
+            mean = float(values.mean()) if diverged < len(t) else math.nan
             score = mean if SCORES[select] == "lower" else 1.0 - mean
+            loss = pd.to_numeric(t[SCORE], errors="coerce")[done] if SCORE in t else pd.Series(dtype=float)
+            loss_mean = float(loss.mean()) if len(loss) and diverged < len(t) else math.nan
+            classes = _classes(first)
+            chance = math.log(classes) if classes and classes > 1 else math.nan
             rows.append(
                 {
                     "algorithm": algorithm,
@@ -148,8 +159,16 @@ def trials(runs: pd.DataFrame, select: str = SCORE) -> pd.DataFrame:
                     "setting": describe(_setting(first, columns)),
                     "seeds": len(t),
                     "diverged": diverged,
+                    f"{SCORE}_mean": loss_mean,
                     f"{select}_mean": mean,
                     "score": math.inf if diverged or not np.isfinite(mean) else score,
+                    # chance's loss, ln(classes): a trial whose mean validation loss is within CHANCE_MARGIN of
+                    # it learned nothing, and its rank among others like it is noise
+                    "chance_val_loss": chance,
+                    "learned": bool(loss_mean < (1 - CHANCE_MARGIN) * chance)
+                    if np.isfinite(loss_mean) and np.isfinite(chance)
+                    else math.nan,
+                    "values": list(values),
                 }
             )
     out = pd.DataFrame(rows)
@@ -157,7 +176,72 @@ def trials(runs: pd.DataFrame, select: str = SCORE) -> pd.DataFrame:
         return out
     out["rank"] = out.groupby(["algorithm", "workers"], sort=False)["score"].rank(method="first").astype(int)
     out["chosen"] = out["rank"] == 1
-    return out
+    _against_runner_up(out, select)
+    return out.drop(columns="values")
+
+
+def _classes(run: pd.Series) -> int | None:
+    """The class count of a run's data (`data.num_classes`, else the model's), None when its config says none."""
+    for key in ("data.num_classes", "model.num_classes"):
+        v = run.get(key)
+        if v is not None and not (isinstance(v, float) and math.isnan(v)):
+            try:
+                return int(v)
+            except (TypeError, ValueError):  # an unresolved interpolation
+                continue
+    return None
+
+
+def _against_runner_up(out: pd.DataFrame, select: str) -> None:
+    """Each chosen trial against the next best of its algorithm and n: `runner_up` (its setting), `p_runner_up`
+    (Welch's t-test of their tuning seeds' values of `select`, on the log scale for a loss and the logit scale for
+    an accuracy: analysis.stats.welch_p) and `told_apart` (p < 1 − LEVEL, or a runner-up with a diverged seed).
+    Empty, NaN and NaN on the other rows, and where there is no runner-up or too few seeds to test."""
+    out["runner_up"], out["p_runner_up"], out["told_apart"] = "", math.nan, None
+    scale = "log" if SCORES[select] == "lower" else "logit"
+    for _, g in out.groupby(["algorithm", "workers"], sort=False):
+        by_rank = g.sort_values("rank")
+        if len(by_rank) < 2 or not np.isfinite(by_rank["score"].iloc[0]):
+            continue
+        first, second = by_rank.index[0], by_rank.index[1]
+        out.loc[first, "runner_up"] = out.loc[second, "setting"]
+        if not np.isfinite(out.loc[second, "score"]):  # it had a diverged seed: the choice is the stable one
+            out.loc[first, "told_apart"] = True
+            continue
+        p = stats.welch_p(out.loc[first, "values"], out.loc[second, "values"], scale=scale)
+        out.loc[first, "p_runner_up"] = p
+        out.loc[first, "told_apart"] = None if math.isnan(p) else bool(p < 1 - stats.LEVEL)
+
+
+def verdict(row: pd.Series, select: str = SCORE) -> str:
+    """What a chosen trial's choice is worth, in words: whether it learned, and whether its tuning seeds tell it
+    apart from the runner-up (`trials`' columns)."""
+    if not np.isfinite(row["score"]):
+        return "every trial had a diverged seed"
+    if _is(row.get("learned"), False):
+        return (
+            f"did not learn: mean val loss {row[f'{SCORE}_mean']:.3f}, within {CHANCE_MARGIN:.0%} of chance's "
+            f"(ln {math.exp(row['chance_val_loss']):.0f} = {row['chance_val_loss']:.3f})"
+        )
+    if not row["runner_up"]:
+        return "the only trial"
+    p, apart = row["p_runner_up"], row["told_apart"]
+    if _is(apart, True) and not np.isfinite(p):
+        return f"told apart from {row['runner_up']}, which had a diverged seed"
+    if _is(apart, True):
+        return f"told apart from {row['runner_up']} ({_p(p)})"
+    if _is(apart, False):
+        return f"not told apart from {row['runner_up']} at {stats.LEVEL:.0%} ({_p(p)})"
+    return f"not tested against {row['runner_up']}: fewer than 2 completed seeds"
+
+
+def _p(p: float) -> str:
+    return "p < 0.001" if p < 0.001 else f"p = {p:.2g}"
+
+
+def _is(value, flag: bool) -> bool:
+    """`value` is the boolean `flag` (a column of booleans and NaN holds Python's or numpy's)."""
+    return isinstance(value, (bool, np.bool_)) and bool(value) is flag
 
 
 def _job_number(run_dir: str) -> int:
@@ -439,15 +523,7 @@ def _main(args) -> int:
     write_atomic(sweep / "tuning.csv", table.to_csv(index=False).encode())
     write_atomic(sweep / "targets.csv", goals.to_csv(index=False).encode())
     figure = sensitivity_figure(table, sweep / "sensitivity.png") if select == SCORE else None
-    show = chosen[["algorithm", "workers", "setting", "seeds", "diverged", f"{select}_mean"]]
-    best = "lowest mean validation loss" if select == SCORE else "highest mean validation accuracy"
-    print(
-        f"tuning: {len(table)} trials of {table['algorithm'].nunique()} algorithms in {sweep} "
-        f"({len(runs)} runs); the chosen setting of each algorithm at each n ({best}, on the tuning seeds):"
-    )
-    print(
-        _markdown(show.rename(columns={"workers": "n", f"{select}_mean": f"{select.replace('_', ' ')} (tuning seeds)"}))
-    )
+    _show_choices(table, runs, sweep, select)
     print(
         f"trials: {sweep / 'tuning.csv'}; targets announced for the held-out comparison: {sweep / 'targets.csv'} ("
         + "; ".join(
@@ -490,6 +566,47 @@ def _main(args) -> int:
             "hydra/launcher=joblib hydra.launcher.n_jobs=2)"
         )
     return 0
+
+
+def _show_choices(table: pd.DataFrame, runs: pd.DataFrame, sweep: Path, select: str) -> None:
+    """The chosen setting of each algorithm at each n, with what its choice is worth (`verdict`), and a line that
+    counts the choices that are not told apart from noise."""
+    chosen = table[table["chosen"]]
+    show = chosen[["algorithm", "workers", "setting", "seeds", "diverged", f"{select}_mean"]].copy()
+    show["against the runner-up"] = [verdict(r, select) for _, r in chosen.iterrows()]
+    best = "lowest mean validation loss" if select == SCORE else "highest mean validation accuracy"
+    print(
+        f"tuning: {len(table)} trials of {table['algorithm'].nunique()} algorithms in {sweep} "
+        f"({len(runs)} runs); the chosen setting of each algorithm at each n ({best}, on the tuning seeds):"
+    )
+    print(
+        _markdown(show.rename(columns={"workers": "n", f"{select}_mean": f"{select.replace('_', ' ')} (tuning seeds)"}))
+    )
+    seeds = int(chosen["seeds"].max()) if len(chosen) else 0
+    dead = np.array([_is(v, False) for v in chosen["learned"]], dtype=bool) | ~np.isfinite(chosen["score"])
+    apart = np.array([_is(v, True) for v in chosen["told_apart"]], dtype=bool) & ~dead
+    scale = "log" if SCORES[select] == "lower" else "logit"
+    print(
+        f"told apart from the runner-up at {stats.LEVEL:.0%} (Welch's t-test over the {seeds} tuning seeds, "
+        f"{select.replace('_', ' ')} on the {scale} scale): {int(apart.sum())} of {len(chosen)} choices"
+        + (f" ({_names(chosen[apart])})" if apart.any() and not apart.all() else "")
+    )
+    rest = chosen[~apart & ~dead & (chosen["runner_up"] != "")]  # the only trial: its row says so
+    if len(rest):
+        print(
+            f"not told apart: {_names(rest)}: on these seeds each is as good as its runner-up, so its setting is a "
+            "guess among them; more tuning seeds or a longer budget would tell them apart"
+        )
+    if dead.any():
+        print(
+            f"did not learn: {_names(chosen[dead])}: no trial's mean validation loss is below chance's by more than "
+            f"{CHANCE_MARGIN:.0%}, or every trial diverged; the choice says nothing about the algorithm: give the "
+            "runs a longer budget"
+        )
+
+
+def _names(chosen: pd.DataFrame) -> str:
+    return ", ".join(f"{a} at n = {n}" for a, n in zip(chosen["algorithm"], chosen["workers"], strict=True))
 
 
 def heldout_seeds(given: str | None, sweep: Path, tuning: list[int]) -> tuple[list[int], str]:

@@ -260,6 +260,40 @@ def test_the_suggested_commands_fit_the_sweeps_data_and_the_installed_launchers(
     assert not (tmp_path / "conf").exists()
 
 
+def test_each_choice_says_whether_its_seeds_tell_it_apart_from_the_runner_up(tmp_path, capsys):
+    # GEM's choice (κ 2: 0.7, 0.9) against κ 1 (1.0, 1.0): not told apart on 2 seeds; DOWNPOUR's lr 0.2 (0.69,
+    # 0.71) against lr 0.05 (0.90, 0.92): told apart
+    data = {"name": "digits", "num_classes": 10}
+    sweep = _tuning_sweep(tmp_path / "sweep", data=data, downpour=((0.90, 0.92), (0.69, 0.71)))
+    assert tune.main([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in out.splitlines() if "|  " in line}
+    assert rows["gem"] == "not told apart from kappa=1 lr=0.05 at 95% (p = 0.32)"
+    assert rows["downpour"] == "told apart from lr=0.05 (p = 0.006)"
+    assert "told apart from the runner-up at 95% (Welch's t-test over the 2 tuning seeds, val loss on the log " in out
+    assert "): 1 of 2 choices (downpour at n = 4)\nnot told apart: gem at n = 4: on these seeds" in out
+    import pandas as pd
+
+    t = pd.read_csv(sweep / "tuning.csv").set_index("setting")
+    assert t.loc["kappa=2 lr=0.05", "runner_up"] == "kappa=1 lr=0.05" and not t.loc["kappa=2 lr=0.05", "told_apart"]
+    assert t.loc["kappa=2 lr=0.05", "p_runner_up"] == pytest.approx(0.32, abs=0.005)
+    # a workload where no trial left chance (ln 10 = 2.30) by more than 10%: said, whatever its p
+    dull = _tuning_sweep(tmp_path / "dull", data=data, downpour=((2.25, 2.26), (2.10, 2.11)))
+    assert tune.main([str(dull)]) == 0
+    out = capsys.readouterr().out
+    assert "did not learn: mean val loss 2.105, within 10% of chance's (ln 10 = 2.303)" in out
+    assert "did not learn: downpour at n = 4: no trial's mean validation loss is below chance's by more than 10%" in out
+
+
+def test_welch_p_tells_two_settings_seeds_apart_on_the_log_scale():
+    from analysis.stats import welch_p
+
+    assert welch_p([0.12, 0.15, 0.11], [0.30, 0.33, 0.28]) == pytest.approx(0.0035, abs=1e-4)
+    assert welch_p([1.0, 1.2, 0.9], [0.95, 1.15, 1.0]) > 0.9
+    assert welch_p([0.5], [0.6, 0.7]) != welch_p([0.5], [0.6, 0.7])  # NaN: one seed has no spread to test against
+    assert welch_p([0.5, 0.5], [0.6, 0.6]) == 0.0 and welch_p([0.5, 0.5], [0.5, 0.5]) == 1.0
+
+
 def test_the_two_protocols_side_by_side_on_the_held_out_seeds(tmp_path, capsys):
     sweep = _tuning_sweep(tmp_path / "sweep")
     held = tmp_path / "held"
