@@ -249,14 +249,17 @@ def _job_number(run_dir: str) -> int:
     return int(name) if name.isdigit() else 1 << 30
 
 
-def paper_setting(algorithm: str, experiment: str | None, columns: list[str]) -> dict:
+def paper_setting(algorithm: str, experiment: str | None, columns: list[str], config_dirs=()) -> dict:
     """The paper protocol's setting of `algorithm` in `columns`: η as the experiment sets it, every knob at the
-    algorithm's default (its conf/algorithm YAML), composed as a job would be."""
+    algorithm's default (its conf/algorithm YAML), composed as a job would be (`config_dirs`: the folders besides
+    conf/ the tuning sweep's command searched, where its experiment may live)."""
     from omegaconf import OmegaConf
 
     from experiments.config import compose
 
-    cfg = compose([f"algorithm={algorithm}", *([f"experiment={experiment}"] if experiment else [])])
+    cfg = compose(
+        [f"algorithm={algorithm}", *([f"experiment={experiment}"] if experiment else []), *_searchpath(config_dirs)]
+    )
     flat = load.flatten(OmegaConf.to_container(cfg, resolve=False))
     return {c: flat[c] for c in columns if c in flat and flat[c] is not None}
 
@@ -266,7 +269,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def heldout_experiment(
-    chosen: pd.DataFrame, columns: list[str], experiment: str | None, seeds, select: str = SCORE
+    chosen: pd.DataFrame, columns: list[str], experiment: str | None, seeds, select: str = SCORE, config_dirs=()
 ) -> tuple[str, int]:
     """The held-out stage as an experiment file's text: every algorithm at the paper's setting, and each chosen
     setting that is not the paper's, at its n, on `seeds`; on top of the tuning's `experiment`, or of nothing for
@@ -274,7 +277,7 @@ def heldout_experiment(
     and how many of the chosen settings are the paper's."""
     grids, same = [], 0
     for algorithm, g in chosen.groupby("algorithm", sort=False):
-        paper = paper_setting(algorithm, experiment, columns)
+        paper = paper_setting(algorithm, experiment, columns, config_dirs)
         workers = ",".join(str(int(n)) for n in g["workers"])
         grids.append(
             f'      - {{algorithm: {algorithm}, workers: "{workers}", lr: {_text(paper["lr"])}}}'
@@ -327,18 +330,19 @@ def compare(
     experiment: str | None,
     columns: list[str],
     hit: pd.DataFrame | None = None,
+    config_dirs=(),
 ) -> pd.DataFrame:
     """Per algorithm and n: the held-out runs at the paper's setting and at the chosen one, side by side (the
     same runs when the choice is the paper's setting): final test loss and accuracy (the split no choice saw), the
     validation loss, and (`hit`: `analysis.target.times` of the held-out runs) the worker steps and time to the
-    announced target. `columns`: the settings the trials differ in."""
+    announced target. `columns`: the settings the trials differ in; `config_dirs`: as paper_setting takes them."""
     rows, papers = [], {}
     for _, t in trial_table[trial_table["chosen"]].iterrows():
         algorithm, n = t["algorithm"], int(t["workers"])
         here = heldout[(heldout["algorithm"] == algorithm) & (heldout["workers"] == n)]
         tuned = _setting(t, columns)
         if algorithm not in papers:  # composed once per algorithm
-            papers[algorithm] = paper_setting(algorithm, experiment, columns)
+            papers[algorithm] = paper_setting(algorithm, experiment, columns, config_dirs)
         paper = {k: v for k, v in papers[algorithm].items() if k in tuned}
         row = {"algorithm": algorithm, "n": n}
         for name, setting in (("paper", paper), ("tuned", tuned)):
@@ -494,6 +498,7 @@ def _main(args) -> int:
     runs = _finished_runs(sweep)
     experiment = runs["experiment"].dropna().iloc[0] if runs["experiment"].notna().any() else None
     seeds, why = heldout_seeds(args.seeds, sweep, sorted({int(s) for s in runs["seed"]}))
+    config_dirs = _config_dirs(sweep)
     table = trials(runs, select)
     columns = settings_of(runs)
     chosen = table[table["chosen"]]
@@ -515,7 +520,12 @@ def _main(args) -> int:
         else:  # beside the sweep it was chosen from, as run outputs are; Hydra's --config-dir finds it there
             config_dir = (sweep / "heldout").resolve()
             path = config_dir / "experiment" / f"{name}.yaml"
-        text, same = heldout_experiment(chosen, columns, experiment, seeds, select)
+        # the tuning's experiment may live in a folder of its command's own (--config-dir): the held-out one,
+        # which stands on it, searches there too (Hydra takes one --config-dir, and hydra.searchpath the others)
+        others = list(config_dirs)
+        if config_dir is None and others:
+            config_dir = others.pop(0)
+        text, same = heldout_experiment(chosen, columns, experiment, seeds, select, config_dirs)
         if path.exists() and path.read_text() != text and not args.force:
             raise ValueError(f"{path} exists and holds another choice; add --force to replace it")
         carried, left = stage_two_overrides(sweep, runs, columns)
@@ -537,11 +547,12 @@ def _main(args) -> int:
             heldout, table="eval", columns=["algorithm", "workers", "seed", "status", "engine"], meta=held
         )
         hit = target.times(held, ev, goals)
-        _write_comparison(compare(table, held, experiment, columns, hit), sweep, heldout, out, goals)
+        _write_comparison(compare(table, held, experiment, columns, hit, config_dirs), sweep, heldout, out, goals)
         return 0
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, text.encode())
-    run = "python run.py -m" + (f" --config-dir {config_dir}" if config_dir else "") + f" experiment={name}"
+    run = "python run.py -m" + (f" --config-dir {config_dir}" if config_dir else "")
+    run += "".join(f" '{o}'" for o in _searchpath(others)) + f" experiment={name}"
     run += "".join(f" {o}" for o in carried)
     from experiments.command import launcher_installed
 
@@ -710,6 +721,27 @@ def _sweep_command(sweep: Path) -> tuple[list[str] | None, str | None]:
         return list(hydra["overrides"]["task"] or []), (hydra.get("runtime") or {}).get("cwd")
     except Exception:  # no multirun.yaml (runs copied by hand), or not Hydra's
         return None, None
+
+
+def _config_dirs(sweep: Path) -> list[str]:
+    """The config folders the tuning sweep's command searched besides the repository's conf/ (--config-dir,
+    hydra.searchpath: hydra.runtime.config_sources in its multirun.yaml), where its experiment may live."""
+    import yaml
+
+    try:
+        sources = yaml.safe_load((sweep / "multirun.yaml").read_text())["hydra"]["runtime"]["config_sources"]
+    except Exception:  # no multirun.yaml (runs copied by hand): conf/ alone
+        return []
+    return [
+        str(s["path"])
+        for s in sources or []
+        if s.get("schema") == "file" and s.get("provider") != "main" and s.get("path")
+    ]
+
+
+def _searchpath(config_dirs) -> list[str]:
+    """The override that adds `config_dirs` to Hydra's search path (none for none)."""
+    return [f"hydra.searchpath=[{','.join(f'file://{d}' for d in config_dirs)}]"] if config_dirs else []
 
 
 def _finished_runs(sweep: Path) -> pd.DataFrame:

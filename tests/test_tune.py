@@ -61,13 +61,17 @@ def _tuning_sweep(root, seeds=(10, 11), data=None, downpour=((0.9, 0.9), (0.7, 0
     return root
 
 
-def _multirun_yaml(sweep, task, heldout_seeds=None, cwd="/home/user/project"):
+def _multirun_yaml(sweep, task, heldout_seeds=None, cwd="/home/user/project", config_dir=None):
     """The multirun.yaml gem's sweeper writes: what analysis.tune reads of it (the command's overrides, its
-    working folder, the declared held-out seeds)."""
+    working folder and config folders, the declared held-out seeds)."""
+    sources = [{"path": "hydra.conf", "schema": "pkg", "provider": "hydra"}]
+    sources.append({"path": "/work/gem/conf", "schema": "file", "provider": "main"})
+    if config_dir:
+        sources.append({"path": str(config_dir), "schema": "file", "provider": "command-line"})
     hydra = {
         "sweeper": {"_target_": "hydra_plugins.gem_sweeper.gem_sweeper.GemSweeper", "heldout_seeds": heldout_seeds},
         "overrides": {"task": list(task)},
-        "runtime": {"cwd": cwd},
+        "runtime": {"cwd": cwd, "config_sources": sources},
     }
     (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": hydra}))
 
@@ -258,6 +262,29 @@ def test_the_suggested_commands_fit_the_sweeps_data_and_the_installed_launchers(
     run = f"python run.py -m --config-dir {here} experiment=tuning_heldout engine=sim epochs=2"
     assert _suggested(out)[0] == f"{run} plan=true"
     assert not (tmp_path / "conf").exists()
+
+
+def test_a_sweep_of_an_experiment_in_its_own_config_dir_gets_a_held_out_stage_that_finds_it(tmp_path, capsys):
+    # the user's own experiment, in their own folder (python run.py -m --config-dir mine experiment=mine_tune)
+    mine = tmp_path / "mine"
+    (mine / "experiment").mkdir(parents=True)
+    (mine / "experiment" / "mine_tune.yaml").write_text("# @package _global_\ndefaults:\n  - tune_quick\n\nlr: 0.1\n")
+    sweep = tmp_path / "sweep"
+    for job, (lr, seed) in enumerate([(0.1, 10), (0.1, 11), (0.2, 10), (0.2, 11)]):
+        _run(sweep / str(job), "downpour", 4, seed, lr, val_loss=1.0 - lr, experiment="mine_tune")
+    _multirun_yaml(sweep, ["experiment=mine_tune", "lr=0.1,0.2"], heldout_seeds="0,1,2", config_dir=mine)
+    assert tune.main([str(sweep)]) == 0  # the paper's setting is composed from the user's experiment: η 0.1
+    node = yaml.safe_load((sweep / "heldout" / "experiment" / "mine_tune_heldout.yaml").read_text())
+    assert node["defaults"] == ["mine_tune"]
+    assert node["hydra"]["sweeper"]["grids"] == [
+        {"algorithm": "downpour", "workers": "4", "lr": 0.1},
+        {"algorithm": "downpour", "workers": 4, "lr": 0.2},
+    ]
+    here = (sweep / "heldout").resolve()
+    assert _suggested(capsys.readouterr().out)[0] == (
+        f"python run.py -m --config-dir {here} 'hydra.searchpath=[file://{mine}]' experiment=mine_tune_heldout "
+        "plan=true"
+    )
 
 
 def test_each_choice_says_whether_its_seeds_tell_it_apart_from_the_runner_up(tmp_path, capsys):
