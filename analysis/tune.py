@@ -551,7 +551,7 @@ def _main(args) -> int:
         return 0
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, text.encode())
-    run = "python run.py -m" + (f" --config-dir {config_dir}" if config_dir else "")
+    run = f"python {_run_py()} -m" + (f" --config-dir {config_dir}" if config_dir else "")
     run += "".join(f" '{o}'" for o in _searchpath(others)) + f" experiment={name}"
     run += "".join(f" {o}" for o in carried)
     from experiments.command import launcher_installed
@@ -721,6 +721,13 @@ def _sweep_command(sweep: Path) -> tuple[list[str] | None, str | None]:
         return list(hydra["overrides"]["task"] or []), (hydra.get("runtime") or {}).get("cwd")
     except Exception:  # no multirun.yaml (runs copied by hand), or not Hydra's
         return None, None
+
+
+def _run_py() -> str:
+    """`run.py` as the suggested commands name it: from the repository's folder as the README runs it, else by
+    its whole path, so that a command printed elsewhere runs as printed."""
+    here = Path(__file__).resolve().parent.parent / "run.py"
+    return "run.py" if Path.cwd().resolve() == here.parent else str(here)
 
 
 def _config_dirs(sweep: Path) -> list[str]:

@@ -204,9 +204,12 @@ def _suggested(out: str) -> list[str]:
 
 
 def test_the_suggested_commands_fit_the_sweeps_data_and_the_installed_launchers(tmp_path, capsys, monkeypatch):
+    from helpers.paths import ROOT
+
     import experiments.schema
     from experiments import command
 
+    monkeypatch.chdir(ROOT)  # where the README runs `python run.py`
     # nothing is written into the source tree's conf/ (were it, it would be this test's folder)
     monkeypatch.setattr(experiments.schema, "CONF_DIR", tmp_path / "conf")
     # digits reads no files: no data.root, whatever the sweep's command said; no joblib where it is not installed
@@ -262,6 +265,11 @@ def test_the_suggested_commands_fit_the_sweeps_data_and_the_installed_launchers(
     run = f"python run.py -m --config-dir {here} experiment=tuning_heldout engine=sim epochs=2"
     assert _suggested(out)[0] == f"{run} plan=true"
     assert not (tmp_path / "conf").exists()
+    # from another folder, run.py is named by its path: the command runs as printed there too
+    monkeypatch.chdir(tmp_path)
+    assert tune.main([str(plain)]) == 0
+    elsewhere = run.replace(" run.py ", f" {ROOT / 'run.py'} ")
+    assert _suggested(capsys.readouterr().out)[0] == f"{elsewhere} plan=true"
 
 
 def test_a_sweep_of_an_experiment_in_its_own_config_dir_gets_a_held_out_stage_that_finds_it(tmp_path, capsys):
