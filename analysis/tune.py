@@ -584,6 +584,7 @@ def _show_choices(table: pd.DataFrame, runs: pd.DataFrame, sweep: Path, select: 
     counts the choices that are not told apart from noise."""
     chosen = table[table["chosen"]]
     show = chosen[["algorithm", "workers", "setting", "seeds", "diverged", f"{select}_mean"]].copy()
+    show[f"{select}_mean"] = show[f"{select}_mean"].map(lambda v: f"{v:.4f}")  # as the held-out file writes it
     show["against the runner-up"] = [verdict(r, select) for _, r in chosen.iterrows()]
     best = "lowest mean validation loss" if select == SCORE else "highest mean validation accuracy"
     print(
