@@ -294,7 +294,7 @@ def heldout_experiment(
                 f"  # tuned: {select.replace('_', ' ')} {row[f'{select}_mean']:.4f} over {row['seeds']} "
                 "seeds"
             )
-    source = f"experiment={experiment}" if experiment else "no experiment (its command's settings go with its own)"
+    source = f"experiment={experiment}" if experiment else "no experiment (its settings come with stage 2's command)"
     text = (
         "# @package _global_\n"
         f"# The tuning protocol's held-out stage, written by `python -m analysis.tune` from a sweep of {source}:\n"
