@@ -13,9 +13,13 @@ With the 2–5 seeds a sweep here runs, a bootstrap interval is too narrow (it r
 cannot be wider than their range); the t interval widens with few seeds as it should. It assumes the seeds' values
 (on its scale) are roughly normal: for a handful of final losses that is an assumption. One seed has no interval.
 
-    from analysis.stats import mean_ci
+Whether two settings' seeds tell them apart (`welch_p`: the tuning protocol's choice against its runner-up) is
+Welch's t-test on the same scale.
+
+    from analysis.stats import mean_ci, welch_p
     mean_ci([0.12, 0.15, 0.11])        # Aggregate(mean=0.1267, lo=0.08..., hi=0.19..., k=3): log scale
     mean_ci([0.97, 0.98], scale="logit")
+    welch_p([0.12, 0.15, 0.11], [0.30, 0.33, 0.28])  # 0.0035: told apart at 95%
 """
 
 from __future__ import annotations
@@ -106,6 +110,27 @@ def mean_ci(values: Iterable[float], level: float = LEVEL, scale: str = "auto") 
     half = float(t_quantile(k, level)) * float(z.std(ddof=1)) / math.sqrt(k)
     centre = float(z.mean())
     return Aggregate(mean, float(_back(centre - half, s)), float(_back(centre + half, s)), k)
+
+
+def welch_p(a: Iterable[float], b: Iterable[float], scale: str = "auto") -> float:
+    """The two-sided p-value of Welch's t-test that `a` and `b` (the finite values of two settings' seeds) have the
+    same mean, on `scale` as `mean_ci` takes it (`auto`: log where every value of both is positive). Welch's, not
+    Student's: two settings' seeds need not spread alike (a large η spreads more). NaN with fewer than 2 values on
+    either side, where no test can be made; 0 when both are constant and differ."""
+    from scipy.stats import ttest_ind
+
+    x = np.asarray([v for v in a if v is not None], dtype=float)
+    y = np.asarray([v for v in b if v is not None], dtype=float)
+    x, y = x[np.isfinite(x)], y[np.isfinite(y)]
+    if len(x) < 2 or len(y) < 2:
+        return math.nan
+    s = _scale(np.concatenate([x, y]), scale)
+    if s == "log" and not ((x > 0).all() and (y > 0).all()):
+        s = "linear"
+    zx, zy = _forward(x, s), _forward(y, s)
+    if zx.std() == 0 and zy.std() == 0:  # scipy answers NaN there: no spread, so any difference is told apart
+        return 1.0 if zx.mean() == zy.mean() else 0.0
+    return float(ttest_ind(zx, zy, equal_var=False).pvalue)
 
 
 def ci_frame(per_run: pd.DataFrame, level: float = LEVEL, scale: str = "auto") -> pd.DataFrame:

@@ -216,16 +216,25 @@ LAUNCHER_EXTRAS = {
 }
 
 
-def _missing_launcher(overrides: list[str]) -> str | None:
-    """`hydra/launcher=joblib` without its plugin installed: the line that says how to install it."""
+def launcher_installed(name: str) -> bool:
+    """Whether `hydra/launcher=<name>` has its plugin installed (one of LAUNCHER_EXTRAS; any other is Hydra's
+    own or the repository's): analysis.tune suggests joblib only where it is."""
     import importlib.util
 
+    if name not in LAUNCHER_EXTRAS:
+        return True
+    module = LAUNCHER_EXTRAS[name][0]
+    return importlib.util.find_spec(module.split(".")[0]) is not None and importlib.util.find_spec(module) is not None
+
+
+def _missing_launcher(overrides: list[str]) -> str | None:
+    """`hydra/launcher=joblib` without its plugin installed: the line that says how to install it."""
     for o in overrides:
         key, _, value = o.partition("=")
         if key.lstrip("+~") != "hydra/launcher" or value not in LAUNCHER_EXTRAS:
             continue
-        module, extra = LAUNCHER_EXTRAS[value]
-        if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+        extra = LAUNCHER_EXTRAS[value][1]
+        if not launcher_installed(value):
             return (
                 f"hydra/launcher={value} needs a Hydra launcher plugin that is not installed; install it with "
                 f'pip install -e ".[{extra}]" (in this project\'s folder)'

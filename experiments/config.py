@@ -584,19 +584,27 @@ def composed(overrides: list[str], compose_fn=None) -> DictConfig:
     option a group does not have, a key no schema has, a value of the wrong type."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    unknown = None  # the first group option conf/ does not have: the line that lists the options it has
     for o in OverridesParser.create().parse_overrides(overrides):
         if o.key_or_group in GROUPS and not o.is_delete():
             value = o.value()
             if isinstance(value, str) and value not in options(o.key_or_group):
                 have = options(o.key_or_group)
-                raise ConfigError(
+                unknown = ConfigError(
                     f"{o.key_or_group}={value} is not an option; "
                     + (f"choose one of: {', '.join(have)}" if have else f"no {o.key_or_group} configs exist yet")
                 )
+                break
+    # Hydra's own loader (a sweep's compose_fn) also searches `--config-dir`, where analysis.tune writes a held-out
+    # stage's experiment: there an option conf/ lacks may compose, and only a failure to compose refuses it
+    if unknown is not None and compose_fn is None:
+        raise unknown
     overrides = [o for o in overrides if not o.startswith("hydra")]
     try:
         return (compose_fn or compose)(overrides)
     except Exception as e:  # composition errors: wrong types, unknown keys
+        if unknown is not None:
+            raise unknown from None
         line = one_line(e)
         group = line.split(".", 1)[0] if " is not a config key" in line else None
         if group in GROUPS:  # an unknown key inside a group: list the keys that group has

@@ -68,7 +68,10 @@ BAD = [
     (["lr=-0.1"], "lr=-0.1 is not allowed; lr must be a finite number > 0"),
     (["lr=inf"], "lr=inf is not allowed; lr must be a finite number > 0"),
     (["algorithm=sgd,sgd"], "algorithm=sgd,sgd is a sweep; add -m (--multirun)"),
-    (["experiment=fig99"], "experiment=fig99 is not an option; choose one of: baselines, baselines_quick, fig1, "),
+    (
+        ["experiment=fig99"],
+        "experiment=fig99 is not an option; choose one of: baselines, baselines_delay, baselines_quick, dylu, fig1, ",
+    ),
     (
         ["engine=sim", "engine.straggler_fraction=0"],
         "engine.straggler_fraction=0.0 is not allowed; it must be a number in (0, 1]",
@@ -343,3 +346,20 @@ def test_compose_works_inside_a_running_hydra_and_leaves_it_as_it_was():
         assert cfg.algorithm.name == "ringmaster"
         assert GlobalHydra.instance().is_initialized()  # the running app's, put back
         assert hydra_compose("config", overrides=["algorithm=rennala"]).algorithm.name == "rennala"
+
+
+def test_a_sweep_composes_an_experiment_that_only_its_config_dir_holds():
+    from experiments.config import composed
+
+    # conf/ has no such experiment: composed as `python run.py` composes (conf/ alone), the line of its options
+    with pytest.raises(ConfigError, match="experiment=x_heldout is not an option; choose one of: baselines, "):
+        composed(["experiment=x_heldout"])
+    # a sweep composes with Hydra's own loader, which also searches --config-dir (where analysis.tune writes the
+    # held-out stage): there it composes, and only where that loader fails too is it refused, with the same line
+    assert composed(["experiment=x_heldout"], lambda overrides: overrides) == ["experiment=x_heldout"]
+
+    def nowhere(overrides):
+        raise RuntimeError("In 'config': Could not find 'experiment/x_heldout'")
+
+    with pytest.raises(ConfigError, match="experiment=x_heldout is not an option; choose one of: baselines, "):
+        composed(["experiment=x_heldout"], nowhere)
