@@ -383,6 +383,24 @@ def gamma_runs(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def dylu_runs(tmp_path_factory):
+    """async_localsgd with fixed windows and with DyLU, under sim's stragglers: what the dylu figure draws."""
+    root = tmp_path_factory.mktemp("dylu")
+    for i, dynamic in enumerate(("false", "true")):
+        _run(
+            root / str(i),
+            [
+                "algorithm=async_localsgd",
+                "algorithm.window=4",
+                f"algorithm.dynamic_window={dynamic}",
+                "workers=4",
+                "engine.staleness=stragglers",
+            ],
+        )
+    return root
+
+
 def _as_engine(run_dir, engine):
     """Rewrite a copied run as if it had run on `engine` (its summary and its config say so)."""
     import json
@@ -418,7 +436,7 @@ def test_the_sweep_has_what_the_figures_need(sweep):
 @pytest.mark.slow
 @pytest.mark.parametrize("fig_id", sorted(FIGURES))
 @SHARED
-def test_every_figure_draws_from_a_small_sweep(sweep, kappa_run, gamma_runs, process_runs, tmp_path, fig_id):
+def test_every_figure_draws_from_a_small_sweep(sweep, kappa_run, gamma_runs, process_runs, dylu_runs, tmp_path, fig_id):
     if fig_id in ("fig9", "fig10"):  # n = 8 and n = 16: not in this sweep
         # it said "the requested number of workers", which no option of the command requests
         n = 8 if fig_id == "fig9" else 16
@@ -435,6 +453,10 @@ def test_every_figure_draws_from_a_small_sweep(sweep, kappa_run, gamma_runs, pro
         with pytest.raises(NoRuns, match="some of these runs have engine.staleness=round_robin"):
             FIGURES[fig_id](sweep)
         paths = gamma_runs
+    if fig_id == "dylu":  # async_localsgd under stragglers, fixed windows and DyLU: not in this sweep
+        with pytest.raises(NoRuns, match="dylu needs the runs of a dylu sweep"):
+            FIGURES[fig_id](sweep)
+        paths = dylu_runs
     fig = FIGURES[fig_id](paths)
     # data only: not the reference lines and the paper's markers, which are drawn whatever the runs hold
     data = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_linestyle() != ":" and ln.get_label() != PAPER]
