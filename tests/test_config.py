@@ -70,7 +70,8 @@ BAD = [
     (["algorithm=sgd,sgd"], "algorithm=sgd,sgd is a sweep; add -m (--multirun)"),
     (
         ["experiment=fig99"],
-        "experiment=fig99 is not an option; choose one of: baselines, baselines_delay, baselines_quick, dylu, fig1, ",
+        "experiment=fig99 is not an option; choose one of: baselines, baselines_delay, baselines_delay_quick, "
+        "baselines_quick, dylu, dylu_quick, fig1, ",
     ),
     (
         ["engine=sim", "engine.straggler_fraction=0"],
