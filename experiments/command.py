@@ -55,6 +55,7 @@ from experiments.config import (
 from experiments.job import check_length
 from experiments.rundir import Refused
 from gem import data as gdata
+from gem.engines.distributed.group import ranges
 
 # The Specs checked for the jobs Hydra is about to launch in this process, by their overrides: main() takes its
 # job's Spec from here. A launcher that runs jobs in other processes (joblib, submitit) finds none there, and
@@ -573,22 +574,11 @@ def _plan_resume(sweep_dir: Path, specs: list[Spec]) -> list[str]:
         listed = (
             ", ".join(f"{num} ({why})" for num, why in by[a])
             if a in ("resume", "rerun")
-            else _ranges([num for num, _ in by[a]])
+            else ranges([num for num, _ in by[a]])
         )
         parts.append(f"job{'s' if len(by[a]) > 1 else ''} {listed}: {words[a]}")
     print(f"gem: resuming the sweep in {sweep_dir}: " + "; ".join(parts), file=sys.stderr)
     return actions
-
-
-def _ranges(nums: list[int]) -> str:
-    """[0, 1, 2, 3, 7, 9, 10] -> '0-3, 7, 9-10'."""
-    out, start = [], None
-    for i, n in enumerate(nums):
-        start = n if start is None else start
-        if i + 1 == len(nums) or nums[i + 1] != n + 1:
-            out.append(f"{start}" if start == n else f"{start}-{n}")
-            start = None
-    return ", ".join(out)
 
 
 def ready(jobs: list[list[str]], specs: list[Spec]) -> None:
@@ -742,7 +732,7 @@ def end_if_refused(nums: list[int], total: int) -> None:
     if not nums:
         return
     which = (
-        f"jobs {_ranges(nums)}: refused when their turn came"
+        f"jobs {ranges(nums)}: refused when their turn came"
         if len(nums) > 1
         else f"job {nums[0]}: refused when its turn came"
     )

@@ -154,16 +154,20 @@ FORMING_KEY = "gem-forming"  # rank 0: every rank has said it joins, and the gro
 LEAVING_COUNT = "gem-leaving"  # how many ranks have left word: rank 0 reads each rank's word only once one has
 
 
+def ranges(nums) -> str:
+    """[0, 1, 2, 3, 7, 9, 10] -> '0-3, 7, 9-10' (also a sweep's job numbers, experiments.command)."""
+    nums, out, start = sorted(nums), [], None
+    for i, n in enumerate(nums):
+        start = n if start is None else start
+        if i + 1 == len(nums) or nums[i + 1] != n + 1:
+            out.append(f"{start}" if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out)
+
+
 def ranks_text(ranks) -> str:
     """[2, 3, 5] -> 'ranks 2-3, 5'; [4] -> 'rank 4'."""
-    rs = sorted(ranks)
-    out, start = [], None
-    for i, r in enumerate(rs):
-        start = r if start is None else start
-        if i + 1 == len(rs) or rs[i + 1] != r + 1:
-            out.append(f"{start}" if start == r else f"{start}-{r}")
-            start = None
-    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(out)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ranges(ranks)
 
 
 def _why_left(word: bytes) -> str:
