@@ -257,26 +257,32 @@ def _fmt(hue: str, value) -> str:
     return f"{label(hue)} = {value}" if hue in ("workers", "algorithm.kappa") else str(value)
 
 
+# tab10, then four darker hues that no tab10 colour is close to: the twelve algorithms of the baselines, each its own
+NAMED = [matplotlib.colors.to_rgba(c) for c in plt.get_cmap("tab10").colors] + [
+    matplotlib.colors.to_rgba(c) for c in ("black", "#00008b", "#8b0000", "#556b2f")
+]
+
+
 def colours(values) -> dict:
-    """Distinct colours for names (algorithms: tab10, up to 10), a sequential scale for many ordered numbers.
-    More than 10 names that are variants of at most 10 algorithms ("downpour lr=0.025", "downpour lr=0.05": the
+    """Distinct colours for names (algorithms: `NAMED`, up to 14), a sequential scale for many ordered numbers.
+    More than 10 names that are variants of at most 14 algorithms ("downpour lr=0.025", "downpour lr=0.05": the
     algorithm is the first word) take their algorithm's colour, each further variant a lighter shade of it: on a
-    sequential scale two algorithms next to each other were indistinguishable."""
+    sequential scale two algorithms next to each other were indistinguishable (12 algorithms drew as 12 greens)."""
     values = list(values)
     names = all(isinstance(v, str) for v in values)
     heads = list(dict.fromkeys(v.split(" ")[0] for v in values)) if names else []
-    if names and len(values) > 10 and len(heads) <= 10:
-        out, base = {}, plt.get_cmap("tab10")
+    if names and len(heads) < len(values) and len(values) > 10 and len(heads) <= len(NAMED):
+        out = {}
         for i, head in enumerate(heads):
             mine = [v for v in values if v.split(" ")[0] == head]
             for k, v in enumerate(mine):
                 lighter = 0.55 * k / max(len(mine) - 1, 1)  # the first variant in the algorithm's own colour
-                out[v] = tuple((1 - lighter) * c + lighter for c in base(i)[:3]) + (1.0,)
+                out[v] = tuple((1 - lighter) * c + lighter for c in NAMED[i][:3]) + (1.0,)
         return out
-    ordered = len(values) > (10 if names else 6)
-    cmap = plt.get_cmap("viridis" if ordered else "tab10")
-    n = max(len(values) - 1, 1)
-    return {v: cmap(i / n if ordered else i) for i, v in enumerate(values)}
+    if len(values) <= (len(NAMED) if names else 6):
+        return {v: NAMED[i] for i, v in enumerate(values)}
+    cmap, n = plt.get_cmap("viridis"), len(values) - 1  # many numbers (or names): ordered
+    return {v: cmap(i / n) for i, v in enumerate(values)}
 
 
 def floor(lo: pd.Series) -> float:

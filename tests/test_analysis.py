@@ -170,6 +170,22 @@ def test_many_variants_take_their_algorithm_s_colour_in_lighter_shades():
     assert all(lv >= dv for lv, dv in zip(light[:3], dark[:3], strict=True)) and light != dark
 
 
+def test_twelve_algorithms_take_twelve_distinct_named_colours():
+    """The twelve algorithms of the baselines (more than tab10 holds) drew as twelve greens of the sequential scale;
+    each now has its own colour: tab10's for the first ten, then colours far from all of them."""
+    import numpy as np
+
+    from analysis import plots
+
+    names = [f"algo{i}" for i in range(12)]
+    c = plots.colours(names)
+    tab10 = plots.plt.get_cmap("tab10")
+    assert [c[f"algo{i}"][:3] for i in range(10)] == [tab10(i)[:3] for i in range(10)]
+    rgb = np.array([c[n][:3] for n in names])
+    gaps = np.linalg.norm(rgb[:, None] - rgb[None], axis=-1) + np.eye(12)
+    assert gaps.min() > 0.15  # no two close (the sequential scale's neighbours were 0.07 apart)
+
+
 def test_analysis_pi_refuses_a_missing_or_empty_folder_in_one_line(tmp_path, capsys):
     """`python -m analysis.pi <a folder that does not exist>` ended in a traceback, and one without GEM runs said
     so on stdout with exit code 1; both are now one `error:` line on stderr, exit code 2, as the report's."""

@@ -2,6 +2,7 @@
 clock, windowed commits, the same losses on every engine with one worker, checkpoints and resume, divergence,
 lost workers and signals where an engine has real workers, and an algorithm the engines have never seen."""
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -642,10 +643,7 @@ def test_ctrl_c_and_sigterm_leave_no_child_behind(tmp_path, sig, code, engine):
         os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
     else:
         p.send_signal(signal.SIGTERM)  # what a scheduler does: the main process only
-    try:
-        _, err = p.communicate(timeout=180)  # a loaded machine (the suite beside other jobs) stops slowly
-    finally:
-        p.kill()
+    err = _ended(p)
     assert p.returncode == code, err
     assert "resume=true" in err.splitlines()[-1], err  # the last line says how to go on
     time.sleep(0.5)
@@ -687,10 +685,7 @@ def test_ctrl_c_and_sigterm_while_the_workers_start_leave_nothing_behind(tmp_pat
         os.killpg(p.pid, signal.SIGINT)
     else:
         p.send_signal(signal.SIGTERM)
-    try:
-        _, err = p.communicate(timeout=180)  # a loaded machine (the suite beside other jobs) stops slowly
-    finally:
-        p.kill()
+    err = _ended(p)
     assert p.returncode == code, err
     assert "Traceback" not in err, err
     assert "resume=true" in err.splitlines()[-1], err
@@ -747,7 +742,33 @@ def _fresh(args, start_new_session=True):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=start_new_session,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # a hung run's stacks: _ended
     )
+
+
+def _ended(p, timeout_s=180):
+    """The stderr of an interrupted run once it has ended; a loaded machine (the suite beside other jobs) stops
+    slowly. Where it has not ended in time, the failure says whether run.py itself had exited (its pipes held open
+    by a process it left) and what of its session lives on, with every thread's stack (PYTHONFAULTHANDLER, _fresh)."""
+    try:
+        return p.communicate(timeout=timeout_s)[1]
+    except subprocess.TimeoutExpired:
+        code, left = p.poll(), {k: processes().get(k, (0, "", ""))[1:] for k in in_session(p.pid)}
+        for k in sorted(left, reverse=True):  # run.py last: its children dump their stacks first
+            with contextlib.suppress(OSError):
+                os.kill(k, signal.SIGABRT)
+        try:
+            err = p.communicate(timeout=30)[1]
+        except subprocess.TimeoutExpired:
+            err = "(stderr not closed within 30 s of SIGABRT)"
+        raise AssertionError(
+            f"run.py did not end within {timeout_s} s (exit code {code}); its session: {left}\n{err[-12000:]}"
+        ) from None
+    finally:
+        for k in in_session(p.pid):
+            with contextlib.suppress(OSError):
+                os.kill(k, signal.SIGKILL)
+        p.kill()
 
 
 def _start(tmp_path, *args, engine="process", workers=3, fresh=False):
