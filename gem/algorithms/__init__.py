@@ -34,6 +34,13 @@ Each algorithm module ends with one `Algorithm` record, in the spirit of optax's
   lists the model's parameter tensors as ``(name, slice)`` pairs into the flat vectors; ``tensors`` holds one list
   per statistic with one value per parameter tensor, in layout order (GEM's π heatmaps).
 - ``sequential``: True for the proxy, momentum SGD: it always runs with one worker.
+- ``reads_central(hp) -> bool``: whether ``worker_rule`` reads the live central variable or the server's tensors
+  (``view.theta``, ``view.server``). True unless an algorithm declares otherwise, since only then is every rule
+  computed as written. engine=distributed over the wire serves such a commit as one exchange: θ goes to the worker,
+  its rule runs, its commit comes back, and only then does the next exchange begin. False (the rule reads the
+  worker's own state, x and the gradient, and of the view at most t, τ and the worker's id, which the server sends
+  before the rule runs) lets the server send θ to one worker while another's commit arrives (full duplex,
+  docs/design.md); tests/test_algorithms.py checks each False by running the rule on a θ of NaNs.
 
 A commit may set ``window``, the length of the worker's next window (dynamic local updates): every engine's
 worker cycle honours it, and the sim engine times the next cycle by it. The worker rule sees the window it ends
@@ -108,6 +115,15 @@ def _every_step(hp) -> int:
     return 1
 
 
+def _reads(hp) -> bool:
+    return True  # unless declared: the rule may read the live θ
+
+
+def reads_nothing_central(hp) -> bool:
+    """`reads_central` of an algorithm whose worker rule reads neither θ nor the server's tensors."""
+    return False
+
+
 @dataclass(frozen=True)
 class Algorithm:
     name: str
@@ -122,6 +138,7 @@ class Algorithm:
     prepare: Callable | None = None
     diagnostics: Callable | None = None
     sequential: bool = False
+    reads_central: Callable = _reads
 
     def server_state(self, theta: torch.Tensor, hp, workers: int) -> dict[str, torch.Tensor]:
         return self.init_server(theta, hp, workers) if self.init_server is not None else {}

@@ -127,6 +127,12 @@ def next_window(view: View, hp: Params) -> int:
     return max(1, math.floor(hp.window * own / fastest))
 
 
+def reads_paces(hp: Params) -> bool:
+    """DyLU's worker rule reads the other workers' paces from the server's tensors; the plain rule reads nothing
+    central."""
+    return hp.dynamic_window
+
+
 def commit_every(hp: Params) -> int:
     return hp.window
 
@@ -178,4 +184,5 @@ ALGORITHM = Algorithm(
     local_step=local_step,
     init_server=init_server,
     payload=payload,
+    reads_central=reads_paces,
 )

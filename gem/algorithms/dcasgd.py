@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, require, scratch
+from gem.algorithms import Algorithm, Commit, View, reads_nothing_central, require, scratch
 
 LAMBDA, LAMBDA_0 = 0.04, 2.0  # the paper's λ (DC-ASGD-c) and λ₀ (DC-ASGD-a)
 
@@ -88,4 +88,12 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
     backup.copy_(theta)  # the worker pulls θ now
 
 
-ALGORITHM = Algorithm("dcasgd", Params, init_state, worker_rule, server_rule, init_server=init_server)
+ALGORITHM = Algorithm(
+    "dcasgd",
+    Params,
+    init_state,
+    worker_rule,
+    server_rule,
+    init_server=init_server,
+    reads_central=reads_nothing_central,  # θ and the backups are read by the server rule only
+)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, require, scratch
+from gem.algorithms import Algorithm, Commit, View, reads_nothing_central, require, scratch
 
 RULES = ("mishchenko", "koloskova")
 
@@ -77,4 +77,6 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
     view.theta.add_(commit.delta, alpha=factor(view.staleness, hp))
 
 
-ALGORITHM = Algorithm("delay_adaptive", Params, init_state, worker_rule, server_rule)
+ALGORITHM = Algorithm(
+    "delay_adaptive", Params, init_state, worker_rule, server_rule, reads_central=reads_nothing_central
+)  # (τ only)

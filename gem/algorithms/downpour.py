@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, require, scratch
+from gem.algorithms import Algorithm, Commit, View, reads_nothing_central, require, scratch
 
 
 @dataclass(frozen=True)
@@ -88,5 +88,12 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
 
 
 ALGORITHM = Algorithm(
-    "downpour", Params, init_state, worker_rule, server_rule, commit_every=commit_every, local_step=local_step
+    "downpour",
+    Params,
+    init_state,
+    worker_rule,
+    server_rule,
+    commit_every=commit_every,
+    local_step=local_step,
+    reads_central=reads_nothing_central,
 )

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View
+from gem.algorithms import Algorithm, Commit, View, reads_nothing_central
 
 
 @dataclass(frozen=True)
@@ -33,4 +33,6 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
     view.theta.add_(commit.delta)
 
 
-ALGORITHM = Algorithm("sgd", Params, init_state, worker_rule, server_rule, sequential=True)
+ALGORITHM = Algorithm(
+    "sgd", Params, init_state, worker_rule, server_rule, sequential=True, reads_central=reads_nothing_central
+)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, scratch
+from gem.algorithms import Algorithm, Commit, View, reads_nothing_central, scratch
 
 
 @dataclass(frozen=True)
@@ -75,4 +75,12 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
         view.theta.add_(m)
 
 
-ALGORITHM = Algorithm("ssgd", Params, init_state, worker_rule, server_rule, init_server=init_server)
+ALGORITHM = Algorithm(
+    "ssgd",
+    Params,
+    init_state,
+    worker_rule,
+    server_rule,
+    init_server=init_server,
+    reads_central=reads_nothing_central,  # (t only)
+)
