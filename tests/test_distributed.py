@@ -244,15 +244,20 @@ def test_the_global_proxy_travels_with_the_commit(data, tmp_path):
     assert result.status == "completed" and m["pi_median"].notna().all()
 
 
-def test_workers_on_rank_0s_host_read_theta_from_shared_memory_with_the_same_rows(data, tmp_path):
+# DOWNPOUR and the others but GEM: full duplex over the wire (their worker rules read no θ); GEM: θ goes out with GO
+@pytest.mark.parametrize("algorithm", ["downpour", "dcasgd", "async_localsgd", "delay_adaptive", "gem"])
+def test_workers_on_rank_0s_host_read_theta_from_shared_memory_with_the_same_rows(data, tmp_path, algorithm):
     """engine.shared_memory (on by default): the workers of a local launch take the server's turn among themselves
     and commit to θ in rank 0's window, as on engine=process; only their rows travel. The server step, τ and the
-    rows are the wire's: at n = 1 every row and evaluation is the same, bit for bit, as with shared_memory=false.
+    rows are the wire's: at n = 1 every row and evaluation is the same, bit for bit, as with shared_memory=false,
+    where θ comes back after each commit (full duplex) or goes out with GO (GEM, whose rule reads the live θ).
     The window's file is gone once the run ends."""
+    fields = {f.name for f in dataclasses.fields(algorithms.get(algorithm).Params)}
+    hp = algorithms.get(algorithm).Params(**{k: v for k, v in {"workers": 1, "window": 2}.items() if k in fields})
     frames = {}
     for shared in (True, False):
         j = dataclasses.replace(
-            job(data, 1, "downpour", downpour.Params(), epochs=2),
+            job(data, 1, algorithm, hp, epochs=2),
             engine={"name": "distributed", "timeout_s": 60, "shared_memory": shared},
         )
         result, m, _ = run(j, tmp_path / str(shared))
