@@ -237,6 +237,31 @@ def test_commits_are_served_first_come_first_served(data, tmp_path):
     assert m.loc[m["worker_step"] > 1, "staleness"].median() == n - 1
 
 
+@pytest.mark.parametrize("algorithm", ["downpour", "dcasgd", "ssgd"])
+def test_three_workers_in_full_duplex_commit_once_each_with_staleness_on_the_servers_clock(data, tmp_path, algorithm):
+    """Over the wire, rules that read no θ run in full duplex: θ goes back to one worker while the next one's
+    commit arrives. The commits are still applied one at a time: each step once, every worker step once, τ the
+    commits by others since the worker's pull (its previous commit; ssgd: its round's end, where it pulls at the
+    barrier), and the final evaluation at the last step."""
+    n = 3
+    fields = {f.name for f in dataclasses.fields(algorithms.get(algorithm).Params)}
+    hp = algorithms.get(algorithm).Params(**({"workers": n} if "workers" in fields else {}))
+    j = dataclasses.replace(
+        job(data, n, algorithm, hp, epochs=2),
+        engine={"name": "distributed", "timeout_s": 60, "shared_memory": False},
+    )
+    result, m, _ = run(j, tmp_path)
+    steps = 2 * 256 // 32
+    assert result.status == "completed" and not result.extra["local_turn"], result
+    assert m["step"].tolist() == list(range(1, n * steps + 1))
+    assert m.groupby("worker")["worker_step"].apply(list).tolist() == [list(range(1, steps + 1))] * n
+    for _, g in m.groupby("worker"):
+        t = g["step"].tolist()
+        pulled = [0] + ([(a - 1) // n * n + n for a in t[:-1]] if algorithm == "ssgd" else t[:-1])
+        assert g["staleness"].tolist() == [b - 1 - p for p, b in zip(pulled, t, strict=True)]
+    assert read_table(tmp_path, "eval")["step"].iloc[-1] == n * steps
+
+
 def test_the_global_proxy_travels_with_the_commit(data, tmp_path):
     """algorithm.proxy=global sends the worker's momentum as a payload; the server keeps their mean."""
     hp = gem.Params(workers=3, proxy="global")
