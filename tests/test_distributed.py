@@ -241,8 +241,8 @@ def test_commits_are_served_first_come_first_served(data, tmp_path):
 def test_three_workers_in_full_duplex_commit_once_each_with_staleness_on_the_servers_clock(data, tmp_path, algorithm):
     """Over the wire, rules that read no θ run in full duplex: θ goes back to one worker while the next one's
     commit arrives. The commits are still applied one at a time: each step once, every worker step once, τ the
-    commits by others since the worker's pull (its previous commit; ssgd: its round's end, where it pulls at the
-    barrier), and the final evaluation at the last step."""
+    commits by others since the worker's pull (its previous commit; ssgd: its barrier, served once its round has
+    ended, perhaps after others' next commits), and the final evaluation at the last step."""
     n = 3
     fields = {f.name for f in dataclasses.fields(algorithms.get(algorithm).Params)}
     hp = algorithms.get(algorithm).Params(**({"workers": n} if "workers" in fields else {}))
@@ -253,12 +253,16 @@ def test_three_workers_in_full_duplex_commit_once_each_with_staleness_on_the_ser
     result, m, _ = run(j, tmp_path)
     steps = 2 * 256 // 32
     assert result.status == "completed" and not result.extra["local_turn"], result
+    assert "over the wire, in full duplex" in result.extra["placement"], result.extra["placement"]
     assert m["step"].tolist() == list(range(1, n * steps + 1))
     assert m.groupby("worker")["worker_step"].apply(list).tolist() == [list(range(1, steps + 1))] * n
     for _, g in m.groupby("worker"):
-        t = g["step"].tolist()
-        pulled = [0] + ([(a - 1) // n * n + n for a in t[:-1]] if algorithm == "ssgd" else t[:-1])
-        assert g["staleness"].tolist() == [b - 1 - p for p, b in zip(pulled, t, strict=True)]
+        t, staleness = g["step"].tolist(), g["staleness"].tolist()
+        if algorithm == "ssgd":  # it pulls at its barrier once the round has ended: τ counts from that pull's clock
+            ends = [0] + [(a - 1) // n * n + n for a in t[:-1]]
+            assert all(0 <= s <= b - 1 - e for s, e, b in zip(staleness, ends, t, strict=True)), (staleness, t)
+        else:  # it pulls θ just after its own commit
+            assert staleness == [b - 1 - a for a, b in zip([0, *t[:-1]], t, strict=True)]
     assert read_table(tmp_path, "eval")["step"].iloc[-1] == n * steps
 
 
@@ -289,6 +293,8 @@ def test_workers_on_rank_0s_host_read_theta_from_shared_memory_with_the_same_row
         assert result.status == "completed"
         assert result.extra["shared_memory_workers"] == ([0] if shared else [])
         assert result.extra["local_turn"] == shared
+        if not shared:
+            assert ("in full duplex" in result.extra["placement"]) == (algorithm != "gem"), result.extra["placement"]
         frames[shared] = (
             m.drop(columns=["time_s", "wait_s", "apply_s", "wait_commits"], errors="ignore"),
             read_table(tmp_path / str(shared), "eval").drop(columns="time_s"),
