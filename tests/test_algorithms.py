@@ -798,3 +798,19 @@ def test_the_rules_that_read_the_live_theta_say_so():
     reads = {n for n in algorithms.ALGORITHMS if algorithms.get(n).reads_central(algorithms.get(n).Params())}
     assert reads == {"gem", "easgd", "eamsgd", "ringmaster", "rennala"}
     assert async_localsgd.ALGORITHM.reads_central(async_localsgd.Params(dynamic_window=True))
+
+
+def test_a_record_made_from_another_with_a_rule_of_its_own_reads_the_live_theta_unless_it_says_so():
+    """The claim is the worker rule's: `dataclasses.replace(downpour.ALGORITHM, worker_rule=...)` does not carry
+    DOWNPOUR's to a rule that may read θ (EAMSGD's own rule is EASGD's record's), and adaptive keeps DOWNPOUR's rule
+    and its claim."""
+
+    def rule(state, x, grad, view, hp):
+        return downpour.worker_rule(state, x, grad, view, hp)
+
+    hp = downpour.Params()
+    assert not downpour.ALGORITHM.reads_central(hp) and not adaptive.ALGORITHM.reads_central(hp)
+    assert dataclasses.replace(downpour.ALGORITHM, worker_rule=rule).reads_central(hp)
+    assert not dataclasses.replace(
+        downpour.ALGORITHM, worker_rule=algorithms.reads_nothing_central(rule)
+    ).reads_central(hp)

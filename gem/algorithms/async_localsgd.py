@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, positive, require
+from gem.algorithms import Algorithm, Commit, View, positive, reads_central_when, require
 
 OUTER = ("delayed_nesterov", "nesterov")
 
@@ -150,6 +150,7 @@ def local_step(state, x, grad, hp: Params, k: int) -> None:
     x.add_(m)
 
 
+@reads_central_when(reads_paces)
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     m = inner_step(state, grad, hp)
     window = view.window or hp.window  # (a dynamic window may be 1: no local step began it)
@@ -184,5 +185,4 @@ ALGORITHM = Algorithm(
     local_step=local_step,
     init_server=init_server,
     payload=payload,
-    reads_central=reads_paces,
 )

@@ -71,6 +71,7 @@ def init_server(theta: torch.Tensor, hp: Params, workers: int) -> dict:
     return server
 
 
+@reads_nothing_central  # θ and the backups: read by its server rule, at the server
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     return Commit(delta=torch.mul(grad, -hp.lr, out=scratch(grad, "step")))  # −ηg, as DOWNPOUR's
 
@@ -95,5 +96,4 @@ ALGORITHM = Algorithm(
     worker_rule,
     server_rule,
     init_server=init_server,
-    reads_central=reads_nothing_central,  # θ and the backups are read by the server rule only
 )

@@ -67,6 +67,7 @@ def init_state(theta: torch.Tensor, hp: Params) -> dict:
     return {}
 
 
+@reads_nothing_central  # (τ only)
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     return Commit(
         delta=torch.mul(grad, -hp.lr, out=scratch(grad, "step")), metrics={"step_share": factor(view.staleness, hp)}
@@ -77,6 +78,4 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
     view.theta.add_(commit.delta, alpha=factor(view.staleness, hp))
 
 
-ALGORITHM = Algorithm(
-    "delay_adaptive", Params, init_state, worker_rule, server_rule, reads_central=reads_nothing_central
-)  # (τ only)
+ALGORITHM = Algorithm("delay_adaptive", Params, init_state, worker_rule, server_rule)

@@ -79,6 +79,7 @@ def window_commit(state, grad, hp, normalise: bool) -> Commit:
     return Commit(delta=acc)
 
 
+@reads_nothing_central
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     return window_commit(state, grad, hp, normalise=False)
 
@@ -95,5 +96,4 @@ ALGORITHM = Algorithm(
     server_rule,
     commit_every=commit_every,
     local_step=local_step,
-    reads_central=reads_nothing_central,
 )

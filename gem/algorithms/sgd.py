@@ -23,6 +23,7 @@ def init_state(theta: torch.Tensor, hp: Params) -> dict:
     return {"m": torch.zeros_like(theta)}
 
 
+@reads_nothing_central
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     m = state["m"]
     m.mul_(hp.momentum).add_(grad, alpha=-hp.lr)
@@ -33,6 +34,4 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
     view.theta.add_(commit.delta)
 
 
-ALGORITHM = Algorithm(
-    "sgd", Params, init_state, worker_rule, server_rule, sequential=True, reads_central=reads_nothing_central
-)
+ALGORITHM = Algorithm("sgd", Params, init_state, worker_rule, server_rule, sequential=True)

@@ -60,6 +60,7 @@ def round_end(t: int, n: int) -> int:
     return (t // n + 1) * n
 
 
+@reads_nothing_central  # (t only)
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     delta = torch.mul(grad, -hp.lr, out=scratch(grad, "step"))
     return Commit(delta=delta, pull_at=round_end(view.t, max(hp.workers, 1)))
@@ -82,5 +83,4 @@ ALGORITHM = Algorithm(
     worker_rule,
     server_rule,
     init_server=init_server,
-    reads_central=reads_nothing_central,  # (t only)
 )
