@@ -4,14 +4,15 @@ Two hosts are network namespaces of this machine (tests/helpers/netns.py) joined
 known rate R on both ends. Host 0 runs rank 0 alone (the parameter server, `--nproc_per_node=1`); host 1 runs the n
 workers (`--nproc_per_node=n`), so that every commit crosses the link: θ from the server to the worker, Δ back, 2 × θ
 bytes in all (the bytes counted on the link are printed beside it). A link carries R each way at once (full duplex;
-tbf shapes each end's sending), so its limit is R / θ commits per second: both directions full. The server's turn
-holds θ's way out, the worker rule and Δ's way back one after the other, so it can reach that only as far as tbf's
-bucket lets one message go faster while the other direction idles; R / (2 θ), the two messages one after the other
-at R, is printed too. The ratio is the run's commits per second (rows of rank 0's run directory, between the first
-and the last commit: start-up and the final evaluation left out) over R / θ. The link is the bottleneck only where
-the workers' own steps (n of them in parallel on host 1) are shorter than a commit's transfer: `a worker's step`
-(the median of its cycle less its wait for the turn) is printed next to the transfer time, so each row says
-whether it measures the link or the workers.
+tbf shapes each end's sending), so its limit is R / θ commits per second: both directions full. DOWNPOUR's worker
+rule reads no θ, so rank 0 serves it in full duplex (docs/design.md, "Full duplex over the wire"): θ goes back to
+one worker while the next worker's Δ comes in. R / (2 θ), the two messages one after the other at R, what the
+half-duplex exchange of the rules that read the live θ (GEM) reaches, is printed too. The ratio is the run's
+commits per second (rows of rank 0's run directory, between the first and the last commit: start-up and the final
+evaluation left out) over R / θ. The link is the bottleneck only where the workers' own steps (n of them in
+parallel on host 1) are shorter than a commit's transfer: `a worker's step` (the median of its cycle less its wait
+for the server, θ's way to it included) is printed next to the transfer time, so each row says whether it measures
+the link or the workers.
 
     python benchmarks/multihost.py [--rates 1000 10000] [--models mnist_cnn alexnet_cifar] [--workers 3] [--commits N]
         [--device cuda]

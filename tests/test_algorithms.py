@@ -752,3 +752,65 @@ def test_dylu_commit_carries_its_pace_and_the_server_notes_it():
     assert close(c.delta, [0.05, 0.1]) and c.window == 4 and c.metrics == {"window": 1, "pace": 0.5}
     async_localsgd.ALGORITHM.server_rule(View(theta, server, 0, 0, 1), c, hp)
     assert server["pace"].tolist() == [0.0, 0.5]
+
+
+@pytest.mark.parametrize(
+    "name, extra",
+    [(n, {}) for n in algorithms.ALGORITHMS]
+    + [("async_localsgd", {"dynamic_window": True}), ("gem", {"proxy": "global"})],
+)
+def test_a_rule_that_says_it_reads_nothing_central_commits_the_same_on_any_theta(name, extra):
+    """`reads_central` False lets engine=distributed run the worker rule without the live θ (full duplex): the rule
+    must then make the same commit, state and x whatever θ and the server's tensors hold (here: NaNs, and other
+    counts). A rule that reads them must say so (the default)."""
+    algo = algorithms.get(name)
+    fields = {f.name for f in dataclasses.fields(algo.Params)}
+    hp = algo.Params(**{k: v for k, v in {"lr": 0.1, "workers": 2, **extra}.items() if k in fields})
+    torch.manual_seed(0)
+    theta, grad = torch.randn(6), torch.randn(6)
+
+    def run(central: torch.Tensor, count: int):
+        x, state = theta.clone(), algo.init_state(theta, hp)
+        for v in state.values():
+            v.add_(torch.randn(v.shape, generator=torch.Generator().manual_seed(1)).to(v.dtype))
+        server = algo.server_state(central.clone(), hp, 2)
+        for i, v in enumerate(server.values()):  # (counters that differ from one another: a delay is not 0)
+            v.copy_(central[0] if v.is_floating_point() else count * (i + 1))
+        if algo.prepare is not None:
+            algo.prepare(state, x, grad, hp)
+        view = View(central.clone(), server, 3, 1, 0, window=algo.commit_every(hp), pace=2.0)
+        c = algo.worker_rule(state, x, grad, view, hp)
+        return c, x, state
+
+    same, other = run(theta.clone(), 1), run(torch.full_like(theta, math.nan), 7)
+    if algo.reads_central(hp):
+        return  # the rule may read θ: engine=distributed serves its commits as one exchange each
+    (c1, x1, s1), (c2, x2, s2) = same, other
+    assert torch.equal(c1.delta, c2.delta) and torch.equal(x1, x2)
+    assert all(torch.equal(s1[k], s2[k]) for k in s1)
+    assert (c1.pull, c1.pull_at, c1.window, c1.metrics) == (c2.pull, c2.pull_at, c2.window, c2.metrics)
+    assert c1.payload.keys() == c2.payload.keys() and all(torch.equal(c1.payload[k], c2.payload[k]) for k in c1.payload)
+
+
+def test_the_rules_that_read_the_live_theta_say_so():
+    """GEM's θ − s, EASGD's and EAMSGD's elastic term, the global proxy, ringmaster's and rennala's delays and DyLU's
+    paces are read from the live θ or the server's tensors (docs/design.md)."""
+    reads = {n for n in algorithms.ALGORITHMS if algorithms.get(n).reads_central(algorithms.get(n).Params())}
+    assert reads == {"gem", "easgd", "eamsgd", "ringmaster", "rennala"}
+    assert async_localsgd.ALGORITHM.reads_central(async_localsgd.Params(dynamic_window=True))
+
+
+def test_a_record_made_from_another_with_a_rule_of_its_own_reads_the_live_theta_unless_it_says_so():
+    """The claim is the worker rule's: `dataclasses.replace(downpour.ALGORITHM, worker_rule=...)` does not carry
+    DOWNPOUR's to a rule that may read θ (EAMSGD's own rule is EASGD's record's), and adaptive keeps DOWNPOUR's rule
+    and its claim."""
+
+    def rule(state, x, grad, view, hp):
+        return downpour.worker_rule(state, x, grad, view, hp)
+
+    hp = downpour.Params()
+    assert not downpour.ALGORITHM.reads_central(hp) and not adaptive.ALGORITHM.reads_central(hp)
+    assert dataclasses.replace(downpour.ALGORITHM, worker_rule=rule).reads_central(hp)
+    assert not dataclasses.replace(
+        downpour.ALGORITHM, worker_rule=algorithms.reads_nothing_central(rule)
+    ).reads_central(hp)

@@ -237,6 +237,35 @@ def test_commits_are_served_first_come_first_served(data, tmp_path):
     assert m.loc[m["worker_step"] > 1, "staleness"].median() == n - 1
 
 
+@pytest.mark.parametrize("algorithm", ["downpour", "dcasgd", "ssgd"])
+def test_three_workers_in_full_duplex_commit_once_each_with_staleness_on_the_servers_clock(data, tmp_path, algorithm):
+    """Over the wire, rules that read no θ run in full duplex: θ goes back to one worker while the next one's
+    commit arrives. The commits are still applied one at a time: each step once, every worker step once, τ the
+    commits by others since the worker's pull (its previous commit; ssgd: its barrier, served once its round has
+    ended, perhaps after others' next commits), and the final evaluation at the last step."""
+    n = 3
+    fields = {f.name for f in dataclasses.fields(algorithms.get(algorithm).Params)}
+    hp = algorithms.get(algorithm).Params(**({"workers": n} if "workers" in fields else {}))
+    j = dataclasses.replace(
+        job(data, n, algorithm, hp, epochs=2),
+        engine={"name": "distributed", "timeout_s": 60, "shared_memory": False},
+    )
+    result, m, _ = run(j, tmp_path)
+    steps = 2 * 256 // 32
+    assert result.status == "completed" and not result.extra["local_turn"], result
+    assert "over the wire, in full duplex" in result.extra["placement"], result.extra["placement"]
+    assert m["step"].tolist() == list(range(1, n * steps + 1))
+    assert m.groupby("worker")["worker_step"].apply(list).tolist() == [list(range(1, steps + 1))] * n
+    for _, g in m.groupby("worker"):
+        t, staleness = g["step"].tolist(), g["staleness"].tolist()
+        if algorithm == "ssgd":  # it pulls at its barrier once the round has ended: τ counts from that pull's clock
+            ends = [0] + [(a - 1) // n * n + n for a in t[:-1]]
+            assert all(0 <= s <= b - 1 - e for s, e, b in zip(staleness, ends, t, strict=True)), (staleness, t)
+        else:  # it pulls θ just after its own commit
+            assert staleness == [b - 1 - a for a, b in zip([0, *t[:-1]], t, strict=True)]
+    assert read_table(tmp_path, "eval")["step"].iloc[-1] == n * steps
+
+
 def test_the_global_proxy_travels_with_the_commit(data, tmp_path):
     """algorithm.proxy=global sends the worker's momentum as a payload; the server keeps their mean."""
     hp = gem.Params(workers=3, proxy="global")
@@ -244,21 +273,28 @@ def test_the_global_proxy_travels_with_the_commit(data, tmp_path):
     assert result.status == "completed" and m["pi_median"].notna().all()
 
 
-def test_workers_on_rank_0s_host_read_theta_from_shared_memory_with_the_same_rows(data, tmp_path):
+# DOWNPOUR and the others but GEM: full duplex over the wire (their worker rules read no θ); GEM: θ goes out with GO
+@pytest.mark.parametrize("algorithm", ["downpour", "dcasgd", "async_localsgd", "delay_adaptive", "gem"])
+def test_workers_on_rank_0s_host_read_theta_from_shared_memory_with_the_same_rows(data, tmp_path, algorithm):
     """engine.shared_memory (on by default): the workers of a local launch take the server's turn among themselves
     and commit to θ in rank 0's window, as on engine=process; only their rows travel. The server step, τ and the
-    rows are the wire's: at n = 1 every row and evaluation is the same, bit for bit, as with shared_memory=false.
+    rows are the wire's: at n = 1 every row and evaluation is the same, bit for bit, as with shared_memory=false,
+    where θ comes back after each commit (full duplex) or goes out with GO (GEM, whose rule reads the live θ).
     The window's file is gone once the run ends."""
+    fields = {f.name for f in dataclasses.fields(algorithms.get(algorithm).Params)}
+    hp = algorithms.get(algorithm).Params(**{k: v for k, v in {"workers": 1, "window": 2}.items() if k in fields})
     frames = {}
     for shared in (True, False):
         j = dataclasses.replace(
-            job(data, 1, "downpour", downpour.Params(), epochs=2),
+            job(data, 1, algorithm, hp, epochs=2),
             engine={"name": "distributed", "timeout_s": 60, "shared_memory": shared},
         )
         result, m, _ = run(j, tmp_path / str(shared))
         assert result.status == "completed"
         assert result.extra["shared_memory_workers"] == ([0] if shared else [])
         assert result.extra["local_turn"] == shared
+        if not shared:
+            assert ("in full duplex" in result.extra["placement"]) == (algorithm != "gem"), result.extra["placement"]
         frames[shared] = (
             m.drop(columns=["time_s", "wait_s", "apply_s", "wait_commits"], errors="ignore"),
             read_table(tmp_path / str(shared), "eval").drop(columns="time_s"),

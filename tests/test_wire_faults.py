@@ -124,24 +124,31 @@ class Peer:
         """A receive for an answer that may never come (BYE, or nothing once rank 0 has banned this rank)."""
         self.posted.append(self.pg.recv([torch.zeros(4, dtype=torch.long)], 0, TAG_X))
 
-    def turn(self) -> None:
-        """ASK, then GO with θ and the server's tensors (once every worker is ready)."""
+    def turn(self, duplex: bool = False) -> None:
+        """ASK, then GO with θ and the server's tensors (once every worker is ready); `duplex` (an algorithm whose
+        worker rule reads no θ): GO alone."""
         self.header(ASK)
         reply = torch.zeros(4, dtype=torch.long)
         wait(self.pg.recv([reply], 0, TAG_X), WAIT_S)
         assert int(reply[0]) == GO, reply
         self.steps.append(int(reply[1]) + 1)  # the clock before this commit
-        for t in (self.server.theta, *self.server.state.values()):
+        for t in () if duplex else (self.server.theta, *self.server.state.values()):
             wait(self.pg.recv([t], 0, TAG_X), WAIT_S)
 
-    def commit(self, spec_nbytes: int = 0, refused: bool = False) -> None:
-        """A commit of Δ = 0 announcing a payload spec of `spec_nbytes` bytes; `refused`: rank 0 will not take Δ."""
+    def commit(self, spec_nbytes: int = 0, refused: bool = False, delta=None) -> None:
+        """A commit of Δ (0 unless given) announcing a payload spec of `spec_nbytes` bytes; `refused`: rank 0 will
+        not take Δ."""
         wait(self.pg.send([torch.tensor([spec_nbytes, 0], dtype=torch.long)], 0, TAG_X), WAIT_S)
-        delta = torch.zeros_like(self.server.theta)
+        delta = torch.zeros_like(self.server.theta) if delta is None else delta
         if refused:
             self.posted.append(self.pg.send([delta], 0, TAG_X))
         else:
             wait(self.pg.send([delta], 0, TAG_X), WAIT_S)
+
+    def pulled(self) -> torch.Tensor:
+        """Full duplex: θ as rank 0 sends it back once this worker's commit is applied."""
+        wait(self.pg.recv([self.server.theta], 0, TAG_X), WAIT_S)
+        return self.server.theta
 
     def rows(self, **changes) -> bytes:
         """The rows a real worker sends for its commits so far (with `changes` to each)."""
@@ -1046,3 +1053,82 @@ def test_a_worker_that_dies_with_its_request_on_the_way_is_lost_and_the_run_goes
     )
     m = read_table(tmp_path)
     assert sorted(m.loc[m["worker"] == 0, "worker_step"]) == [1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------------------------------- full duplex
+
+
+def _commit_and_die(port: int, committed) -> None:
+    """A DOWNPOUR worker process (rank 2) that commits Δ = 0.5 and dies before θ comes back to it."""
+    pg = form_group(dist.TCPStore("127.0.0.1", port, 3, False), 2, 3, "127.0.0.1", WAIT_S)
+    p = Peer(pg)
+    ready(p)
+    p.turn(duplex=True)
+    p.commit(delta=torch.full_like(p.server.theta, 0.5))
+    committed.set()
+    os._exit(0)
+
+
+@pytest.mark.slow  # a process of its own: 4 s
+def test_a_full_duplex_worker_gets_theta_after_its_commit_and_one_dying_before_it_comes_is_lost_alone(data, tmp_path):
+    """DOWNPOUR's worker rule reads no θ, so GO carries none and θ comes back after the commit is applied
+    (server_wire.py). A worker that dies with θ on its way back is lost, its commit applied and its row a
+    `lost_row`; the other worker's θ is θ₀ plus both commits, as the server applied them, and it finishes."""
+    import multiprocessing as mp
+
+    from gem.algorithms import downpour
+
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, 3, True, wait_for_workers=False)
+    committed = ctx.Event()
+    dying = ctx.Process(target=_commit_and_die, args=(store.port, committed), daemon=True)
+    dying.start()
+    pgs: dict = {}
+    threads = [
+        threading.Thread(
+            target=lambda r=r: pgs.__setitem__(
+                r, form_group(dist.TCPStore("127.0.0.1", store.port, 3, False), r, 3, "127.0.0.1", WAIT_S)
+            )
+        )
+        for r in (0, 1)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    peer, failed, pulled = Peer(pgs[1], rank=1), [], []
+
+    def script():
+        try:
+            ready(peer)
+            theta0 = peer.server.theta.clone()
+            assert committed.wait(WAIT_S)
+            dying.join(WAIT_S)
+            for _ in range(4):
+                peer.turn(duplex=True)
+                peer.commit(delta=torch.full_like(theta0, 0.25))
+                pulled.append(peer.pulled().clone())
+            pulled.insert(0, theta0)
+            peer.finish(peer.rows())
+        except BaseException as e:  # noqa: BLE001 - raised in the test's thread below
+            failed.append(e)
+
+    th = threading.Thread(target=script, daemon=True)
+    th.start()
+    try:
+        j = dataclasses.replace(job(data), algorithm="downpour", hp=downpour.Params())
+        result = rank0(j, tmp_path, pgs[0])
+    finally:
+        dying.join(WAIT_S)
+    th.join(WAIT_S)
+    if failed:
+        raise failed[0]
+    assert result.status == "completed" and result.extra["lost_workers"] == [1], result
+    assert "its connection closed" in result.reason, result.reason
+    m = read_table(tmp_path)
+    assert peer.steps == [2, 3, 4, 5] and sorted(m["step"]) == [1, 2, 3, 4, 5]
+    assert m.loc[m["step"] == 1, "lost_row"].tolist() == [True]
+    expected = pulled[0] + 0.5  # the dead worker's commit, applied first
+    for theta in pulled[1:]:
+        expected = expected + 0.25
+        assert torch.equal(theta, expected)

@@ -34,6 +34,15 @@ Each algorithm module ends with one `Algorithm` record, in the spirit of optax's
   lists the model's parameter tensors as ``(name, slice)`` pairs into the flat vectors; ``tensors`` holds one list
   per statistic with one value per parameter tensor, in layout order (GEM's π heatmaps).
 - ``sequential``: True for the proxy, momentum SGD: it always runs with one worker.
+- ``reads_central(hp) -> bool`` (a method): whether ``worker_rule`` reads the live central variable or the server's
+  tensors (``view.theta``, ``view.server``). True unless the rule itself says otherwise (the decorators
+  ``reads_nothing_central`` and ``reads_central_when``: a record made with ``dataclasses.replace`` and another
+  worker rule drops the claim with the rule), since only then is every rule computed as written. engine=distributed
+  over the wire serves such a commit as one exchange: θ goes to the worker, its rule runs, its commit comes back,
+  and only then does the next exchange begin. False (the rule reads the worker's own state, x and the gradient,
+  and of the view at most t, τ and the worker's id, which the server sends before the rule runs) lets the server
+  send θ to one worker while another's commit arrives (full duplex, docs/design.md); tests/test_algorithms.py
+  checks each False by running the rule on a θ of NaNs.
 
 A commit may set ``window``, the length of the worker's next window (dynamic local updates): every engine's
 worker cycle honours it, and the sim engine times the next cycle by it. The worker rule sees the window it ends
@@ -108,6 +117,30 @@ def _every_step(hp) -> int:
     return 1
 
 
+def _reads(hp) -> bool:
+    return True  # unless declared: the rule may read the live θ
+
+
+def _never(hp) -> bool:
+    return False
+
+
+def reads_central_when(predicate: Callable):
+    """Decorates a worker rule that reads the live θ or the server's tensors only where `predicate(hp)` is true
+    (`Algorithm.reads_central`)."""
+
+    def mark(rule: Callable) -> Callable:
+        rule.reads_central = predicate
+        return rule
+
+    return mark
+
+
+def reads_nothing_central(rule: Callable) -> Callable:
+    """Decorates a worker rule that reads neither θ nor the server's tensors (`Algorithm.reads_central`)."""
+    return reads_central_when(_never)(rule)
+
+
 @dataclass(frozen=True)
 class Algorithm:
     name: str
@@ -122,6 +155,10 @@ class Algorithm:
     prepare: Callable | None = None
     diagnostics: Callable | None = None
     sequential: bool = False
+
+    def reads_central(self, hp) -> bool:
+        """Whether the worker rule reads the live θ or the server's tensors: as the rule says, else True."""
+        return getattr(self.worker_rule, "reads_central", _reads)(hp)
 
     def server_state(self, theta: torch.Tensor, hp, workers: int) -> dict[str, torch.Tensor]:
         return self.init_server(theta, hp, workers) if self.init_server is not None else {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from gem.algorithms import Commit, View, downpour
+from gem.algorithms import Commit, View, downpour, reads_nothing_central
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,7 @@ class Params(downpour.Params):
     window: int = 10  # λ: local steps between commits, and the normaliser of the commit
 
 
+@reads_nothing_central
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     return downpour.window_commit(state, grad, hp, normalise=True)
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, positive, require
+from gem.algorithms import Algorithm, Commit, View, positive, reads_central_when, require
 
 OUTER = ("delayed_nesterov", "nesterov")
 
@@ -127,6 +127,12 @@ def next_window(view: View, hp: Params) -> int:
     return max(1, math.floor(hp.window * own / fastest))
 
 
+def reads_paces(hp: Params) -> bool:
+    """DyLU's worker rule reads the other workers' paces from the server's tensors; the plain rule reads nothing
+    central."""
+    return hp.dynamic_window
+
+
 def commit_every(hp: Params) -> int:
     return hp.window
 
@@ -144,6 +150,7 @@ def local_step(state, x, grad, hp: Params, k: int) -> None:
     x.add_(m)
 
 
+@reads_central_when(reads_paces)
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     m = inner_step(state, grad, hp)
     window = view.window or hp.window  # (a dynamic window may be 1: no local step began it)

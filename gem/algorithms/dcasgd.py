@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, require, scratch
+from gem.algorithms import Algorithm, Commit, View, reads_nothing_central, require, scratch
 
 LAMBDA, LAMBDA_0 = 0.04, 2.0  # the paper's λ (DC-ASGD-c) and λ₀ (DC-ASGD-a)
 
@@ -71,6 +71,7 @@ def init_server(theta: torch.Tensor, hp: Params, workers: int) -> dict:
     return server
 
 
+@reads_nothing_central  # θ and the backups: read by its server rule, at the server
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     return Commit(delta=torch.mul(grad, -hp.lr, out=scratch(grad, "step")))  # −ηg, as DOWNPOUR's
 
@@ -88,4 +89,11 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
     backup.copy_(theta)  # the worker pulls θ now
 
 
-ALGORITHM = Algorithm("dcasgd", Params, init_state, worker_rule, server_rule, init_server=init_server)
+ALGORITHM = Algorithm(
+    "dcasgd",
+    Params,
+    init_state,
+    worker_rule,
+    server_rule,
+    init_server=init_server,
+)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, require, scratch
+from gem.algorithms import Algorithm, Commit, View, reads_nothing_central, require, scratch
 
 RULES = ("mishchenko", "koloskova")
 
@@ -67,6 +67,7 @@ def init_state(theta: torch.Tensor, hp: Params) -> dict:
     return {}
 
 
+@reads_nothing_central  # (τ only)
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     return Commit(
         delta=torch.mul(grad, -hp.lr, out=scratch(grad, "step")), metrics={"step_share": factor(view.staleness, hp)}

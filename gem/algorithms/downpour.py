@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, require, scratch
+from gem.algorithms import Algorithm, Commit, View, reads_nothing_central, require, scratch
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,7 @@ def window_commit(state, grad, hp, normalise: bool) -> Commit:
     return Commit(delta=acc)
 
 
+@reads_nothing_central
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     return window_commit(state, grad, hp, normalise=False)
 
@@ -88,5 +89,11 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
 
 
 ALGORITHM = Algorithm(
-    "downpour", Params, init_state, worker_rule, server_rule, commit_every=commit_every, local_step=local_step
+    "downpour",
+    Params,
+    init_state,
+    worker_rule,
+    server_rule,
+    commit_every=commit_every,
+    local_step=local_step,
 )

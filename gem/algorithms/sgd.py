@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View
+from gem.algorithms import Algorithm, Commit, View, reads_nothing_central
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ def init_state(theta: torch.Tensor, hp: Params) -> dict:
     return {"m": torch.zeros_like(theta)}
 
 
+@reads_nothing_central
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     m = state["m"]
     m.mul_(hp.momentum).add_(grad, alpha=-hp.lr)

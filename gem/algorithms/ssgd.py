@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, scratch
+from gem.algorithms import Algorithm, Commit, View, reads_nothing_central, scratch
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ def round_end(t: int, n: int) -> int:
     return (t // n + 1) * n
 
 
+@reads_nothing_central  # (t only)
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     delta = torch.mul(grad, -hp.lr, out=scratch(grad, "step"))
     return Commit(delta=delta, pull_at=round_end(view.t, max(hp.workers, 1)))
@@ -75,4 +76,11 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
         view.theta.add_(m)
 
 
-ALGORITHM = Algorithm("ssgd", Params, init_state, worker_rule, server_rule, init_server=init_server)
+ALGORITHM = Algorithm(
+    "ssgd",
+    Params,
+    init_state,
+    worker_rule,
+    server_rule,
+    init_server=init_server,
+)

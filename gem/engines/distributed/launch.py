@@ -235,6 +235,9 @@ class Placement:
     slots: int  # workers 0 .. slots - 1 may map rank 0's window; 0: no window, every worker uses the wire
     local_turn: bool  # the workers pass the server's turn among themselves in the window (a local launch)
     handed: bool  # θ is on the workers' GPU, handed to them by CUDA IPC (the window holds the clock and the log)
+    # over the wire, θ goes back after each commit while the next one arrives: the worker rule reads no θ
+    # (server_wire.py; its WireServer and the workers' WireLink decide the same from the job)
+    duplex: bool = False
 
     @classmethod
     def plan(cls, job: Job) -> Placement:
@@ -246,11 +249,12 @@ class Placement:
             slots, local, central = job.workers, True, central_device(job)
         slots = slots if job.engine.shared_memory else 0
         handed = local and slots > 0 and _hands_theta(central)
-        return cls(central if handed else cpu, max(0, slots), local and slots > 0, handed)
+        duplex = not algorithms.get(job.algorithm).reads_central(job.hp)
+        return cls(central if handed else cpu, max(0, slots), local and slots > 0, handed, duplex)
 
     def without_window(self) -> Placement:
         """No window after all: every worker exchanges θ with rank 0 over the wire, θ in rank 0's memory."""
-        return Placement(torch.device("cpu"), 0, False, False)
+        return Placement(torch.device("cpu"), 0, False, False, self.duplex)
 
     def describe(self) -> str:
         if self.handed:
@@ -260,12 +264,17 @@ class Placement:
             )
         if self.local_turn:
             return "θ in shared memory on rank 0's host; the workers pass the server's turn among themselves there"
+        wire = (
+            "in full duplex (θ back to one worker while the next worker's commit arrives)"
+            if self.duplex
+            else "one exchange at a time (the worker rule reads the live θ)"
+        )
         if self.slots:
             return (
                 f"θ in rank 0's memory, served by rank 0; workers 0-{self.slots - 1} (on its host) read it from "
-                "shared memory, the others over the wire"
+                f"shared memory, the others over the wire, {wire}"
             )
-        return "θ in rank 0's memory, served by rank 0; every worker exchanges it over the wire"
+        return f"θ in rank 0's memory, served by rank 0; every worker exchanges it over the wire, {wire}"
 
 
 def _serve(

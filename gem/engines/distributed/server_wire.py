@@ -1,7 +1,18 @@
-"""Rank 0's server over the wire (`WireServer`): each commit is one exchange, served whole before the next. A worker
-asks (ASK); the server answers GO with the clock, τ, θ and its tensors; the worker sends its commit (Δ and the
-worker rule's payload) and the server rule applies it. A worker on rank 0's host that maps rank 0's window
-(window.py: a launcher's ranks on node 0) reads θ there and leaves Δ in its slot, so only headers cross.
+"""Rank 0's server over the wire (`WireServer`): commits are applied one at a time, in the order the workers' ASKs
+arrive. A worker asks (ASK); the server answers GO with the clock and τ; the worker sends its commit (Δ and the
+worker rule's payload) and the server rule applies it. What else crosses depends on the algorithm's worker rule:
+
+- it reads the live θ or the server's tensors (`Algorithm.reads_central`: GEM, EASGD, ...): GO carries θ and the
+  server's tensors, the worker's rule runs on them and its commit comes back, and the worker replays the server
+  step on its replica to pull. The exchange is served whole, so θ's way out and Δ's way back take turns: each
+  direction of the link idles half the time (half duplex);
+- it does not (DOWNPOUR, DC-ASGD, ...): GO carries only t and τ, the worker's rule runs on its own state, and once
+  the commit is applied the server sends θ back, the worker's pull, from a copy (`sending`), and goes on to the
+  next ASK without waiting for it to arrive: θ goes out to one worker while the next worker's Δ comes in (full
+  duplex, docs/design.md). The commit is applied to the same θ, at the same t and τ, as in the exchange above.
+
+A worker on rank 0's host that maps rank 0's window (window.py: a launcher's ranks on node 0) reads θ there at GO
+and leaves Δ in its slot, so only headers cross, whatever its rule reads.
 
 Every worker starts from one θ: an ASK that comes before every worker is ready waits (`early`) until they are.
 """
@@ -15,17 +26,27 @@ import torch
 
 from gem.algorithms import Commit
 from gem.engines.distributed.bounds import ROWS_PENDING
-from gem.engines.distributed.messages import GO, STOP, TAG_X, recv_bytes, recv_tensors, wait
+from gem.engines.distributed.messages import GO, STOP, TAG_X, connection_closed, recv_bytes, recv_tensors, wait
 from gem.engines.distributed.server import ParameterServer, Standing, StepsLost, all_started
+
+# θ on its way back to workers at once, at most (each from a copy of its own, since θ changes meanwhile): two keep
+# the way out busy, one finishing while the next starts; a third would wait for the first, which the commit
+# applied in between (its Δ as large as θ, on the other direction of the same link) has let finish by then
+SENDS_IN_FLIGHT = 2
 
 
 class WireServer(ParameterServer):
-    """Exchanges over the wire, one at a time, in the order the workers' headers arrive."""
+    """Exchanges over the wire, applied one at a time in the order the workers' headers arrive; θ's way back to one
+    worker overlaps the next worker's commit where the algorithm's worker rule reads no θ (`duplex`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.early: deque = deque()  # ASKs that came before every worker was ready: all start from one θ
         self.delta = torch.empty_like(self.server.theta, device="cpu")  # Δ of the commit being applied
+        server = self.server
+        # full duplex: the worker rule runs without the live θ, so θ need not go out before the commit comes back
+        self.duplex = not server.algo.reads_central(server.hp)
+        self.sending: deque = deque()  # (rank, its send, the copy of θ it sends): θ on its way back, oldest first
 
     def step(self, started: bool) -> bool:
         if self.early and started:
@@ -69,21 +90,26 @@ class WireServer(ParameterServer):
             return
         began = time.perf_counter()
         view = self.server.view(src - 1)
+        mapped = self.peers[src].maps_window
+        duplex = self.duplex and not mapped
         try:
-            payload = self.go_and_commit(src, view)
+            payload = self.go_and_commit(src, view, with_theta=not (mapped or duplex))
         except (RuntimeError, ValueError) as e:
             self.gone(src, e)
             return
         self.apply(src, view, payload)
+        if duplex and self.peers[src].standing is not Standing.BANNED:
+            self.send_back(src)
         self.busy_s += time.perf_counter() - began
         self.served += 1
 
-    def go_and_commit(self, src: int, view) -> dict:
-        """GO with the clock and τ, the live θ and the server's tensors, all in flight at once; then the commit:
-        Δ into self.delta, and the payload it returns. A worker that maps the window gets only GO (θ is where it
-        reads it: nothing changes θ until this exchange ends), and leaves Δ in its slot there."""
+    def go_and_commit(self, src: int, view, with_theta: bool) -> dict:
+        """GO with the clock and τ, and (`with_theta`) the live θ and the server's tensors, all in flight at once;
+        then the commit: Δ into self.delta, and the payload it returns. A worker that maps the window gets only GO
+        (θ is where it reads it: nothing changes θ until this exchange ends), and leaves Δ in its slot there; so
+        does a worker whose rule reads no θ (full duplex), which gets θ after its commit (`send_back`)."""
         server, mapped = self.server, self.peers[src].maps_window
-        state = () if mapped else (server.theta, *server.state.values())
+        state = (server.theta, *server.state.values()) if with_theta else ()
         header = torch.zeros(2, dtype=torch.long)
         wait_s = self.wait_s
         go = torch.tensor([GO, view.t, view.staleness, int(wait_s * 1000)], dtype=torch.long)
@@ -114,6 +140,30 @@ class WireServer(ParameterServer):
                 self.events.put(StepsLost([t]))
         if pending is not None and len(pending) > ROWS_PENDING:
             self.ban(src, f"no rows for its last {len(pending)} commits (at most {ROWS_PENDING} may await rows)")
+
+    def send_back(self, src: int) -> None:
+        """Full duplex: θ just after `src`'s commit, its pull, on its way from a copy while the server goes on to
+        the next commit. The send is waited for only when its copy is needed again (`free_copy`): gloo sends it in
+        the background, and sends to one worker arrive in the order they were made."""
+        copy = self.free_copy()
+        copy.copy_(self.server.theta)
+        try:
+            self.sending.append((src, self.pg.send([copy], src, TAG_X), copy))
+        except RuntimeError as e:
+            self.gone(src, e)
+
+    def free_copy(self) -> torch.Tensor:
+        """A copy of θ no send reads any more: a new one while fewer than SENDS_IN_FLIGHT are on their way, else the
+        oldest's, once it has arrived (a worker whose connection closed meanwhile is lost, as in an exchange)."""
+        if len(self.sending) < SENDS_IN_FLIGHT:
+            return torch.empty_like(self.server.theta, device="cpu")
+        src, work, copy = self.sending.popleft()
+        try:
+            wait(work, self.wait_s)
+        except RuntimeError as e:
+            if self.peers[src].expected or not connection_closed(e):  # (one already lost: as expected)
+                self.gone(src, e)
+        return copy
 
     def pull(self, src: int) -> None:
         with self.lock:
