@@ -664,10 +664,14 @@ def dylu(paths, band="minmax"):
         ax.set_xticks(range(len(kinds)), kinds)
         ax.set_title(title)
         plots.legend(ax, fontsize=8)
+    # the outer step's η_o decides whether either variant trains (REPRODUCTION.md, DyLU): the title names it
+    outer = sorted({float(v) for v in r.get("algorithm.outer_lr", pd.Series(dtype=float)).dropna()})
+    outer_text = f" (η_o {' / '.join(f'{v:g}' for v in outer)})" if outer else ""
     return _finish(
         fig,
         "DyLU",
-        "async_localsgd's fixed windows against dynamic local updates, with stragglers",
+        f"async_localsgd's fixed windows against dynamic local updates{outer_text}"
+        + (", with stragglers" if "stragglers" in set(r.get("engine.staleness", pd.Series(dtype=str))) else ""),
         m,
         r,
         band,

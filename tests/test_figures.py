@@ -463,6 +463,8 @@ def test_every_figure_draws_from_a_small_sweep(sweep, kappa_run, gamma_runs, pro
     assert len(data) + sum(len(ax.get_images()) for ax in fig.axes) >= 2, f"{fig_id} drew almost nothing"
     assert fig.get_size_inches()[0] <= 11  # two panels to a row at most: 1,650 px at 150 dpi
     assert "lines: mean over the completed seeds" in fig._suptitle.get_text() or fig_id.startswith(("fig9", "fig3_"))
+    if fig_id == "dylu":  # whether either variant trains depends on η_o: the title names it, and the stragglers
+        assert "(η_o 0.7), with stragglers" in fig._suptitle.get_text()
     paths = plots.save(fig, tmp_path, fig_id)
     assert [p.name for p in paths] == [f"{fig_id}.png", f"{fig_id}.pdf"]
     assert all(p.stat().st_size > 5000 for p in paths)
