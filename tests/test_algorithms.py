@@ -590,6 +590,9 @@ def test_every_algorithm_has_its_record_and_yaml(name):
         ),
         (ringmaster, "threshold", 0, "algorithm.threshold=0 is not allowed; threshold must be an integer >= 1"),
         (rennala, "batch", 1.5, "algorithm.batch=1.5 is not allowed; batch must be an integer >= 1"),
+        # a bool is not a count (True passed as 1); one check for every knob that defaults to n
+        (async_localsgd, "nesterov_every", True, "algorithm.nesterov_every=True is not allowed; nesterov_every must"),
+        (delay_adaptive, "tau_c", True, "algorithm.tau_c=True is not allowed; tau_c must be an integer >= 1"),
     ],
 )
 def test_bad_hyperparameters_get_one_line(module, key, value, message):

@@ -198,6 +198,17 @@ def positive(x) -> bool:
     return isinstance(x, (int, float)) and 0 < x < math.inf
 
 
+def require_count_or_workers(key: str, value) -> None:
+    """For a knob that counts (τ_C, R, S, N) and defaults to n when null: an integer >= 1 (a bool is not one)."""
+    ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+    require(ok, key, value, "an integer >= 1, or null for the number of workers")
+
+
+def or_workers(value: int | None, workers: int) -> int:
+    """Such a knob's value: n, the number of workers, where it is null."""
+    return value if value is not None else max(1, workers)
+
+
 # Scratch buffers, one set per process and shape. A commit's delta and aux may live in them: every engine
 # applies a commit and takes its diagnostics before any worker rule runs again in that process (sim: one commit
 # at a time; process and distributed: one worker per process), so a buffer is never overwritten while still

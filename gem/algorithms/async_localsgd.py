@@ -52,7 +52,16 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, positive, reads_central_when, require
+from gem.algorithms import (
+    Algorithm,
+    Commit,
+    View,
+    or_workers,
+    positive,
+    reads_central_when,
+    require,
+    require_count_or_workers,
+)
 
 OUTER = ("delayed_nesterov", "nesterov")
 
@@ -79,12 +88,7 @@ class Params:
             "a number in [0, 1)",
         )
         require(self.outer in OUTER, "outer", self.outer, f"one of: {', '.join(OUTER)}")
-        require(
-            self.nesterov_every is None or (isinstance(self.nesterov_every, int) and self.nesterov_every >= 1),
-            "nesterov_every",
-            self.nesterov_every,
-            "an integer >= 1, or null for the number of workers",
-        )
+        require_count_or_workers("nesterov_every", self.nesterov_every)
         require(isinstance(self.dynamic_window, bool), "dynamic_window", self.dynamic_window, "true or false")
 
 
@@ -92,7 +96,7 @@ def delay(hp: Params) -> int:
     """N: commits between two momentum steps (1: Nesterov on every commit)."""
     if hp.outer == "nesterov":
         return 1
-    return hp.nesterov_every if hp.nesterov_every is not None else max(1, hp.workers)
+    return or_workers(hp.nesterov_every, hp.workers)
 
 
 def init_state(theta: torch.Tensor, hp: Params) -> dict:

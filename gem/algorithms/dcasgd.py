@@ -89,11 +89,4 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
     backup.copy_(theta)  # the worker pulls θ now
 
 
-ALGORITHM = Algorithm(
-    "dcasgd",
-    Params,
-    init_state,
-    worker_rule,
-    server_rule,
-    init_server=init_server,
-)
+ALGORITHM = Algorithm("dcasgd", Params, init_state, worker_rule, server_rule, init_server=init_server)

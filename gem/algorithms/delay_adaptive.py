@@ -27,7 +27,16 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, reads_nothing_central, require, scratch
+from gem.algorithms import (
+    Algorithm,
+    Commit,
+    View,
+    or_workers,
+    reads_nothing_central,
+    require,
+    require_count_or_workers,
+    scratch,
+)
 
 RULES = ("mishchenko", "koloskova")
 
@@ -42,17 +51,11 @@ class Params:
 
     def __post_init__(self):
         require(self.rule in RULES, "rule", self.rule, "one of: " + ", ".join(RULES))
-        require(
-            self.tau_c is None
-            or (isinstance(self.tau_c, int) and not isinstance(self.tau_c, bool) and self.tau_c >= 1),
-            "tau_c",
-            self.tau_c,
-            "an integer >= 1, or null for the number of workers",
-        )
+        require_count_or_workers("tau_c", self.tau_c)
 
     @property
     def concurrency(self) -> int:
-        return self.tau_c if self.tau_c is not None else max(1, self.workers)
+        return or_workers(self.tau_c, self.workers)
 
 
 def factor(tau: int, hp: Params) -> float:

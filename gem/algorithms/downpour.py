@@ -89,11 +89,5 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
 
 
 ALGORITHM = Algorithm(
-    "downpour",
-    Params,
-    init_state,
-    worker_rule,
-    server_rule,
-    commit_every=commit_every,
-    local_step=local_step,
+    "downpour", Params, init_state, worker_rule, server_rule, commit_every=commit_every, local_step=local_step
 )

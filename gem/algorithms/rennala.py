@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, require, scratch
+from gem.algorithms import Algorithm, Commit, View, or_workers, require_count_or_workers, scratch
 
 
 @dataclass(frozen=True)
@@ -35,17 +35,11 @@ class Params:
     batch: int | None = None  # S: gradients per step; None: n, the workers
 
     def __post_init__(self):
-        require(
-            self.batch is None
-            or (isinstance(self.batch, int) and not isinstance(self.batch, bool) and self.batch >= 1),
-            "batch",
-            self.batch,
-            "an integer >= 1, or null for the number of workers",
-        )
+        require_count_or_workers("batch", self.batch)
 
     @property
     def S(self) -> int:  # noqa: N802 - the paper's name
-        return self.batch if self.batch is not None else max(1, self.workers)
+        return or_workers(self.batch, self.workers)
 
 
 def init_state(theta: torch.Tensor, hp: Params) -> dict:

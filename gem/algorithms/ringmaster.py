@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, require, scratch
+from gem.algorithms import Algorithm, Commit, View, or_workers, require_count_or_workers, scratch
 
 
 @dataclass(frozen=True)
@@ -35,17 +35,11 @@ class Params:
     threshold: int | None = None  # R: a commit whose delay has reached it is dropped; None: n, the workers
 
     def __post_init__(self):
-        require(
-            self.threshold is None
-            or (isinstance(self.threshold, int) and not isinstance(self.threshold, bool) and self.threshold >= 1),
-            "threshold",
-            self.threshold,
-            "an integer >= 1, or null for the number of workers",
-        )
+        require_count_or_workers("threshold", self.threshold)
 
     @property
     def R(self) -> int:  # noqa: N802 - the paper's name
-        return self.threshold if self.threshold is not None else max(1, self.workers)
+        return or_workers(self.threshold, self.workers)
 
 
 def init_state(theta: torch.Tensor, hp: Params) -> dict:
