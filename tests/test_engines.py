@@ -761,13 +761,13 @@ def _ended(p, timeout_s=180):
             err = p.communicate(timeout=30)[1]
         except subprocess.TimeoutExpired:
             err = "(stderr not closed within 30 s of SIGABRT)"
+        for k in in_session(p.pid):  # (only here: an ended run's leftovers are what the tests look for)
+            with contextlib.suppress(OSError):
+                os.kill(k, signal.SIGKILL)
         raise AssertionError(
             f"run.py did not end within {timeout_s} s (exit code {code}); its session: {left}\n{err[-12000:]}"
         ) from None
     finally:
-        for k in in_session(p.pid):
-            with contextlib.suppress(OSError):
-                os.kill(k, signal.SIGKILL)
         p.kill()
 
 

@@ -179,6 +179,25 @@ class Peer:
         self.post_answer()
 
 
+def _groups_beside(port: int, ranks, world: int) -> dict:
+    """The gloo groups of `ranks`, formed in threads of this process on the TCPStore at `port`, beside a rank that
+    another process forms there: a store client each (one client is not shared across threads)."""
+    pgs: dict = {}
+    threads = [
+        threading.Thread(
+            target=lambda r=r: pgs.__setitem__(
+                r, form_group(dist.TCPStore("127.0.0.1", port, world, False), r, world, "127.0.0.1", WAIT_S)
+            )
+        )
+        for r in ranks
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return pgs
+
+
 def _groups(world: int) -> dict:
     """Every rank's gloo group, on one store, formed at once (each rank's constructor waits for the others)."""
     store, pgs = dist.HashStore(), {}
@@ -1005,22 +1024,7 @@ def test_a_worker_that_dies_with_its_request_on_the_way_is_lost_and_the_run_goes
     asked = ctx.Event()
     dying = ctx.Process(target=_ask_and_die, args=(store.port, asked), daemon=True)
     dying.start()
-    pgs: dict = {}
-    threads = [
-        threading.Thread(
-            target=lambda r=r: pgs.__setitem__(
-                r,
-                form_group(  # a store client each: one is not
-                    dist.TCPStore("127.0.0.1", store.port, 3, False), r, 3, "127.0.0.1", WAIT_S
-                ),
-            )
-        )
-        for r in (0, 1)
-    ]  # shared
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    pgs = _groups_beside(store.port, (0, 1), 3)
     peer, failed = Peer(pgs[1], rank=1), []
 
     def script():
@@ -1083,19 +1087,7 @@ def test_a_full_duplex_worker_gets_theta_after_its_commit_and_one_dying_before_i
     committed = ctx.Event()
     dying = ctx.Process(target=_commit_and_die, args=(store.port, committed), daemon=True)
     dying.start()
-    pgs: dict = {}
-    threads = [
-        threading.Thread(
-            target=lambda r=r: pgs.__setitem__(
-                r, form_group(dist.TCPStore("127.0.0.1", store.port, 3, False), r, 3, "127.0.0.1", WAIT_S)
-            )
-        )
-        for r in (0, 1)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    pgs = _groups_beside(store.port, (0, 1), 3)
     peer, failed, pulled = Peer(pgs[1], rank=1), [], []
 
     def script():
