@@ -266,6 +266,26 @@ def test_three_workers_in_full_duplex_commit_once_each_with_staleness_on_the_ser
     assert read_table(tmp_path, "eval")["step"].iloc[-1] == n * steps
 
 
+def test_full_duplex_turned_off_serves_each_exchange_whole_with_the_same_rows(data, tmp_path):
+    """engine.full_duplex=false serves DOWNPOUR's commits as GEM's are, θ out with GO and the commit back (the
+    benchmark's half-duplex row): the placement says so, and at n = 1 every row and evaluation is that of full
+    duplex, bit for bit."""
+    frames = {}
+    for duplex in (True, False):
+        j = dataclasses.replace(
+            job(data, 1, "downpour", downpour.Params(), epochs=2),
+            engine={"name": "distributed", "timeout_s": 60, "shared_memory": False, "full_duplex": duplex},
+        )
+        result, m, _ = run(j, tmp_path / str(duplex))
+        assert result.status == "completed"
+        assert ("in full duplex" in result.extra["placement"]) == duplex, result.extra["placement"]
+        assert ("one exchange at a time" in result.extra["placement"]) != duplex, result.extra["placement"]
+        evals = read_table(tmp_path / str(duplex), "eval").drop(columns="time_s")
+        frames[duplex] = (m.drop(columns=["time_s", "wait_s", "apply_s", "wait_commits"], errors="ignore"), evals)
+    for a, b in zip(frames[True], frames[False], strict=True):
+        pd.testing.assert_frame_equal(a, b, check_exact=True)
+
+
 def test_the_global_proxy_travels_with_the_commit(data, tmp_path):
     """algorithm.proxy=global sends the worker's momentum as a payload; the server keeps their mean."""
     hp = gem.Params(workers=3, proxy="global")

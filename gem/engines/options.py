@@ -86,6 +86,10 @@ class DistributedOptions(ProcessOptions):
     # the workers on rank 0's host read θ from shared memory (and, launched locally, pass the server's turn among
     # themselves there, as on engine=process)
     shared_memory: bool = True
+    # over the wire, where the algorithm's worker rule reads no θ: θ goes back to one worker while the next worker's
+    # commit arrives (docs/design.md, "Full duplex over the wire"); false: each commit's exchange is served whole, as
+    # for the rules that read θ (the same commits: to compare the two, benchmarks/multihost.py)
+    full_duplex: bool = True
 
     def __post_init__(self):
         super().__post_init__()

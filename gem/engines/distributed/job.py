@@ -46,6 +46,12 @@ class Start:
     window: dict | None = None  # rank 0's shared memory (window.Window.described()), for the workers on its host
 
 
+def full_duplex(job: Job) -> bool:
+    """Whether commits over the wire run in full duplex (docs/design.md, "Full duplex over the wire"): the worker
+    rule reads no θ, and `engine.full_duplex` leaves it on. Rank 0 and each worker decide it from the job alone."""
+    return job.engine.full_duplex and not algorithms.get(job.algorithm).reads_central(job.hp)
+
+
 def job_for_workers(job: Job) -> Job:
     """What travels to the workers: the job without the validation and test splits, and without the training set
     when the workers can load it themselves (job.data_source)."""

@@ -48,7 +48,7 @@ from gem.engines.distributed.group import (
     timedelta_of,
     waiting_key,
 )
-from gem.engines.distributed.job import DONE, Start, encode_job, job_for_workers, named_imports, send_job
+from gem.engines.distributed.job import DONE, Start, encode_job, full_duplex, job_for_workers, named_imports, send_job
 from gem.engines.distributed.messages import TAG_JOB, Malformed, send_packed
 from gem.engines.distributed.rank import local_worker
 from gem.engines.distributed.secret import admit, launched_secret, run_secret
@@ -235,8 +235,8 @@ class Placement:
     slots: int  # workers 0 .. slots - 1 may map rank 0's window; 0: no window, every worker uses the wire
     local_turn: bool  # the workers pass the server's turn among themselves in the window (a local launch)
     handed: bool  # θ is on the workers' GPU, handed to them by CUDA IPC (the window holds the clock and the log)
-    # over the wire, θ goes back after each commit while the next one arrives: the worker rule reads no θ
-    # (server_wire.py; its WireServer and the workers' WireLink decide the same from the job)
+    # over the wire, θ goes back after each commit while the next one arrives: the worker rule reads no θ and
+    # engine.full_duplex is on (job.full_duplex, from which WireServer and the workers' WireLink decide the same)
     duplex: bool = False
 
     @classmethod
@@ -249,7 +249,7 @@ class Placement:
             slots, local, central = job.workers, True, central_device(job)
         slots = slots if job.engine.shared_memory else 0
         handed = local and slots > 0 and _hands_theta(central)
-        duplex = not algorithms.get(job.algorithm).reads_central(job.hp)
+        duplex = full_duplex(job)
         return cls(central if handed else cpu, max(0, slots), local and slots > 0, handed, duplex)
 
     def without_window(self) -> Placement:
@@ -267,7 +267,8 @@ class Placement:
         wire = (
             "in full duplex (θ back to one worker while the next worker's commit arrives)"
             if self.duplex
-            else "one exchange at a time (the worker rule reads the live θ)"
+            else "one exchange at a time (θ out with the turn, the commit back: the worker rule reads the live θ, or "
+            "engine.full_duplex=false)"
         )
         if self.slots:
             return (

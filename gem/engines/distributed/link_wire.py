@@ -14,6 +14,7 @@ import time
 import torch
 
 from gem.algorithms import Commit
+from gem.engines.distributed.job import full_duplex
 from gem.engines.distributed.link import WAIT_S, RemoteLink
 from gem.engines.distributed.messages import ASK, pack
 from gem.engines.server import Server
@@ -25,7 +26,7 @@ class WireLink(RemoteLink):
 
     def attach(self, algo) -> None:
         # the same choice rank 0 makes (server_wire.WireServer.duplex), from the same job
-        self.duplex = self.window is None and not algo.reads_central(self.job.hp)
+        self.duplex = self.window is None and full_duplex(self.job)
         if self.duplex:
             r = self.replica
             self.server = self.replica = _Pulled(r.algo, r.hp, r.theta, r.state, r.clock, r.pulled_at)

@@ -26,6 +26,7 @@ import torch
 
 from gem.algorithms import Commit
 from gem.engines.distributed.bounds import ROWS_PENDING
+from gem.engines.distributed.job import full_duplex
 from gem.engines.distributed.messages import GO, STOP, TAG_X, connection_closed, recv_bytes, recv_tensors, wait
 from gem.engines.distributed.server import ParameterServer, Standing, StepsLost, all_started
 
@@ -43,9 +44,8 @@ class WireServer(ParameterServer):
         super().__init__(*args, **kwargs)
         self.early: deque = deque()  # ASKs that came before every worker was ready: all start from one θ
         self.delta = torch.empty_like(self.server.theta, device="cpu")  # Δ of the commit being applied
-        server = self.server
         # full duplex: the worker rule runs without the live θ, so θ need not go out before the commit comes back
-        self.duplex = not server.algo.reads_central(server.hp)
+        self.duplex = full_duplex(self.job)
         self.sending: deque = deque()  # (rank, its send, the copy of θ it sends): θ on its way back, oldest first
 
     def step(self, started: bool) -> bool:
