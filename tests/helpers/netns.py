@@ -4,6 +4,7 @@ benchmarks of engine=distributed across hosts (tests/test_multihost.py). Needs r
     with Hosts(2) as hosts:                   # namespaces gemt<pid>x<k>n0, ...n1; 10.213.0.1 and 10.213.0.2
         p = hosts.popen(1, ["python", "-c", "..."], env=...)   # runs in host 1's namespace (ip netns exec)
         hosts.shape(1000)                     # tbf at 1 Gbit/s on both ends of every link
+        hosts.shape(3000, hosts=[1])          # ... then host 1's link (both its ends) at 3 Gbit/s
         hosts.link_bytes(0)                   # (rx, tx) bytes of host 0's link so far
 
 Two hosts share one veth pair; more are joined through a bridge in a hub namespace of their own. Nothing is made in
@@ -146,17 +147,21 @@ class Hosts:
             _ip("-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
             _ip("-n", h.ns, "link", "set", h.ifname, "up")
 
-    def ends(self) -> list[tuple[str, str]]:
-        """(namespace, interface) of both ends of every link."""
-        out = [(h.ns, h.ifname) for h in self.hosts]
-        if self.hub is not None:
-            out += [(self.hub, f"hub{i}") for i in range(len(self.hosts))]
-        return out
+    def ends(self, hosts: list[int] | None = None) -> list[tuple[str, str]]:
+        """(namespace, interface) of both ends of every link, or of the links of `hosts` (their indices); two hosts
+        share one link, so either one's is both ends of it."""
+        if self.hub is None:
+            return [(h.ns, h.ifname) for h in self.hosts]
+        which = range(len(self.hosts)) if hosts is None else hosts
+        return [(self.hosts[i].ns, self.hosts[i].ifname) for i in which] + [(self.hub, f"hub{i}") for i in which]
 
-    def shape(self, rate_mbit: float, burst_bytes: int | None = None, latency_ms: float = 10.0) -> None:
-        """tbf at rate_mbit on both ends of every link (replacing any earlier shaping); burst: see the module."""
+    def shape(
+        self, rate_mbit: float, burst_bytes: int | None = None, latency_ms: float = 10.0, hosts: list[int] | None = None
+    ) -> None:
+        """tbf at rate_mbit on both ends of every link, or of the links of `hosts` only (a host whose link must not
+        be the limit gets a rate of its own), replacing any earlier shaping there; burst: see the module."""
         burst = burst_bytes or max(int(rate_mbit * 1e6 / 8 * BUCKET_S), 128 * 1024)
-        for ns, dev in self.ends():
+        for ns, dev in self.ends(hosts):
             p = subprocess.run(
                 [
                     "tc",
