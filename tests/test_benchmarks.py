@@ -83,9 +83,11 @@ def test_tests_of_one_xdist_group_share_one_test_process(request):
 
 
 @pytest.fixture(scope="module")
-def smoked():
-    """Every script's run: script -> {rc, stdout, stderr}."""
-    scripts = {s: a for s, a in SCRIPTS.items() if s != "data_loading.py" or MNIST.exists()}
+def smoked(tmp_path_factory):
+    """Every script's run: script -> {rc, stdout, stderr}; multihost.py's also "json", the file its rows went to."""
+    rows = tmp_path_factory.mktemp("multihost") / "rows.json"
+    scripts = {**SCRIPTS, "multihost.py": [*SCRIPTS["multihost.py"], "--json", str(rows)]}
+    scripts = {s: a for s, a in scripts.items() if s != "data_loading.py" or MNIST.exists()}
     shared = {s: a for s, a in scripts.items() if s not in OWN_PROCESS}
     runs = {}
     for batch in [shared, *({s: a} for s, a in scripts.items() if s in OWN_PROCESS)]:
@@ -99,6 +101,7 @@ def smoked():
         assert r.returncode == 0 and batch.keys() <= runs.keys(), (
             f"the scripts' process ended (exit code {r.returncode}) after {list(runs)}: {r.stderr[-3000:]}"
         )
+    runs["multihost.py"]["json"] = rows
     return runs
 
 
@@ -111,3 +114,43 @@ def test_benchmark_runs_to_its_end(script, smoked):
     run = smoked[script]
     assert run["rc"] == 0, run["stderr"]
     assert run["stdout"].strip(), "it printed nothing"
+
+
+# what a row of `multihost.py --json` holds at least (issue 47, item 4), and the paces its rule may name
+MULTIHOST_KEYS = {
+    "model",
+    "servers",
+    "duplex",
+    "rate_mbit",
+    "commits_per_s",
+    "limit_per_s",
+    "ratio",
+    "pace",
+    "compute_s",
+    "server_busy",
+    "bytes_per_commit",
+    "workers",
+    "device",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("benchmarks")
+def test_multihost_writes_its_rows_as_records(smoked):
+    """`--smoke --json FILE`: a record per measured row, full and half duplex with one server; none for S = 2 while
+    the engine has no engine.servers (the script says so), and none where namespaces cannot be made."""
+    run = smoked["multihost.py"]
+    assert run["rc"] == 0, run["stderr"]
+    rows = json.loads(run["json"].read_text())
+    if "skipped: no network namespaces" in run["stdout"]:
+        assert rows == []
+        pytest.skip("no network namespaces here: multihost.py measured nothing")
+    for row in rows:
+        assert MULTIHOST_KEYS <= row.keys(), sorted(MULTIHOST_KEYS - row.keys())
+        assert row["pace"] in ("link", "server CPU", "worker steps", "unclear"), row["pace"]
+        assert row["ratio"] == pytest.approx(row["commits_per_s"] / row["limit_per_s"])
+        theta = row["theta_bytes"]
+        assert row["limit_per_s"] == pytest.approx(row["servers"] * row["rate_mbit"] * 1e6 / 8 / theta)
+    assert {(1, "full"), (1, "half")} <= {(r["servers"], r["duplex"]) for r in rows}
+    if "engine.servers (sharded servers) is not built yet" in run["stdout"]:
+        assert {r["servers"] for r in rows} == {1}
