@@ -190,6 +190,11 @@ def validate(cfg: DictConfig, here: bool = True) -> Spec:
             engines.get(eng.name).check_address(eng.host, eng.port, eng.allow_remote)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        from gem.engines.distributed.shards import refusal  # (distributed only: its package imports torch.distributed)
+
+        why = refusal(cfg.algorithm.name, hp, eng)
+        if why:
+            raise ConfigError(why)
     workers = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
     if here:
         _check_memory(cfg, hp, workers, eng.name, dat, module)
@@ -436,11 +441,13 @@ def check_launch(cfg: DictConfig, engine: str | None = None) -> None:
             + ("hydra.launcher.tasks_per_node=1" if submitit else "use python run.py")
         )
     workers = algorithms.workers_that_run(cfg.algorithm.name, cfg.workers)
-    if workers + 1 != world:
+    servers = int(cfg.engine.get("servers", 1))
+    if workers + servers != world:
+        need = "workers + 1 (rank 0 is the parameter server)" if servers == 1 else f"workers + engine.servers={servers}"
         raise ConfigError(
             f"workers={workers} does not match the {world} processes the launcher started: "
-            f"engine=distributed needs workers + 1 (rank 0 is the parameter server); pass "
-            f"workers={world - 1} or start {workers + 1} processes "
+            f"engine=distributed needs {need}; pass "
+            f"workers={world - servers} or start {workers + servers} processes "
             + ("(hydra.launcher.nodes x hydra.launcher.tasks_per_node)" if submitit else "(--nproc_per_node)")
         )
 

@@ -103,7 +103,11 @@ BAD = [
     (
         ["engine=distributed", "engine.host=0.0.0.0", "engine.staleness=x"],
         "engine.staleness is not a key of engine=distributed; its keys are: name, host, allow_remote, port, "
-        "shared_memory, full_duplex, theta_on_gpu, timeout_s",
+        "shared_memory, full_duplex, servers, theta_on_gpu, timeout_s",
+    ),
+    (
+        ["engine=distributed", "engine.servers=2", "algorithm=ssgd"],
+        "engine.servers=2 is not allowed with algorithm=ssgd, whose workers wait at a barrier of the server's clock",
     ),
     (["logger.wandb.mode=loud"], "logger.wandb.mode=loud is not allowed; choose one of: offline, online, disabled"),
     (["logger.tensorboard=maybe"], "logger.tensorboard: Value 'maybe' is not a valid bool"),

@@ -34,6 +34,8 @@ Each algorithm module ends with one `Algorithm` record, in the spirit of optax's
   lists the model's parameter tensors as ``(name, slice)`` pairs into the flat vectors; ``tensors`` holds one list
   per statistic with one value per parameter tensor, in layout order (GEM's π heatmaps).
 - ``sequential``: True for the proxy, momentum SGD: it always runs with one worker.
+- ``barriers``: True where commits set ``pull_at`` (synchronous SGD's rounds, below): the workers wait for the
+  server's clock, so the server is one clock (engine=distributed runs it on one server, not sharded).
 - ``reads_central(hp) -> bool`` (a method): whether ``worker_rule`` reads the live central variable or the server's
   tensors (``view.theta``, ``view.server``). True unless the rule itself says otherwise (the decorators
   ``reads_nothing_central`` and ``reads_central_when``: a record made with ``dataclasses.replace`` and another
@@ -155,6 +157,7 @@ class Algorithm:
     prepare: Callable | None = None
     diagnostics: Callable | None = None
     sequential: bool = False
+    barriers: bool = False  # its commits set pull_at: the workers wait for the one server's clock
 
     def reads_central(self, hp) -> bool:
         """Whether the worker rule reads the live θ or the server's tensors: as the rule says, else True."""

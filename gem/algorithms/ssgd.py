@@ -76,4 +76,4 @@ def server_rule(view: View, commit: Commit, hp: Params) -> None:
         view.theta.add_(m)
 
 
-ALGORITHM = Algorithm("ssgd", Params, init_state, worker_rule, server_rule, init_server=init_server)
+ALGORITHM = Algorithm("ssgd", Params, init_state, worker_rule, server_rule, init_server=init_server, barriers=True)

@@ -51,6 +51,8 @@ def fingerprint(job) -> dict:
         "hp": dataclasses.asdict(job.hp),
         "engine": engine,
         **schedule,
+        # θ's shards, each with its own server state: a checkpoint of S servers resumes on S servers
+        **({"engine.servers": job.engine.servers} if engine == "distributed" else {}),
     }
 
 
@@ -124,11 +126,12 @@ def verify(manifest: dict, workers: int, algo=None, hp=None) -> None:
         raise CheckpointError(
             f"resume=true: checkpoint file {Path(manifest['path']) / 'central.pt'} is not a parameter server's state"
         )
-    if algo is not None:
-        theta = torch.empty(central["theta"].shape, device="meta")  # shapes only: nothing allocated
-        mismatch = state_mismatch(central, theta, algo.server_state(theta, hp, workers))
-        if mismatch:
-            raise CheckpointError(f"resume=true: {mismatch}")
+    if algo is not None:  # each shard's state (several servers: gem.engines.distributed.shards), or the one
+        for part in central.get("shards") or [central]:
+            theta = torch.empty(part["theta"].shape, device="meta")  # shapes only: nothing allocated
+            mismatch = state_mismatch(part, theta, algo.server_state(theta, hp, workers))
+            if mismatch:
+                raise CheckpointError(f"resume=true: {mismatch}")
     past = central.get("coordinator", {})
     done = set(past.get("finished", [])) | set(past.get("lost_workers", []))
     for w in range(workers):

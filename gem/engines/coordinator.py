@@ -40,10 +40,11 @@ from gem.engines.server import Server
 POLL_S = 0.5  # how often the loop looks at the workers when nothing arrives
 
 
-def start_server(job, algo, theta: torch.Tensor) -> tuple[Server, dict | None]:
+def start_server(job, algo, theta: torch.Tensor, server: Server | None = None) -> tuple[Server, dict | None]:
     """The parameter server at the start of a run: θ₀ (`theta`), or the state of the checkpoint that `resume`
-    continues, once it is checked against this job. Returns (server, the checkpoint's central state or None)."""
-    server = Server.create(algo, job.hp, theta, job.workers)
+    continues, once it is checked against this job. Returns (server, the checkpoint's central state or None).
+    `server`: one made around `theta` already (several servers: gem.engines.distributed.shards.Sharded)."""
+    server = server or Server.create(algo, job.hp, theta, job.workers)
     if job.resume is None:
         return server, None
     ckpt.check_resumable(job.resume, job)

@@ -90,9 +90,13 @@ class DistributedOptions(ProcessOptions):
     # commit arrives (docs/design.md, "Full duplex over the wire"); false: each commit's exchange is served whole, as
     # for the rules that read θ (the same commits: to compare the two, benchmarks/multihost.py)
     full_duplex: bool = True
+    # θ cut into this many shards, each served by its own rank with its own clock (docs/design.md, "Sharded
+    # servers"): rank 0 serves shard 0, ranks n + 1 .. n + S - 1 the others
+    servers: int = 1
 
     def __post_init__(self):
         super().__post_init__()
+        require(1 <= self.servers <= 64, "servers", self.servers, "an integer from 1 to 64")
         require(0 <= self.port <= 65535, "port", self.port, "an integer in [0, 65535] (0: a free port)")
 
 

@@ -97,6 +97,9 @@ class Server:
             self.pulled_at,
         )
 
+    def gather(self) -> None:
+        """Bring θ whole up to date where parts of it are served elsewhere (distributed.shards.Sharded); here it is."""
+
     def view(self, worker: int) -> View:
         t = int(self.clock)
         return View(self.theta, self.state, t, t - int(self.pulled_at[worker]), worker)

@@ -69,6 +69,7 @@ from gem.engines.distributed.server import (
 )
 from gem.engines.distributed.server_turn import TurnServer
 from gem.engines.distributed.server_wire import WireServer
+from gem.engines.distributed.shards import Sharded, Shards
 from gem.engines.distributed.window import Window
 from gem.engines.options import DistributedOptions
 from gem.engines.turn import Ticket, Turn
@@ -92,7 +93,10 @@ def run(job: Job, recorder) -> Result:
     n = job.workers
     algo = algorithms.get(job.algorithm)
     # θ on rank 0's host: gloo moves CPU tensors. A GPU worker stages θ on its device at its commits.
-    server, resumed = start_server(job, algo, build_flat_model(job, device="cpu").param.clone())
+    theta = build_flat_model(job, device="cpu").param.clone()
+    servers = eng.servers  # θ in shards, each served by its own rank (shards.py); rank 0 serves shard 0
+    sharded = Sharded(algo, job.hp, theta, n, servers) if servers > 1 else None
+    server, resumed = start_server(job, algo, theta, sharded)
     place = Placement.plan(job)
     window = Window.create(server, place.slots, turn=place.local_turn, theta=not place.handed) if place.slots else None
     if window is None:  # no /dev/shm, or no room in it (Window.create says so)
@@ -119,10 +123,10 @@ def run(job: Job, recorder) -> Result:
         encoded = encode_job(job_for_workers(job), start)
         if launched():
             world = int(os.environ["WORLD_SIZE"])
-            if world != n + 1:
+            if world != n + servers:
                 raise ValueError(
                     f"workers={n} but the launcher started {world} processes; engine=distributed needs "
-                    f"workers + 1 (rank 0 is the parameter server): pass workers={world - 1}"
+                    f"workers + engine.servers={servers} (rank 0 is a parameter server): pass workers={world - servers}"
                 )
             secret = launched_secret()  # the config's validation has refused a multi-node launch without one
             torch.set_num_threads(threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
@@ -138,7 +142,7 @@ def run(job: Job, recorder) -> Result:
             store = dist.TCPStore(
                 host,
                 port,
-                n + 1,
+                n + servers,
                 True,
                 timeout=timedelta_of(START_TIMEOUT_S),
                 wait_for_workers=False,
@@ -169,21 +173,36 @@ def run(job: Job, recorder) -> Result:
                 turn = Turn(ctx, n + 2, place.central)
                 turn.state[0] = n
                 alive, here = ctx.Pipe(duplex=False)
-            for r in range(1, n + 1):
+            for r in range(1, n + servers):  # the workers, then the other shards' servers (shards.py)
                 p = ctx.Process(
                     target=local_worker,
-                    name=f"gem-worker-{r - 1}",
+                    name=f"gem-worker-{r - 1}" if r <= n else f"gem-shard-{r - n}",
                     daemon=True,
-                    args=(r, n + 1, local, port, START_TIMEOUT_S, threads, secret, imports, turn, alive, theta_handed),
+                    args=(
+                        r,
+                        n + servers,
+                        local,
+                        port,
+                        START_TIMEOUT_S,
+                        threads,
+                        secret,
+                        imports,
+                        turn,
+                        alive,
+                        theta_handed,
+                    ),
                 )
                 with interrupts_held():  # a child started is a child recorded, and stopped below
                     p.start()
                     children.append(p)
             if alive is not None:
                 alive.close()
-            pg = _connect(lambda: form_group(store, 0, n + 1, local, START_TIMEOUT_S), children)
+            pg = _connect(lambda: form_group(store, 0, n + servers, local, START_TIMEOUT_S), children)
             refuse_newcomers(before)  # the store's and gloo's listeners: nobody is left to connect (doors.py)
         states = {r: saved.get(r - 1, DONE if resumed else None) for r in range(1, n + 1)}
+        if sharded is not None:  # each other shard's rank: its slice of θ₀, or its state from the checkpoint
+            sharded.shards = Shards(pg, job, theta.numel())
+            states.update(sharded.shards.initial(theta, sharded.saved))
         result = _serve(coord, pg, secret, encoded, states, children, store, window, turn)
         ended = True
         return result
@@ -195,6 +214,8 @@ def run(job: Job, recorder) -> Result:
         if ps is not None and not ended:
             ps.written.set()  # a checkpoint being taken will not be written
             ps.stop("rank 0 is leaving")
+        if sharded is not None and sharded.shards is not None and not sharded.shards.ending:
+            sharded.shards.end(1.0)  # (a shard of a launcher's exits anyway once rank 0's connection closes)
         _stop(children, grace_s=STOP_GRACE_S if ended else 0.0)
         if here is not None:
             here.close()
@@ -238,6 +259,7 @@ class Placement:
     # over the wire, θ goes back after each commit while the next one arrives: the worker rule reads no θ and
     # engine.full_duplex is on (job.full_duplex, from which WireServer and the workers' WireLink decide the same)
     duplex: bool = False
+    servers: int = 1  # θ in this many shards, each served by its own rank (shards.py)
 
     @classmethod
     def plan(cls, job: Job) -> Placement:
@@ -247,14 +269,15 @@ class Placement:
             local, central = False, cpu
         else:
             slots, local, central = job.workers, True, central_device(job)
-        slots = slots if job.engine.shared_memory else 0
+        # several servers: every worker over the wire, with each shard (no window, which holds θ whole)
+        slots = slots if job.engine.shared_memory and job.engine.servers == 1 else 0
         handed = local and slots > 0 and _hands_theta(central)
         duplex = full_duplex(job)
-        return cls(central if handed else cpu, max(0, slots), local and slots > 0, handed, duplex)
+        return cls(central if handed else cpu, max(0, slots), local and slots > 0, handed, duplex, job.engine.servers)
 
     def without_window(self) -> Placement:
         """No window after all: every worker exchanges θ with rank 0 over the wire, θ in rank 0's memory."""
-        return Placement(torch.device("cpu"), 0, False, False, self.duplex)
+        return Placement(torch.device("cpu"), 0, False, False, self.duplex, self.servers)
 
     def describe(self) -> str:
         if self.handed:
@@ -274,6 +297,11 @@ class Placement:
             return (
                 f"θ in rank 0's memory, served by rank 0; workers 0-{self.slots - 1} (on its host) read it from "
                 f"shared memory, the others over the wire, {wire}"
+            )
+        if self.servers > 1:
+            return (
+                f"θ in {self.servers} shards, each served by its own rank (rank 0 serves the first); every worker "
+                f"exchanges its slices with each over the wire, {wire}"
             )
         return f"θ in rank 0's memory, served by rank 0; every worker exchanges it over the wire, {wire}"
 
@@ -371,6 +399,7 @@ class _Coordinator(Coordinator):
         self.turn: Turn | None = None  # the workers of a local launch pass the turn among themselves
         self.to_monotonic = self.t0_wall - time.time() + time.monotonic()  # a row's time_s, on time.monotonic
         self.placement: Placement | None = None  # where θ lives (`run` decides it)
+        self.shards: Shards | None = None  # the other shards' servers, where θ is sharded (shards.py)
 
     def attach(
         self,
@@ -384,6 +413,9 @@ class _Coordinator(Coordinator):
         """Start the server thread; `refused`: ranks that did not prove the run's secret, lost from the start."""
         ranks = [w + 1 for w in range(self.job.workers)]
         job, server = self.job, self.server
+        if isinstance(server, Sharded):  # rank 0 serves shard 0's slice; a shard lost ends the run
+            server, self.shards = server.local, server.shards
+            self.shards.watch(lambda why: self.events.put(Fatal(why)))
         like = torch.empty_like(server.theta, device="cpu")  # sizes only: nothing of θ's, on the host
         bounds = Bounds.of(server.algo, job.hp, like, len(self.ledger.tensor_names), len(job.data.train_y))
         args = (pg, job, server, ranks, self.events, bounds, window)
@@ -436,19 +468,27 @@ class _Coordinator(Coordinator):
                 self.lose_rank(rank, why)
             case StatesSaved(folder, t):  # the server waits until the checkpoint is written
                 try:
-                    if not self.diverged and not self.write_error:  # a diverged run's state is not worth resuming
+                    # a diverged run's state is not worth resuming; with several servers, every shard's slice is
+                    # fetched at the barrier (the same commits applied on each), and a shard lost fails the run
+                    if not self.diverged and not self.write_error and self.gather():
                         self.ledger.record()
                         self.ledger.fill_gaps(t)
                         self.write_checkpoint(folder, t)
                 except WriteError as e:
                     self.write_error = str(e)
+                except RuntimeError as e:  # a shard's server lost while its state was fetched (Shards names it)
+                    if self.shards is None:
+                        raise
+                    self.handle(Fatal(str(e)))
                 finally:
                     self.ps.written.set()
             case StepsLost(steps):
                 for step in steps:
                     self.ledger.lost(step)
             case Fatal(why):
-                self.fatal = why
+                self.fatal = self.fatal or why
+                if self.shards is not None and self.shards.lost:  # the workers are told STOP as they ask
+                    self.ps.stop(why)
             case WriteFailed(reason):
                 self.write_error = reason
             case ServerDone():
@@ -540,10 +580,24 @@ class _Coordinator(Coordinator):
     def sync(self) -> None:
         pass  # the server knows which commits a lost worker made: they are marked when it is lost
 
+    def gather(self) -> bool:
+        """θ whole from every shard's server (one server: it is here); False, with the run failed, if one is lost."""
+        try:
+            self.server.gather()
+        except RuntimeError as e:
+            self.handle(Fatal(str(e)))  # (Shards names the shard)
+            return False
+        return True
+
     def snapshot(self):
         if self.turn is None:
             with self.ps.lock:
-                return self.server.t, self.server.theta.clone()
+                t, theta = self.server.t, self.server.theta.clone()
+            if self.shards is not None:  # the other slices as they are now, some commits in flight perhaps
+                if not self.gather():
+                    return None
+                theta[self.shards.slices[0][1] :] = self.server.theta[self.shards.slices[0][1] :]
+            return t, theta
         # in line like a worker, looking after the workers meanwhile (a frozen holder is lost, and its turn handed
         # on); given up once the server thread has ended: the run ends, with no evaluation here
         ticket = Ticket(self.turn, self.ps.me + 1)
@@ -573,6 +627,10 @@ class _Coordinator(Coordinator):
         self.ps.sync_log()
         with self.ps.lock:
             final = self.server.t
+        if self.shards is not None:  # θ whole for the final evaluation, then each shard ends
+            if not self.fatal:
+                self.gather()
+            self.shards.end()
         self.ledger.fill_gaps(final)
         ps, wall = self.ps, time.monotonic() - self.ps.started
         # how loaded the parameter server was: its exchanges take server_commit_s each; busy close to 1 means
@@ -586,7 +644,10 @@ class _Coordinator(Coordinator):
             "local_turn": self.turn is not None,
             "central_device": str(self.server.theta.device),
             "placement": self.placement.describe() if self.placement is not None else None,
+            "servers": self.job.engine.servers,
         }
+        if self.shards is not None:  # each other shard's commits and mean τ on its own clock (rank 0's: the rows')
+            extra["shards"] = self.shards.ended
         if self.write_error:  # every process has stopped and the rows are recorded: the runner says it, once
             raise WriteError(self.write_error)
         if self.fatal and not self.diverged:

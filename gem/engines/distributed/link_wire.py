@@ -15,8 +15,9 @@ import torch
 
 from gem.algorithms import Commit
 from gem.engines.distributed.job import full_duplex
-from gem.engines.distributed.link import WAIT_S, RemoteLink
-from gem.engines.distributed.messages import ASK, pack
+from gem.engines.distributed.link import WAIT_S, RemoteLink, ServerGone
+from gem.engines.distributed.messages import ASK, PUSH, TAG_ASK, TAG_X, pack, wait
+from gem.engines.distributed.shards import shard_ranks, slices
 from gem.engines.server import Server
 
 
@@ -24,12 +25,20 @@ class WireLink(RemoteLink):
     duplex = False  # θ comes back after the commit (server_wire.py), set at attach
     waited = 0.0  # full duplex: seconds this commit waited for GO
 
+    shards: list[tuple[int, int, int]] = []  # several servers: (rank, lo, hi) of each shard after shard 0
+
     def attach(self, algo) -> None:
         # the same choice rank 0 makes (server_wire.WireServer.duplex), from the same job
         self.duplex = self.window is None and full_duplex(self.job)
         if self.duplex:
             r = self.replica
             self.server = self.replica = _Pulled(r.algo, r.hp, r.theta, r.state, r.clock, r.pulled_at)
+        servers = self.job.engine.servers
+        if servers > 1:  # (the config's validation has made sure the run is in full duplex)
+            cuts = slices(self.replica.theta.numel(), servers)
+            self.own = cuts[0]  # rank 0's slice
+            ranks = shard_ranks(self.job.workers, servers)
+            self.shards = [(r, lo, hi) for r, (lo, hi) in zip(ranks, cuts, strict=True)][1:]
 
     def acquire(self, w: int):
         asked = time.monotonic()
@@ -46,6 +55,9 @@ class WireLink(RemoteLink):
         return self.view_at(w, t, t - staleness)
 
     def submit(self, view, commit: Commit) -> None:
+        if self.shards:
+            self.submit_sharded(commit)
+            return
         spec, payload = pack(commit.payload)
         spec = json.dumps(spec).encode() if commit.payload else b""
         tensors = [torch.tensor([len(spec), 0], dtype=torch.long)]
@@ -61,6 +73,30 @@ class WireLink(RemoteLink):
             self._recv([self.replica.theta], self.wait_s)
             # the row's wait for the server: for GO, and for θ to come back, as where GO brings θ
             self.extra["wait_s"] = self.waited + time.monotonic() - began
+
+    def submit_sharded(self, commit: Commit) -> None:
+        """Several servers: slice 0 of the commit to rank 0 and slice k to shard k, all on their way at once, then
+        each slice of θ back, the pull (docs/design.md, "Sharded servers"). A shard's server gone ends this worker
+        with an error that names it (rank 0 ends the run: it has lost the shard too)."""
+        began, pg, theta = time.monotonic(), self.pg, self.replica.theta
+        lo, hi = self.own
+        sends = [(0, pg.send([torch.tensor([0, 0], dtype=torch.long)], 0, TAG_X))]
+        sends.append((0, pg.send([commit.delta[lo:hi].contiguous()], 0, TAG_X)))
+        for r, lo, hi in self.shards:
+            sends.append((r, pg.send([torch.tensor([PUSH, 0, 0, 0], dtype=torch.long)], r, TAG_ASK)))
+            sends.append((r, pg.send([commit.delta[lo:hi].contiguous()], r, TAG_X)))
+        lo, hi = self.own
+        recvs = [(0, pg.recv([theta[lo:hi]], 0, TAG_X))]
+        recvs += [(r, pg.recv([theta[lo:hi]], r, TAG_X)) for r, lo, hi in self.shards]
+        for r, work in sends + recvs:
+            try:
+                wait(work, self.wait_s)
+            except RuntimeError as e:
+                if r == 0:
+                    raise ServerGone() from e
+                k = 1 + [rank for rank, _, _ in self.shards].index(r)
+                raise RuntimeError(f"server of shard {k} (rank {r}) lost: {str(e).splitlines()[0]}") from e
+        self.extra["wait_s"] = self.waited + time.monotonic() - began
 
     def release(self) -> None:
         pass  # the exchange ended with the commit

@@ -16,10 +16,14 @@ import torch
 from gem.engines.distributed.group import timedelta_of
 
 TAG_ASK, TAG_X, TAG_JOB = 1, 2, 3  # worker→server headers; one exchange's messages; the job
+# sharded servers (shards.py): a shard's answers to rank 0; the word a shard sends rank 0 at its end
+TAG_SHARD, TAG_ALIVE = 4, 5
 # header kinds, worker → server on TAG_ASK
 # PULL: θ once the clock reaches t (a barrier); ROWS: commit rows alone, from a worker that takes its turn in shared
 # memory (a local launch: window.py)
 ASK, READY, FINISHED, DIVERGED, ERROR, SAVED, PULL, ROWS = range(8)
+# to a shard's rank on TAG_ASK (shards.py): a worker's PUSH (its slice of a commit follows); rank 0's requests
+PUSH, FETCH_THETA, FETCH_STATE, END = range(8, 12)
 # server → worker, first word of the reply to an ASK, PULL or FINISHED: [kind, t, τ]
 GO, STOP, BYE, SAVE, WAIT = range(5)
 HEADER = 4  # int64 words: [kind, rows_nbytes, rows_count, extra_nbytes]

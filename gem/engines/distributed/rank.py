@@ -1,7 +1,8 @@
 """A worker rank: it joins the group, proves the run's secret, takes the job from rank 0 (importing only what its
 own side allows: job.allowed_imports) and runs the shared worker cycle (gem.engines.worker) with the Link its
 transport gives: link_wire.WireLink (each commit one exchange with rank 0) or, for a local launch's workers given
-the server's turn, link_turn.TurnLink (they commit in rank 0's shared-memory window)."""
+the server's turn, link_turn.TurnLink (they commit in rank 0's shared-memory window). A rank after the n workers
+serves one of θ's shards instead (engine.servers > 1: shards.ShardServer)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from gem.engines.distributed.link_turn import TurnLink
 from gem.engines.distributed.link_wire import WireLink
 from gem.engines.distributed.messages import ERROR, TAG_JOB, recv_packed
 from gem.engines.distributed.secret import SECRET_ENV, launched_secret, prove
+from gem.engines.distributed.shards import ShardServer
 from gem.engines.turn import Turn
 from gem.engines.worker import START_TIMEOUT_S, setup_process, threads_per_process
 
@@ -106,6 +108,13 @@ def _work(
         except RuntimeError:
             pass
         return 1
+    if rank > job.workers:  # not a worker: the server of one of θ's shards (engine.servers; shards.py)
+        try:
+            ShardServer(pg, rank, job, saved).serve()
+        except (RuntimeError, ValueError) as e:
+            print(f"gem: shard server rank {rank}: {str(e).splitlines()[0] if str(e) else e!r}", file=sys.stderr)
+            return 1
+        return 0
     if saved == DONE:  # a resumed run whose checkpoint has this worker finished, or lost: nothing to do
         return 0
     if turn is None:

@@ -1,0 +1,340 @@
+"""Sharded servers (`engine.servers=S`; docs/design.md, "Sharded servers"): θ's flat vector cut into S contiguous
+slices, each served by its own rank with its own clock, so that the servers' links add up.
+
+Rank 0 is the coordinator and serves shard 0 (its WireServer, over a slice of θ); ranks n + 1 .. n + S - 1 serve the
+others (`ShardServer`, here), and ranks 1..n are the workers. A worker asks rank 0 for its turn as with one server;
+with GO it sends slice 0 of its commit to rank 0 and slice k to shard k's rank (PUSH), all at once, and takes each
+shard's θ slice back: full duplex on every link. A shard applies the commits it gets one at a time, in the order
+they arrive, on its own clock (τ per shard). Only rules that run in full duplex and wait at no barrier are sharded
+(`refusal`): what they send a shard is its slice of Δ, of a size the shard knows, and nothing else.
+
+What rank 0 asks of a shard (`Shards`): its θ slice (an evaluation), its whole state (a checkpoint, taken at the
+checkpoint barrier, where every shard has applied the same commits), and the end. A shard that is lost ends the run:
+rank 0 keeps a receive posted from each (`Shards.watch`), which a shard answers only at its end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import torch
+
+from gem import algorithms
+from gem.algorithms import Commit
+from gem.engines import Job
+from gem.engines.distributed.headers import Headers
+from gem.engines.distributed.messages import (
+    END,
+    FETCH_STATE,
+    FETCH_THETA,
+    PUSH,
+    TAG_ALIVE,
+    TAG_ASK,
+    TAG_SHARD,
+    TAG_X,
+    connection_closed,
+    pack,
+    recv_tensors,
+    wait,
+)
+from gem.engines.server import Server
+
+SENDS_IN_FLIGHT = 2  # θ slices on their way back to workers at once, as server_wire.SENDS_IN_FLIGHT
+ALIVE_WAIT_S = 30 * 24 * 3600.0  # rank 0's receive from a shard that answers only at its end (as a header's)
+
+
+def slices(numel: int, servers: int) -> list[tuple[int, int]]:
+    """θ's flat vector in `servers` contiguous ranges of ⌈numel / servers⌉ elements (the last one shorter)."""
+    size = -(-numel // servers)
+    return [(min(k * size, numel), min((k + 1) * size, numel)) for k in range(servers)]
+
+
+def shard_ranks(workers: int, servers: int) -> list[int]:
+    """The rank serving each shard: rank 0 for shard 0, then the ranks after the n workers."""
+    return [0] + [workers + k for k in range(1, servers)]
+
+
+def refusal(algorithm: str, hp, engine) -> str | None:
+    """Why a job of `algorithm` with `hp` cannot run on `engine`'s servers, in one line naming the key; None if it
+    can (or there is one server). Checked with the config, before anything starts (experiments.config)."""
+    servers = engine.servers
+    if servers == 1:
+        return None
+    algo = algorithms.get(algorithm)
+    if algo.barriers:
+        return (
+            f"engine.servers={servers} is not allowed with algorithm={algorithm}, whose workers wait at a barrier "
+            "of the server's clock (several servers have several clocks); use engine.servers=1"
+        )
+    if algo.reads_central(hp) or not engine.full_duplex:
+        why = (
+            "engine.full_duplex=false"
+            if not algo.reads_central(hp)
+            else f"algorithm={algorithm}'s worker rule reads the live θ, which would have to come from every shard "
+            "before each commit (docs/design.md, 'Sharded servers')"
+        )
+        return f"engine.servers={servers} needs a run in full duplex, and {why}; use engine.servers=1"
+    return None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else repr(e)
+
+
+# --------------------------------------------------------------------------------------------- a shard's rank
+
+
+class ShardServer:
+    """Ranks n + 1 .. n + S - 1: one slice of θ, served to every worker, one commit at a time in the order their
+    PUSHes arrive; rank 0's requests (FETCH_THETA, FETCH_STATE, END) on the same line. A worker that sends anything
+    but a PUSH, or whose connection closes, is dropped: the shard serves the others."""
+
+    def __init__(self, pg, rank: int, job: Job, saved: dict):
+        self.pg, self.rank, self.job = pg, rank, job
+        n, servers = job.workers, job.engine.servers
+        self.shard = shard_ranks(n, servers).index(rank)
+        algo = algorithms.get(job.algorithm)
+        theta = saved["theta"].contiguous().clone()
+        lo, hi = slices(int(saved["numel"]), servers)[self.shard]
+        if theta.numel() != hi - lo:
+            raise ValueError(f"shard {self.shard}: rank 0 sent {theta.numel()} elements of θ, not {hi - lo}")
+        # the algorithm's server tensors made for this slice, and a clock of its own
+        self.server = Server.create(algo, job.hp, theta, n)
+        if "clock" in saved:  # a resumed run: the shard's state as the checkpoint holds it
+            self.server.load_state_dict(saved)
+        self.delta = torch.empty_like(theta)
+        self.sending: deque = deque()  # (rank, its send, the copy it sends), oldest first
+        self.workers = list(range(1, n + 1))
+        self.commits = self.staleness = 0  # commits applied here, and their τ summed (rank 0 hears at the end)
+
+    def serve(self) -> None:
+        headers = Headers(self.pg, [0, *self.workers])
+        try:
+            while True:
+                src, header = headers.get(None)
+                if isinstance(header, Exception):
+                    if src == 0:  # rank 0 is gone: so is the run
+                        return
+                    continue  # a worker gone: the others go on
+                kind = int(header[0])
+                if src == 0:
+                    if kind == END:  # its last word: the commits it applied, and their τ summed
+                        self.flush()
+                        word = torch.tensor([END, self.commits, self.staleness], dtype=torch.long)
+                        wait(self.pg.send([word], 0, TAG_ALIVE), 60)
+                        return
+                    self.answer(kind)
+                    headers.next(0)
+                elif kind == PUSH:
+                    if self.apply(src):
+                        headers.next(src)
+                    else:
+                        headers.drop(src)
+                else:  # nothing else is a worker's to send here: read nothing more from it
+                    headers.drop(src)
+        finally:
+            headers.close()
+
+    def apply(self, src: int) -> bool:
+        """`src`'s slice of its commit, applied on this shard's clock; its θ slice back from a copy, not waited for."""
+        try:
+            wait(self.pg.recv([self.delta], src, TAG_X), self.wait_s)
+        except RuntimeError:
+            return False
+        server = self.server
+        view = server.view(src - 1)
+        server.apply(view, Commit(delta=self.delta))
+        self.commits, self.staleness = self.commits + 1, self.staleness + view.staleness
+        copy = self.free_copy()
+        copy.copy_(server.theta)
+        try:
+            self.sending.append((self.pg.send([copy], src, TAG_X), copy))
+        except RuntimeError:
+            return False
+        return True
+
+    @property
+    def wait_s(self) -> float:
+        return 2 * self.job.engine.timeout_s + 10
+
+    def free_copy(self) -> torch.Tensor:
+        if len(self.sending) < SENDS_IN_FLIGHT:
+            return torch.empty_like(self.server.theta)
+        work, copy = self.sending.popleft()
+        try:
+            wait(work, self.wait_s)
+        except RuntimeError as e:
+            if not connection_closed(e):
+                raise
+        return copy
+
+    def flush(self) -> None:
+        while self.sending:
+            work, _ = self.sending.popleft()
+            try:
+                wait(work, self.wait_s)
+            except RuntimeError:
+                pass
+
+    def answer(self, kind: int) -> None:
+        if kind == FETCH_THETA:
+            wait(self.pg.send([self.server.theta], 0, TAG_SHARD), self.wait_s)
+        elif kind == FETCH_STATE:
+            _, tensors = pack(self.server.state_dict())
+            works = [self.pg.send([t], 0, TAG_SHARD) for t in tensors]
+            for w in works:
+                wait(w, self.wait_s)
+
+
+# ------------------------------------------------------------------------------------------- rank 0's side
+
+
+class Sharded(Server):
+    """Rank 0's central record with several servers: θ whole, whose slice 0 is shard 0's θ itself (`local`, served
+    by rank 0's WireServer), the others' slices as last fetched (`gather`); shard 0's clock and pull times, the
+    run's clock t; no server tensors of its own: each shard keeps those of its slice. A checkpoint holds θ whole
+    and each shard's state under `shards`."""
+
+    def __init__(self, algo, hp, theta: torch.Tensor, workers: int, servers: int):
+        lo, hi = slices(theta.numel(), servers)[0]
+        self.local = Server.create(algo, hp, theta[lo:hi], workers)  # a view: rank 0's commits land in θ
+        super().__init__(algo, hp, theta, {}, self.local.clock, self.local.pulled_at)
+        self.servers = servers
+        self.shards: Shards | None = None  # rank 0's hand on the other shards, once the group has formed
+        self.saved: list[dict] | None = None  # a resumed run: each shard's state, from the checkpoint
+
+    def gather(self) -> None:
+        if self.shards is not None:
+            self.shards.fetch_theta(self.theta)
+
+    def view(self, worker: int):
+        return self.local.view(worker)
+
+    def apply(self, view, commit: Commit) -> int:
+        return self.local.apply(view, commit)
+
+    def pull(self, worker: int):
+        return self.local.pull(worker)
+
+    def state_dict(self) -> dict:
+        """Taken at the checkpoint barrier, where every shard has applied the same commits: one consistent cut."""
+        others = self.shards.fetch_states() if self.shards is not None else []
+        self.gather()
+        local = {**self.local.state_dict(), "theta": self.local.theta.clone()}  # (not a view of θ whole)
+        return {**super().state_dict(), "shards": [local, *others]}
+
+    def load_state_dict(self, saved: dict) -> None:
+        shards = saved.get("shards") or []
+        if len(shards) != self.servers:
+            raise ValueError(f"checkpoint: {len(shards)} shards there, engine.servers={self.servers} here")
+        self.theta.copy_(saved["theta"])
+        self.local.load_state_dict(shards[0])
+        self.saved = shards
+
+
+class Shards:
+    """Rank 0's hand on shards 1..S - 1: their θ slices, their states, their end, and a watch on each."""
+
+    def __init__(self, pg, job: Job, numel: int):
+        n, servers = job.workers, job.engine.servers
+        self.pg, self.job = pg, job
+        self.slices = slices(numel, servers)
+        self.ranks = shard_ranks(n, servers)[1:]
+        self.lock = threading.Lock()  # one request at a time per shard: the coordinator's, or wrap-up's
+        self.ending = False
+        self.lost = ""
+        self.ended: list[dict] = []  # each shard's last word: its commits and mean τ
+        algo = algorithms.get(job.algorithm)
+        # what each shard's state is made of, from rank 0's own arithmetic: nothing a shard announces is trusted
+        self.specs = []
+        for lo, hi in self.slices[1:]:
+            spec, _ = pack(Server.create(algo, job.hp, torch.zeros(hi - lo), n).state_dict())
+            self.specs.append(spec)
+
+    def initial(self, theta: torch.Tensor, saved: list[dict] | None) -> dict[int, dict]:
+        """What each shard's rank gets after its job: its slice of θ₀, or its state from the checkpoint."""
+        out = {}
+        for k, r in enumerate(self.ranks, 1):
+            lo, hi = self.slices[k]
+            state = dict(saved[k]) if saved else {"theta": theta[lo:hi].clone()}
+            out[r] = {**state, "numel": theta.numel()}
+        return out
+
+    def _ask(self, kind: int) -> None:
+        for k, r in enumerate(self.ranks, 1):
+            self._from(
+                k,
+                lambda r=r: wait(
+                    self.pg.send([torch.tensor([kind, 0, 0, 0], dtype=torch.long)], r, TAG_ASK), self.wait_s
+                ),
+            )
+
+    @property
+    def wait_s(self) -> float:
+        return 2 * self.job.engine.timeout_s + 10
+
+    def fetch_theta(self, theta: torch.Tensor) -> None:
+        """Each shard's slice of θ as it is now, into `theta` (slice 0 is rank 0's own)."""
+        with self.lock:
+            self._ask(FETCH_THETA)
+            for k, (r, (lo, hi)) in enumerate(zip(self.ranks, self.slices[1:], strict=True), 1):
+                self._from(k, lambda r=r, lo=lo, hi=hi: wait(self.pg.recv([theta[lo:hi]], r, TAG_SHARD), self.wait_s))
+
+    def fetch_states(self) -> list[dict]:
+        """Each shard's whole state (θ slice, server tensors, clock, pull times), of the shapes rank 0 expects."""
+        with self.lock:
+            self._ask(FETCH_STATE)
+            pairs = enumerate(zip(self.ranks, self.specs, strict=True), 1)
+            return [
+                self._from(k, lambda r=r, s=s: recv_tensors(self.pg, s, r, TAG_SHARD, self.wait_s))
+                for k, (r, s) in pairs
+            ]
+
+    def _from(self, k: int, receive):
+        """`receive()` from shard k; failing, the shard is lost (RuntimeError naming it, as `lost`)."""
+        try:
+            return receive()
+        except RuntimeError as e:
+            raise RuntimeError(self.losing(k, e)) from e
+
+    def losing(self, k: int, e: Exception) -> str:
+        self.lost = self.lost or f"server of shard {k} (rank {self.ranks[k - 1]}) lost: {_first_line(e)}"
+        return self.lost
+
+    def watch(self, on_lost) -> None:
+        """A receive posted from each shard, which it answers only at its end: failing first, the shard is lost."""
+
+        def one(r: int, k: int) -> None:
+            word = torch.zeros(3, dtype=torch.long)
+            try:
+                wait(self.pg.recv([word], r, TAG_ALIVE), ALIVE_WAIT_S)
+            except RuntimeError as e:
+                if not self.ending:
+                    on_lost(self.losing(k, e))
+                return
+            commits, staleness = int(word[1]), int(word[2])
+            self.ended.append(
+                {"shard": k, "rank": r, "commits": commits, "mean_staleness": staleness / commits if commits else None}
+            )
+
+        self.watchers = [
+            threading.Thread(target=one, args=(r, k), name=f"gem-shard-{k}", daemon=True)
+            for k, r in enumerate(self.ranks, 1)
+        ]
+        for t in self.watchers:
+            t.start()
+
+    def end(self, deadline_s: float = 10.0) -> None:
+        """The run is over: each shard is told END, answers on its watch and exits."""
+        self.ending = True
+        with self.lock:
+            for r in self.ranks:
+                try:
+                    wait(self.pg.send([torch.tensor([END, 0, 0, 0], dtype=torch.long)], r, TAG_ASK), deadline_s)
+                except RuntimeError:
+                    pass
+        until = time.monotonic() + deadline_s
+        for t in getattr(self, "watchers", []):
+            t.join(max(0.0, until - time.monotonic()))
