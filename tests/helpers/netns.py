@@ -43,6 +43,11 @@ BUCKET_S = 0.004  # tbf's bucket, in seconds at the rate (the module says why)
 _made = 0  # Hosts made by this process: part of the namespaces' names
 
 
+def bucket_bytes(rate_mbit: float) -> int:
+    """tbf's bucket (`burst`) at a rate, unless `shape` is given another: the module says why."""
+    return max(int(rate_mbit * 1e6 / 8 * BUCKET_S), 128 * 1024)
+
+
 class Unavailable(RuntimeError):
     """Namespaces cannot be made here (not root, no `ip`, or `ip netns add` refused): the reason."""
 
@@ -160,7 +165,7 @@ class Hosts:
     ) -> None:
         """tbf at rate_mbit on both ends of every link, or of the links of `hosts` only (a host whose link must not
         be the limit gets a rate of its own), replacing any earlier shaping there; burst: see the module."""
-        burst = burst_bytes or max(int(rate_mbit * 1e6 / 8 * BUCKET_S), 128 * 1024)
+        burst = burst_bytes or bucket_bytes(rate_mbit)
         for ns, dev in self.ends(hosts):
             p = subprocess.run(
                 [
