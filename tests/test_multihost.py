@@ -9,6 +9,7 @@ holds global ranks i*K ... i*K + K - 1 for --nproc_per_node=K, so rank 0, the pa
 directory, is on node 0. (`--rdzv_backend=c10d` ignores --node_rank and orders the nodes by address:
 docs/distributed.md.)"""
 
+import json
 import os
 import shutil
 import subprocess
@@ -186,3 +187,103 @@ def test_three_hosts_reach_one_another_through_the_hub():
         for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
         if ns.startswith(hosts.hosts[0].ns[:-2])
     ]
+
+
+# ---------------------------------------------------------------------- sharded servers across hosts
+# engine.servers=2 on four hosts: host 0 runs rank 0 (the coordinator and shard 0's server), hosts 1 and 2 two workers
+# each (ranks 1-2, 3-4), host 3 shard 1's server (rank 5, after the workers: shards.shard_ranks)
+SHARDED = [1, 2, 2, 1]  # processes per host
+
+
+def sharded_node(hosts, i, tmp_path, *overrides):
+    h = hosts.hosts[i]
+    argv = [
+        _torchrun(),
+        f"--nnodes={len(SHARDED)}",
+        f"--nproc_per_node={SHARDED[i]}",
+        f"--node_rank={i}",
+        "--rdzv_backend=static",
+        f"--master_addr={hosts.hosts[0].addr}",
+        f"--master_port={PORT}",
+        "run.py",
+        "engine=distributed",
+        "engine.servers=2",
+        "algorithm=downpour",
+        "workers=4",
+        "logger.wandb.mode=disabled",
+        *overrides,
+    ]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": h.ifname, "GEM_RUN_SECRET": SECRET}
+    log = open(tmp_path / f"node{i}.log", "a")  # noqa: SIM115 - closed by the process's end
+    return hosts.popen(i, argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture
+def four_hosts():
+    try:
+        h = Hosts(len(SHARDED))
+    except Unavailable as e:
+        pytest.skip(f"no network namespaces here: {e}")
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def _summary(d, procs, tmp_path, timeout_s=300) -> dict:
+    """summary.json once rank 0 has written it (its torchrun node waits at its exit barrier for the dead host's)."""
+    deadline = time.monotonic() + timeout_s
+    while not (d / "summary.json").exists():
+        assert time.monotonic() < deadline, log(tmp_path, 0)[-3000:]
+        assert procs[0].poll() is None or (d / "summary.json").exists(), log(tmp_path, 0)[-3000:]
+        time.sleep(0.2)
+    return json.loads((d / "summary.json").read_text())
+
+
+@pytest.mark.slow  # four torchrun nodes, 6 processes, three runs: about a minute
+def test_two_servers_on_their_own_hosts_lose_a_worker_host_alone_and_a_server_host_ends_the_run_which_resumes(
+    four_hosts, tmp_path
+):
+    """Servers and workers on separate hosts. Host 2 (workers 2 and 3) killed mid-run: they are lost alone and the
+    run completes, both servers having applied every commit. Then a run whose server host (shard 1) is killed once
+    a checkpoint is on disk: it ends `failed`, naming the shard, and resume=true on four fresh nodes completes it."""
+    hosts = four_hosts
+    budget = 6 * (1500 // 64)  # commits of one worker
+    d = tmp_path / "lost-worker-host"
+    procs = [
+        sharded_node(hosts, i, tmp_path, "epochs=6", "engine.timeout_s=10", f"hydra.run.dir={d}") for i in range(4)
+    ]
+    deadline = time.monotonic() + 300
+    while hosts.link_bytes(2)[0] < 20 * THETA_BYTES // 2:  # host 2's workers have pulled about 10 slices each
+        assert all(p.poll() is None for p in procs), "".join(log(tmp_path, i)[-1500:] for i in range(4))
+        assert time.monotonic() < deadline, "host 2's workers did not start"
+        time.sleep(0.05)
+    assert hosts.kill_host(2)
+    _summary(d, procs, tmp_path)
+    summary, m, _ = check_run_dir(d)
+    assert summary["status"] == "completed", summary["reason"]
+    assert summary["lost_workers"] == [2, 3] and summary["servers"] == 2
+    assert (m.groupby("worker").size().loc[[0, 1]] == budget).all()  # the survivors' whole budgets
+    (shard,) = summary["shards"]
+    assert shard["rank"] == 5 and shard["commits"] >= len(m) - 2  # every commit (a lost worker's last may be cut)
+    for i in range(4):
+        hosts.kill_host(i)
+
+    d = tmp_path / "lost-server-host"
+    common = ("epochs=6", "engine.timeout_s=10", "engine.checkpoint_every=20", f"hydra.run.dir={d}")
+    procs = [sharded_node(hosts, i, tmp_path, *common) for i in range(4)]
+    while not (d / "checkpoint" / "manifest.json").exists():
+        assert all(p.poll() is None for p in procs), "".join(log(tmp_path, i)[-1500:] for i in range(4))
+        assert time.monotonic() < deadline + 300, "no checkpoint"
+        time.sleep(0.05)
+    assert hosts.kill_host(3)
+    summary = _summary(d, procs, tmp_path)  # (a failed run has no final evaluation: not check_run_dir's)
+    assert summary["status"] == "failed" and "server of shard 1 (rank 5) lost" in summary["reason"], summary
+    assert (d / "checkpoint" / "manifest.json").exists()
+    for i in range(4):
+        hosts.kill_host(i)
+    procs = [sharded_node(hosts, i, tmp_path, *common, "resume=true") for i in range(4)]
+    for i, p in enumerate(procs):
+        assert wait(p, tmp_path, i) == 0, log(tmp_path, i)[-3000:]
+    summary, m, _ = check_run_dir(d, steps=4 * budget)  # every commit once, across the interruption
+    assert summary["status"] == "completed" and summary["shards"][0]["rank"] == 5

@@ -42,6 +42,7 @@ from gem.engines.distributed.messages import (
 from gem.engines.server import Server
 
 SENDS_IN_FLIGHT = 2  # θ slices on their way back to workers at once, as server_wire.SENDS_IN_FLIGHT
+END_WAIT_S = 30.0  # a shard's wait at its end for the workers' connections to close
 ALIVE_WAIT_S = 30 * 24 * 3600.0  # rank 0's receive from a shard that answers only at its end (as a header's)
 
 
@@ -135,7 +136,10 @@ class ShardServer:
                 else:  # nothing else is a worker's to send here: read nothing more from it
                     headers.drop(src)
         finally:
+            # each header thread ends once its worker's connection closes (the workers exit after their BYE); a
+            # process that ends with one still in gloo's receive aborts (headers.Headers.join says why)
             headers.close()
+            headers.join(time.monotonic() + END_WAIT_S)
 
     def apply(self, src: int) -> bool:
         """`src`'s slice of its commit, applied on this shard's clock; its θ slice back from a copy, not waited for."""
