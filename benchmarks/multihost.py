@@ -17,14 +17,14 @@ Duplex (`--duplex full half`, both by default, run one after the other for each 
   can pass on average: an upper bound (the bucket may not be full again), so that a rate close to it is surely the
   link's. For AlexNet it is R / (2 θ) within 2%; for mnist_cnn (0.66 MB) it is R / θ.
 
-Sharded servers (`--servers 1 2 3`; docs/design.md, "Sharded servers"): S servers, each on a host of its own
-behind its own link at R, add their links up, so the limit is S × R / θ (S × R / (2 θ) in half duplex). The hosts
-are laid out as the sharded engine's ranks need them: rank 0 (coordinator and shard 0) on host 0, ranks 1..n (the
-workers) on host 1, ranks n + 1 .. n + S − 1 (shards 1..S − 1) on hosts 2..S, one each: torchrun's static
-rendezvous with `--nnodes=S+1`, the nodes in that order, a world of n + S ranks. Two hosts share one veth pair; more
-are joined through a hub (tests/helpers/netns.py), where the workers' host's link is shaped at S × R, so that the
-servers' links, not the workers', are the limit. The engine has no `engine.servers` yet: until it has, the script
-says so once and measures no row with S > 1.
+Sharded servers (`--servers 1 2 3`, `engine.servers=S`; docs/design.md, "Sharded servers"): θ in S shards, each
+served by its own rank on a host of its own behind its own link at R; each commit moves θ / S each way across each
+server's link, so the links add up and the limit is S × R / θ. The hosts are laid out as the engine's ranks need
+them: rank 0 (coordinator and shard 0) on host 0, ranks 1..n (the workers) on host 1, ranks n + 1 .. n + S − 1
+(shards 1..S − 1) on hosts 2..S, one each: torchrun's static rendezvous with `--nnodes=S+1`, the nodes in that
+order, a world of n + S ranks. Two hosts share one veth pair; more are joined through a hub (tests/helpers/netns.py),
+where the workers' host's link is shaped at S × R, so that the servers' links, not the workers', are the limit.
+Several servers run in full duplex only: a half-duplex row with S > 1 is skipped, with the engine's reason.
 
 Each row: the limit `S × R / θ` (`limit_per_s` in `--json`, whatever the duplex), the mode's own link limit (R / θ
 or R / (2 θ), times S), the measured commits per second (rows of rank 0's run directory, between the first and the
@@ -35,7 +35,9 @@ from three measured shares, in this order:
    the rate, and the small messages around each transfer);
 2. else `server CPU` if rank 0's exchanges filled at least 0.8 of the span (`server_commit_s` of summary.json, its
    seconds per exchange, times the measured rate; summary.json's own `server_busy` divides by rank 0's whole run,
-   start-up and final evaluation included, so it reads lower and is printed beside) and the workers did not (3.):
+   start-up and final evaluation included, so it reads lower and is printed beside) and the workers did not (3.);
+   with S > 1, rank 0 is shard 0's server and the gate every commit asks first, and summary.json times no other
+   shard's exchanges, so rank 0's share stands for the servers':
    its serial loop is full while the link is not, so each exchange's time beyond its transfer at R sets the pace:
    rank 0 receiving, applying and copying, the small messages around the transfer, and, since all hosts here share
    this machine's cores, the wait for a core (the worker rule's few passes over θ, between GO and Δ, count too);
@@ -50,13 +52,13 @@ from three measured shares, in this order:
 
 Needs root and iproute2 (`ip`, `tc`); says so and exits 0 without them (writing no rows to `--json`). Each run: a
 few seconds to a minute. A run that fails is reported on its row's line and the others go on; the exit code is then
-1. `--smoke` runs one tiny configuration in both duplex modes, to check that the script runs (tests/test_benchmarks.py).
+1. `--smoke` runs one tiny configuration, one server in both duplex modes and two servers, to check that the script
+runs (tests/test_benchmarks.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -71,6 +73,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # the namespaces helper, shared with te
 
 from helpers.netns import Hosts, Unavailable, bucket_bytes  # noqa: E402
 
+from gem import algorithms  # noqa: E402
+from gem.engines.distributed.shards import refusal  # noqa: E402
 from gem.engines.options import DistributedOptions  # noqa: E402
 from gem.metrics import read_table  # noqa: E402
 from gem.models import build_model_meta  # noqa: E402
@@ -91,8 +95,7 @@ DUPLEX = {"full": "true", "half": "false"}  # --duplex: engine.full_duplex
 # a share of the span at or above which a part is taken to set the pace (the module's rule); below 1 because a
 # link never carries its whole rate (TCP's framing: 0.956) and a loop that is never idle still has gaps
 FULL = 0.8
-# the engine option of sharded servers (docs/design.md, "Sharded servers"): S > 1 is measured once it exists
-SHARDED = "servers" in {f.name for f in dataclasses.fields(DistributedOptions)}
+ALGORITHM = "downpour"  # its worker rule reads no θ: it runs in full duplex, and on several servers
 
 
 def theta_bytes(model: str) -> int:
@@ -169,14 +172,14 @@ def run_once(
             f"workers={workers}",
             "engine.allow_remote=true",
             f"engine.full_duplex={DUPLEX[duplex]}",
-            *([f"engine.servers={servers}"] if SHARDED else []),
+            f"engine.servers={servers}",
             "logger.wandb.mode=disabled",
             "logger.progress=false",
             f"model={model}",
             f"batch_size={batch}",
             f"epochs={epochs}",
             "logger.eval_every=100000",
-            "algorithm=downpour",
+            f"algorithm={ALGORITHM}",
             f"device={device}",
             *data,
             f"hydra.run.dir={run_dir}",
@@ -239,24 +242,25 @@ def main() -> int:
     ap.add_argument(
         "--smoke",
         action="store_true",
-        help="one tiny run at 1 Gbit/s in each duplex, to check that the script runs "
+        help="tiny runs at 1 Gbit/s (one server in each duplex, two servers), to check that the script runs "
         "(tests/test_benchmarks.py): its numbers mean nothing",
     )
     args = ap.parse_args()
-    if bad := [s for s in args.servers if s < 1]:
-        ap.error(f"--servers {bad[0]} is not allowed; each shard count must be an integer >= 1")
+    for servers in args.servers:  # the engine's own range for engine.servers
+        try:
+            DistributedOptions(servers=servers)
+        except ValueError as e:
+            ap.error(f"--servers {servers}: {e}")
     if args.workers < 1:
         ap.error(f"--workers {args.workers} is not allowed; it must be an integer >= 1")
     if args.smoke:
         args.rates, args.models, args.workers, args.duplex = [1000], ["mnist_cnn"], 1, list(DUPLEX)
-        args.servers = sorted({*args.servers, 2})  # S = 2 too: its skip now, its layout once shards are built
-        print("--smoke: one tiny run in each duplex, to check that the script runs; its numbers mean nothing")
+        args.servers = sorted({*args.servers, 2})  # two servers too: the hub's layout, and half duplex's refusal
+        print("--smoke: tiny runs, to check that the script runs; their numbers mean nothing")
     print(
         f"engine=distributed, DOWNPOUR, rank 0 alone on host 0, {args.workers} worker(s) on host 1 "
         f"(device={args.device}), shards 1..S-1 on hosts 2..S; {os.cpu_count()} cores in all"
     )
-    if unbuilt := [str(s) for s in args.servers if s > 1 and not SHARDED]:
-        print(f"S = {', '.join(unbuilt)}: skipped, engine.servers (sharded servers) is not built yet in the engine")
     rows: list[dict] = []
     failed = 0
     try:
@@ -266,7 +270,17 @@ def main() -> int:
             "| workers stepping | sets the pace |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for servers in [s for s in args.servers if s == 1 or SHARDED]:
+        for servers in args.servers:
+            # the configurations the engine refuses (several servers in half duplex), said once, with its reason
+            runs = []
+            for duplex in args.duplex:
+                options = DistributedOptions(servers=servers, full_duplex=duplex == "full")
+                if why := refusal(ALGORITHM, algorithms.get(ALGORITHM).Params(), options):
+                    print(f"S = {servers}, {duplex} duplex: skipped, the engine refuses it: {why}")
+                else:
+                    runs.append(duplex)
+            if not runs:
+                continue
             with Hosts(servers + 1) as hosts, tempfile.TemporaryDirectory() as tmp:
                 for model in args.models:
                     batch, commits, data = SETTINGS[model]
@@ -275,7 +289,7 @@ def main() -> int:
                     for rate in args.rates:
                         shape(hosts, rate, servers)
                         limit = servers * rate * 1e6 / 8 / size  # S × R / θ
-                        for duplex in args.duplex:
+                        for duplex in runs:
                             own = link_limit(rate, size, servers, duplex)
                             head = f"| {model} | {servers} | {duplex} | {size / 1e6:.2f} MB | {rate / 1000:g} Gbit/s |"
                             try:
