@@ -26,21 +26,21 @@ order, a world of n + S ranks. Two hosts share one veth pair; more are joined th
 where the workers' host's link is shaped at S × R, so that the servers' links, not the workers', are the limit.
 Several servers run in full duplex only: a half-duplex row with S > 1 is skipped, with the engine's reason.
 
-Each row: the limit `S × R / θ` (`limit_per_s` in `--json`, whatever the duplex), the mode's own link limit (R / θ
-or R / (2 θ), times S), the measured commits per second (rows of rank 0's run directory, between the first and the
-last commit: start-up and the final evaluation left out) and its ratio to S × R / θ, and what sets the pace, decided
-from three measured shares, in this order:
+Each row: the limit `S × R / θ` (`limit_per_s` in `--json`, whatever the duplex), the mode's own link limit
+(S × R / θ in full duplex, the half-duplex limit above in half; `mode_limit_per_s`), the measured commits per
+second (rows of rank 0's run directory, between the first and the last commit: start-up and the final evaluation
+left out) and its ratio to S × R / θ, and what sets the pace, decided from three measured shares, in this order:
 
 1. `link` if the measured rate is at least 0.8 of the mode's own link limit (the rest is TCP's framing, 0.956 of
    the rate, and the small messages around each transfer);
 2. else `server CPU` if rank 0's exchanges filled at least 0.8 of the span (`server_commit_s` of summary.json, its
    seconds per exchange, times the measured rate; summary.json's own `server_busy` divides by rank 0's whole run,
-   start-up and final evaluation included, so it reads lower and is printed beside) and the workers did not (3.);
-   with S > 1, rank 0 is shard 0's server and the gate every commit asks first, and summary.json times no other
-   shard's exchanges, so rank 0's share stands for the servers':
+   start-up and final evaluation included, so it reads lower and is printed beside) and the workers did not (3.):
    its serial loop is full while the link is not, so each exchange's time beyond its transfer at R sets the pace:
    rank 0 receiving, applying and copying, the small messages around the transfer, and, since all hosts here share
-   this machine's cores, the wait for a core (the worker rule's few passes over θ, between GO and Δ, count too);
+   this machine's cores, the wait for a core (the worker rule's few passes over θ, between GO and Δ, count too).
+   With S > 1, rank 0 is shard 0's server and the gate every commit asks first, and summary.json times no other
+   shard's exchanges, so rank 0's share stands for the servers';
 3. else `worker steps` if the workers stepped at least 0.8 of the time (n workers, each stepping for the median
    `a worker's step`: its cycle between two commits less its row's `wait_s`, which is the gradient, its rule and
    Δ's way up; stepping share = measured rate × step / n) and rank 0's exchanges did not fill the span;
