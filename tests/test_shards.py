@@ -156,6 +156,7 @@ def test_a_sharded_run_killed_at_its_checkpoint_resumes_to_the_uninterrupted_run
     )
 
 
+@pytest.mark.slow  # two runs of 2 workers, one of them to its end: 20 s
 def test_a_lost_server_ends_the_run_failed_naming_it_and_its_checkpoint_resumes(data, tmp_path, monkeypatch):
     """A shard's server killed mid-run: rank 0 hears its connection close, the run ends `failed` with a reason that
     names the shard and its rank, and its last checkpoint is kept; resume=true on the same servers completes it."""
