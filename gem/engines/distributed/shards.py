@@ -109,6 +109,8 @@ class ShardServer:
         self.sending: deque = deque()  # (rank, its send, the copy it sends), oldest first
         self.workers = list(range(1, n + 1))
         self.commits = self.staleness = 0  # commits applied here, and their τ summed (rank 0 hears at the end)
+        self.busy_s = 0.0  # seconds from a PUSH header to its θ slice on its way back (the shard's server_busy)
+        self.started = time.monotonic()
 
     def serve(self) -> None:
         headers = Headers(self.pg, [0, *self.workers])
@@ -121,9 +123,10 @@ class ShardServer:
                     continue  # a worker gone: the others go on
                 kind = int(header[0])
                 if src == 0:
-                    if kind == END:  # its last word: the commits it applied, and their τ summed
+                    if kind == END:  # its last word: its commits, their τ summed, its busy and whole µs
                         self.flush()
-                        word = torch.tensor([END, self.commits, self.staleness], dtype=torch.long)
+                        spans = [round(1e6 * self.busy_s), round(1e6 * (time.monotonic() - self.started))]
+                        word = torch.tensor([END, self.commits, self.staleness, *spans], dtype=torch.long)
                         wait(self.pg.send([word], 0, TAG_ALIVE), 60)
                         return
                     self.answer(kind)
@@ -143,6 +146,7 @@ class ShardServer:
 
     def apply(self, src: int) -> bool:
         """`src`'s slice of its commit, applied on this shard's clock; its θ slice back from a copy, not waited for."""
+        began = time.monotonic()
         try:
             wait(self.pg.recv([self.delta], src, TAG_X), self.wait_s)
         except RuntimeError:
@@ -157,6 +161,7 @@ class ShardServer:
             self.sending.append((self.pg.send([copy], src, TAG_X), copy))
         except RuntimeError:
             return False
+        self.busy_s += time.monotonic() - began
         return True
 
     @property
@@ -249,7 +254,7 @@ class Shards:
         self.lock = threading.Lock()  # one request at a time per shard: the coordinator's, or wrap-up's
         self.ending = False
         self.lost = ""
-        self.ended: list[dict] = []  # each shard's last word: its commits and mean τ
+        self.ended: list[dict] = []  # each shard's last word: its commits, mean τ and how busy it was
         algo = algorithms.get(job.algorithm)
         # what each shard's state is made of, from rank 0's own arithmetic: nothing a shard announces is trusted
         self.specs = []
@@ -311,16 +316,24 @@ class Shards:
         """A receive posted from each shard, which it answers only at its end: failing first, the shard is lost."""
 
         def one(r: int, k: int) -> None:
-            word = torch.zeros(3, dtype=torch.long)
+            word = torch.zeros(5, dtype=torch.long)
             try:
                 wait(self.pg.recv([word], r, TAG_ALIVE), ALIVE_WAIT_S)
             except RuntimeError as e:
                 if not self.ending:
                     on_lost(self.losing(k, e))
                 return
-            commits, staleness = int(word[1]), int(word[2])
+            commits, staleness, busy, whole = (int(v) for v in word[1:])
             self.ended.append(
-                {"shard": k, "rank": r, "commits": commits, "mean_staleness": staleness / commits if commits else None}
+                {
+                    "shard": k,
+                    "rank": r,
+                    "commits": commits,
+                    "mean_staleness": staleness / commits if commits else None,
+                    # as rank 0's server_commit_s and server_busy: whether this shard's server set the pace
+                    "server_commit_s": round(busy / 1e6 / commits, 6) if commits else None,
+                    "server_busy": round(busy / whole, 4) if whole else None,
+                }
             )
 
         self.watchers = [
