@@ -73,7 +73,10 @@ def worker_threads(monkeypatch):
     monkeypatch.setattr(rank, "setup_process", lambda threads, ignore_sigint=True: None)
 
 
-def job(data, hp=None, model="mnist_cnn", **kw):
+def job(data, hp=None, model="mnist_cnn", full_duplex=False, **kw):
+    """GEM's job for two workers. The Peers below speak the exchange served whole (θ with GO, the commit back),
+    which `full_duplex=False` keeps for GEM; `full_duplex=True`: GEM's rule runs at rank 0, and a worker sends its
+    gradient in place of its commit (server_wire.py)."""
     return Job(
         algorithm="gem",
         hp=hp or gem.Params(workers=2),
@@ -83,7 +86,7 @@ def job(data, hp=None, model="mnist_cnn", **kw):
         batch_size=32,
         epochs=1,
         seed=0,
-        engine={"name": "distributed", "timeout_s": 60},
+        engine={"name": "distributed", "timeout_s": 60, "full_duplex": full_duplex},
         eval_every=100,
         eval_train_size=32,
         **kw,
@@ -447,6 +450,29 @@ def test_a_commit_with_a_payload_its_algorithm_has_not_loses_only_that_worker(da
         "commits carry no payload)",
     )
     assert (m["worker"] >= 0).all()  # its commit was not applied: no step waits for its row
+
+
+@pytest.mark.parametrize("proxy", ["local", "global"])
+def test_a_commit_announcing_a_payload_to_a_rule_run_at_rank_0_loses_only_that_worker(data, tmp_path, proxy):
+    """GEM's rule runs at rank 0 over the wire (full duplex): a worker sends exactly its gradient, and the payload
+    (the global proxy's m) is made at rank 0. A commit that announces a payload spec is refused before anything
+    after it is received, and not applied, under either proxy."""
+    size = build_flat_model(job(data), device="cpu").param.numel()
+
+    def script(p):
+        ready(p)
+        p.turn(duplex=True)
+        p.commit(spec_nbytes=64, refused=True)
+
+    result, m = serve(job(data, hp=gem.Params(workers=2, proxy=proxy), full_duplex=True), tmp_path, script)
+    lost_peer(
+        result,
+        m,
+        f"a commit announcing a payload spec of 64 bytes (none allowed: algorithm gem's rule runs at the server, "
+        f"which takes {{'grad': ['torch.float32', [{size}]]}} from a worker)",
+    )
+    assert (m["worker"] >= 0).all()  # its commit was not applied: no step waits for its row
+    assert m["pi_median"].notna().all()  # the honest worker's rows have the statistics rank 0 computed
 
 
 def test_a_payload_other_than_the_algorithms_is_refused_before_it_is_allocated(data, tmp_path):
@@ -1108,7 +1134,7 @@ def test_a_full_duplex_worker_gets_theta_after_its_commit_and_one_dying_before_i
     th = threading.Thread(target=script, daemon=True)
     th.start()
     try:
-        j = dataclasses.replace(job(data), algorithm="downpour", hp=downpour.Params())
+        j = dataclasses.replace(job(data, full_duplex=True), algorithm="downpour", hp=downpour.Params())
         result = rank0(j, tmp_path, pgs[0])
     finally:
         dying.join(WAIT_S)
