@@ -8,6 +8,8 @@ proxy's (paper eq. 27):
 
 θ − s is how far the central variable moved since this worker's previous commit, its own commit included:
 s is a copy of θ taken just before the server applies this worker's commit (worker_rule runs exactly then).
+engine=distributed over the wire runs the whole rule at the server, on each worker's m and s kept there and the
+gradient it sends (`runs_at_server` on worker_rule; docs/design.md, "Full duplex over the wire").
 With one worker and κ = 1, θ − s is the worker's previous commit and GEM reduces to matching momentum SGD.
 
 `proxy=global` (beyond the paper, its future work): the parameter server estimates the proxy from all
