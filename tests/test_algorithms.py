@@ -817,3 +817,83 @@ def test_a_record_made_from_another_with_a_rule_of_its_own_reads_the_live_theta_
     assert not dataclasses.replace(
         downpour.ALGORITHM, worker_rule=algorithms.reads_nothing_central(rule)
     ).reads_central(hp)
+
+
+def _declared(name: str, extra: dict):
+    algo = algorithms.get(name)
+    fields = {f.name for f in dataclasses.fields(algo.Params)}
+    hp = algo.Params(**{k: v for k, v in {"lr": 0.1, "workers": 2, **extra}.items() if k in fields})
+    return algo, hp
+
+
+@pytest.mark.parametrize(
+    "name, extra", [(n, {}) for n in algorithms.ALGORITHMS] + [("gem", {"proxy": "global"}), ("gem", {"kappa": 2.0})]
+)
+def test_a_rule_run_at_the_server_makes_the_commit_it_makes_at_the_worker(name, extra):
+    """`at_server` lets engine=distributed run the part of a worker rule that reads θ where θ lives: the worker
+    sends what the part declares, the server runs it on the worker's tensors it keeps and the live θ, and the
+    worker finishes a commit that does not pull with its delta. Over several commits of two workers, with the
+    server rule between them, that must make every commit, payload, metric and per-tensor statistic, every worker
+    state and every θ that the rule run at the worker makes, bit for bit."""
+    algo, hp = _declared(name, extra)
+    part = algo.at_server
+    if part is None:
+        return  # the rule runs at the worker only
+    torch.manual_seed(0)
+    theta0, layout = torch.randn(1000), [("a", slice(0, 600)), ("b", slice(600, 1000))]
+    grads = [torch.randn(1000) for _ in range(6)]
+    sides = {}
+    for where in ("worker", "server"):
+        theta, server = theta0.clone(), algo.server_state(theta0.clone(), hp, 2)
+        workers = [(theta0.clone(), algo.init_state(theta0, hp)) for _ in range(2)]
+        out = []
+        for i, grad in enumerate(grads):
+            x, state = workers[i % 2]
+            view = View(theta, server, i, 1, i % 2)
+            if where == "worker":
+                if algo.prepare is not None:
+                    algo.prepare(state, x, grad, hp)
+                c = algo.worker_rule(state, x, grad, view, hp)
+            else:
+                kept = {k: state[k] for k in part.keeps}
+                mine = {k: v for k, v in state.items() if k not in part.keeps}
+                sent = {k: v.clone() for k, v in part.sends(mine, x, grad, hp).items()}
+                c = part.rule(kept, sent, view, hp)
+            metrics, tensors = algo.diagnostics(c, layout, hp) if algo.diagnostics is not None else ({}, None)
+            algo.server_rule(view, c, hp)
+            if c.pull:
+                x.copy_(theta)
+            elif where == "server":
+                part.finish(mine, x, grad, c.delta.clone(), hp)
+            out.append((c.delta.clone(), c.pull, {k: v.clone() for k, v in c.payload.items()}, c.metrics, metrics))
+            out[-1] += (tensors, theta.clone(), [x.clone() for x, _ in workers])
+            out[-1] += ([{k: v.clone() for k, v in s.items()} for _, s in workers],)
+        sides[where] = out
+    for at_worker, at_server in zip(sides["worker"], sides["server"], strict=True):
+        for a, b in zip(at_worker, at_server, strict=True):
+            assert _same(a, b), (a, b)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(u, v) for u, v in zip(a, b, strict=True))
+    return a == b
+
+
+def test_the_rules_that_run_their_part_that_reads_theta_at_the_server_say_so():
+    """GEM declares its whole rule at the server, on m and s kept there, and EASGD its elastic term (docs/design.md,
+    "Full duplex over the wire"); the claim is the worker rule's, so a record made with another rule drops it:
+    EAMSGD's own rule is EASGD's record's, and runs at the worker."""
+    declared = {n for n in algorithms.ALGORITHMS if algorithms.get(n).at_server is not None}
+    assert declared == {"gem", "easgd"}
+    assert gem.ALGORITHM.at_server.keeps == ("m", "stale") and easgd.ALGORITHM.at_server.keeps == ()
+    assert eamsgd.ALGORITHM.at_server is None
+
+    def rule(state, x, grad, view, hp):
+        return gem.worker_rule(state, x, grad, view, hp)
+
+    assert dataclasses.replace(gem.ALGORITHM, worker_rule=rule).at_server is None

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import warm_run
+from helpers.engines import Killed
 from helpers.paths import ROOT
 from helpers.procs import frozen_inside_meta, is_cut, stranger
 from helpers.rundir import check_run_dir
@@ -27,7 +28,7 @@ from helpers.rundir import check_run_dir
 from gem import algorithms
 from gem.algorithms import downpour, gem, ssgd
 from gem.data import make_synthetic
-from gem.engines import Job, distributed
+from gem.engines import Job, checkpoint, distributed
 from gem.engines.coordinator import start_server
 from gem.engines.core import Evaluator, build_flat_model
 from gem.engines.distributed import address, launch, window
@@ -237,12 +238,13 @@ def test_commits_are_served_first_come_first_served(data, tmp_path):
     assert m.loc[m["worker_step"] > 1, "staleness"].median() == n - 1
 
 
-@pytest.mark.parametrize("algorithm", ["downpour", "dcasgd", "ssgd"])
+@pytest.mark.parametrize("algorithm", ["downpour", "dcasgd", "ssgd", "gem"])
 def test_three_workers_in_full_duplex_commit_once_each_with_staleness_on_the_servers_clock(data, tmp_path, algorithm):
-    """Over the wire, rules that read no θ run in full duplex: θ goes back to one worker while the next one's
-    commit arrives. The commits are still applied one at a time: each step once, every worker step once, τ the
-    commits by others since the worker's pull (its previous commit; ssgd: its barrier, served once its round has
-    ended, perhaps after others' next commits), and the final evaluation at the last step."""
+    """Over the wire, rules that read no θ run in full duplex, and so does GEM's, at rank 0: θ goes back to one
+    worker while the next one's commit arrives. The commits are still applied one at a time: each step once, every
+    worker step once, τ the commits by others since the worker's pull (its previous commit; ssgd: its barrier,
+    served once its round has ended, perhaps after others' next commits), and the final evaluation at the last
+    step."""
     n = 3
     fields = {f.name for f in dataclasses.fields(algorithms.get(algorithm).Params)}
     hp = algorithms.get(algorithm).Params(**({"workers": n} if "workers" in fields else {}))
@@ -286,6 +288,89 @@ def test_full_duplex_turned_off_serves_each_exchange_whole_with_the_same_rows(da
         pd.testing.assert_frame_equal(a, b, check_exact=True)
 
 
+@pytest.mark.parametrize(
+    "algorithm, extra", [("gem", {"proxy": "local"}), ("gem", {"proxy": "global"}), ("easgd", {"window": 2})]
+)
+def test_a_rule_run_at_rank_0_gives_the_half_duplex_exchanges_rows(data, tmp_path, algorithm, extra):
+    """Over the wire, a rule that reads the live θ runs its part that does at rank 0, in full duplex: GEM's worker
+    sends its gradient, rank 0 runs the whole worker rule on the worker's m and s kept there and the live θ, applies
+    the commit and sends θ back, with the row's π statistics and energies, computed there; EASGD's sends x, and
+    rank 0 sends back E = α(x − θ), which it has applied. At n = 1 every row, every per-tensor statistic and every
+    evaluation is that of the half-duplex exchange (engine.full_duplex=false), where the worker runs its rule on θ
+    sent with GO, bit for bit."""
+    hp = algorithms.get(algorithm).Params(workers=1, **extra)
+    frames = {}
+    for duplex in (True, False):
+        j = dataclasses.replace(
+            job(data, 1, algorithm, hp, epochs=2),
+            engine={"name": "distributed", "timeout_s": 60, "shared_memory": False, "full_duplex": duplex},
+        )
+        d = tmp_path / str(duplex)
+        result, m, _ = run(j, d)
+        assert result.status == "completed", result
+        placement = result.extra["placement"]
+        assert ("in full duplex" in placement and "reads θ runs at rank 0" in placement) == duplex, placement
+        assert ("one exchange at a time" in placement) != duplex, placement
+        frames[duplex] = (
+            m.drop(columns=["time_s", "wait_s", "apply_s"]),
+            read_table(d, "tensors"),
+            read_table(d, "eval").drop(columns="time_s"),
+        )
+    rows, tensors, _ = frames[True]
+    assert len(rows) == 16 // algorithms.get(algorithm).commit_every(hp)
+    if algorithm == "gem":  # its statistics, computed at rank 0, are in every row
+        assert rows["pi_median"].notna().all() and rows["central_energy"].notna().all()
+        assert len(tensors) == len(rows) * len(build_flat_model(j, device="cpu").tensor_names)
+    for a, b in zip(frames[True], frames[False], strict=True):
+        pd.testing.assert_frame_equal(a, b, check_exact=True)
+
+
+@pytest.mark.parametrize("proxy", ["local", "global"])
+def test_a_resumed_run_of_gems_rule_at_rank_0_is_the_uninterrupted_run(data, tmp_path, monkeypatch, proxy):
+    """GEM's m and s live at rank 0 over the wire: a checkpoint takes them from there into the worker's file, and
+    a resumed run puts them back there. Killed the moment its first checkpoint is on disk and resumed, a run at n = 1
+    gives every row, per-tensor statistic and evaluation of the run never killed, bit for bit (with m and s made
+    afresh at the resume, π and every commit after it would differ)."""
+    steps = 8 * 256 // 32
+
+    def make(d, resume=None):
+        # an early checkpoint, and no evaluation but the first and the last (when one is taken follows the clock)
+        return dataclasses.replace(
+            job(data, 1, hp=gem.Params(workers=1, proxy=proxy), epochs=8, eval_every=steps),
+            engine={"name": "distributed", "timeout_s": 60, "shared_memory": False},
+            run_dir=str(d),
+            checkpoint_every=4,
+            resume=resume,
+        )
+
+    whole = tmp_path / "whole"
+    result, _, _ = run(make(whole), whole)
+    assert result.status == "completed", result
+    real_finish = checkpoint.finish
+
+    def finish_then_die(*args, **kw):
+        real_finish(*args, **kw)
+        raise Killed()
+
+    killed = tmp_path / "killed"
+    monkeypatch.setattr(checkpoint, "finish", finish_then_die)
+    with pytest.raises(Killed):
+        distributed.run(make(killed), Recorder(killed, flush_every=5))
+    monkeypatch.setattr(checkpoint, "finish", real_finish)
+    manifest = checkpoint.read_manifest(killed)
+    saved = checkpoint.load_worker(manifest, 0)["state"]
+    assert sorted(saved) == ["m", "stale"] and saved["m"].abs().sum() > 0, saved  # rank 0's, after some commits
+    rec = Recorder(killed, resume_step=manifest["step"])
+    try:
+        result = distributed.run(make(killed, manifest), rec)
+    finally:
+        rec.close()
+    assert result.status == "completed" and result.steps == steps, result
+    for table, timing in (("metrics", ["time_s", "wait_s", "apply_s"]), ("tensors", []), ("eval", ["time_s"])):
+        a, b = (read_table(d, table).drop(columns=timing) for d in (killed, whole))
+        pd.testing.assert_frame_equal(a, b, check_exact=True)
+
+
 def test_the_global_proxy_travels_with_the_commit(data, tmp_path):
     """algorithm.proxy=global sends the worker's momentum as a payload; the server keeps their mean."""
     hp = gem.Params(workers=3, proxy="global")
@@ -293,13 +378,33 @@ def test_the_global_proxy_travels_with_the_commit(data, tmp_path):
     assert result.status == "completed" and m["pi_median"].notna().all()
 
 
-# DOWNPOUR and the others but GEM: full duplex over the wire (their worker rules read no θ); GEM: θ goes out with GO
+@pytest.mark.parametrize("algorithm, extra", [("gem", {"proxy": "global"}), ("easgd", {"window": 2})])
+def test_three_workers_whose_rules_run_at_rank_0_commit_once_each(data, tmp_path, algorithm, extra):
+    """Three workers over the wire, their rules' parts that read θ run at rank 0 (GEM's global proxy: each worker's m
+    and the mean of their commits kept there): every commit once, every worker's windows in order, and GEM's π
+    statistics in every row."""
+    n, hp = 3, algorithms.get(algorithm).Params(workers=3, **extra)
+    j = dataclasses.replace(
+        job(data, n, algorithm, hp, epochs=1), engine={"name": "distributed", "timeout_s": 60, "shared_memory": False}
+    )
+    result, m, _ = run(j, tmp_path)
+    assert result.status == "completed" and "reads θ runs at rank 0" in result.extra["placement"], result
+    window = algorithms.get(algorithm).commit_every(hp)
+    commits = 256 // 32 // window
+    assert m["step"].tolist() == list(range(1, n * commits + 1))
+    expected = [window * (k + 1) for k in range(commits)]
+    assert m.groupby("worker")["worker_step"].apply(list).tolist() == [expected] * n
+    if algorithm == "gem":
+        assert m["pi_median"].notna().all() and m["proxy_energy"].notna().all()
+
+
+# full duplex over the wire: DOWNPOUR and the others' worker rules read no θ; GEM's runs at rank 0
 @pytest.mark.parametrize("algorithm", ["downpour", "dcasgd", "async_localsgd", "delay_adaptive", "gem"])
 def test_workers_on_rank_0s_host_read_theta_from_shared_memory_with_the_same_rows(data, tmp_path, algorithm):
     """engine.shared_memory (on by default): the workers of a local launch take the server's turn among themselves
     and commit to θ in rank 0's window, as on engine=process; only their rows travel. The server step, τ and the
     rows are the wire's: at n = 1 every row and evaluation is the same, bit for bit, as with shared_memory=false,
-    where θ comes back after each commit (full duplex) or goes out with GO (GEM, whose rule reads the live θ).
+    where θ comes back after each commit (full duplex; GEM's rule, which reads the live θ, then runs at rank 0).
     The window's file is gone once the run ends."""
     fields = {f.name for f in dataclasses.fields(algorithms.get(algorithm).Params)}
     hp = algorithms.get(algorithm).Params(**{k: v for k, v in {"workers": 1, "window": 2}.items() if k in fields})
@@ -314,7 +419,9 @@ def test_workers_on_rank_0s_host_read_theta_from_shared_memory_with_the_same_row
         assert result.extra["shared_memory_workers"] == ([0] if shared else [])
         assert result.extra["local_turn"] == shared
         if not shared:
-            assert ("in full duplex" in result.extra["placement"]) == (algorithm != "gem"), result.extra["placement"]
+            placement = result.extra["placement"]
+            assert "in full duplex" in placement, placement
+            assert ("reads θ runs at rank 0" in placement) == (algorithm == "gem"), placement
         frames[shared] = (
             m.drop(columns=["time_s", "wait_s", "apply_s", "wait_commits"], errors="ignore"),
             read_table(tmp_path / str(shared), "eval").drop(columns="time_s"),

@@ -43,6 +43,7 @@ from gem.engines.distributed.messages import (
     GO,
     PULL,
     READY,
+    SAVE,
     SAVED,
     TAG_ASK,
     TAG_JOB,
@@ -73,7 +74,10 @@ def worker_threads(monkeypatch):
     monkeypatch.setattr(rank, "setup_process", lambda threads, ignore_sigint=True: None)
 
 
-def job(data, hp=None, model="mnist_cnn", **kw):
+def job(data, hp=None, model="mnist_cnn", full_duplex=False, **kw):
+    """GEM's job for two workers. The Peers below speak the exchange served whole (θ with GO, the commit back),
+    which `full_duplex=False` keeps for GEM; `full_duplex=True`: GEM's rule runs at rank 0, and a worker sends its
+    gradient in place of its commit (server_wire.py)."""
     return Job(
         algorithm="gem",
         hp=hp or gem.Params(workers=2),
@@ -83,7 +87,7 @@ def job(data, hp=None, model="mnist_cnn", **kw):
         batch_size=32,
         epochs=1,
         seed=0,
-        engine={"name": "distributed", "timeout_s": 60},
+        engine={"name": "distributed", "timeout_s": 60, "full_duplex": full_duplex},
         eval_every=100,
         eval_train_size=32,
         **kw,
@@ -447,6 +451,62 @@ def test_a_commit_with_a_payload_its_algorithm_has_not_loses_only_that_worker(da
         "commits carry no payload)",
     )
     assert (m["worker"] >= 0).all()  # its commit was not applied: no step waits for its row
+
+
+@pytest.mark.parametrize("proxy", ["local", "global"])
+def test_a_commit_announcing_a_payload_to_a_rule_run_at_rank_0_loses_only_that_worker(data, tmp_path, proxy):
+    """GEM's rule runs at rank 0 over the wire (full duplex): a worker sends exactly its gradient, and the payload
+    (the global proxy's m) is made at rank 0. A commit that announces a payload spec is refused before anything
+    after it is received, and not applied, under either proxy."""
+    size = build_flat_model(job(data), device="cpu").param.numel()
+
+    def script(p):
+        ready(p)
+        p.turn(duplex=True)
+        p.commit(spec_nbytes=64, refused=True)
+
+    result, m = serve(job(data, hp=gem.Params(workers=2, proxy=proxy), full_duplex=True), tmp_path, script)
+    lost_peer(
+        result,
+        m,
+        f"a commit announcing a payload spec of 64 bytes (none allowed: algorithm gem's rule runs at the server, "
+        f"which takes {{'grad': ['torch.float32', [{size}]]}} from a worker)",
+    )
+    assert (m["worker"] >= 0).all()  # its commit was not applied: no step waits for its row
+    assert m["pi_median"].notna().all()  # the honest worker's rows have the statistics rank 0 computed
+
+
+def test_a_saved_state_with_no_algorithm_state_for_rank_0s_m_and_s_loses_only_that_worker(data, tmp_path):
+    """Where GEM's rule runs at rank 0, rank 0 puts the m and s it keeps into each worker's saved state: one whose
+    state has no algorithm state to put them into is lost for it (it was a KeyError in the server thread, and the
+    run failed). The Peer commits a zero gradient until a checkpoint asks it for its state."""
+    size = build_flat_model(job(data), device="cpu").param.numel()
+
+    def script(p):
+        ready(p)
+        reply = torch.zeros(4, dtype=torch.long)
+        for _ in range(400):  # (the coordinator asks for the checkpoint when it next looks at the clock)
+            p.header(ASK)
+            wait(p.pg.recv([reply], 0, TAG_X), WAIT_S)
+            if int(reply[0]) == SAVE:
+                break
+            assert int(reply[0]) == GO, reply
+            p.steps.append(int(reply[1]) + 1)
+            p.commit()  # its gradient: zeros
+            for back in (p.server.theta, nbytes := torch.zeros(1, dtype=torch.long)):
+                wait(p.pg.recv([back], 0, TAG_X), WAIT_S)
+            wait(p.pg.recv([torch.empty(int(nbytes[0]), dtype=torch.uint8)], 0, TAG_X), WAIT_S)
+            time.sleep(0.05)
+        assert int(reply[0]) == SAVE, "no checkpoint asked for the Peer's state"
+        spec = json.dumps({"numbers": {"step": 0}, "tensors": [["x", "torch.float32", [size]]]}).encode()
+        p.header(SAVED, extra_nbytes=len(spec))
+        p.send(spec, taken=True)
+        p.posted.append(p.pg.send([torch.zeros(size)], 0, TAG_X))
+        p.post_answer()
+
+    j = job(data, full_duplex=True, run_dir=str(tmp_path), checkpoint_every=1)
+    result, m = serve(j, tmp_path, script)
+    lost_peer(result, m, "a saved state without its algorithm state (a dict of tensors)")
 
 
 def test_a_payload_other_than_the_algorithms_is_refused_before_it_is_allocated(data, tmp_path):
@@ -1108,7 +1168,7 @@ def test_a_full_duplex_worker_gets_theta_after_its_commit_and_one_dying_before_i
     th = threading.Thread(target=script, daemon=True)
     th.start()
     try:
-        j = dataclasses.replace(job(data), algorithm="downpour", hp=downpour.Params())
+        j = dataclasses.replace(job(data, full_duplex=True), algorithm="downpour", hp=downpour.Params())
         result = rank0(j, tmp_path, pgs[0])
     finally:
         dying.join(WAIT_S)

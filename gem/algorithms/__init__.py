@@ -45,6 +45,13 @@ Each algorithm module ends with one `Algorithm` record, in the spirit of optax's
   and of the view at most t, τ and the worker's id, which the server sends before the rule runs) lets the server
   send θ to one worker while another's commit arrives (full duplex, docs/design.md); tests/test_algorithms.py
   checks each False by running the rule on a θ of NaNs.
+- ``at_server`` (a property): for a rule that reads the live θ, the part of it that can run where θ lives instead
+  (an `AtServer`, declared with the decorator ``runs_at_server`` on ``worker_rule``, so that a record made with
+  another worker rule drops it, as it drops ``reads_central``); None: the rule runs only at the worker.
+  engine=distributed over the wire then serves its commits in full duplex too: the worker sends what the part
+  declares, the server runs it under its clock on the worker's state it keeps, and sends back θ (or the commit's
+  delta, for a commit that does not pull). tests/test_algorithms.py checks that each declared part makes the
+  commit, the state and the diagnostics of the rule run at the worker, bit for bit.
 
 A commit may set ``window``, the length of the worker's next window (dynamic local updates): every engine's
 worker cycle honours it, and the sim engine times the next cycle by it. The worker rule sees the window it ends
@@ -144,6 +151,42 @@ def reads_nothing_central(rule: Callable) -> Callable:
 
 
 @dataclass(frozen=True)
+class AtServer:
+    """The part of a worker rule that reads the live θ, run where θ lives (docs/design.md, "Full duplex over the
+    wire"): a rule that reads θ_t must read the θ its commit is applied to, which over the wire exists only at the
+    server once the commit before has been applied; run there, it needs no θ sent out first, and the link carries
+    one model each way at once.
+
+    - ``keeps``: the names of the worker-state tensors (``init_state``'s) that live at the server, one set per
+      worker: the part reads and writes them there, and a checkpoint takes them from there into the worker's file.
+    - ``sends(state, x, grad, hp) -> dict[str, Tensor]``: what the worker sends at its window's end, in place of a
+      commit, of fixed names, dtypes and shapes (the server receives exactly these: nothing announces a size).
+    - ``rule(kept, sent, view, hp) -> Commit``: at the server under its clock, with this worker's kept tensors and
+      what it sent; ``view`` as the worker rule's, without the worker's window and pace. It sets neither
+      ``window`` nor ``pull_at``. Its ``metrics`` and ``diagnostics`` are computed there and go back to the worker's
+      row.
+    - ``finish(state, x, grad, delta, hp)`` (a commit that does not pull): at the worker once its commit has been
+      applied, with the commit's delta, which the server sends back in place of θ; None: every commit pulls θ.
+    """
+
+    keeps: tuple[str, ...]
+    sends: Callable
+    rule: Callable
+    finish: Callable | None = None
+
+
+def runs_at_server(part: AtServer):
+    """Decorates a worker rule that reads the live θ with the part of it that can run where θ lives
+    (`Algorithm.at_server`)."""
+
+    def mark(rule: Callable) -> Callable:
+        rule.at_server = part
+        return rule
+
+    return mark
+
+
+@dataclass(frozen=True)
 class Algorithm:
     name: str
     Params: type
@@ -162,6 +205,11 @@ class Algorithm:
     def reads_central(self, hp) -> bool:
         """Whether the worker rule reads the live θ or the server's tensors: as the rule says, else True."""
         return getattr(self.worker_rule, "reads_central", _reads)(hp)
+
+    @property
+    def at_server(self) -> AtServer | None:
+        """The part of the worker rule that reads θ, as the rule declares it to run at the server; None: none."""
+        return getattr(self.worker_rule, "at_server", None)
 
     def server_state(self, theta: torch.Tensor, hp, workers: int) -> dict[str, torch.Tensor]:
         return self.init_server(theta, hp, workers) if self.init_server is not None else {}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, positive, require, scratch
+from gem.algorithms import Algorithm, AtServer, Commit, View, positive, require, runs_at_server, scratch
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,29 @@ def local_step(state, x, grad, hp: Params, k: int) -> None:
     x.add_(grad, alpha=-hp.lr)
 
 
-def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
-    e = elastic(x, view.theta, hp)
+def _variable(state, x, grad, hp: Params) -> dict[str, torch.Tensor]:
+    """What a worker sends for the elastic term at the server: its variable x, where this step's gradient was
+    taken."""
+    return {"x": x}
+
+
+def _elastic_at_server(kept, sent, view: View, hp: Params) -> Commit:
+    """E = α(x − θ) at the server, with the live θ: the commit, which goes back to the worker (it does not pull)."""
+    return Commit(delta=elastic(sent["x"], view.theta, hp), pull=False)
+
+
+def _move(state, x, grad, e, hp: Params) -> None:
+    """x ← x − E − η∇L, the rest of the worker rule, with the E that came back."""
     x.sub_(e)
     x.add_(grad, alpha=-hp.lr)
+
+
+# engine=distributed over the wire: the worker sends x, the server computes E with the θ it is applied to and sends
+# it back, one model each way at once (docs/design.md, "Full duplex over the wire")
+@runs_at_server(AtServer(keeps=(), sends=_variable, rule=_elastic_at_server, finish=_move))
+def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
+    e = elastic(x, view.theta, hp)
+    _move(state, x, grad, e, hp)
     return Commit(delta=e, pull=False)
 
 

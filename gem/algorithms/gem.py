@@ -8,6 +8,8 @@ proxy's (paper eq. 27):
 
 θ − s is how far the central variable moved since this worker's previous commit, its own commit included:
 s is a copy of θ taken just before the server applies this worker's commit (worker_rule runs exactly then).
+engine=distributed over the wire runs the whole rule at the server, on each worker's m and s kept there and the
+gradient it sends (`runs_at_server` on worker_rule; docs/design.md, "Full duplex over the wire").
 With one worker and κ = 1, θ − s is the worker's previous commit and GEM reduces to matching momentum SGD.
 
 `proxy=global` (beyond the paper, its future work): the parameter server estimates the proxy from all
@@ -37,7 +39,7 @@ import numba
 import numpy as np
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, positive, require, scratch
+from gem.algorithms import Algorithm, AtServer, Commit, View, positive, require, runs_at_server, scratch
 
 PROXIES = ("local", "global")
 FUSED = True  # the CPU loops below where they apply; False: the torch operations everywhere (the reference)
@@ -103,6 +105,22 @@ def _numerator(proxy: torch.Tensor, hp: Params) -> torch.Tensor:
     return pi
 
 
+def _gradient(state, x, grad, hp: Params) -> dict[str, torch.Tensor]:
+    """What a worker sends for its rule at the server: its gradient, of which the rule makes Δθ = −η∇L there as it
+    would here (the same bytes as Δθ; the rule then runs exactly as written)."""
+    return {"grad": grad}
+
+
+def _whole_rule(kept, sent, view: View, hp: Params) -> Commit:
+    """The worker rule at the server, whole, as the worker cycle runs it (prepare, then worker_rule), on the
+    worker's m and s kept there and the gradient it sent; x is not read."""
+    prepare(kept, None, sent["grad"], hp)
+    return worker_rule(kept, None, sent["grad"], view, hp)
+
+
+# engine=distributed over the wire: m and s live at the server, where θ − s is read at the θ the commit is applied
+# to, and the worker sends its gradient alone (docs/design.md, "Full duplex over the wire")
+@runs_at_server(AtServer(keeps=("m", "stale"), sends=_gradient, rule=_whole_rule))
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     """Under the server's turn, after `prepare`: only what reads θ. The statistics wait for `diagnostics`,
     which the worker runs once it has handed the turn on."""

@@ -11,6 +11,11 @@ does not end the algorithm's window (no server involved); else the commit, under
     link.release()
     diagnostics, the commit row                  # after the turn: GEM's π statistics cost the others nothing
 
+On engine=distributed over the wire, a rule that reads θ and declares the part that does to run at the server
+(`Algorithm.at_server`; the link then has `at_server`) runs there: the worker sends what the part declares
+(`link.commit_at_server`) where it would run the rule, and the commit comes back made, θ (or the commit's delta,
+which the part's `finish` applies here) with it, and its metrics and statistics, computed there.
+
 A commit with a barrier (`Commit.pull_at`, synchronous SGD's round) defers the pull: before its next gradient the
 worker waits until the server's clock has reached pull_at (`link.await_clock`; on `process` it holds the turn while
 it copies θ), and pulls. The sim engine parks such a worker and pulls it at the commit that reaches its barrier.
@@ -75,6 +80,8 @@ class Link(Protocol):
     def await_clock(self, worker: int, t: int) -> View: ...  # a view of θ once the server's clock has reached t,
 
     # held until release (process: the turn); the worker pulls then (the server marks the pull: server.pull)
+    # (optional, distributed over the wire) `at_server`: the part of the rule run at the server, or None; then
+    # commit_at_server(view, sent) -> (the commit made there, its per-tensor statistics)
 
 
 # ------------------------------------------------------------------------------------ one worker process
@@ -222,6 +229,20 @@ def to_device(commit: Commit, device: torch.device, pinned: Pinned | None = None
     return dataclasses.replace(commit, delta=delta, payload=payload)
 
 
+def on_host(tensors: dict[str, torch.Tensor], pinned: Pinned | None = None) -> dict[str, torch.Tensor]:
+    """`tensors` in host memory, for the wire: as they are where they are there; from a GPU through `pinned`'s
+    page-locked buffers where the worker has them (overwritten at its next commit, once these have been sent)."""
+    out = {}
+    for k, v in tensors.items():
+        if v.device.type == "cpu":
+            out[k] = v
+        elif pinned is not None:
+            out[k] = pinned.out(f"sent.{k}", v).copy_(v)
+        else:
+            out[k] = v.to("cpu")
+    return out
+
+
 def barrier_pauses(first: float = 0.0005, most: float = 0.02):
     """The pauses of a worker looking for the clock to reach its barrier (process, distributed): doubling from
     0.5 ms to 20 ms, so a short wait is noticed soon and a long one costs the others little."""
@@ -315,7 +336,10 @@ class Worker:
         return False
 
     def commit(self, link: Link) -> None:
-        if self.algo.prepare is not None:  # what does not read θ, before the turn
+        # distributed over the wire: the part of the rule that reads θ runs where θ lives (Algorithm.at_server), and
+        # the commit comes back made, with its metrics and statistics (its prepare runs there too)
+        part = getattr(link, "at_server", None)
+        if self.algo.prepare is not None and part is None:  # what does not read θ, before the turn
             self.algo.prepare(self.state, self.x, self.model.grad, self.hp)
         # its pace, measured from its first commit on: one cycle's would carry that cycle's noise (a Gamma draw on
         # sim, a loaded machine elsewhere), and the time before the first commit its start (sim staggers the first
@@ -327,14 +351,20 @@ class Worker:
             self.pace = (self.step - self.paced_from[0]) / (clock - self.paced_from[1])
         asked = time.monotonic()
         view = link.acquire(self.w)
+        tensors = None
         try:
             waited, stamp = time.monotonic() - asked, link.now()  # stamped in turn: times follow the clock
-            staged = self.staged(view)
-            staged.window, staged.pace = self.window, self.pace
-            commit = self.algo.worker_rule(self.state, self.x, self.model.grad, staged, self.hp)
-            # the server gets the commit on its device; the diagnostics below read the one made here, beside aux
-            sent = to_device(commit, view.theta.device, self._pinned)
-            link.submit(view, sent)
+            if part is None:
+                staged = self.staged(view)
+                staged.window, staged.pace = self.window, self.pace
+                commit = self.algo.worker_rule(self.state, self.x, self.model.grad, staged, self.hp)
+                # the server gets the commit on its device; the diagnostics below read the one made here, beside aux
+                sent = to_device(commit, view.theta.device, self._pinned)
+                link.submit(view, sent)
+            else:
+                sends = part.sends(self.state, self.x, self.model.grad, self.hp)
+                commit, tensors = link.commit_at_server(view, on_host(sends, self._pinned))
+                sent = commit
             applied = time.perf_counter()
             t = link.server.apply(view, sent)
             applied = time.perf_counter() - applied
@@ -349,6 +379,8 @@ class Worker:
                 self.pull_at = commit.pull_at  # a barrier: pull before the next gradient, once t has reached it
             elif commit.pull:
                 self.x.copy_(view.theta)
+            elif part is not None:  # the rest of the rule, with the commit's delta that came back (EASGD's E)
+                part.finish(self.state, self.x, self.model.grad, commit.delta.to(self.device), self.hp)
         finally:
             link.release()
         row = {
@@ -363,8 +395,7 @@ class Worker:
             **link.extra,
             **commit.metrics,
         }
-        tensors = None
-        if self.algo.diagnostics is not None:
+        if self.algo.diagnostics is not None and part is None:  # (else computed with the rule, in commit.metrics)
             metrics, tensors = self.algo.diagnostics(commit, self.layout, self.hp)
             row.update(metrics)
         self.loss_sum, self.local = 0.0, 0

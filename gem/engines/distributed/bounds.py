@@ -112,6 +112,16 @@ def payload_spec(algo, theta: torch.Tensor, hp) -> dict[str, list]:
     return {name: [str(t.dtype), list(t.shape)] for name, t in declared.items()}
 
 
+def sent_spec(algo, theta: torch.Tensor, hp) -> dict[str, list]:
+    """What a worker sends for the part of its rule that runs at the server (`Algorithm.at_server`), as name →
+    [dtype, shape], from the part's `sends` on a worker's state made from θ; {} where the rule declares none."""
+    part = algo.at_server
+    if part is None:
+        return {}
+    sent = part.sends(algo.init_state(theta, hp), theta, theta, hp)
+    return {name: [str(t.dtype), list(t.shape)] for name, t in sent.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Bounds:
     """What rank 0 accepts from a worker, worked out from the job: each message is checked against it before
@@ -122,6 +132,9 @@ class Bounds:
     row_bytes: int  # one row in JSON, its per-tensor statistics included
     state_bytes: int  # a saved worker state's tensors, in all
     payload: dict  # a commit's payload, exactly: payload_spec
+    # what a worker sends, exactly, where the part of its rule that reads θ runs at the server: sent_spec. Rank 0
+    # receives these into buffers of its own making, so no size a worker announces is allocated
+    sent: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, algo, hp, theta: torch.Tensor, tensors: int, train_examples: int) -> Bounds:
@@ -130,7 +143,7 @@ class Bounds:
         state = algo.init_state(theta, hp)
         nbytes = theta.nbytes + sum(v.nbytes for v in state.values()) + 8 * train_examples + STATE_SLACK
         row = ROW_BYTES + TENSOR_SERIES * (NAME_BYTES + tensors * NUMBER_BYTES)
-        return cls(algo.name, tensors, row, nbytes, payload_spec(algo, theta, hp))
+        return cls(algo.name, tensors, row, nbytes, payload_spec(algo, theta, hp), sent_spec(algo, theta, hp))
 
     def header(self, kind: int, rows_nbytes: int, rows_count: int, extra_nbytes: int, pending: int) -> None:
         """A header's sizes, before anything that follows it is received; `pending`: the worker's commits whose
@@ -169,8 +182,15 @@ class Bounds:
         """A SAVED's spec: no more tensors than a worker state has."""
         return _parse_spec(data, self.state_bytes)
 
-    def commit(self, spec_nbytes: int) -> None:
-        """A commit's first word: the length of its payload's spec, none where its commits carry no payload."""
+    def commit(self, spec_nbytes: int, at_server: bool = False) -> None:
+        """A commit's first word: the length of its payload's spec, none where its commits carry no payload, nor
+        where the rule runs at the server (`at_server`: the worker sends exactly `sent`, and the payload is made
+        there)."""
+        if at_server and spec_nbytes:
+            raise Malformed(
+                f"a commit announcing a payload spec of {spec_nbytes} bytes (none allowed: algorithm "
+                f"{self.algorithm}'s rule runs at the server, which takes {self.sent} from a worker)"
+            )
         if not 0 <= spec_nbytes <= (SPEC_BYTES if self.payload else 0):
             raise Malformed(
                 f"a commit announcing a payload spec of {spec_nbytes} bytes "

@@ -46,10 +46,27 @@ class Start:
     window: dict | None = None  # rank 0's shared memory (window.Window.described()), for the workers on its host
 
 
-def full_duplex(job: Job) -> bool:
-    """Whether commits over the wire run in full duplex (docs/design.md, "Full duplex over the wire"): the worker
-    rule reads no θ, and `engine.full_duplex` leaves it on. Rank 0 and each worker decide it from the job alone."""
-    return job.engine.full_duplex and not algorithms.get(job.algorithm).reads_central(job.hp)
+@dataclasses.dataclass(frozen=True)
+class FullDuplex:
+    """How commits over the wire run in full duplex: θ (or what the commit sends back) on its way to one worker
+    while the next worker's commit arrives."""
+
+    # the worker rule reads the live θ: the part of it that does runs at rank 0 (GEM: all of it, on m and s kept
+    # there), the worker sends what it declares; None: the rule reads no θ and runs whole at the worker
+    at_server: algorithms.AtServer | None = None
+
+
+def full_duplex(job: Job) -> FullDuplex | None:
+    """How commits over the wire run in full duplex (docs/design.md, "Full duplex over the wire"), or None where
+    each exchange is served whole (θ out with GO, the commit back): full duplex where `engine.full_duplex` leaves
+    it on and the worker rule reads no θ, or declares the part that does to run at the server
+    (`Algorithm.at_server`). Rank 0 and each worker decide it from the job alone."""
+    if not job.engine.full_duplex:
+        return None
+    algo = algorithms.get(job.algorithm)
+    if not algo.reads_central(job.hp):
+        return FullDuplex()
+    return FullDuplex(algo.at_server) if algo.at_server is not None else None
 
 
 def job_for_workers(job: Job) -> Job:

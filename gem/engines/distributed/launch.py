@@ -256,10 +256,12 @@ class Placement:
     slots: int  # workers 0 .. slots - 1 may map rank 0's window; 0: no window, every worker uses the wire
     local_turn: bool  # the workers pass the server's turn among themselves in the window (a local launch)
     handed: bool  # θ is on the workers' GPU, handed to them by CUDA IPC (the window holds the clock and the log)
-    # over the wire, θ goes back after each commit while the next one arrives: the worker rule reads no θ and
-    # engine.full_duplex is on (job.full_duplex, from which WireServer and the workers' WireLink decide the same)
+    # over the wire, θ goes back after each commit while the next one arrives: the worker rule reads no θ, or runs
+    # the part that does at rank 0, and engine.full_duplex is on (job.full_duplex, from which WireServer and the
+    # workers' WireLink decide the same)
     duplex: bool = False
     servers: int = 1  # θ in this many shards, each served by its own rank (shards.py)
+    rule_at_server: bool = False  # in full duplex, the part of the worker rule that reads θ runs at rank 0 (GEM)
 
     @classmethod
     def plan(cls, job: Job) -> Placement:
@@ -273,11 +275,13 @@ class Placement:
         slots = slots if job.engine.shared_memory and job.engine.servers == 1 else 0
         handed = local and slots > 0 and _hands_theta(central)
         duplex = full_duplex(job)
-        return cls(central if handed else cpu, max(0, slots), local and slots > 0, handed, duplex, job.engine.servers)
+        at_server = duplex is not None and duplex.at_server is not None
+        place = cls(central if handed else cpu, max(0, slots), local and slots > 0, handed, duplex is not None)
+        return dataclasses.replace(place, servers=job.engine.servers, rule_at_server=at_server)
 
     def without_window(self) -> Placement:
         """No window after all: every worker exchanges θ with rank 0 over the wire, θ in rank 0's memory."""
-        return Placement(torch.device("cpu"), 0, False, False, self.duplex, self.servers)
+        return dataclasses.replace(self, central=torch.device("cpu"), slots=0, local_turn=False, handed=False)
 
     def describe(self) -> str:
         if self.handed:
@@ -287,8 +291,9 @@ class Placement:
             )
         if self.local_turn:
             return "θ in shared memory on rank 0's host; the workers pass the server's turn among themselves there"
+        at_server = "; the part of the worker rule that reads θ runs at rank 0" if self.rule_at_server else ""
         wire = (
-            "in full duplex (θ back to one worker while the next worker's commit arrives)"
+            f"in full duplex (θ back to one worker while the next worker's commit arrives{at_server})"
             if self.duplex
             else "one exchange at a time (θ out with the turn, the commit back: the worker rule reads the live θ, or "
             "engine.full_duplex=false)"
@@ -335,7 +340,7 @@ def _serve(
         if r not in refused:
             send_job(pg, encoded, r, START_TIMEOUT_S)
             send_packed(pg, state, r, TAG_JOB, START_TIMEOUT_S)
-    coord.attach(pg, children, store, refused, window, turn)
+    coord.attach(pg, children, store, refused, window, turn, states)
     return coord.serve()
 
 
@@ -409,8 +414,11 @@ class _Coordinator(Coordinator):
         refused: dict[int, str] | None = None,
         window: Window | None = None,
         turn: Turn | None = None,
+        states: dict | None = None,
     ) -> None:
-        """Start the server thread; `refused`: ranks that did not prove the run's secret, lost from the start."""
+        """Start the server thread; `refused`: ranks that did not prove the run's secret, lost from the start;
+        `states`: each worker's saved state, by rank, where the run resumes (the server keeps what its rule there
+        needs of it)."""
         ranks = [w + 1 for w in range(self.job.workers)]
         job, server = self.job, self.server
         if isinstance(server, Sharded):  # rank 0 serves shard 0's slice; a shard lost ends the run
@@ -419,7 +427,12 @@ class _Coordinator(Coordinator):
         like = torch.empty_like(server.theta, device="cpu")  # sizes only: nothing of θ's, on the host
         bounds = Bounds.of(server.algo, job.hp, like, len(self.ledger.tensor_names), len(job.data.train_y))
         args = (pg, job, server, ranks, self.events, bounds, window)
-        self.ps = WireServer(*args) if turn is None else TurnServer(*args, turn=turn)
+        if turn is None:  # the model's tensors: a rule run at the server computes its per-tensor statistics there
+            model = self.evaluate.model
+            self.ps = WireServer(*args, layout=zip(model.tensor_names, model.slices, strict=True))
+        else:
+            self.ps = TurnServer(*args, turn=turn)
+        self.ps.restore(states or {})
         self.children, self.store, self.turn = children, store, turn
         for w in set(range(self.job.workers)) - set(self.pending_workers()):  # done before the checkpoint
             self.ps.done_before(w + 1)

@@ -1,9 +1,12 @@
 """A worker's commits as exchanges over the wire (`WireLink`): ASK; GO with the clock and τ; COMMIT with Δ and the
 worker rule's payload. What else crosses, server_wire.py says: where the worker rule reads the live θ, GO carries θ
 and the server's tensors and the worker replays the server step on its replica to pull; where it reads none (full
-duplex), the worker's rule runs on its own state and the server sends θ back once it has applied the commit. A
-launcher's rank on rank 0's host that maps rank 0's window (window.py) reads θ there and leaves Δ in its slot, so
-only headers cross (rank 0 applies no other commit while the exchange lasts)."""
+duplex), the worker's rule runs on its own state and the server sends θ back once it has applied the commit; where
+the part of the rule that reads θ runs at the server (full duplex, `Algorithm.at_server`: GEM), the worker sends
+what the part declares in place of its commit, and takes back θ (or the commit's delta) and the commit's metrics
+and statistics for its row (`commit_at_server`). A launcher's rank on rank 0's host that maps rank 0's window
+(window.py) reads θ there and leaves Δ in its slot, so only headers cross (rank 0 applies no other commit while the
+exchange lasts); it runs its whole rule itself."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import time
 
 import torch
 
-from gem.algorithms import Commit
+from gem.algorithms import AtServer, Commit
 from gem.engines.distributed.job import full_duplex
 from gem.engines.distributed.link import WAIT_S, RemoteLink, ServerGone
 from gem.engines.distributed.messages import ASK, PUSH, TAG_ASK, TAG_X, pack, wait
@@ -24,15 +27,24 @@ from gem.engines.server import Server
 class WireLink(RemoteLink):
     duplex = False  # θ comes back after the commit (server_wire.py), set at attach
     waited = 0.0  # full duplex: seconds this commit waited for GO
+    at_server: AtServer | None = None  # the part of the worker rule that reads θ runs at rank 0 (set at attach)
+    back: torch.Tensor | None = None  # where the commit's delta comes back, for a rule at rank 0 that does not pull
 
     shards: list[tuple[int, int, int]] = []  # several servers: (rank, lo, hi) of each shard after shard 0
 
     def attach(self, algo) -> None:
         # the same choice rank 0 makes (server_wire.WireServer.duplex), from the same job
-        self.duplex = self.window is None and full_duplex(self.job)
+        duplex = full_duplex(self.job) if self.window is None else None
+        self.duplex = duplex is not None
         if self.duplex:
             r = self.replica
             self.server = self.replica = _Pulled(r.algo, r.hp, r.theta, r.state, r.clock, r.pulled_at)
+        if duplex is not None and duplex.at_server is not None:
+            self.at_server = duplex.at_server
+            for k in self.at_server.keeps:  # they live at rank 0, which puts them into this worker's checkpoints
+                del self.worker.state[k]
+            if self.at_server.finish is not None:
+                self.back = torch.empty_like(self.replica.theta)
         servers = self.job.engine.servers
         if servers > 1:  # (the config's validation has made sure the run is in full duplex)
             cuts = slices(self.replica.theta.numel(), servers)
@@ -73,6 +85,23 @@ class WireLink(RemoteLink):
             self._recv([self.replica.theta], self.wait_s)
             # the row's wait for the server: for GO, and for θ to come back, as where GO brings θ
             self.extra["wait_s"] = self.waited + time.monotonic() - began
+
+    def commit_at_server(self, view, sent: dict[str, torch.Tensor]) -> tuple[Commit, dict | None]:
+        """The part of the worker rule that reads θ runs at rank 0: what it declares (`sent`, on the host) goes up
+        as a commit that announces no payload, and back come θ (the pull) or the commit's delta (a commit that does
+        not pull), then the commit's metrics and per-tensor statistics, computed there. Returns the commit as the
+        worker cycle uses it (its delta, whether it pulls, its metrics) and the statistics."""
+        self._send([torch.tensor([0, 0], dtype=torch.long), *(t.contiguous() for t in sent.values())])
+        began = time.monotonic()
+        pull = self.at_server.finish is None
+        into, nbytes = self.replica.theta if pull else self.back, torch.zeros(1, dtype=torch.long)
+        self._recv([into, nbytes], self.wait_s)
+        text = torch.empty(int(nbytes[0]), dtype=torch.uint8)
+        self._recv([text], self.wait_s)
+        metrics, tensors = json.loads(text.numpy().tobytes())
+        # the row's wait for the server: for GO, and for θ to come back, as where GO brings θ
+        self.extra["wait_s"] = self.waited + time.monotonic() - began
+        return Commit(delta=into, pull=pull, metrics=metrics), tensors
 
     def submit_sharded(self, commit: Commit) -> None:
         """Several servers: slice 0 of the commit to rank 0 and slice k to shard k, all on their way at once, then

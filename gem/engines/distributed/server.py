@@ -233,6 +233,10 @@ class ParameterServer(threading.Thread):
         """A worker at a barrier that the clock has reached: θ and the server's tensors; no commit follows."""
         raise NotImplementedError
 
+    def restore(self, states: dict) -> None:
+        """A resumed run, before the thread starts: what the server keeps of each worker's saved state (`states`, by
+        rank: its state, DONE or None)."""
+
     def checkpoint_written(self) -> None:
         """The coordinator has written the checkpoint: θ may change again."""
 

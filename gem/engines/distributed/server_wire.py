@@ -1,24 +1,34 @@
 """Rank 0's server over the wire (`WireServer`): commits are applied one at a time, in the order the workers' ASKs
 arrive. A worker asks (ASK); the server answers GO with the clock and τ; the worker sends its commit (Δ and the
-worker rule's payload) and the server rule applies it. What else crosses depends on the algorithm's worker rule:
+worker rule's payload) and the server rule applies it. What else crosses depends on the algorithm's worker rule
+(job.full_duplex decides, from the job alone, as each worker does):
 
-- it reads the live θ or the server's tensors (`Algorithm.reads_central`: GEM, EASGD, ...): GO carries θ and the
-  server's tensors, the worker's rule runs on them and its commit comes back, and the worker replays the server
-  step on its replica to pull. The exchange is served whole, so θ's way out and Δ's way back take turns: each
-  direction of the link idles half the time (half duplex);
-- it does not (DOWNPOUR, DC-ASGD, ...): GO carries only t and τ, the worker's rule runs on its own state, and once
-  the commit is applied the server sends θ back, the worker's pull, from a copy (`sending`), and goes on to the
-  next ASK without waiting for it to arrive: θ goes out to one worker while the next worker's Δ comes in (full
-  duplex, docs/design.md). The commit is applied to the same θ, at the same t and τ, as in the exchange above.
+- it reads no θ nor the server's tensors (`Algorithm.reads_central` False: sgd, downpour, adaptive, agn, dcasgd,
+  delay_adaptive, ssgd, async_localsgd without `dynamic_window`): GO carries only t and τ, the worker's rule runs on
+  its own state, and once the commit is applied the server sends θ back, the worker's pull, from a copy
+  (`sending`), and goes on to the next ASK without waiting for it to arrive: θ goes out to one worker while the next
+  worker's Δ comes in (full duplex, docs/design.md). The commit is applied to the same θ, at the same t and τ, as
+  in the exchange below;
+- it reads the live θ and declares the part that does to run at the server (`Algorithm.at_server`: gem, local or
+  global proxy): full duplex too. The worker sends what the part declares (GEM: its gradient) where it would send
+  its commit; the part runs here, under the clock, on that worker's tensors kept here (`kept`: GEM's m and s) and
+  the live θ, and its commit is applied; θ goes back as above (or the commit's delta, for a commit that does not
+  pull), and after it the commit's metrics and per-tensor statistics, computed here (`statistics`);
+- it reads the live θ and declares no such part (easgd, eamsgd, ringmaster, rennala, async_localsgd with
+  `dynamic_window`), or `engine.full_duplex=false`: GO carries θ and the server's tensors, the worker's rule runs on
+  them and its commit comes back, and the worker replays the server step on its replica to pull. The exchange is
+  served whole, so θ's way out and Δ's way back take turns: each direction of the link idles half the time (half
+  duplex).
 
 A worker on rank 0's host that maps rank 0's window (window.py: a launcher's ranks on node 0) reads θ there at GO
-and leaves Δ in its slot, so only headers cross, whatever its rule reads.
+and leaves Δ in its slot, so only headers cross, whatever its rule reads; it runs its rule itself, on its own state.
 
 Every worker starts from one θ: an ASK that comes before every worker is ready waits (`early`) until they are.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 
@@ -27,7 +37,16 @@ import torch
 from gem.algorithms import Commit
 from gem.engines.distributed.bounds import ROWS_PENDING
 from gem.engines.distributed.job import full_duplex
-from gem.engines.distributed.messages import GO, STOP, TAG_X, connection_closed, recv_bytes, recv_tensors, wait
+from gem.engines.distributed.messages import (
+    DTYPES,
+    GO,
+    STOP,
+    TAG_X,
+    connection_closed,
+    recv_bytes,
+    recv_tensors,
+    wait,
+)
 from gem.engines.distributed.server import ParameterServer, Standing, StepsLost, all_started
 
 # θ on its way back to workers at once, at most (each from a copy of its own, since θ changes meanwhile): two keep
@@ -38,15 +57,30 @@ SENDS_IN_FLIGHT = 2
 
 class WireServer(ParameterServer):
     """Exchanges over the wire, applied one at a time in the order the workers' headers arrive; θ's way back to one
-    worker overlaps the next worker's commit where the algorithm's worker rule reads no θ (`duplex`)."""
+    worker overlaps the next worker's commit where the algorithm's worker rule reads no θ, or runs its part that
+    reads θ here (`duplex`; `at_server`)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, layout=(), **kwargs):
         super().__init__(*args, **kwargs)
         self.early: deque = deque()  # ASKs that came before every worker was ready: all start from one θ
         self.delta = torch.empty_like(self.server.theta, device="cpu")  # Δ of the commit being applied
-        # full duplex: the worker rule runs without the live θ, so θ need not go out before the commit comes back
-        self.duplex = full_duplex(self.job)
-        self.sending: deque = deque()  # (rank, its send, the copy of θ it sends): θ on its way back, oldest first
+        # full duplex: the worker rule runs without the live θ, or its part that reads θ runs here, so θ need not go
+        # out before the commit comes back
+        duplex = full_duplex(self.job)
+        self.duplex = duplex is not None
+        self.at_server = duplex.at_server if duplex is not None else None
+        # where the part runs here: each worker's tensors it keeps (GEM's m and s), made as the worker would make
+        # them from θ as it is now, θ₀ (a resumed run's come from the checkpoint: `restore`); what a worker sends
+        # for it, into buffers of the sizes the algorithm declares; the model's tensors, for its statistics
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
+        self.sent: dict[str, torch.Tensor] = {}
+        self.layout = list(layout)
+        if self.at_server is not None:
+            made = self.server.algo.init_state(self.server.theta, self.job.hp)
+            self.kept = {r: {k: made[k].clone() for k in self.at_server.keeps} for r in self.ranks}
+            self.sent = {k: torch.empty(shape, dtype=DTYPES[dtype]) for k, (dtype, shape) in self.bounds.sent.items()}
+        # (rank, its sends, the copy of θ and the bytes they read): θ on its way back, oldest first
+        self.sending: deque = deque()
 
     def step(self, started: bool) -> bool:
         if self.early and started:
@@ -80,7 +114,8 @@ class WireServer(ParameterServer):
             self.exchange(src)
 
     def exchange(self, src: int) -> None:
-        """`src`'s turn: GO with θ, its commit back, applied; timed (busy_s) for the run's summary."""
+        """`src`'s turn: GO (with θ, in half duplex), its commit back (or what the part of its rule run here takes,
+        and the part), applied, and θ back in full duplex; timed (busy_s) for the run's summary."""
         standing = self.peers[src].standing
         if standing is Standing.BANNED:
             return  # it asked before it was banned
@@ -92,16 +127,43 @@ class WireServer(ParameterServer):
         view = self.server.view(src - 1)
         mapped = self.peers[src].maps_window
         duplex = self.duplex and not mapped
+        at_server = duplex and self.at_server is not None  # (one that maps the window runs its rule itself)
         try:
-            payload = self.go_and_commit(src, view, with_theta=not (mapped or duplex))
+            if at_server:
+                self.go_and_send(src, view)
+            else:
+                payload = self.go_and_commit(src, view, with_theta=not (mapped or duplex))
         except (RuntimeError, ValueError) as e:
             self.gone(src, e)
             return
-        self.apply(src, view, payload)
+        if at_server:  # (what fails in the rule is the server's to report, not the worker's)
+            commit = self.at_server.rule(self.kept[src], self.sent, view, self.job.hp)
+        else:
+            commit = Commit(delta=self.delta, payload=payload)
+        self.apply(src, view, commit)
         if duplex and self.peers[src].standing is not Standing.BANNED:
-            self.send_back(src)
+            self.send_back(src, commit if at_server else None)
         self.busy_s += time.perf_counter() - began
         self.served += 1
+
+    def go(self, src: int, view, state: tuple = ()) -> None:
+        """GO with the clock, τ and the server's patience, and `state` (θ and the server's tensors) after it, all in
+        flight at once."""
+        go = torch.tensor([GO, view.t, view.staleness, int(self.wait_s * 1000)], dtype=torch.long)
+        sends = [self.pg.send([v], src, TAG_X) for v in (go, *state)]
+        for s in sends:
+            wait(s, self.wait_s)
+
+    def go_and_send(self, src: int, view) -> None:
+        """Where the part of `src`'s worker rule that reads θ runs here (`Algorithm.at_server`): GO with the clock
+        and τ; then what the worker sends for the part, exactly the tensors the algorithm declares, into `sent`
+        (its commit's first word must announce no payload: the payload is made here)."""
+        self.go(src, view)
+        header = torch.zeros(2, dtype=torch.long)
+        wait(self.pg.recv([header], src, TAG_X), self.wait_s)
+        self.bounds.commit(int(header[0]), at_server=True)
+        for t in self.sent.values():
+            wait(self.pg.recv([t], src, TAG_X), self.wait_s)
 
     def go_and_commit(self, src: int, view, with_theta: bool) -> dict:
         """GO with the clock and τ, and (`with_theta`) the live θ and the server's tensors, all in flight at once;
@@ -109,13 +171,9 @@ class WireServer(ParameterServer):
         (θ is where it reads it: nothing changes θ until this exchange ends), and leaves Δ in its slot there; so
         does a worker whose rule reads no θ (full duplex), which gets θ after its commit (`send_back`)."""
         server, mapped = self.server, self.peers[src].maps_window
-        state = (server.theta, *server.state.values()) if with_theta else ()
+        self.go(src, view, (server.theta, *server.state.values()) if with_theta else ())
         header = torch.zeros(2, dtype=torch.long)
         wait_s = self.wait_s
-        go = torch.tensor([GO, view.t, view.staleness, int(wait_s * 1000)], dtype=torch.long)
-        sends = [self.pg.send([v], src, TAG_X) for v in (go, *state)]
-        for s in sends:
-            wait(s, wait_s)
         wait(self.pg.recv([header], src, TAG_X), wait_s)
         spec_nbytes = int(header[0])
         self.bounds.commit(spec_nbytes)
@@ -128,10 +186,10 @@ class WireServer(ParameterServer):
         spec = self.bounds.payload_of(recv_bytes(self.pg, spec_nbytes, src, TAG_X, wait_s))
         return recv_tensors(self.pg, spec, src, TAG_X, wait_s)
 
-    def apply(self, src: int, view, payload: dict) -> None:
+    def apply(self, src: int, view, commit: Commit) -> None:
         """The server rule on θ; the commit is pending until `src`'s row for it comes."""
         with self.lock:
-            t = self.server.apply(view, Commit(delta=self.delta, payload=payload))
+            t = self.server.apply(view, commit)
             self.commits.append((src - 1, time.monotonic()))  # progress, for the coordinator's Silence
             pending = self.peers[src].pending
             if pending is not None:
@@ -141,29 +199,74 @@ class WireServer(ParameterServer):
         if pending is not None and len(pending) > ROWS_PENDING:
             self.ban(src, f"no rows for its last {len(pending)} commits (at most {ROWS_PENDING} may await rows)")
 
-    def send_back(self, src: int) -> None:
+    def send_back(self, src: int, made: Commit | None = None) -> None:
         """Full duplex: θ just after `src`'s commit, its pull, on its way from a copy while the server goes on to
         the next commit. The send is waited for only when its copy is needed again (`free_copy`): gloo sends it in
-        the background, and sends to one worker arrive in the order they were made."""
+        the background, and sends to one worker arrive in the order they were made. `made`: the commit that the
+        part of the rule run here made; then the commit's delta goes back instead of θ where it does not pull
+        (the part's `finish`), and after it the row's metrics and per-tensor statistics, computed here while θ is
+        on its way (`statistics`)."""
         copy = self.free_copy()
-        copy.copy_(self.server.theta)
+        copy.copy_(made.delta if made is not None and self.at_server.finish is not None else self.server.theta)
+        held = [copy]
         try:
-            self.sending.append((src, self.pg.send([copy], src, TAG_X), copy))
+            sends = [self.pg.send([copy], src, TAG_X)]
         except RuntimeError as e:
             self.gone(src, e)
+            return
+        if made is not None:  # computed while θ is on its way, and sent after it
+            text = bytearray(self.statistics(made))
+            held += [torch.tensor([len(text)], dtype=torch.long), torch.frombuffer(text, dtype=torch.uint8)]
+            try:
+                sends += [self.pg.send([t], src, TAG_X) for t in held[1:]]
+            except RuntimeError as e:
+                self.gone(src, e)
+        self.sending.append((src, sends, held))
+
+    def statistics(self, made: Commit) -> bytes:
+        """What the worker's row takes of a commit made here, as JSON [metrics, per-tensor statistics or null]: the
+        commit's metrics, then its diagnostics (GEM's π statistics and energies), in the order a worker that made the
+        commit would put them in its row. Rank 0 computes them from the tensors the rule left here (π never
+        travels); the worker builds and sends the row, as for every commit."""
+        metrics, tensors = dict(made.metrics), None
+        if self.server.algo.diagnostics is not None:
+            more, tensors = self.server.algo.diagnostics(made, self.layout, self.job.hp)
+            metrics.update(more)
+        return json.dumps([metrics, tensors or None]).encode()
 
     def free_copy(self) -> torch.Tensor:
         """A copy of θ no send reads any more: a new one while fewer than SENDS_IN_FLIGHT are on their way, else the
         oldest's, once it has arrived (a worker whose connection closed meanwhile is lost, as in an exchange)."""
         if len(self.sending) < SENDS_IN_FLIGHT:
             return torch.empty_like(self.server.theta, device="cpu")
-        src, work, copy = self.sending.popleft()
+        src, sends, held = self.sending.popleft()
         try:
-            wait(work, self.wait_s)
+            for work in sends:
+                wait(work, self.wait_s)
         except RuntimeError as e:
             if self.peers[src].expected or not connection_closed(e):  # (one already lost: as expected)
                 self.gone(src, e)
-        return copy
+        return held[0]
+
+    def on_saved(self, src: int, state: dict) -> None:
+        """A worker whose rule runs here holds none of the tensors kept here: they go into its file, as they are
+        before the gradient it holds (it was told SAVE at its ASK, before it sent what its rule takes)."""
+        if self.at_server is not None and not self.peers[src].maps_window:
+            if not isinstance(state.get("state"), dict):
+                self.ban(src, "a saved state without its algorithm state (a dict of tensors)")
+                return
+            state["state"].update(self.kept[src])
+        super().on_saved(src, state)
+
+    def restore(self, states: dict) -> None:
+        """A resumed run: each worker's tensors kept here, from its saved state (`states`, by rank), into which a
+        checkpoint put them (`on_saved`)."""
+        if self.at_server is None:
+            return
+        for r, saved in states.items():
+            if r in self.kept and isinstance(saved, dict) and "state" in saved:
+                for k, v in self.kept[r].items():
+                    v.copy_(saved["state"][k])
 
     def pull(self, src: int) -> None:
         with self.lock:
