@@ -69,14 +69,13 @@ def refusal(algorithm: str, hp, engine) -> str | None:
             f"engine.servers={servers} is not allowed with algorithm={algorithm}, whose workers wait at a barrier "
             "of the server's clock (several servers have several clocks); use engine.servers=1"
         )
-    if algo.reads_central(hp) or not engine.full_duplex:
-        why = (
-            "engine.full_duplex=false"
-            if not algo.reads_central(hp)
-            else f"algorithm={algorithm}'s worker rule reads the live θ, which would have to come from every shard "
-            "before each commit (docs/design.md, 'Sharded servers')"
+    if algo.reads_central(hp):  # (its part that reads θ may run at rank 0, which would hold one slice of it)
+        return (
+            f"engine.servers={servers} is not allowed with algorithm={algorithm}, whose worker rule reads the live θ, "
+            "of which each server would hold a slice (docs/design.md, 'Sharded servers'); use engine.servers=1"
         )
-        return f"engine.servers={servers} needs a run in full duplex, and {why}; use engine.servers=1"
+    if not engine.full_duplex:
+        return f"engine.servers={servers} needs engine.full_duplex=true (several servers serve in full duplex only)"
     return None
 
 
