@@ -4,7 +4,8 @@ and full duplex, and which of the link, the server's CPU or the workers' steps s
 Hosts are network namespaces of this machine (tests/helpers/netns.py), each link shaped by tbf at a known rate R on
 both ends. Host 0 runs rank 0 alone (the coordinator and the parameter server, `--nproc_per_node=1`); host 1 runs
 the n workers (`--nproc_per_node=n`), so that every commit crosses a link: θ from the server to the worker, Δ back,
-2 × θ bytes in all (the bytes counted on the workers' link are printed beside it). DOWNPOUR is the algorithm.
+2 × θ bytes in all (the bytes counted on the workers' link are printed beside it). DOWNPOUR is the algorithm
+(`--algorithm`: another, as GEM, whose part of the rule that reads θ runs at rank 0 in full duplex).
 
 Duplex (`--duplex full half`, both by default, run one after the other for each model and rate):
 - full (`engine.full_duplex=true`): DOWNPOUR's worker rule reads no θ, so rank 0 sends θ back to one worker while
@@ -48,7 +49,7 @@ left out) and its ratio to S × R / θ, and what sets the pace, decided from thr
    was (the pace is set by something not measured here: latency, the scheduler). No guess.
 
     python benchmarks/multihost.py [--rates 1000 10000] [--models mnist_cnn alexnet_cifar] [--workers 3]
-        [--duplex full half] [--servers 1 2 3] [--commits N] [--device cuda] [--json FILE]
+        [--duplex full half] [--servers 1 2 3] [--algorithm gem] [--commits N] [--device cuda] [--json FILE]
 
 Needs root and iproute2 (`ip`, `tc`); says so and exits 0 without them (writing no rows to `--json`). Each run: a
 few seconds to a minute. A run that fails is reported on its row's line and the others go on; the exit code is then
@@ -95,7 +96,7 @@ DUPLEX = {"full": "true", "half": "false"}  # --duplex: engine.full_duplex
 # a share of the span at or above which a part is taken to set the pace (the module's rule); below 1 because a
 # link never carries its whole rate (TCP's framing: 0.956) and a loop that is never idle still has gaps
 FULL = 0.8
-ALGORITHM = "downpour"  # its worker rule reads no θ: it runs in full duplex, and on several servers
+ALGORITHM = "downpour"  # the default: its worker rule reads no θ, so it runs in full duplex and on several servers
 
 
 def theta_bytes(model: str) -> int:
@@ -150,6 +151,7 @@ def run_once(
     out: Path,
     timeout_s: float = 600,
     device: str = "cpu",
+    algorithm: str = ALGORITHM,
 ) -> dict:
     """One run across the links; returns what it measured."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
@@ -179,7 +181,7 @@ def run_once(
             f"batch_size={batch}",
             f"epochs={epochs}",
             "logger.eval_every=100000",
-            f"algorithm={ALGORITHM}",
+            f"algorithm={algorithm}",
             f"device={device}",
             *data,
             f"hydra.run.dir={run_dir}",
@@ -234,6 +236,12 @@ def main() -> int:
     ap.add_argument("--rates", type=float, nargs="+", default=[1000, 10000], help="link rates, Mbit/s")
     ap.add_argument("--models", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument(
+        "--algorithm",
+        default=ALGORITHM,
+        choices=list(algorithms.ALGORITHMS),
+        help="the rule (gem: its part that reads θ runs at rank 0 in full duplex)",
+    )
     ap.add_argument("--duplex", nargs="+", default=list(DUPLEX), choices=list(DUPLEX), help="engine.full_duplex")
     ap.add_argument("--servers", type=int, nargs="+", default=[1], help="shard counts S (engine.servers)")
     ap.add_argument("--commits", type=int, help="commits per worker (default: the model's, in SETTINGS)")
@@ -263,7 +271,7 @@ def main() -> int:
         args.servers = sorted({*args.servers, 2})  # two servers too: the hub's layout, and half duplex's refusal
         print("--smoke: tiny runs, to check that the script runs; their numbers mean nothing")
     print(
-        f"engine=distributed, DOWNPOUR, rank 0 alone on host 0, {args.workers} worker(s) on host 1 "
+        f"engine=distributed, algorithm={args.algorithm}, rank 0 alone on host 0, {args.workers} worker(s) on host 1 "
         f"(device={args.device}), shards 1..S-1 on hosts 2..S; {os.cpu_count()} cores in all"
     )
     rows: list[dict] = []
@@ -271,8 +279,8 @@ def main() -> int:
     try:
         print(
             "\n| model | S | duplex | θ | link R | on the link a commit | limit S R / θ | the mode's link limit "
-            "| measured commits/s | / limit | a worker's step | θ / S at R | server busy (busiest, span; rank 0, whole run) "
-            "| workers stepping | sets the pace |"
+            "| measured commits/s | / limit | a worker's step | θ / S at R "
+            "| server busy (busiest, span; rank 0, whole run) | workers stepping | sets the pace |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for servers in args.servers:
@@ -280,7 +288,7 @@ def main() -> int:
             runs = []
             for duplex in args.duplex:
                 options = DistributedOptions(servers=servers, full_duplex=duplex == "full")
-                if why := refusal(ALGORITHM, algorithms.get(ALGORITHM).Params(), options):
+                if why := refusal(args.algorithm, algorithms.get(args.algorithm).Params(), options):
                     print(f"S = {servers}, {duplex} duplex: skipped, the engine refuses it: {why}")
                 else:
                     runs.append(duplex)
@@ -309,6 +317,7 @@ def main() -> int:
                                     data,
                                     Path(tmp),
                                     device=args.device,
+                                    algorithm=args.algorithm,
                                 )
                             except RuntimeError as e:
                                 failed += 1
@@ -318,6 +327,7 @@ def main() -> int:
                             rows.append(
                                 {
                                     "model": model,
+                                    "algorithm": args.algorithm,
                                     "servers": servers,
                                     "duplex": duplex,
                                     "rate_mbit": rate,
