@@ -119,6 +119,7 @@ def test_three_workers_on_two_servers_commit_once_each(data, tmp_path):
     assert m.groupby("worker")["worker_step"].apply(list).tolist() == [list(range(1, steps + 1))] * n
     (shard,) = result.extra["shards"]
     assert shard["shard"] == 1 and shard["rank"] == n + 1 and shard["commits"] == n * steps
+    assert 0 < shard["server_busy"] < 1 and shard["server_commit_s"] > 0  # timed as rank 0's exchanges are
     assert abs(shard["mean_staleness"] - m["staleness"].mean()) <= n - 1
     assert not workers_of(os.getpid())
 
