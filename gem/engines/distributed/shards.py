@@ -34,7 +34,6 @@ from gem.engines.distributed.messages import (
     TAG_ASK,
     TAG_SHARD,
     TAG_X,
-    connection_closed,
     pack,
     recv_tensors,
     wait,
@@ -105,7 +104,7 @@ class ShardServer:
         if "clock" in saved:  # a resumed run: the shard's state as the checkpoint holds it
             self.server.load_state_dict(saved)
         self.delta = torch.empty_like(theta)
-        self.sending: deque = deque()  # (rank, its send, the copy it sends), oldest first
+        self.sending: deque = deque()  # (a θ slice's send back to a worker, the copy it reads), oldest first
         self.workers = list(range(1, n + 1))
         self.commits = self.staleness = 0  # commits applied here, and their τ summed (rank 0 hears at the end)
         self.busy_s = 0.0  # seconds from a PUSH header to its θ slice on its way back (the shard's server_busy)
@@ -168,14 +167,16 @@ class ShardServer:
         return 2 * self.job.engine.timeout_s + 10
 
     def free_copy(self) -> torch.Tensor:
+        """A copy no send reads any more: a new one while fewer than SENDS_IN_FLIGHT are on their way, else the
+        oldest's once it has arrived. A send that failed (its worker gone, or frozen past the wire's patience) is
+        that worker's loss alone, which rank 0 records: its copy, which gloo may still read, is left to it."""
         if len(self.sending) < SENDS_IN_FLIGHT:
             return torch.empty_like(self.server.theta)
         work, copy = self.sending.popleft()
         try:
             wait(work, self.wait_s)
-        except RuntimeError as e:
-            if not connection_closed(e):
-                raise
+        except RuntimeError:
+            return torch.empty_like(self.server.theta)
         return copy
 
     def flush(self) -> None:
