@@ -6,7 +6,7 @@ worker rule's payload) and the server rule applies it. What else crosses depends
 - it reads no θ nor the server's tensors (`Algorithm.reads_central` False: sgd, downpour, adaptive, agn, dcasgd,
   delay_adaptive, ssgd, async_localsgd without `dynamic_window`): GO carries only t and τ, the worker's rule runs on
   its own state, and once the commit is applied the server sends θ back, the worker's pull, from a copy
-  (`sending`), and goes on to the next ASK without waiting for it to arrive: θ goes out to one worker while the next
+  (`Outbox`), and goes on to the next ASK without waiting for it to arrive: θ goes out to one worker while the next
   worker's Δ comes in (full duplex, docs/design.md). The commit is applied to the same θ, at the same t and τ, as
   in the exchange below;
 - it reads the live θ and declares the part that does to run at the server (`Algorithm.at_server`: gem, local or
@@ -55,6 +55,45 @@ from gem.engines.distributed.server import ParameterServer, Standing, StepsLost,
 SENDS_IN_FLIGHT = 2
 
 
+class Outbox:
+    """Model-sized messages on their way back to workers (θ, or a shard's slice of it), each from a copy of its own
+    while the server goes on, at most SENDS_IN_FLIGHT at once: a send is waited for only when its copy is needed
+    again (`free`). gloo sends in the background, and sends to one worker arrive in the order they were made. Used
+    by rank 0's WireServer and by every shard's server (shards.ShardServer)."""
+
+    def __init__(self, like: torch.Tensor):
+        self.like = like
+        self.sending: deque = deque()  # (rank, its sends, the tensors they read), oldest first
+
+    def free(self, wait_s: float, failed) -> torch.Tensor:
+        """A copy no send reads any more: a new one while fewer than SENDS_IN_FLIGHT are on their way, else the
+        oldest's, once it has arrived. If that send failed, `failed(rank, error)` says so and a new copy is made
+        (gloo may still read the old one, for a worker that is that worker's loss alone)."""
+        if len(self.sending) < SENDS_IN_FLIGHT:
+            return torch.empty_like(self.like, device="cpu")
+        src, sends, held = self.sending.popleft()
+        try:
+            for work in sends:
+                wait(work, wait_s)
+        except RuntimeError as e:
+            failed(src, e)
+            return torch.empty_like(self.like, device="cpu")
+        return held[0]
+
+    def post(self, src: int, sends: list, held: list) -> None:
+        self.sending.append((src, sends, held))
+
+    def flush(self, wait_s: float) -> None:
+        """Wait for every send on its way (the server's end); a failed one is its worker's loss, already known."""
+        while self.sending:
+            _, sends, _ = self.sending.popleft()
+            for work in sends:
+                try:
+                    wait(work, wait_s)
+                except RuntimeError:
+                    pass
+
+
 class WireServer(ParameterServer):
     """Exchanges over the wire, applied one at a time in the order the workers' headers arrive; θ's way back to one
     worker overlaps the next worker's commit where the algorithm's worker rule reads no θ, or runs its part that
@@ -79,8 +118,7 @@ class WireServer(ParameterServer):
             made = self.server.algo.init_state(self.server.theta, self.job.hp)
             self.kept = {r: {k: made[k].clone() for k in self.at_server.keeps} for r in self.ranks}
             self.sent = {k: torch.empty(shape, dtype=DTYPES[dtype]) for k, (dtype, shape) in self.bounds.sent.items()}
-        # (rank, its sends, the copy of θ and the bytes they read): θ on its way back, oldest first
-        self.sending: deque = deque()
+        self.outbox = Outbox(self.server.theta)  # θ on its way back to workers (full duplex)
 
     def step(self, started: bool) -> bool:
         if self.early and started:
@@ -201,12 +239,11 @@ class WireServer(ParameterServer):
 
     def send_back(self, src: int, made: Commit | None = None) -> None:
         """Full duplex: θ just after `src`'s commit, its pull, on its way from a copy while the server goes on to
-        the next commit. The send is waited for only when its copy is needed again (`free_copy`): gloo sends it in
-        the background, and sends to one worker arrive in the order they were made. `made`: the commit that the
+        the next commit, through the `Outbox`. `made`: the commit that the
         part of the rule run here made; then the commit's delta goes back instead of θ where it does not pull
         (the part's `finish`), and after it the row's metrics and per-tensor statistics, computed here while θ is
         on its way (`statistics`)."""
-        copy = self.free_copy()
+        copy = self.outbox.free(self.wait_s, self.failed_back)
         copy.copy_(made.delta if made is not None and self.at_server.finish is not None else self.server.theta)
         held = [copy]
         try:
@@ -221,7 +258,7 @@ class WireServer(ParameterServer):
                 sends += [self.pg.send([t], src, TAG_X) for t in held[1:]]
             except RuntimeError as e:
                 self.gone(src, e)
-        self.sending.append((src, sends, held))
+        self.outbox.post(src, sends, held)
 
     def statistics(self, made: Commit) -> bytes:
         """What the worker's row takes of a commit made here, as JSON [metrics, per-tensor statistics or null]: the
@@ -234,19 +271,10 @@ class WireServer(ParameterServer):
             metrics.update(more)
         return json.dumps([metrics, tensors or None]).encode()
 
-    def free_copy(self) -> torch.Tensor:
-        """A copy of θ no send reads any more: a new one while fewer than SENDS_IN_FLIGHT are on their way, else the
-        oldest's, once it has arrived (a worker whose connection closed meanwhile is lost, as in an exchange)."""
-        if len(self.sending) < SENDS_IN_FLIGHT:
-            return torch.empty_like(self.server.theta, device="cpu")
-        src, sends, held = self.sending.popleft()
-        try:
-            for work in sends:
-                wait(work, self.wait_s)
-        except RuntimeError as e:
-            if self.peers[src].expected or not connection_closed(e):  # (one already lost: as expected)
-                self.gone(src, e)
-        return held[0]
+    def failed_back(self, src: int, e: Exception) -> None:
+        """θ's way back to `src` failed: it is lost, as in an exchange (one already lost: as expected)."""
+        if self.peers[src].expected or not connection_closed(e):
+            self.gone(src, e)
 
     def on_saved(self, src: int, state: dict) -> None:
         """A worker whose rule runs here holds none of the tensors kept here: they go into its file, as they are

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 
 import torch
 
@@ -38,9 +37,9 @@ from gem.engines.distributed.messages import (
     recv_tensors,
     wait,
 )
+from gem.engines.distributed.server_wire import Outbox
 from gem.engines.server import Server
 
-SENDS_IN_FLIGHT = 2  # θ slices on their way back to workers at once, as server_wire.SENDS_IN_FLIGHT
 END_WAIT_S = 30.0  # a shard's wait at its end for the workers' connections to close
 ALIVE_WAIT_S = 30 * 24 * 3600.0  # rank 0's receive from a shard that answers only at its end (as a header's)
 
@@ -104,7 +103,7 @@ class ShardServer:
         if "clock" in saved:  # a resumed run: the shard's state as the checkpoint holds it
             self.server.load_state_dict(saved)
         self.delta = torch.empty_like(theta)
-        self.sending: deque = deque()  # (a θ slice's send back to a worker, the copy it reads), oldest first
+        self.outbox = Outbox(theta)  # θ slices on their way back to workers
         self.workers = list(range(1, n + 1))
         self.commits = self.staleness = 0  # commits applied here, and their τ summed (rank 0 hears at the end)
         self.busy_s = 0.0  # seconds from a PUSH header to its θ slice on its way back (the shard's server_busy)
@@ -122,7 +121,7 @@ class ShardServer:
                 kind = int(header[0])
                 if src == 0:
                     if kind == END:  # its last word: its commits, their τ summed, its busy and whole µs
-                        self.flush()
+                        self.outbox.flush(self.wait_s)
                         spans = [round(1e6 * self.busy_s), round(1e6 * (time.monotonic() - self.started))]
                         word = torch.tensor([END, self.commits, self.staleness, *spans], dtype=torch.long)
                         wait(self.pg.send([word], 0, TAG_ALIVE), 60)
@@ -153,10 +152,11 @@ class ShardServer:
         view = server.view(src - 1)
         server.apply(view, Commit(delta=self.delta))
         self.commits, self.staleness = self.commits + 1, self.staleness + view.staleness
-        copy = self.free_copy()
+        # a send back that failed is that worker's loss alone: rank 0 records it
+        copy = self.outbox.free(self.wait_s, lambda rank, e: None)
         copy.copy_(server.theta)
         try:
-            self.sending.append((self.pg.send([copy], src, TAG_X), copy))
+            self.outbox.post(src, [self.pg.send([copy], src, TAG_X)], [copy])
         except RuntimeError:
             return False
         self.busy_s += time.monotonic() - began
@@ -165,27 +165,6 @@ class ShardServer:
     @property
     def wait_s(self) -> float:
         return 2 * self.job.engine.timeout_s + 10
-
-    def free_copy(self) -> torch.Tensor:
-        """A copy no send reads any more: a new one while fewer than SENDS_IN_FLIGHT are on their way, else the
-        oldest's once it has arrived. A send that failed (its worker gone, or frozen past the wire's patience) is
-        that worker's loss alone, which rank 0 records: its copy, which gloo may still read, is left to it."""
-        if len(self.sending) < SENDS_IN_FLIGHT:
-            return torch.empty_like(self.server.theta)
-        work, copy = self.sending.popleft()
-        try:
-            wait(work, self.wait_s)
-        except RuntimeError:
-            return torch.empty_like(self.server.theta)
-        return copy
-
-    def flush(self) -> None:
-        while self.sending:
-            work, _ = self.sending.popleft()
-            try:
-                wait(work, self.wait_s)
-            except RuntimeError:
-                pass
 
     def answer(self, kind: int) -> None:
         if kind == FETCH_THETA:
