@@ -308,6 +308,20 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+def _servers(s: dict) -> str:
+    """engine.servers > 1: how busy each shard's server was (rank 0's, then the others'), and what each applied."""
+
+    def busy(v):
+        return "n/a" if v is None else f"{v:.2f}"
+
+    parts = [f"rank 0 busy {busy(s.get('server_busy'))}"]
+    for x in s.get("shards") or []:
+        tau = "n/a" if x.get("mean_staleness") is None else f"{x['mean_staleness']:.2f}"
+        shard = f"shard {x['shard']} (rank {x['rank']})"
+        parts.append(f"{shard} {x['commits']} commits, mean τ {tau}, busy {busy(x.get('server_busy'))}")
+    return f"{s['servers']}: " + "; ".join(parts)
+
+
 def format_summary(s: dict) -> str:
     def num(v, fmt):
         return "n/a" if v is None else format(v, fmt)
@@ -323,6 +337,7 @@ def format_summary(s: dict) -> str:
         f"test accuracy   {num(s.get('test_accuracy'), '.4f')}",
         f"mean staleness  {num(s['mean_staleness'], '.2f')}  ({s.get('staleness_model')})",
         *([f"commit shares   {_shares(s['commit_shares'])}"] if len(s.get("commit_shares") or {}) > 1 else []),
+        *([f"servers         {_servers(s)}"] if (s.get("servers") or 1) > 1 else []),
         *(
             [f"dropped         {s['dropped_commits']} of the {s['steps']} commits (applied none: too stale)"]
             if s.get("dropped_commits") is not None

@@ -190,3 +190,20 @@ def test_a_lost_server_ends_the_run_failed_naming_it_and_its_checkpoint_resumes(
     result, m = run(make(manifest), tmp_path)
     assert result.status == "completed", result
     assert m["step"].tolist() == list(range(1, len(m) + 1))
+
+
+def test_the_run_s_summary_says_how_busy_each_server_was():
+    """What `python run.py` prints of a run on several servers: one line, rank 0's busy share and each other shard's
+    commits, mean τ and busy share; nothing of the kind with one server."""
+    from experiments.runner import format_summary
+
+    s = {
+        "status": "completed", "algorithm": "downpour", "engine": "distributed", "workers": 4, "steps": 920,
+        "final_train_loss": 0.1, "val_loss": 0.1, "val_accuracy": 0.9, "mean_staleness": 2.95,
+        "staleness_model": "measured (distributed)", "wall_time_s": 12.1, "run_dir": "/tmp/x", "server_busy": 0.6581,
+        "servers": 2,
+        "shards": [{"shard": 1, "rank": 5, "commits": 920, "mean_staleness": 2.9489, "server_busy": 0.3295}],
+    }  # fmt: skip
+    lines = format_summary(s).splitlines()
+    assert "servers         2: rank 0 busy 0.66; shard 1 (rank 5) 920 commits, mean τ 2.95, busy 0.33" in lines
+    assert not any(line.startswith("servers") for line in format_summary({**s, "servers": 1}).splitlines())
