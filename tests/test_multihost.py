@@ -50,26 +50,26 @@ def _torchrun():
     return exe
 
 
-def node(hosts, i, tmp_path, *overrides):
+def node(hosts, i, tmp_path, *overrides, nproc=(K, K), workers=WORKERS):
     """Start host i's torchrun node, as docs/distributed.md says (each host: its own --node_rank and GLOO_SOCKET_IFNAME,
-    the same secret); its output goes to tmp_path/node<i>.log."""
+    the same secret), `nproc[i]` processes of the `len(nproc)` nodes; its output is added to tmp_path/node<i>.log."""
     h = hosts.hosts[i]
     argv = [
         _torchrun(),
-        "--nnodes=2",
-        f"--nproc_per_node={K}",
+        f"--nnodes={len(nproc)}",
+        f"--nproc_per_node={nproc[i]}",
         f"--node_rank={i}",
         "--rdzv_backend=static",
         f"--master_addr={hosts.hosts[0].addr}",
         f"--master_port={PORT}",
         "run.py",
         "engine=distributed",
-        f"workers={WORKERS}",
+        f"workers={workers}",
         "logger.wandb.mode=disabled",
         *overrides,
     ]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": h.ifname, "GEM_RUN_SECRET": SECRET}
-    log = open(tmp_path / f"node{i}.log", "w")  # noqa: SIM115 - closed by the process's end
+    log = open(tmp_path / f"node{i}.log", "a")  # noqa: SIM115 - closed by the process's end
     return hosts.popen(i, argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -196,26 +196,7 @@ SHARDED = [1, 2, 2, 1]  # processes per host
 
 
 def sharded_node(hosts, i, tmp_path, *overrides):
-    h = hosts.hosts[i]
-    argv = [
-        _torchrun(),
-        f"--nnodes={len(SHARDED)}",
-        f"--nproc_per_node={SHARDED[i]}",
-        f"--node_rank={i}",
-        "--rdzv_backend=static",
-        f"--master_addr={hosts.hosts[0].addr}",
-        f"--master_port={PORT}",
-        "run.py",
-        "engine=distributed",
-        "engine.servers=2",
-        "algorithm=downpour",
-        "workers=4",
-        "logger.wandb.mode=disabled",
-        *overrides,
-    ]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": h.ifname, "GEM_RUN_SECRET": SECRET}
-    log = open(tmp_path / f"node{i}.log", "a")  # noqa: SIM115 - closed by the process's end
-    return hosts.popen(i, argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return node(hosts, i, tmp_path, "engine.servers=2", "algorithm=downpour", *overrides, nproc=SHARDED, workers=4)
 
 
 @pytest.fixture

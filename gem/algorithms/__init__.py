@@ -134,15 +134,21 @@ def _never(hp) -> bool:
     return False
 
 
-def reads_central_when(predicate: Callable):
-    """Decorates a worker rule that reads the live θ or the server's tensors only where `predicate(hp)` is true
-    (`Algorithm.reads_central`)."""
+def _marking(name: str, value):
+    """A decorator that notes `value` on a worker rule as `name`: what the rule says of itself travels with it (a
+    record made with another rule drops it)."""
 
     def mark(rule: Callable) -> Callable:
-        rule.reads_central = predicate
+        setattr(rule, name, value)
         return rule
 
     return mark
+
+
+def reads_central_when(predicate: Callable):
+    """Decorates a worker rule that reads the live θ or the server's tensors only where `predicate(hp)` is true
+    (`Algorithm.reads_central`)."""
+    return _marking("reads_central", predicate)
 
 
 def reads_nothing_central(rule: Callable) -> Callable:
@@ -178,12 +184,7 @@ class AtServer:
 def runs_at_server(part: AtServer):
     """Decorates a worker rule that reads the live θ with the part of it that can run where θ lives
     (`Algorithm.at_server`)."""
-
-    def mark(rule: Callable) -> Callable:
-        rule.at_server = part
-        return rule
-
-    return mark
+    return _marking("at_server", part)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ class WireLink(RemoteLink):
     at_server: AtServer | None = None  # the part of the worker rule that reads θ runs at rank 0 (set at attach)
     back: torch.Tensor | None = None  # where the commit's delta comes back, for a rule at rank 0 that does not pull
 
-    shards: list[tuple[int, int, int]] = []  # several servers: (rank, lo, hi) of each shard after shard 0
+    shards: list[tuple[int, int, int]] = []  # several servers: (rank, lo, hi) of each shard, rank 0's first
 
     def attach(self, algo) -> None:
         # the same choice rank 0 makes (server_wire.WireServer.duplex), from the same job
@@ -48,9 +48,8 @@ class WireLink(RemoteLink):
         servers = self.job.engine.servers
         if servers > 1:  # (the config's validation has made sure the run is in full duplex)
             cuts = slices(self.replica.theta.numel(), servers)
-            self.own = cuts[0]  # rank 0's slice
             ranks = shard_ranks(self.job.workers, servers)
-            self.shards = [(r, lo, hi) for r, (lo, hi) in zip(ranks, cuts, strict=True)][1:]
+            self.shards = [(r, lo, hi) for r, (lo, hi) in zip(ranks, cuts, strict=True)]
 
     def acquire(self, w: int):
         asked = time.monotonic()
@@ -108,22 +107,19 @@ class WireLink(RemoteLink):
         each slice of θ back, the pull (docs/design.md, "Sharded servers"). A shard's server gone ends this worker
         with an error that names it (rank 0 ends the run: it has lost the shard too)."""
         began, pg, theta = time.monotonic(), self.pg, self.replica.theta
-        lo, hi = self.own
-        sends = [(0, pg.send([torch.tensor([0, 0], dtype=torch.long)], 0, TAG_X))]
-        sends.append((0, pg.send([commit.delta[lo:hi].contiguous()], 0, TAG_X)))
-        for r, lo, hi in self.shards:
-            sends.append((r, pg.send([torch.tensor([PUSH, 0, 0, 0], dtype=torch.long)], r, TAG_ASK)))
-            sends.append((r, pg.send([commit.delta[lo:hi].contiguous()], r, TAG_X)))
-        lo, hi = self.own
-        recvs = [(0, pg.recv([theta[lo:hi]], 0, TAG_X))]
-        recvs += [(r, pg.recv([theta[lo:hi]], r, TAG_X)) for r, lo, hi in self.shards]
-        for r, work in sends + recvs:
+        works = []  # (shard, its rank, a send or receive), every one posted before any is waited for
+        for k, (r, lo, hi) in enumerate(self.shards):
+            # rank 0's slice follows GO as a commit does (a first word announcing no payload); the others' a PUSH
+            first, tag = ([0, 0], TAG_X) if r == 0 else ([PUSH, 0, 0, 0], TAG_ASK)
+            works.append((k, r, pg.send([torch.tensor(first, dtype=torch.long)], r, tag)))
+            works.append((k, r, pg.send([commit.delta[lo:hi].contiguous()], r, TAG_X)))
+        works += [(k, r, pg.recv([theta[lo:hi]], r, TAG_X)) for k, (r, lo, hi) in enumerate(self.shards)]
+        for k, r, work in works:
             try:
                 wait(work, self.wait_s)
             except RuntimeError as e:
                 if r == 0:
                     raise ServerGone() from e
-                k = 1 + [rank for rank, _, _ in self.shards].index(r)
                 raise RuntimeError(f"server of shard {k} (rank {r}) lost: {str(e).splitlines()[0]}") from e
         self.extra["wait_s"] = self.waited + time.monotonic() - began
 
