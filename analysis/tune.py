@@ -28,7 +28,8 @@ takes no test quantity).
   hydra.sweeper.heldout_seeds (experiment=tune: 0, 1, 2, the paper protocol's), else the 3 smallest seeds the
   tuning did not use (tuning seeds 0, 1: 2, 3, 4); seeds the tuning used are refused. Stage 2 is written as an
   experiment, `<tuning sweep>/heldout/experiment/<experiment>_heldout.yaml` (beside the runs it was chosen from;
-  Hydra's `--config-dir <tuning sweep>/heldout` finds it), or with --write-conf the repository's
+  Hydra's `--config-dir <tuning sweep>/heldout` finds it; named `<experiment>_heldout_<sweep folder>` where conf/
+  has the former name, which Hydra would take instead), or with --write-conf the repository's
   `conf/experiment/<experiment>_heldout.yaml` (the paper's tune_heldout), which a reviewer can read and anyone can
   rerun. Its suggested command repeats the tuning sweep's own command-line settings (its data, with data.root only
   where the data reads files, made absolute; its budget), so that both stages run the same workload, and names
@@ -51,6 +52,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -520,12 +522,15 @@ def _main(args) -> int:
         if out.suffix not in (".md", ".csv"):
             raise ValueError(f"--out={out} is not allowed; its suffix must be .md or .csv")
     else:
+        from experiments.schema import CONF_DIR
+
         name = f"{experiment or 'tuning'}_heldout"
         if args.write_conf:  # the repository's own: the paper's tune_heldout, committed and rerun by name
-            from experiments.schema import CONF_DIR
-
             config_dir, path = None, CONF_DIR / "experiment" / f"{name}.yaml"
         else:  # beside the sweep it was chosen from, as run outputs are; Hydra's --config-dir finds it there
+            if any((Path(d) / "experiment" / f"{name}.yaml").is_file() for d in [CONF_DIR, *config_dirs]):
+                # Hydra would take that one (the repository's n = 10 tune_heldout): a name of this sweep's own
+                name += "_" + re.sub(r"[^A-Za-z0-9_-]", "_", sweep.resolve().name)
             config_dir = (sweep / "heldout").resolve()
             path = config_dir / "experiment" / f"{name}.yaml"
         # the tuning's experiment may live in a folder of its command's own (--config-dir): the held-out one,

@@ -161,7 +161,11 @@ def precheck(argv: list[str]) -> argparse.Namespace | None:
             f"config (python run.py <overrides> --cfg {args.cfg}), or add plan=true to list every job of the "
             "sweep and its cost"
         )
-    missing = _missing_launcher(args.overrides) or _hydra_refusal(args.overrides)
+    missing = (
+        _missing_launcher(args.overrides)
+        or _hydra_refusal(args.overrides)
+        or (args.config_dir and _shadowed(args.config_dir, args.overrides))
+    )
     if missing:
         _refuse(missing)
     if (
@@ -239,6 +243,24 @@ def _missing_launcher(overrides: list[str]) -> str | None:
             return (
                 f"hydra/launcher={value} needs a Hydra launcher plugin that is not installed; install it with "
                 f'pip install -e ".[{extra}]" (in this project\'s folder)'
+            )
+    return None
+
+
+def _shadowed(config_dir: str, overrides: list[str]) -> str | None:
+    """`--config-dir D experiment=x` where conf/ has an experiment/x.yaml too: Hydra would take conf/'s, silently
+    running another config than D's (a tuning sweep's held-out stage ran the repository's n = 10 one this way)."""
+    from experiments.schema import CONF_DIR
+
+    for o in overrides:
+        group, _, name = o.lstrip("+~").partition("=")
+        if not name or "." in group or "," in name:
+            continue
+        theirs, ours = Path(config_dir) / group / f"{name}.yaml", CONF_DIR / group / f"{name}.yaml"
+        if theirs.is_file() and ours.is_file() and theirs.resolve() != ours.resolve():
+            return (
+                f"{o}: both --config-dir {config_dir} and the repository's conf/ hold {group}/{name}.yaml, and "
+                f"Hydra would take the repository's ({ours}); rename {theirs} and pass its new name"
             )
     return None
 

@@ -204,6 +204,26 @@ def test_good_input_passes_and_sweeps_expand(tmp_path):
         check_job(["workers=-3"])
 
 
+def test_a_config_dir_whose_experiment_the_repository_shadows_is_refused(tmp_path, capsys):
+    # Hydra takes conf/'s experiment/tune_heldout.yaml over --config-dir's: that ran the wrong held-out stage
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "tune_heldout.yaml").write_text("# @package _global_\nworkers: 7\n")
+    for argv in (
+        ["-m", "--config-dir", str(tmp_path), "experiment=tune_heldout"],
+        ["--cfg", "job", "-cd", str(tmp_path), "experiment=tune_heldout"],
+    ):
+        with pytest.raises(SystemExit) as e:
+            preflight(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(
+            f"error: experiment=tune_heldout: both --config-dir {tmp_path} and the repository's conf/ hold "
+            "experiment/tune_heldout.yaml, and Hydra would take the repository's"
+        ), err
+    (tmp_path / "experiment" / "tune_heldout.yaml").rename(tmp_path / "experiment" / "mine_heldout.yaml")
+    preflight(["--cfg", "job", "--config-dir", str(tmp_path), "experiment=mine_heldout"])  # left to Hydra
+
+
 def test_help_and_cfg_flags_are_left_to_hydra():
     preflight(["--help"])
     preflight(["--cfg", "job"])

@@ -124,6 +124,11 @@ def test_tune_writes_the_held_out_experiment_with_the_papers_setting_beside_each
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds another choice; add --force" in err
 
+    # where conf/ holds an experiment of that name, Hydra would take conf/'s: the sweep's own is named after it
+    assert tune.main([str(sweep)]) == 0
+    assert f"--config-dir {here} experiment=tune_quick_heldout_sweep plan=true" in capsys.readouterr().out
+    assert (here / "experiment" / "tune_quick_heldout_sweep.yaml").read_text() == text
+
     # Hydra finds it where the suggested command says: a plan of its jobs, from another folder
     from helpers import warm_run
     from helpers.paths import ROOT
