@@ -439,7 +439,8 @@ def check_sweep(config: DictConfig, jobs: list[list[str]], compose_job=None) -> 
     process exits), no job's in use or holding results, unless resume=true, which says what happens to each job.
     Raises on bad input (`refusing` makes it one line), with every folder as it was."""
     here = not _elsewhere(config)
-    specs = [checked(composed(job, compose_job), here) for job in jobs]
+    bases: dict = {}  # the configs of the jobs' group choices, each composed once (config._composed_from)
+    specs = [checked(composed(job, compose_job, bases), here) for job in jobs]
     _check_tasks(config, specs)
     _check_data(specs)
     actions = _check_sweep_dir(config, specs)

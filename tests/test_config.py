@@ -8,6 +8,7 @@ import pytest
 from helpers import warm_run
 from helpers.commands import refused_line
 from helpers.paths import ROOT
+from omegaconf import OmegaConf
 
 from experiments.command import preflight
 from experiments.config import ConfigError, check_job, compose, expand, options, validate
@@ -202,6 +203,39 @@ def test_good_input_passes_and_sweeps_expand(tmp_path):
     assert len(jobs) == 6
     with pytest.raises(ConfigError):
         check_job(["workers=-3"])
+
+
+def test_a_sweeps_jobs_composed_from_their_group_choices_are_hydras_whole_compositions():
+    """check_sweep composes each group choice once and sets each job's values on a copy (config._composed_from):
+    the configs are those Hydra composes job by job, and a job the shortcut cannot make is composed whole, with
+    Hydra's own result or error."""
+    from experiments.config import composed
+
+    jobs = [j for name in ("tune", "fig3_cv", "baselines_delay") for j in expand([f"experiment={name}"], True)[::7]]
+    jobs += [
+        ["algorithm=gem", "+algorithm.extra=1"],  # an addition, and a deletion: composed whole
+        ["algorithm=gem", "~algorithm.kappa"],
+        ["engine=sim", "engine.staleness=stragglers", "workers=7", "lr=0.2", "logger.wandb.mode=disabled"],
+        ["model=alexnet_cifar", "data=synthetic", "data.synthetic.train_size=100", "seed=3"],
+    ]
+    bases: dict = {}
+    for job in jobs:
+        fast = OmegaConf.to_container(composed(job, bases=bases), resolve=False)
+        assert fast == OmegaConf.to_container(composed(job), resolve=False), job
+    from experiments.schema import GROUPS
+
+    # each group choice composed once (an addition or a deletion goes with the choices: it changes the base)
+    choices = {tuple(o for o in job if o.split("=")[0] in GROUPS or o[0] in "+~") for job in jobs}
+    assert set(bases) == choices and len(bases) < len(jobs) / 3
+    for job, line in [
+        (["algorithm=gem", "workers=abc"], "workers"),  # a wrong type
+        (["algorithm=downpour", "algorithm.kappa=2"], "algorithm.kappa is not a key of algorithm=downpour"),
+    ]:
+        with pytest.raises(ConfigError) as fast:
+            composed(job, bases=bases)
+        with pytest.raises(ConfigError) as whole:
+            composed(job)
+        assert str(fast.value) == str(whole.value) and line in str(fast.value)
 
 
 def test_a_config_dir_whose_experiment_the_repository_shadows_is_refused(tmp_path, capsys):

@@ -58,21 +58,22 @@ def test_experiment_composes_and_every_job_is_valid(name, monkeypatch):
     monkeypatch.setattr(memory, "available", lambda: 2**50)  # fig2's 100 processes need a bigger machine than CI
     jobs = expand([f"experiment={name}"], multirun=True)
     assert len(jobs) >= 1
-    checked_jobs = set()
+    checked_jobs, bases = set(), {}  # bases: each group choice's config, composed once, as a sweep's check does
     for job in jobs:
         key = tuple(o for o in job if not o.startswith(("seed=", "lr=")))
         # differs from a job already checked only in its seed or its η (> 0 in every grid): valid alike (0.1 s a job)
         if key in checked_jobs:
             continue
         checked_jobs.add(key)
-        cfg, checked = check_job(job)  # raises ConfigError on any bad value
+        cfg, checked = check_job(job, bases)  # raises ConfigError on any bad value
         assert cfg.batch_size >= 1 and cfg.epochs >= 1
     if name.endswith("_quick"):  # quick runs need nothing that cannot be had offline here
         assert checked.data.name in ("digits", "synthetic") or "shared" in checked.data.root
 
 
 def _jobs(name, *extra):
-    return [check_job(j)[0] for j in expand([f"experiment={name}", *extra], multirun=True)]
+    bases: dict = {}  # as a sweep's check composes them: each group choice once
+    return [check_job(j, bases)[0] for j in expand([f"experiment={name}", *extra], multirun=True)]
 
 
 @pytest.mark.slow  # validates the 36 jobs of fig1: 5 s
