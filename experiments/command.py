@@ -164,7 +164,7 @@ def precheck(argv: list[str]) -> argparse.Namespace | None:
     missing = (
         _missing_launcher(args.overrides)
         or _hydra_refusal(args.overrides)
-        or (args.config_dir and _shadowed(args.config_dir, args.overrides))
+        or (args.config_dir and not args.config_path and _shadowed(args.config_dir, args.overrides))
     )
     if missing:
         _refuse(missing)
@@ -249,19 +249,33 @@ def _missing_launcher(overrides: list[str]) -> str | None:
 
 def _shadowed(config_dir: str, overrides: list[str]) -> str | None:
     """`--config-dir D experiment=x` where conf/ has an experiment/x.yaml too: Hydra would take conf/'s, silently
-    running another config than D's (a tuning sweep's held-out stage ran the repository's n = 10 one this way)."""
+    running another config than D's (a tuning sweep's held-out stage ran the repository's n = 10 one this way). Each
+    option a group override names counts: a sweep's (x,y; choice(...)), a list's, a quoted one."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     from experiments.schema import CONF_DIR
 
-    for o in overrides:
-        group, _, name = o.lstrip("+~").partition("=")
-        if not name or "." in group or "," in name:
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001 - a command Hydra cannot parse: Hydra says why
+        return None
+    for o in parsed:
+        group = o.key_or_group
+        if o.is_delete() or "." in group:
             continue
-        theirs, ours = Path(config_dir) / group / f"{name}.yaml", CONF_DIR / group / f"{name}.yaml"
-        if theirs.is_file() and ours.is_file() and theirs.resolve() != ours.resolve():
-            return (
-                f"{o}: both --config-dir {config_dir} and the repository's conf/ hold {group}/{name}.yaml, and "
-                f"Hydra would take the repository's ({ours}); rename {theirs} and pass its new name"
-            )
+        if o.is_sweep_override():
+            names = list(o.sweep_string_iterator()) if o.is_discrete_sweep() else []
+        else:
+            value = o.value()
+            names = [str(v) for v in value] if isinstance(value, list) else [str(value)]
+        for name in names:
+            theirs, ours = Path(config_dir) / group / f"{name}.yaml", CONF_DIR / group / f"{name}.yaml"
+            if theirs.is_file() and ours.is_file() and theirs.resolve() != ours.resolve():
+                return (
+                    f"{group}={name}: both --config-dir {config_dir} and the repository's conf/ hold "
+                    f"{group}/{name}.yaml, and Hydra would take the repository's ({ours}); rename {theirs} and pass "
+                    "its new name"
+                )
     return None
 
 

@@ -592,16 +592,18 @@ def _composed_from(bases: dict, overrides: list[str], compose_fn) -> DictConfig:
     with its values set on a copy as Hydra sets them (`OmegaConf.update(..., merge=True)`, in the command's order,
     after the defaults list is composed): a sweep's jobs differ mostly in values (η, seeds, a knob), and Hydra's
     compose reads and merges every config file again for each (0.07 s a job: half a minute before the tuning
-    sweep's 324 jobs could start). An override of another form (+, ++, ~, a package), or a value the shortcut
-    cannot set (a key the config lacks, a wrong type), is composed by `compose_fn` whole: its result, or its error."""
+    sweep's 324 jobs could start). A job with an override of another form (+, ++, ~, a package), or with a value
+    the shortcut cannot set (a key the config lacks, a wrong type), is composed by `compose_fn` whole: its result,
+    or its error."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(overrides)
     choices, values = [], []
     for text, o in zip(overrides, parsed, strict=True):
-        key = o.key_or_group
-        plain = o.package is None and not (o.is_delete() or o.is_add() or o.is_force_add())
-        (values if plain and key not in GROUPS and "/" not in key else choices).append((text, o))
+        if o.package is not None or o.is_delete() or o.is_add() or o.is_force_add():
+            # Hydra applies these among the values, in the command's order (++lr after lr=...): whole, not split
+            return compose_fn(overrides)
+        (choices if o.key_or_group in GROUPS or "/" in o.key_or_group else values).append((text, o))
     choice = tuple(text for text, _ in choices)
     try:
         if choice not in bases:

@@ -211,10 +211,12 @@ def test_a_sweeps_jobs_composed_from_their_group_choices_are_hydras_whole_compos
     Hydra's own result or error."""
     from experiments.config import composed
 
-    jobs = [j for name in ("tune", "fig3_cv", "baselines_delay") for j in expand([f"experiment={name}"], True)[::7]]
+    jobs = [j for name in ("tune", "fig3_cv", "baselines_delay") for j in expand([f"experiment={name}"], True)[::15]]
     jobs += [
         ["algorithm=gem", "+algorithm.extra=1"],  # an addition, and a deletion: composed whole
         ["algorithm=gem", "~algorithm.kappa"],
+        ["lr=0.1", "++lr=0.2"],  # Hydra applies ++ after the value before it: 0.2
+        ["algorithm=gem", "algorithm.kappa=3", "++algorithm={kappa:5}"],
         ["engine=sim", "engine.staleness=stragglers", "workers=7", "lr=0.2", "logger.wandb.mode=disabled"],
         ["model=alexnet_cifar", "data=synthetic", "data.synthetic.train_size=100", "seed=3"],
     ]
@@ -224,12 +226,13 @@ def test_a_sweeps_jobs_composed_from_their_group_choices_are_hydras_whole_compos
         assert fast == OmegaConf.to_container(composed(job), resolve=False), job
     from experiments.schema import GROUPS
 
-    # each group choice composed once (an addition or a deletion goes with the choices: it changes the base)
-    choices = {tuple(o for o in job if o.split("=")[0] in GROUPS or o[0] in "+~") for job in jobs}
-    assert set(bases) == choices and len(bases) < len(jobs) / 3
+    # each group choice composed once (a job with an addition or a deletion is composed whole, and adds none)
+    choices = {tuple(o for o in job if o.split("=")[0] in GROUPS) for job in jobs if not any(o[0] in "+~" for o in job)}
+    assert set(bases) == choices and len(bases) < len(jobs) / 2
     for job, line in [
         (["algorithm=gem", "workers=abc"], "workers"),  # a wrong type
         (["algorithm=downpour", "algorithm.kappa=2"], "algorithm.kappa is not a key of algorithm=downpour"),
+        (["algorithm.extra=1", "+algorithm={extra:2}"], "algorithm.extra is not a key of algorithm=gem"),
     ]:
         with pytest.raises(ConfigError) as fast:
             composed(job, bases=bases)
@@ -245,6 +248,9 @@ def test_a_config_dir_whose_experiment_the_repository_shadows_is_refused(tmp_pat
     for argv in (
         ["-m", "--config-dir", str(tmp_path), "experiment=tune_heldout"],
         ["--cfg", "job", "-cd", str(tmp_path), "experiment=tune_heldout"],
+        ["-m", f"--config-dir={tmp_path}", "experiment=fig1,tune_heldout"],  # one of a sweep's
+        ["-m", "-cd", str(tmp_path), "experiment=choice(tune_heldout)", "workers=2"],
+        ["-cd", str(tmp_path), "experiment@_global_='tune_heldout'"],
     ):
         with pytest.raises(SystemExit) as e:
             preflight(argv)
