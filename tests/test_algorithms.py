@@ -765,20 +765,26 @@ def test_dylu_commit_carries_its_pace_and_the_server_notes_it():
 def test_a_rule_that_says_it_reads_nothing_central_commits_the_same_on_any_theta(name, extra):
     """`reads_central` False lets engine=distributed run the worker rule without the live θ (full duplex): the rule
     must then make the same commit, state and x whatever θ and the server's tensors hold (here: NaNs, and other
-    counts). A rule that reads them must say so (the default)."""
+    counts). A rule that reads them must say so (the default). One that declares the server's tensors it reads, and
+    no θ (`reads_server`: GO carries those), makes the same commit whatever θ and the others hold."""
     algo = algorithms.get(name)
     fields = {f.name for f in dataclasses.fields(algo.Params)}
     hp = algo.Params(**{k: v for k, v in {"lr": 0.1, "workers": 2, **extra}.items() if k in fields})
     torch.manual_seed(0)
     theta, grad = torch.randn(6), torch.randn(6)
 
+    declared = algo.reads_server if algo.reads_central(hp) else ()  # the server's tensors GO would carry
+
     def run(central: torch.Tensor, count: int):
         x, state = theta.clone(), algo.init_state(theta, hp)
         for v in state.values():
             v.add_(torch.randn(v.shape, generator=torch.Generator().manual_seed(1)).to(v.dtype))
         server = algo.server_state(central.clone(), hp, 2)
-        for i, v in enumerate(server.values()):  # (counters that differ from one another: a delay is not 0)
-            v.copy_(central[0] if v.is_floating_point() else count * (i + 1))
+        for i, (k, v) in enumerate(server.items()):  # (counters that differ from one another: a delay is not 0)
+            if k in (declared or ()):  # as GO would send them: the same in both runs
+                v.copy_(theta[0].abs() if v.is_floating_point() else i + 1)
+            else:
+                v.copy_(central[0] if v.is_floating_point() else count * (i + 1))
         if algo.prepare is not None:
             algo.prepare(state, x, grad, hp)
         view = View(central.clone(), server, 3, 1, 0, window=algo.commit_every(hp), pace=2.0)
@@ -786,7 +792,7 @@ def test_a_rule_that_says_it_reads_nothing_central_commits_the_same_on_any_theta
         return c, x, state
 
     same, other = run(theta.clone(), 1), run(torch.full_like(theta, math.nan), 7)
-    if algo.reads_central(hp):
+    if algo.reads_central(hp) and declared is None:
         return  # the rule may read θ: engine=distributed serves its commits as one exchange each
     (c1, x1, s1), (c2, x2, s2) = same, other
     assert torch.equal(c1.delta, c2.delta) and torch.equal(x1, x2)
@@ -801,6 +807,13 @@ def test_the_rules_that_read_the_live_theta_say_so():
     reads = {n for n in algorithms.ALGORITHMS if algorithms.get(n).reads_central(algorithms.get(n).Params())}
     assert reads == {"gem", "easgd", "eamsgd", "ringmaster", "rennala"}
     assert async_localsgd.ALGORITHM.reads_central(async_localsgd.Params(dynamic_window=True))
+    # of them, those that read no θ name the server's tensors they read, which GO carries over the wire
+    declared = {n: algorithms.get(n).reads_server for n in algorithms.ALGORITHMS if algorithms.get(n).reads_server}
+    assert declared == {
+        "ringmaster": ("applied", "pulled"),
+        "rennala": ("point", "pulled"),
+        "async_localsgd": ("pace",),
+    }
 
 
 def test_a_record_made_from_another_with_a_rule_of_its_own_reads_the_live_theta_unless_it_says_so():

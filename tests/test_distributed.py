@@ -5,6 +5,7 @@ over TCP; first come, first served at the server, payloads on the wire, torchrun
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import selectors
 import shutil
@@ -26,7 +27,7 @@ from helpers.procs import frozen_inside_meta, is_cut, stranger
 from helpers.rundir import check_run_dir
 
 from gem import algorithms
-from gem.algorithms import downpour, gem, ssgd
+from gem.algorithms import async_localsgd, downpour, gem, ssgd
 from gem.data import make_synthetic
 from gem.engines import Job, checkpoint, distributed
 from gem.engines.coordinator import start_server
@@ -266,6 +267,49 @@ def test_three_workers_in_full_duplex_commit_once_each_with_staleness_on_the_ser
         else:  # it pulls θ just after its own commit
             assert staleness == [b - 1 - a for a, b in zip([0, *t[:-1]], t, strict=True)]
     assert read_table(tmp_path, "eval")["step"].iloc[-1] == n * steps
+
+
+@pytest.mark.parametrize("algorithm", ["ringmaster", "rennala", "dylu"])
+def test_a_rule_that_reads_the_servers_counters_gets_them_with_go_in_full_duplex(data, tmp_path, algorithm):
+    """Ringmaster's and Rennala's worker rules read no θ, only the server's counters (their delay, in each row), and
+    DyLU's the workers' paces (its next window): over the wire GO carries those, as they are when the commit is
+    applied, and θ comes back after it (full duplex). Replaying the server's tensors over the rows in the order of the
+    clock gives every row's delay, and every window."""
+    n = 3
+    name, hp = (
+        ("async_localsgd", async_localsgd.Params(dynamic_window=True, window=4))
+        if algorithm == "dylu"
+        else (algorithm, algorithms.get(algorithm).Params(workers=n))
+    )
+    j = dataclasses.replace(
+        job(data, n, name, hp, epochs=2), engine={"name": "distributed", "timeout_s": 60, "shared_memory": False}
+    )
+    result, m, _ = run(j, tmp_path)
+    assert result.status == "completed", result
+    assert "over the wire, in full duplex" in result.extra["placement"], result.extra["placement"]
+    assert m["step"].tolist() == list(range(1, len(m) + 1))
+    if algorithm == "dylu":  # the server's paces as each commit's GO carried them: the window each commit set
+        paces, windows = [0.0] * n, dict.fromkeys(range(n), 4)
+        for w, window, pace in m[["worker", "window", "pace"]].itertuples(index=False):
+            assert window == windows[w], (w, window, windows, paces)
+            now = [pace if v == w and pace > 0 else p for v, p in enumerate(paces)]
+            windows[w] = 4 if now[w] <= 0 else max(1, math.floor(4 * now[w] / max(now)))
+            paces[w] = pace if pace > 0 else paces[w]
+        assert m["window"].nunique() > 1 or m["pace"].nunique() > n  # (paces were measured and compared)
+        return
+    assert len(m) == n * 2 * 256 // 32
+    pulled, k, count = dict.fromkeys(range(n), 0), 0, 0  # the server's counters, replayed: its k, each pull's k
+    for w, delay, dropped in m[["worker", "delay", "dropped"]].itertuples(index=False):
+        assert delay == k - pulled[w], (w, delay, k, pulled)
+        if algorithm == "ringmaster":  # applied unless its delay reaches R = n
+            assert dropped == int(delay >= n)
+            k += delay < n
+        else:  # a gradient of the current point joins the batch; S = n of them make a step
+            assert dropped == int(delay > 0)
+            count += delay == 0
+            k, count = (k + 1, 0) if count == n else (k, count)
+        pulled[w] = k
+    assert m["delay"].max() > 0  # (the counters moved between a worker's commits: the replay checked something)
 
 
 def test_full_duplex_turned_off_serves_each_exchange_whole_with_the_same_rows(data, tmp_path):

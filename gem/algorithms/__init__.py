@@ -52,6 +52,12 @@ Each algorithm module ends with one `Algorithm` record, in the spirit of optax's
   declares, the server runs it under its clock on the worker's state it keeps, and sends back θ (or the commit's
   delta, for a commit that does not pull). tests/test_algorithms.py checks that each declared part makes the
   commit, the state and the diagnostics of the rule run at the worker, bit for bit.
+- ``reads_server`` (a property): for a rule that reads no θ but some of the server's tensors (small ones: Ringmaster's
+  and Rennala's counters, DyLU's paces), their names, declared with the decorator ``reads_server`` on
+  ``worker_rule`` (dropped with the rule, as above); None: undeclared. engine=distributed over the wire then sends
+  them with GO, as they are when the commit is applied, and serves the commit in full duplex too;
+  tests/test_algorithms.py checks each declaration by running the rule on a θ of NaNs and the other server tensors
+  changed.
 
 A commit may set ``window``, the length of the worker's next window (dynamic local updates): every engine's
 worker cycle honours it, and the sim engine times the next cycle by it. The worker rule sees the window it ends
@@ -151,6 +157,13 @@ def reads_central_when(predicate: Callable):
     return _marking("reads_central", predicate)
 
 
+def reads_server(*names: str):
+    """Decorates a worker rule that reads no θ, only the server's tensors `names` (small ones: counters, the
+    workers' paces; `Algorithm.reads_server`): over the wire they go out with GO, as they are when the commit is
+    applied, and θ comes back after it (full duplex)."""
+    return _marking("reads_server", tuple(names))
+
+
 def reads_nothing_central(rule: Callable) -> Callable:
     """Decorates a worker rule that reads neither θ nor the server's tensors (`Algorithm.reads_central`)."""
     return reads_central_when(_never)(rule)
@@ -206,6 +219,12 @@ class Algorithm:
     def reads_central(self, hp) -> bool:
         """Whether the worker rule reads the live θ or the server's tensors: as the rule says, else True."""
         return getattr(self.worker_rule, "reads_central", _reads)(hp)
+
+    @property
+    def reads_server(self) -> tuple[str, ...] | None:
+        """The server's tensors the worker rule reads, where it reads them and no θ, as the rule declares them
+        (`@reads_server`); None: undeclared (it may read θ)."""
+        return getattr(self.worker_rule, "reads_server", None)
 
     @property
     def at_server(self) -> AtServer | None:

@@ -59,6 +59,7 @@ from gem.algorithms import (
     or_workers,
     positive,
     reads_central_when,
+    reads_server,
     require,
     require_count_or_workers,
 )
@@ -155,6 +156,7 @@ def local_step(state, x, grad, hp: Params, k: int) -> None:
 
 
 @reads_central_when(reads_paces)
+@reads_server("pace")  # (engine=distributed: GO carries the paces, and the commit runs in full duplex)
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     m = inner_step(state, grad, hp)
     window = view.window or hp.window  # (a dynamic window may be 1: no local step began it)

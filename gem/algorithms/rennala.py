@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem.algorithms import Algorithm, Commit, View, or_workers, require_count_or_workers, scratch
+from gem.algorithms import Algorithm, Commit, View, or_workers, reads_server, require_count_or_workers, scratch
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ def delay(view: View) -> int:
     return int(view.server["point"][0] - view.server["pulled"][view.worker])
 
 
+@reads_server("point", "pulled")  # its delay, from the server's counters (engine=distributed: GO carries them)
 def worker_rule(state, x, grad, view: View, hp: Params) -> Commit:
     d = delay(view)
     return Commit(delta=torch.mul(grad, -hp.lr, out=scratch(grad, "step")), metrics={"delay": d, "dropped": int(d > 0)})

@@ -54,19 +54,24 @@ class FullDuplex:
     # the worker rule reads the live θ: the part of it that does runs at rank 0 (GEM: all of it, on m and s kept
     # there), the worker sends what it declares; None: the rule reads no θ and runs whole at the worker
     at_server: algorithms.AtServer | None = None
+    # the server's tensors the worker rule reads (no θ: Ringmaster's counters, DyLU's paces), sent with GO
+    go_sends: tuple[str, ...] = ()
 
 
 def full_duplex(job: Job) -> FullDuplex | None:
     """How commits over the wire run in full duplex (docs/design.md, "Full duplex over the wire"), or None where
     each exchange is served whole (θ out with GO, the commit back): full duplex where `engine.full_duplex` leaves
     it on and the worker rule reads no θ, or declares the part that does to run at the server
-    (`Algorithm.at_server`). Rank 0 and each worker decide it from the job alone."""
+    (`Algorithm.at_server`), or reads only some of the server's tensors, which GO then carries
+    (`Algorithm.reads_server`). Rank 0 and each worker decide it from the job alone."""
     if not job.engine.full_duplex:
         return None
     algo = algorithms.get(job.algorithm)
     if not algo.reads_central(job.hp):
         return FullDuplex()
-    return FullDuplex(algo.at_server) if algo.at_server is not None else None
+    if algo.at_server is not None:
+        return FullDuplex(algo.at_server)
+    return FullDuplex(go_sends=algo.reads_server) if algo.reads_server is not None else None
 
 
 def job_for_workers(job: Job) -> Job:

@@ -31,11 +31,13 @@ class WireLink(RemoteLink):
     back: torch.Tensor | None = None  # where the commit's delta comes back, for a rule at rank 0 that does not pull
 
     shards: list[tuple[int, int, int]] = []  # several servers: (rank, lo, hi) of each shard, rank 0's first
+    go_sends: tuple[str, ...] = ()  # full duplex: the server's tensors GO carries, which the rule reads (set at attach)
 
     def attach(self, algo) -> None:
         # the same choice rank 0 makes (server_wire.WireServer.duplex), from the same job
         duplex = full_duplex(self.job) if self.window is None else None
         self.duplex = duplex is not None
+        self.go_sends = duplex.go_sends if duplex is not None else ()
         if self.duplex:
             r = self.replica
             self.server = self.replica = _Pulled(r.algo, r.hp, r.theta, r.state, r.clock, r.pulled_at)
@@ -55,6 +57,8 @@ class WireLink(RemoteLink):
         asked = time.monotonic()
         t, staleness = self.request(ASK, b"", itertools.repeat(WAIT_S))
         if self.duplex:  # the rule reads no θ: the replica holds the θ this worker last pulled, and stands in
+            if self.go_sends:  # with the server's tensors the rule reads, as GO sent them after it
+                self._recv([self.replica.state[k] for k in self.go_sends], self.wait_s)
             self.waited = time.monotonic() - asked
             return self.view_at(w, t, t - staleness)
         if self.window is None:

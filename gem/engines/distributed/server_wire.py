@@ -10,15 +10,17 @@ worker rule's payload) and the server rule applies it. What else crosses depends
   worker's Δ comes in (full duplex, docs/design.md). The commit is applied to the same θ, at the same t and τ, as
   in the exchange below;
 - it reads the live θ and declares the part that does to run at the server (`Algorithm.at_server`: gem, local or
-  global proxy): full duplex too. The worker sends what the part declares (GEM: its gradient) where it would send
+  global proxy, and easgd): full duplex too. The worker sends what the part declares (GEM: its gradient) where it would send
   its commit; the part runs here, under the clock, on that worker's tensors kept here (`kept`: GEM's m and s) and
   the live θ, and its commit is applied; θ goes back as above (or the commit's delta, for a commit that does not
   pull), and after it the commit's metrics and per-tensor statistics, computed here (`statistics`);
-- it reads the live θ and declares no such part (easgd, eamsgd, ringmaster, rennala, async_localsgd with
-  `dynamic_window`), or `engine.full_duplex=false`: GO carries θ and the server's tensors, the worker's rule runs on
-  them and its commit comes back, and the worker replays the server step on its replica to pull. The exchange is
-  served whole, so θ's way out and Δ's way back take turns: each direction of the link idles half the time (half
-  duplex).
+- it reads no θ, only some of the server's tensors, which it declares (`Algorithm.reads_server`: ringmaster's and
+  rennala's counters, async_localsgd's paces with `dynamic_window`): full duplex too, GO carrying those tensors
+  (`go_sends`), as they are when the commit is applied;
+- it reads the live θ and declares no part to run here (eamsgd), or `engine.full_duplex=false`: GO carries θ and
+  the server's tensors, the worker's rule runs on them and its commit comes back, and the worker replays the server
+  step on its replica to pull. The exchange is served whole, so θ's way out and Δ's way back take turns: each
+  direction of the link idles half the time (half duplex).
 
 A worker on rank 0's host that maps rank 0's window (window.py: a launcher's ranks on node 0) reads θ there at GO
 and leaves Δ in its slot, so only headers cross, whatever its rule reads; it runs its rule itself, on its own state.
@@ -108,6 +110,7 @@ class WireServer(ParameterServer):
         duplex = full_duplex(self.job)
         self.duplex = duplex is not None
         self.at_server = duplex.at_server if duplex is not None else None
+        self.go_sends = duplex.go_sends if duplex is not None else ()  # the server's tensors GO carries
         # where the part runs here: each worker's tensors it keeps (GEM's m and s), made as the worker would make
         # them from θ as it is now, θ₀ (a resumed run's come from the checkpoint: `restore`); what a worker sends
         # for it, into buffers of the sizes the algorithm declares; the model's tensors, for its statistics
@@ -204,12 +207,17 @@ class WireServer(ParameterServer):
             wait(self.pg.recv([t], src, TAG_X), self.wait_s)
 
     def go_and_commit(self, src: int, view, with_theta: bool) -> dict:
-        """GO with the clock and τ, and (`with_theta`) the live θ and the server's tensors, all in flight at once;
+        """GO with the clock and τ, and (`with_theta`) the live θ and the server's tensors (in full duplex, those the
+        rule reads: `go_sends`), all in flight at once;
         then the commit: Δ into self.delta, and the payload it returns. A worker that maps the window gets only GO
         (θ is where it reads it: nothing changes θ until this exchange ends), and leaves Δ in its slot there; so
         does a worker whose rule reads no θ (full duplex), which gets θ after its commit (`send_back`)."""
         server, mapped = self.server, self.peers[src].maps_window
-        self.go(src, view, (server.theta, *server.state.values()) if with_theta else ())
+        if with_theta:
+            state = (server.theta, *server.state.values())
+        else:  # full duplex: the server's tensors the rule reads, if any; a worker that maps the window reads them
+            state = () if mapped else tuple(server.state[k] for k in self.go_sends)
+        self.go(src, view, state)
         header = torch.zeros(2, dtype=torch.long)
         wait_s = self.wait_s
         wait(self.pg.recv([header], src, TAG_X), wait_s)

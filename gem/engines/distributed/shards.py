@@ -69,8 +69,9 @@ def refusal(algorithm: str, hp, engine) -> str | None:
         )
     if algo.reads_central(hp):  # (its part that reads θ may run at rank 0, which would hold one slice of it)
         return (
-            f"engine.servers={servers} is not allowed with algorithm={algorithm}, whose worker rule reads the live θ, "
-            "of which each server would hold a slice (docs/design.md, 'Sharded servers'); use engine.servers=1"
+            f"engine.servers={servers} is not allowed with algorithm={algorithm}, whose worker rule reads the live θ "
+            "or the server's tensors, of which each server would hold its own (docs/design.md, 'Sharded servers'); "
+            "use engine.servers=1"
         )
     if not engine.full_duplex:
         return f"engine.servers={servers} needs engine.full_duplex=true (several servers serve in full duplex only)"
