@@ -21,7 +21,7 @@ SCRIPTS = {  # script: arguments that make it brief
     "data_loading.py": ["--root", str(DATA), "--rounds", "1", "--smoke"],
     "distributed_engine.py": ["--root", str(DATA), "--workers", "2", "--epochs", "1", "--rounds", "1", "--smoke"],
     "gem_commit.py": ["--root", str(DATA), "--commits", "4", "--reps", "2", "--smoke"],
-    "gpu.py": ["--device", "cpu", "--steps", "2", "--smoke"],
+    "gpu.py": ["--device", "cpu", "--steps", "1", "--smoke"],
     "multihost.py": ["--smoke"],  # says it skipped, and exits 0, where network namespaces cannot be made
     "process_engine.py": ["--root", str(DATA), "--workers", "1", "--epochs", "1", "--rounds", "1", "--smoke"],
     "sim_commit.py": [
