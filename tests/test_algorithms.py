@@ -781,10 +781,10 @@ def test_a_rule_that_says_it_reads_nothing_central_commits_the_same_on_any_theta
             v.add_(torch.randn(v.shape, generator=torch.Generator().manual_seed(1)).to(v.dtype))
         server = algo.server_state(central.clone(), hp, 2)
         for i, (k, v) in enumerate(server.items()):  # (counters that differ from one another: a delay is not 0)
-            if k in (declared or ()):  # as GO would send them: the same in both runs
-                v.copy_(theta[0].abs() if v.is_floating_point() else i + 1)
-            else:
-                v.copy_(central[0] if v.is_floating_point() else count * (i + 1))
+            if k in (declared or ()):  # as GO would send them: the same in both runs (DyLU's paces above its own)
+                v.copy_(theta[0].abs() + 2 if v.is_floating_point() else i + 1)
+            else:  # (a float: NaN in one run, above the declared ones in the other, so that a max reads it)
+                v.copy_(central[0] + 10 * count if v.is_floating_point() else count * (i + 1))
         if algo.prepare is not None:
             algo.prepare(state, x, grad, hp)
         view = View(central.clone(), server, 3, 1, 0, window=algo.commit_every(hp), pace=2.0)
@@ -814,6 +814,11 @@ def test_the_rules_that_read_the_live_theta_say_so():
         "rennala": ("point", "pulled"),
         "async_localsgd": ("pace",),
     }
+    for name, names in declared.items():  # tensors the server has (rank 0 sends them by name), of a few numbers
+        algo = algorithms.get(name)
+        hp = algo.Params(workers=2, **({"dynamic_window": True} if name == "async_localsgd" else {}))
+        server = algo.server_state(torch.zeros(1000), hp, 2)
+        assert set(names) <= set(server) and all(server[k].numel() <= 2 for k in names), (name, list(server))
 
 
 def test_a_record_made_from_another_with_a_rule_of_its_own_reads_the_live_theta_unless_it_says_so():

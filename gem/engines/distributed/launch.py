@@ -256,9 +256,9 @@ class Placement:
     slots: int  # workers 0 .. slots - 1 may map rank 0's window; 0: no window, every worker uses the wire
     local_turn: bool  # the workers pass the server's turn among themselves in the window (a local launch)
     handed: bool  # θ is on the workers' GPU, handed to them by CUDA IPC (the window holds the clock and the log)
-    # over the wire, θ goes back after each commit while the next one arrives: the worker rule reads no θ, or runs
-    # the part that does at rank 0, and engine.full_duplex is on (job.full_duplex, from which WireServer and the
-    # workers' WireLink decide the same)
+    # over the wire, θ goes back after each commit while the next one arrives: the worker rule reads no θ (or only
+    # the few server tensors GO carries), or runs the part that does at rank 0, and engine.full_duplex is on
+    # (job.full_duplex, from which WireServer and the workers' WireLink decide the same)
     duplex: bool = False
     servers: int = 1  # θ in this many shards, each served by its own rank (shards.py)
     rule_at_server: bool = False  # in full duplex, the part of the worker rule that reads θ runs at rank 0 (GEM)

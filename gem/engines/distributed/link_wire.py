@@ -1,7 +1,8 @@
 """A worker's commits as exchanges over the wire (`WireLink`): ASK; GO with the clock and τ; COMMIT with Δ and the
 worker rule's payload. What else crosses, server_wire.py says: where the worker rule reads the live θ, GO carries θ
 and the server's tensors and the worker replays the server step on its replica to pull; where it reads none (full
-duplex), the worker's rule runs on its own state and the server sends θ back once it has applied the commit; where
+duplex), the worker's rule runs on its own state and the server sends θ back once it has applied the commit (a rule
+that reads a few of the server's tensors and no θ gets those with GO: `go_sends`); where
 the part of the rule that reads θ runs at the server (full duplex, `Algorithm.at_server`: GEM), the worker sends
 what the part declares in place of its commit, and takes back θ (or the commit's delta) and the commit's metrics
 and statistics for its row (`commit_at_server`). A launcher's rank on rank 0's host that maps rank 0's window
@@ -134,7 +135,8 @@ class WireLink(RemoteLink):
 class _Pulled(Server):
     """A full-duplex worker's replica: rank 0 applied the commit, and θ came back with it (`WireLink.submit`), so
     the step here only moves the clock and notes the pull. The server's tensors stay as they were: the rule reads
-    none of them, and a barrier's PULL brings them with θ."""
+    none of them but those GO brings (`go_sends`: Ringmaster's counters), and a barrier's PULL brings them all with
+    θ."""
 
     def apply(self, view, commit: Commit) -> int:
         t = view.t + 1

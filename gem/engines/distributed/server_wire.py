@@ -10,10 +10,10 @@ worker rule's payload) and the server rule applies it. What else crosses depends
   worker's Δ comes in (full duplex, docs/design.md). The commit is applied to the same θ, at the same t and τ, as
   in the exchange below;
 - it reads the live θ and declares the part that does to run at the server (`Algorithm.at_server`: gem, local or
-  global proxy, and easgd): full duplex too. The worker sends what the part declares (GEM: its gradient) where it would send
-  its commit; the part runs here, under the clock, on that worker's tensors kept here (`kept`: GEM's m and s) and
-  the live θ, and its commit is applied; θ goes back as above (or the commit's delta, for a commit that does not
-  pull), and after it the commit's metrics and per-tensor statistics, computed here (`statistics`);
+  global proxy, and easgd): full duplex too. The worker sends what the part declares (GEM: its gradient) where it
+  would send its commit; the part runs here, under the clock, on that worker's tensors kept here (`kept`: GEM's m
+  and s) and the live θ, and its commit is applied; θ goes back as above (or the commit's delta, for a commit that
+  does not pull), and after it the commit's metrics and per-tensor statistics, computed here (`statistics`);
 - it reads no θ, only some of the server's tensors, which it declares (`Algorithm.reads_server`: ringmaster's and
   rennala's counters, async_localsgd's paces with `dynamic_window`): full duplex too, GO carrying those tensors
   (`go_sends`), as they are when the commit is applied;
