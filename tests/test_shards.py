@@ -73,6 +73,12 @@ def test_only_full_duplex_rules_without_barriers_are_sharded_and_the_others_are_
     assert refusal("gem", algorithms.get("gem").Params(), DistributedOptions()) is None  # one server: anything
     why = refusal("gem", algorithms.get("gem").Params(), two)
     assert why.startswith("engine.servers=2 is not allowed with algorithm=gem") and "reads the live θ" in why
+    # EASGD's part that reads θ keeps nothing at the server and makes no statistics: each server runs it on its slice
+    assert refusal("easgd", algorithms.get("easgd").Params(workers=2), two) is None
+    for name in ("eamsgd", "ringmaster"):  # the live θ at the worker; a drop decided on each shard's own counters
+        assert refusal(name, algorithms.get(name).Params(workers=2), two).startswith(
+            f"engine.servers=2 is not allowed with algorithm={name}"
+        )
     why = refusal("ssgd", algorithms.get("ssgd").Params(), two)
     assert why.startswith("engine.servers=2 is not allowed with algorithm=ssgd") and "barrier" in why
     why = refusal("downpour", algorithms.get("downpour").Params(), DistributedOptions(servers=2, full_duplex=False))
@@ -87,12 +93,14 @@ def test_only_full_duplex_rules_without_barriers_are_sharded_and_the_others_are_
         "downpour",
         pytest.param("dcasgd", marks=pytest.mark.slow),
         pytest.param("async_localsgd", marks=pytest.mark.slow),
+        "easgd",
     ],
 )
 def test_one_worker_gives_the_same_rows_on_one_two_and_three_servers(data, tmp_path, algorithm):
     """Every server rule is element by element, and a shard's counters count the same commits: with one worker
     (one order) S servers compute what one computes, bit for bit, rows and evaluations (DC-ASGD: its backup of θ
-    per worker is kept per slice; Local SGD: its outer momentum's counter per shard)."""
+    per worker is kept per slice; Local SGD: its outer momentum's counter per shard; EASGD: its elastic term
+    α(x − θ), run at each server on its slice of x and of θ, as at rank 0 with one)."""
     frames = {}
     for servers in (1, 2, 3):
         result, m = run(job(data, 1, algorithm, servers), tmp_path / str(servers))
@@ -108,27 +116,35 @@ def test_one_worker_gives_the_same_rows_on_one_two_and_three_servers(data, tmp_p
         )
 
 
-def test_three_workers_on_two_servers_commit_once_each(data, tmp_path):
+@pytest.mark.parametrize("algorithm", ["downpour", "easgd"])
+def test_three_workers_on_two_servers_commit_once_each(data, tmp_path, algorithm):
     """Rank 0's clock orders the rows: every step once, every worker step once; the other shard applied every
-    commit too, each with τ on its own clock (no more apart from rank 0's than the commits in flight)."""
+    commit too, each with τ on its own clock (no more apart from rank 0's than the commits in flight). EASGD's
+    elastic term runs at each server on its slice (the placement says so)."""
     n = 3
-    result, m = run(job(data, n, "downpour", 2), tmp_path)
-    steps = 2 * 256 // 32
+    j = job(data, n, algorithm, 2)
+    result, m = run(j, tmp_path)
+    steps, every = 2 * 256 // 32, algorithms.get(algorithm).commit_every(j.hp)
     assert result.status == "completed", result
-    assert m["step"].tolist() == list(range(1, n * steps + 1))
-    assert m.groupby("worker")["worker_step"].apply(list).tolist() == [list(range(1, steps + 1))] * n
+    assert ("reads θ runs at each server, on its slice" in result.extra["placement"]) == (algorithm == "easgd")
+    assert m["step"].tolist() == list(range(1, n * steps // every + 1))
+    assert m.groupby("worker")["worker_step"].apply(list).tolist() == [list(range(every, steps + 1, every))] * n
     (shard,) = result.extra["shards"]
-    assert shard["shard"] == 1 and shard["rank"] == n + 1 and shard["commits"] == n * steps
+    assert shard["shard"] == 1 and shard["rank"] == n + 1 and shard["commits"] == n * steps // every
     assert 0 < shard["server_busy"] < 1 and shard["server_commit_s"] > 0  # timed as rank 0's exchanges are
     assert abs(shard["mean_staleness"] - m["staleness"].mean()) <= n - 1
     assert not workers_of(os.getpid())
 
 
 @pytest.mark.slow
-def test_a_sharded_run_killed_at_its_checkpoint_resumes_to_the_uninterrupted_run(data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("algorithm", ["dcasgd", "easgd"])
+def test_a_sharded_run_killed_at_its_checkpoint_resumes_to_the_uninterrupted_run(
+    data, tmp_path, monkeypatch, algorithm
+):
     """The checkpoint holds θ whole and each shard's state (DC-ASGD's backups of its slice, its clock, its pull
     times), taken at the barrier where every shard has applied the same commits: killed once it is on disk and
-    resumed, one worker on two servers gives the rows of a run never killed, bit for bit."""
+    resumed, one worker on two servers gives the rows of a run never killed, bit for bit (EASGD: its x, the
+    worker's, and each server's slice of θ)."""
     real_finish = checkpoint.finish
 
     def finish_then_die(*args, **kw):
@@ -136,7 +152,9 @@ def test_a_sharded_run_killed_at_its_checkpoint_resumes_to_the_uninterrupted_run
         raise Killed()
 
     def make(d, resume=None):
-        return job(data, 1, "dcasgd", 2, epochs=4, run_dir=str(d), checkpoint_every=12, resume=resume)
+        # (EASGD commits every 4 steps: twice the data, and a checkpoint every 3 commits, for one to be taken)
+        epochs, every = (4, 12) if algorithm == "dcasgd" else (8, 3)
+        return job(data, 1, algorithm, 2, epochs=epochs, run_dir=str(d), checkpoint_every=every, resume=resume)
 
     whole, m_whole = run(make(tmp_path / "whole"), tmp_path / "whole")
     d = tmp_path / "killed"
@@ -146,10 +164,9 @@ def test_a_sharded_run_killed_at_its_checkpoint_resumes_to_the_uninterrupted_run
     monkeypatch.setattr(checkpoint, "finish", real_finish)
     manifest = checkpoint.read_manifest(d)
     central = checkpoint.load_central(manifest)
-    assert (
-        len(central["shards"]) == 2
-        and central["shards"][1]["server"]["backup"].shape[1] == central["theta"].numel() // 2
-    )
+    assert len(central["shards"]) == 2
+    if algorithm == "dcasgd":
+        assert central["shards"][1]["server"]["backup"].shape[1] == central["theta"].numel() // 2
     result, m = run(make(d, manifest), d)
     assert result.status == whole.status == "completed"
     pd.testing.assert_frame_equal(

@@ -291,7 +291,8 @@ class Placement:
             )
         if self.local_turn:
             return "θ in shared memory on rank 0's host; the workers pass the server's turn among themselves there"
-        at_server = "; the part of the worker rule that reads θ runs at rank 0" if self.rule_at_server else ""
+        where = "each server, on its slice" if self.servers > 1 else "rank 0"
+        at_server = f"; the part of the worker rule that reads θ runs at {where}" if self.rule_at_server else ""
         wire = (
             f"in full duplex (θ back to one worker while the next worker's commit arrives{at_server})"
             if self.duplex

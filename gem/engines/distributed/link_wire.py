@@ -95,11 +95,15 @@ class WireLink(RemoteLink):
         as a commit that announces no payload, and back come θ (the pull) or the commit's delta (a commit that does
         not pull), then the commit's metrics and per-tensor statistics, computed there. Returns the commit as the
         worker cycle uses it (its delta, whether it pulls, its metrics) and the statistics."""
-        self._send([torch.tensor([0, 0], dtype=torch.long), *(t.contiguous() for t in sent.values())])
         began = time.monotonic()
         pull = self.at_server.finish is None
         into, nbytes = self.replica.theta if pull else self.back, torch.zeros(1, dtype=torch.long)
-        self._recv([into, nbytes], self.wait_s)
+        if self.shards:  # each shard runs the part on its slice (shards.sliceable): slices up, slices back
+            self.exchange_slices([t.contiguous() for t in sent.values()], into)
+            self._recv([nbytes], self.wait_s)
+        else:
+            self._send([torch.tensor([0, 0], dtype=torch.long), *(t.contiguous() for t in sent.values())])
+            self._recv([into, nbytes], self.wait_s)
         text = torch.empty(int(nbytes[0]), dtype=torch.uint8)
         self._recv([text], self.wait_s)
         metrics, tensors = json.loads(text.numpy().tobytes())
@@ -109,16 +113,23 @@ class WireLink(RemoteLink):
 
     def submit_sharded(self, commit: Commit) -> None:
         """Several servers: slice 0 of the commit to rank 0 and slice k to shard k, all on their way at once, then
-        each slice of θ back, the pull (docs/design.md, "Sharded servers"). A shard's server gone ends this worker
-        with an error that names it (rank 0 ends the run: it has lost the shard too)."""
-        began, pg, theta = time.monotonic(), self.pg, self.replica.theta
+        each slice of θ back, the pull (docs/design.md, "Sharded servers")."""
+        began = time.monotonic()
+        self.exchange_slices([commit.delta], self.replica.theta)
+        self.extra["wait_s"] = self.waited + time.monotonic() - began
+
+    def exchange_slices(self, up: list[torch.Tensor], back: torch.Tensor) -> None:
+        """Slice k of each of `up` (θ-shaped) to shard k's server and slice k of `back` from it, for every shard, all
+        on their way at once. A shard's server gone ends this worker with an error that names it (rank 0 ends the
+        run: it has lost the shard too)."""
+        pg = self.pg
         works = []  # (shard, its rank, a send or receive), every one posted before any is waited for
         for k, (r, lo, hi) in enumerate(self.shards):
             # rank 0's slice follows GO as a commit does (a first word announcing no payload); the others' a PUSH
             first, tag = ([0, 0], TAG_X) if r == 0 else ([PUSH, 0, 0, 0], TAG_ASK)
             works.append((k, r, pg.send([torch.tensor(first, dtype=torch.long)], r, tag)))
-            works.append((k, r, pg.send([commit.delta[lo:hi].contiguous()], r, TAG_X)))
-        works += [(k, r, pg.recv([theta[lo:hi]], r, TAG_X)) for k, (r, lo, hi) in enumerate(self.shards)]
+            works += [(k, r, pg.send([t[lo:hi].contiguous()], r, TAG_X)) for t in up]
+        works += [(k, r, pg.recv([back[lo:hi]], r, TAG_X)) for k, (r, lo, hi) in enumerate(self.shards)]
         for k, r, work in works:
             try:
                 wait(work, self.wait_s)
@@ -126,7 +137,6 @@ class WireLink(RemoteLink):
                 if r == 0:
                     raise ServerGone() from e
                 raise RuntimeError(f"server of shard {k} (rank {r}) lost: {str(e).splitlines()[0]}") from e
-        self.extra["wait_s"] = self.waited + time.monotonic() - began
 
     def release(self) -> None:
         pass  # the exchange ended with the commit

@@ -37,7 +37,7 @@ from collections import deque
 import torch
 
 from gem.algorithms import Commit
-from gem.engines.distributed.bounds import ROWS_PENDING
+from gem.engines.distributed.bounds import ROWS_PENDING, sent_spec
 from gem.engines.distributed.job import full_duplex
 from gem.engines.distributed.messages import (
     DTYPES,
@@ -120,7 +120,9 @@ class WireServer(ParameterServer):
         if self.at_server is not None:
             made = self.server.algo.init_state(self.server.theta, self.job.hp)
             self.kept = {r: {k: made[k].clone() for k in self.at_server.keeps} for r in self.ranks}
-            self.sent = {k: torch.empty(shape, dtype=DTYPES[dtype]) for k, (dtype, shape) in self.bounds.sent.items()}
+            # (of θ's shape, or of rank 0's slice of it where θ is sharded: shards.sliceable)
+            spec = sent_spec(self.server.algo, self.server.theta, self.job.hp)
+            self.sent = {k: torch.empty(shape, dtype=DTYPES[dtype]) for k, (dtype, shape) in spec.items()}
         self.outbox = Outbox(self.server.theta)  # θ on its way back to workers (full duplex)
 
     def step(self, started: bool) -> bool:

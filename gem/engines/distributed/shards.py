@@ -5,8 +5,11 @@ Rank 0 is the coordinator and serves shard 0 (its WireServer, over a slice of θ
 others (`ShardServer`, here), and ranks 1..n are the workers. A worker asks rank 0 for its turn as with one server;
 with GO it sends slice 0 of its commit to rank 0 and slice k to shard k's rank (PUSH), all at once, and takes each
 shard's θ slice back: full duplex on every link. A shard applies the commits it gets one at a time, in the order
-they arrive, on its own clock (τ per shard). Only rules that run in full duplex and wait at no barrier are sharded
-(`refusal`): what they send a shard is its slice of Δ, of a size the shard knows, and nothing else.
+they arrive, on its own clock (τ per shard). Only rules that read neither θ nor the server's tensors and wait at no
+barrier are sharded (`refusal`): what they send a shard is its slice of Δ, of a size the shard knows, and nothing
+else; and those whose part that reads θ runs at the server keeping nothing there and making no statistics
+(`sliceable`: EASGD), which send each shard its slice of what the part takes (x) and get back their slice of the
+commit (E).
 
 What rank 0 asks of a shard (`Shards`): its θ slice (an evaluation), its whole state (a checkpoint, taken at the
 checkpoint barrier, where every shard has applied the same commits), and the end. A shard that is lost ends the run:
@@ -23,8 +26,11 @@ import torch
 from gem import algorithms
 from gem.algorithms import Commit
 from gem.engines import Job
+from gem.engines.distributed.bounds import sent_spec
 from gem.engines.distributed.headers import Headers
+from gem.engines.distributed.job import full_duplex
 from gem.engines.distributed.messages import (
+    DTYPES,
     END,
     FETCH_STATE,
     FETCH_THETA,
@@ -67,7 +73,7 @@ def refusal(algorithm: str, hp, engine) -> str | None:
             f"engine.servers={servers} is not allowed with algorithm={algorithm}, whose workers wait at a barrier "
             "of the server's clock (several servers have several clocks); use engine.servers=1"
         )
-    if algo.reads_central(hp):  # (its part that reads θ may run at rank 0, which would hold one slice of it)
+    if algo.reads_central(hp) and not sliceable(algo, hp):
         return (
             f"engine.servers={servers} is not allowed with algorithm={algorithm}, whose worker rule reads the live θ "
             "or the server's tensors, of which each server would hold its own (docs/design.md, 'Sharded servers'); "
@@ -76,6 +82,18 @@ def refusal(algorithm: str, hp, engine) -> str | None:
     if not engine.full_duplex:
         return f"engine.servers={servers} needs engine.full_duplex=true (several servers serve in full duplex only)"
     return None
+
+
+def sliceable(algo, hp) -> bool:
+    """Whether the part of `algo`'s worker rule that reads θ runs at each shard on its slice (`Algorithm.at_server`):
+    one that keeps none of the worker's state there, makes no statistics, and takes θ-shaped tensors, which a worker
+    slices as θ is (EASGD's elastic term, on x; GEM's keeps m and s and makes π's statistics: not built,
+    docs/design.md)."""
+    part = algo.at_server
+    if part is None or part.keeps or algo.diagnostics is not None:
+        return False
+    theta = torch.zeros(3)
+    return all(shape == [3] for _, shape in sent_spec(algo, theta, hp).values())
 
 
 def _first_line(e: Exception) -> str:
@@ -104,6 +122,15 @@ class ShardServer:
         if "clock" in saved:  # a resumed run: the shard's state as the checkpoint holds it
             self.server.load_state_dict(saved)
         self.delta = torch.empty_like(theta)
+        # a part of the worker rule that reads θ, run here on this slice (EASGD's E = α(x − θ)): what a worker sends
+        # for it, sliced; what goes back is its commit's delta where the commit does not pull, else θ
+        duplex = full_duplex(job)
+        self.at_server = duplex.at_server if duplex is not None else None
+        self.sent = {}
+        if self.at_server is not None:
+            self.sent = {
+                k: torch.empty(shape, dtype=DTYPES[d]) for k, (d, shape) in sent_spec(algo, theta, job.hp).items()
+            }
         self.outbox = Outbox(theta)  # θ slices on their way back to workers
         self.workers = list(range(1, n + 1))
         self.commits = self.staleness = 0  # commits applied here, and their τ summed (rank 0 hears at the end)
@@ -145,17 +172,20 @@ class ShardServer:
     def apply(self, src: int) -> bool:
         """`src`'s slice of its commit, applied on this shard's clock; its θ slice back from a copy, not waited for."""
         began = time.monotonic()
+        part = self.at_server
         try:
-            wait(self.pg.recv([self.delta], src, TAG_X), self.wait_s)
+            for t in self.sent.values() if part is not None else [self.delta]:
+                wait(self.pg.recv([t], src, TAG_X), self.wait_s)
         except RuntimeError:
             return False
         server = self.server
         view = server.view(src - 1)
-        server.apply(view, Commit(delta=self.delta))
+        commit = part.rule({}, self.sent, view, self.job.hp) if part is not None else Commit(delta=self.delta)
+        server.apply(view, commit)
         self.commits, self.staleness = self.commits + 1, self.staleness + view.staleness
         # a send back that failed is that worker's loss alone: rank 0 records it
         copy = self.outbox.free(self.wait_s, lambda rank, e: None)
-        copy.copy_(server.theta)
+        copy.copy_(commit.delta if part is not None and part.finish is not None else server.theta)
         try:
             self.outbox.post(src, [self.pg.send([copy], src, TAG_X)], [copy])
         except RuntimeError:
