@@ -199,7 +199,7 @@ def run_once(
     summary = json.loads((run_dir / "summary.json").read_text())
     if summary["status"] != "completed":
         raise RuntimeError(f"the run ended {summary['status']}: {summary.get('reason')}")
-    # the row must measure the duplex it names: placement says which ran (launch.Placement.describe)
+    # the row must measure the duplex it names: placement says which ran (placement.Placement.describe)
     ran = "full" if "in full duplex" in (summary.get("placement") or "") else "half"
     if ran != duplex:
         raise RuntimeError(f"engine.full_duplex={DUPLEX[duplex]} ran {ran} duplex: {summary.get('placement')}")

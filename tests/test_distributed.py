@@ -32,7 +32,7 @@ from gem.data import make_synthetic
 from gem.engines import Job, checkpoint, distributed
 from gem.engines.coordinator import start_server
 from gem.engines.core import Evaluator, build_flat_model
-from gem.engines.distributed import address, launch, window
+from gem.engines.distributed import address, launch, placement, window
 from gem.engines.distributed import job as wire_job
 from gem.engines.distributed.address import open_listener
 from gem.engines.distributed.group import patience, waiting_key
@@ -519,7 +519,7 @@ def test_a_local_launch_that_hands_theta_to_its_workers_gives_the_window_s_rows(
     frames = {}
     for handed in (False, True):
         made.clear()
-        monkeypatch.setattr(launch, "_hands_theta", lambda central, handed=handed: handed)
+        monkeypatch.setattr(placement, "_hands_theta", lambda central, handed=handed: handed)
         result, m, _ = run(job(data, n, algorithm, hp, epochs=2), tmp_path / str(handed))
         assert result.status == "completed" and result.extra["local_turn"], result.reason
         assert made == [not handed]

@@ -57,8 +57,11 @@ The engine by concern, each file read top to bottom; each imports only those abo
     rank.py      a worker rank's process: join, prove the secret, take the job, run with its transport's Link
     server.py    rank 0's server thread, whatever the transport: the headers, where each worker stands, the
                  checkpoint barrier, the answers
-    server_wire.py  ... the exchanges over the wire, one at a time
+    server_wire.py  ... the exchanges over the wire, applied one at a time (in full duplex where the rule allows)
     server_turn.py  ... a local launch: the turn's line, and the commits read from the window's log
+    shards.py    θ cut into slices, each served by its own rank (engine.servers): a shard's server, and rank 0's
+                 hand on the others
+    placement.py where θ lives and how the workers reach it (Placement), decided once from the job and the launch
     launch.py    rank 0: the run (the group, the local workers, the job) and the coordinator
 """
 

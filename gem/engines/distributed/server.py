@@ -3,7 +3,7 @@ coordinator (rank 0's main thread, gem.engines.distributed.launch) what happened
 module holds what every transport shares: the events, where each worker stands (`Peer`), the checkpoint barrier
 and the answers (`ParameterServer`). A transport says what a turn at the server is: server_wire.py (each commit an
 exchange over the wire) or server_turn.py (a local launch's workers pass the turn among themselves in shared
-memory); `launch.Placement.local_turn` chooses.
+memory); `placement.Placement.local_turn` chooses.
 
 For a checkpoint the server stops handing out turns: each worker, when it next asks, is answered SAVE and sends its
 state (the run directory is rank 0's, perhaps on another machine); asking again, it is told to WAIT and asks again
