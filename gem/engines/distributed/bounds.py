@@ -122,6 +122,14 @@ def sent_spec(algo, theta: torch.Tensor, hp) -> dict[str, list]:
     return {name: [str(t.dtype), list(t.shape)] for name, t in sent.items()}
 
 
+def sent_buffers(algo, theta: torch.Tensor, hp) -> dict[str, torch.Tensor]:
+    """Buffers for what a worker sends for the part of its rule run at a server (`sent_spec`), made by the server
+    for its θ (or its slice of θ: shards.sliceable): nothing a worker announces is allocated."""
+    return {
+        name: torch.empty(shape, dtype=DTYPES[dtype]) for name, (dtype, shape) in sent_spec(algo, theta, hp).items()
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class Bounds:
     """What rank 0 accepts from a worker, worked out from the job: each message is checked against it before

@@ -37,10 +37,9 @@ from collections import deque
 import torch
 
 from gem.algorithms import Commit
-from gem.engines.distributed.bounds import ROWS_PENDING, sent_spec
+from gem.engines.distributed.bounds import ROWS_PENDING, sent_buffers
 from gem.engines.distributed.job import full_duplex
 from gem.engines.distributed.messages import (
-    DTYPES,
     GO,
     STOP,
     TAG_X,
@@ -55,6 +54,13 @@ from gem.engines.distributed.server import ParameterServer, Standing, StepsLost,
 # the way out busy, one finishing while the next starts; a third would wait for the first, which the commit
 # applied in between (its Δ as large as θ, on the other direction of the same link) has let finish by then
 SENDS_IN_FLIGHT = 2
+
+
+def returned(part, commit: Commit | None, theta: torch.Tensor) -> torch.Tensor:
+    """What goes back to a worker once its commit is applied (rank 0's and every shard's server): θ, its pull; or,
+    where the part of its rule that reads θ ran here (`part`) and its commit does not pull (the part's `finish`),
+    the commit's delta, which the worker's `finish` applies (EASGD's E)."""
+    return commit.delta if part is not None and part.finish is not None else theta
 
 
 class Outbox:
@@ -121,8 +127,7 @@ class WireServer(ParameterServer):
             made = self.server.algo.init_state(self.server.theta, self.job.hp)
             self.kept = {r: {k: made[k].clone() for k in self.at_server.keeps} for r in self.ranks}
             # (of θ's shape, or of rank 0's slice of it where θ is sharded: shards.sliceable)
-            spec = sent_spec(self.server.algo, self.server.theta, self.job.hp)
-            self.sent = {k: torch.empty(shape, dtype=DTYPES[dtype]) for k, (dtype, shape) in spec.items()}
+            self.sent = sent_buffers(self.server.algo, self.server.theta, self.job.hp)
         self.outbox = Outbox(self.server.theta)  # θ on its way back to workers (full duplex)
 
     def step(self, started: bool) -> bool:
@@ -254,7 +259,7 @@ class WireServer(ParameterServer):
         (the part's `finish`), and after it the row's metrics and per-tensor statistics, computed here while θ is
         on its way (`statistics`)."""
         copy = self.outbox.free(self.wait_s, self.failed_back)
-        copy.copy_(made.delta if made is not None and self.at_server.finish is not None else self.server.theta)
+        copy.copy_(returned(self.at_server if made is not None else None, made, self.server.theta))
         held = [copy]
         try:
             sends = [self.pg.send([copy], src, TAG_X)]

@@ -26,11 +26,10 @@ import torch
 from gem import algorithms
 from gem.algorithms import Commit
 from gem.engines import Job
-from gem.engines.distributed.bounds import sent_spec
+from gem.engines.distributed.bounds import sent_buffers, sent_spec
 from gem.engines.distributed.headers import Headers
 from gem.engines.distributed.job import full_duplex
 from gem.engines.distributed.messages import (
-    DTYPES,
     END,
     FETCH_STATE,
     FETCH_THETA,
@@ -43,7 +42,7 @@ from gem.engines.distributed.messages import (
     recv_tensors,
     wait,
 )
-from gem.engines.distributed.server_wire import Outbox
+from gem.engines.distributed.server_wire import Outbox, returned
 from gem.engines.server import Server
 
 END_WAIT_S = 30.0  # a shard's wait at its end for the workers' connections to close
@@ -126,11 +125,7 @@ class ShardServer:
         # for it, sliced; what goes back is its commit's delta where the commit does not pull, else θ
         duplex = full_duplex(job)
         self.at_server = duplex.at_server if duplex is not None else None
-        self.sent = {}
-        if self.at_server is not None:
-            self.sent = {
-                k: torch.empty(shape, dtype=DTYPES[d]) for k, (d, shape) in sent_spec(algo, theta, job.hp).items()
-            }
+        self.sent = sent_buffers(algo, theta, job.hp)  # ({} for a rule that runs whole at the worker)
         self.outbox = Outbox(theta)  # θ slices on their way back to workers
         self.workers = list(range(1, n + 1))
         self.commits = self.staleness = 0  # commits applied here, and their τ summed (rank 0 hears at the end)
@@ -185,7 +180,7 @@ class ShardServer:
         self.commits, self.staleness = self.commits + 1, self.staleness + view.staleness
         # a send back that failed is that worker's loss alone: rank 0 records it
         copy = self.outbox.free(self.wait_s, lambda rank, e: None)
-        copy.copy_(commit.delta if part is not None and part.finish is not None else server.theta)
+        copy.copy_(returned(part, commit, server.theta))
         try:
             self.outbox.post(src, [self.pg.send([copy], src, TAG_X)], [copy])
         except RuntimeError:
