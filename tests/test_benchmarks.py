@@ -37,6 +37,7 @@ SCRIPTS = {  # script: arguments that make it brief
         "1",
         "--smoke",
     ],
+    "sweep_check.py": ["--smoke"],
     "transport.py": ["--workers", "1", "--seconds", "0.2", "--rounds", "1"],
     "worker_memory.py": ["--workers", "2", "--wait", "0.5", "--smoke"],
 }
