@@ -5,7 +5,8 @@ Hosts are network namespaces of this machine (tests/helpers/netns.py), each link
 both ends. Host 0 runs rank 0 alone (the coordinator and the parameter server, `--nproc_per_node=1`); host 1 runs
 the n workers (`--nproc_per_node=n`), so that every commit crosses a link: θ from the server to the worker, Δ back,
 2 × θ bytes in all (the bytes counted on the workers' link are printed beside it). DOWNPOUR is the algorithm
-(`--algorithm`: another, as GEM, whose part of the rule that reads θ runs at rank 0 in full duplex).
+(`--algorithm`: another, as GEM, whose part of the rule that reads θ runs where θ lives in full duplex: at rank 0, or
+at each server on its slice).
 
 Duplex (`--duplex full half`, both by default, run one after the other for each model and rate):
 - full (`engine.full_duplex=true`): DOWNPOUR's worker rule reads no θ, so rank 0 sends θ back to one worker while
@@ -240,7 +241,7 @@ def main() -> int:
         "--algorithm",
         default=ALGORITHM,
         choices=list(algorithms.ALGORITHMS),
-        help="the rule (gem: its part that reads θ runs at rank 0 in full duplex)",
+        help="the rule (gem: its part that reads θ runs where θ lives in full duplex, on each server's slice)",
     )
     ap.add_argument("--duplex", nargs="+", default=list(DUPLEX), choices=list(DUPLEX), help="engine.full_duplex")
     ap.add_argument("--servers", type=int, nargs="+", default=[1], help="shard counts S (engine.servers)")

@@ -191,12 +191,13 @@ def test_three_hosts_reach_one_another_through_the_hub():
 
 # ---------------------------------------------------------------------- sharded servers across hosts
 # engine.servers=2 on four hosts: host 0 runs rank 0 (the coordinator and shard 0's server), hosts 1 and 2 two workers
-# each (ranks 1-2, 3-4), host 3 shard 1's server (rank 5, after the workers: shards.shard_ranks)
+# each (ranks 1-2, 3-4), host 3 shard 1's server (rank 5, after the workers: shards.shard_ranks). GEM: each server runs
+# its rule on its slice, keeping its slice of every worker's m and s, which a checkpoint gathers into the worker's file
 SHARDED = [1, 2, 2, 1]  # processes per host
 
 
 def sharded_node(hosts, i, tmp_path, *overrides):
-    return node(hosts, i, tmp_path, "engine.servers=2", "algorithm=downpour", *overrides, nproc=SHARDED, workers=4)
+    return node(hosts, i, tmp_path, "engine.servers=2", "algorithm=gem", *overrides, nproc=SHARDED, workers=4)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ slices, rank 0 serving shard 0 and ranks n + 1 .. n + S - 1 the others, each on 
 tests/test_multihost.py."""
 
 import dataclasses
+import math
 import os
 import threading
 import time
@@ -17,7 +18,7 @@ from gem import algorithms
 from gem.data import make_synthetic
 from gem.engines import Job, checkpoint, distributed
 from gem.engines.distributed import launch
-from gem.engines.distributed.shards import refusal, shard_ranks, slices
+from gem.engines.distributed.shards import combine, pieces, refusal, shard_ranks, slices
 from gem.engines.options import DistributedOptions
 from gem.metrics import Recorder, read_table
 
@@ -71,10 +72,13 @@ def test_only_full_duplex_rules_without_barriers_are_sharded_and_the_others_are_
     two = DistributedOptions(servers=2)
     assert refusal("downpour", algorithms.get("downpour").Params(), two) is None
     assert refusal("gem", algorithms.get("gem").Params(), DistributedOptions()) is None  # one server: anything
-    why = refusal("gem", algorithms.get("gem").Params(), two)
-    assert why.startswith("engine.servers=2 is not allowed with algorithm=gem") and "reads the live θ" in why
-    # EASGD's part that reads θ keeps nothing at the server and makes no statistics: each server runs it on its slice
+    # the part that reads θ runs at each server on its slice: EASGD's elastic term; GEM's whole rule, with its m and s
+    # kept there and statistics that say how they add up
     assert refusal("easgd", algorithms.get("easgd").Params(workers=2), two) is None
+    for proxy in ("local", "global"):
+        assert refusal("gem", algorithms.get("gem").Params(proxy=proxy), two) is None
+    why = refusal("gem", algorithms.get("gem").Params(), DistributedOptions(servers=2, full_duplex=False))
+    assert why.startswith("engine.servers=2 needs engine.full_duplex=true")
     for name in ("eamsgd", "ringmaster"):  # the live θ at the worker; a drop decided on each shard's own counters
         assert refusal(name, algorithms.get(name).Params(workers=2), two).startswith(
             f"engine.servers=2 is not allowed with algorithm={name}"
@@ -116,17 +120,19 @@ def test_one_worker_gives_the_same_rows_on_one_two_and_three_servers(data, tmp_p
         )
 
 
-@pytest.mark.parametrize("algorithm", ["downpour", "easgd"])
+@pytest.mark.parametrize("algorithm", ["downpour", "easgd", "gem"])
 def test_three_workers_on_two_servers_commit_once_each(data, tmp_path, algorithm):
     """Rank 0's clock orders the rows: every step once, every worker step once; the other shard applied every
     commit too, each with τ on its own clock (no more apart from rank 0's than the commits in flight). EASGD's
-    elastic term runs at each server on its slice (the placement says so)."""
+    elastic term and GEM's rule run at each server on its slice (the placement says so)."""
     n = 3
     j = job(data, n, algorithm, 2)
     result, m = run(j, tmp_path)
     steps, every = 2 * 256 // 32, algorithms.get(algorithm).commit_every(j.hp)
     assert result.status == "completed", result
-    assert ("reads θ runs at each server, on its slice" in result.extra["placement"]) == (algorithm == "easgd")
+    assert ("reads θ runs at each server, on its slice" in result.extra["placement"]) == (algorithm != "downpour")
+    if algorithm == "gem":  # every commit's statistics, added up from both servers'
+        assert m["proxy_energy"].gt(0).all() and m["pi_mean"].between(0, 5).all() and m["pi_median"].isna().all()
     assert m["step"].tolist() == list(range(1, n * steps // every + 1))
     assert m.groupby("worker")["worker_step"].apply(list).tolist() == [list(range(every, steps + 1, every))] * n
     (shard,) = result.extra["shards"]
@@ -137,14 +143,15 @@ def test_three_workers_on_two_servers_commit_once_each(data, tmp_path, algorithm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["dcasgd", "easgd"])
+@pytest.mark.parametrize("algorithm", ["dcasgd", "easgd", "gem"])
 def test_a_sharded_run_killed_at_its_checkpoint_resumes_to_the_uninterrupted_run(
     data, tmp_path, monkeypatch, algorithm
 ):
     """The checkpoint holds θ whole and each shard's state (DC-ASGD's backups of its slice, its clock, its pull
     times), taken at the barrier where every shard has applied the same commits: killed once it is on disk and
     resumed, one worker on two servers gives the rows of a run never killed, bit for bit (EASGD: its x, the
-    worker's, and each server's slice of θ)."""
+    worker's, and each server's slice of θ; GEM: its m and s, whose slices each server keeps, whole in the worker's
+    file, and sliced again for each server on resume)."""
     real_finish = checkpoint.finish
 
     def finish_then_die(*args, **kw):
@@ -153,7 +160,7 @@ def test_a_sharded_run_killed_at_its_checkpoint_resumes_to_the_uninterrupted_run
 
     def make(d, resume=None):
         # (EASGD commits every 4 steps: twice the data, and a checkpoint every 3 commits, for one to be taken)
-        epochs, every = (4, 12) if algorithm == "dcasgd" else (8, 3)
+        epochs, every = (8, 3) if algorithm == "easgd" else (4, 12)
         return job(data, 1, algorithm, 2, epochs=epochs, run_dir=str(d), checkpoint_every=every, resume=resume)
 
     whole, m_whole = run(make(tmp_path / "whole"), tmp_path / "whole")
@@ -167,6 +174,9 @@ def test_a_sharded_run_killed_at_its_checkpoint_resumes_to_the_uninterrupted_run
     assert len(central["shards"]) == 2
     if algorithm == "dcasgd":
         assert central["shards"][1]["server"]["backup"].shape[1] == central["theta"].numel() // 2
+    if algorithm == "gem":  # the worker's file holds m and s whole, not rank 0's slice of them
+        saved = checkpoint.load_worker(manifest, 0)["state"]
+        assert saved["m"].numel() == saved["stale"].numel() == central["theta"].numel() and saved["m"].abs().sum() > 0
     result, m = run(make(d, manifest), d)
     assert result.status == whole.status == "completed"
     pd.testing.assert_frame_equal(
@@ -207,6 +217,60 @@ def test_a_lost_server_ends_the_run_failed_naming_it_and_its_checkpoint_resumes(
     result, m = run(make(manifest), tmp_path)
     assert result.status == "completed", result
     assert m["step"].tolist() == list(range(1, len(m) + 1))
+
+
+def test_statistics_made_on_slices_add_up_as_the_algorithm_says():
+    """A tensor cut by a shard's boundary has a piece on each side; a sum adds, a mean is weighted by the pieces'
+    sizes, and a median is kept where one piece holds the tensor and NaN where it spans two."""
+    layout = [("a", slice(0, 4)), ("b", slice(4, 10)), ("c", slice(10, 12))]
+    cuts = slices(12, 2)  # [0, 6) and [6, 12): b is cut 2 | 4
+    assert pieces(layout, *cuts[0]) == [("a", slice(0, 4)), ("b", slice(4, 6))]
+    assert pieces(layout, *cuts[1]) == [("b", slice(0, 4)), ("c", slice(4, 6))]
+    over = {"e": "sum", "m": "mean", "med": "median"}
+    parts = [
+        [{"e": 1.5, "m": 1.0, "med": 0.5}, {"m": [1.0, 4.0], "med": [0.25, 0.75]}],
+        [{"e": 2.0, "m": 4.0, "med": 0.5}, {"m": [1.0, 3.0], "med": [0.1, 0.2]}],
+    ]
+    metrics, tensors = combine(over, parts, layout, cuts)
+    assert metrics["e"] == 3.5 and metrics["m"] == 2.5 and math.isnan(metrics["med"])
+    assert tensors["m"] == [1.0, (2 * 4.0 + 4 * 1.0) / 6, 3.0]
+    assert tensors["med"][0] == 0.25 and math.isnan(tensors["med"][1]) and tensors["med"][2] == 0.2
+    with pytest.raises(ValueError, match="'x' does not say how it adds up"):
+        combine(over, [[{"x": 1.0}, None], [{"x": 1.0}, None]], layout, cuts)
+
+
+@pytest.mark.parametrize("proxy", ["local", pytest.param("global", marks=pytest.mark.slow)])
+def test_gem_on_two_and_three_servers_commits_what_one_server_commits(data, tmp_path, proxy):
+    """GEM's whole rule runs at each server on its slice, with its slice of the worker's m and s kept there: with one
+    worker, S servers commit what one commits, bit for bit (every loss and evaluation), and the row's statistics
+    add up from the slices': the energies and π's means and fractions as one server's, up to float rounding; the
+    median of a tensor whole on one server exactly; the medians that span servers (all of θ's, a cut tensor's)
+    NaN."""
+    hp = algorithms.get("gem").Params(proxy=proxy)
+    frames = {}
+    for servers in (1, 2, 3):
+        result, m = run(dataclasses.replace(job(data, 1, "gem", servers), hp=hp), tmp_path / str(servers))
+        assert result.status == "completed", result
+        tensors = read_table(tmp_path / str(servers), "tensors")
+        frames[servers] = (m.drop(columns=TIMES, errors="ignore"), read_table(tmp_path / str(servers), "eval"), tensors)
+    one, one_eval, one_tensors = frames[1]
+    stats = ["pi_median", "pi_mean", "pi_zero_frac", "pi_max_frac", "proxy_energy", "central_energy"]
+    numel = int(one_tensors.groupby("step").size().iloc[0])  # the model's tensors
+    for servers in (2, 3):
+        m, evals, tensors = frames[servers]
+        pd.testing.assert_frame_equal(one.drop(columns=stats), m.drop(columns=stats), check_exact=True)
+        pd.testing.assert_frame_equal(one_eval.drop(columns="time_s"), evals.drop(columns="time_s"), check_exact=True)
+        assert m["pi_median"].isna().all() and one["pi_median"].notna().all()
+        for c in stats[1:]:  # (π's sums are float32's, one server's too: they agree to its rounding)
+            pd.testing.assert_series_equal(one[c], m[c], check_exact=False, rtol=1e-6 if c == "pi_mean" else 1e-12)
+        # per tensor: the median of a tensor cut between two servers is NaN, of the others one server's
+        merged = one_tensors.merge(tensors, on=["step", "tensor"], suffixes=("", "_s"))
+        assert len(merged) == len(one_tensors) == len(tensors) and numel > servers
+        cut = merged["pi_median_s"].isna()
+        assert 1 <= merged.loc[cut, "tensor"].nunique() <= servers - 1
+        assert (merged.loc[~cut, "pi_median"] == merged.loc[~cut, "pi_median_s"]).all()
+        for c, rtol in (("pi_mean", 1e-6), ("pi_zero_frac", 1e-12)):
+            pd.testing.assert_series_equal(merged[c], merged[c + "_s"], check_exact=False, rtol=rtol, check_names=False)
 
 
 def test_the_run_s_summary_says_how_busy_each_server_was():

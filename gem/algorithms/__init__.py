@@ -213,6 +213,11 @@ class Algorithm:
     payload: Callable | None = None
     prepare: Callable | None = None
     diagnostics: Callable | None = None
+    # how each statistic of a commit's row made at the server (its metrics and diagnostics) adds up over slices of θ,
+    # where θ is sharded (engine.servers; docs/design.md, "Sharded servers"): "sum" (an energy), "mean" (over the
+    # elements: the slices' values weighted by their sizes), or "median" (exact only where one slice holds all
+    # the elements, else NaN); None: the rule runs at no sharded server while it makes statistics
+    over_slices: dict[str, str] | None = None
     sequential: bool = False
     barriers: bool = False  # its commits set pull_at: the workers wait for the one server's clock
 

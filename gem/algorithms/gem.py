@@ -420,6 +420,19 @@ def _pi_stats_fused(a: np.ndarray, layout, pi_max: float):
     return metrics, tensors
 
 
+# how the statistics of a commit made on each server's slice of θ add up to the row's (engine.servers > 1): the
+# energies are sums over the elements, the means and fractions at a clamp are weighted by the slices' sizes, and a
+# median is exact where one slice holds its elements (a tensor whole on one server) and NaN where it spans several
+OVER_SLICES = {
+    "proxy_energy": "sum",
+    "central_energy": "sum",
+    "pi_mean": "mean",
+    "pi_zero_frac": "mean",
+    "pi_max_frac": "mean",
+    "pi_median": "median",
+}
+
+
 def warm() -> None:
     """Compile the loops now (or load them from numba's cache), in this process: the forkserver that worker
     processes are forked from calls it, so that no worker compiles them again."""
@@ -441,4 +454,5 @@ ALGORITHM = Algorithm(
     payload=payload,
     prepare=prepare,
     diagnostics=diagnostics,
+    over_slices=OVER_SLICES,
 )

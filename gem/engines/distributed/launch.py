@@ -69,7 +69,7 @@ from gem.engines.distributed.server import (
 )
 from gem.engines.distributed.server_turn import TurnServer
 from gem.engines.distributed.server_wire import WireServer
-from gem.engines.distributed.shards import Sharded, Shards
+from gem.engines.distributed.shards import Sharded, Shards, pieces
 from gem.engines.distributed.window import Window
 from gem.engines.options import DistributedOptions
 from gem.engines.turn import Ticket, Turn
@@ -202,7 +202,7 @@ def run(job: Job, recorder) -> Result:
         states = {r: saved.get(r - 1, DONE if resumed else None) for r in range(1, n + 1)}
         if sharded is not None:  # each other shard's rank: its slice of θ₀, or its state from the checkpoint
             sharded.shards = Shards(pg, job, theta.numel())
-            states.update(sharded.shards.initial(theta, sharded.saved))
+            states.update(sharded.shards.initial(theta, sharded.saved, coord.layout, states))
         result = _serve(coord, pg, secret, encoded, states, children, store, window, turn)
         ended = True
         return result
@@ -327,6 +327,12 @@ class _Coordinator(Coordinator):
         self.placement: Placement | None = None  # where θ lives (`run` decides it)
         self.shards: Shards | None = None  # the other shards' servers, where θ is sharded (shards.py)
 
+    @property
+    def layout(self) -> list:
+        """The model's tensors, each its name and its slice of θ's flat vector."""
+        model = self.evaluate.model
+        return list(zip(model.tensor_names, model.slices, strict=True))
+
     def attach(
         self,
         pg,
@@ -342,15 +348,16 @@ class _Coordinator(Coordinator):
         needs of it)."""
         ranks = [w + 1 for w in range(self.job.workers)]
         job, server = self.job, self.server
+        layout = self.layout  # the model's tensors: a rule run at the server computes its per-tensor statistics there
         if isinstance(server, Sharded):  # rank 0 serves shard 0's slice; a shard lost ends the run
             server, self.shards = server.local, server.shards
             self.shards.watch(lambda why: self.events.put(Fatal(why)))
+            layout = pieces(layout, *self.shards.slices[0])  # (of rank 0's slice)
         like = torch.empty_like(server.theta, device="cpu")  # sizes only: nothing of θ's, on the host
         bounds = Bounds.of(server.algo, job.hp, like, len(self.ledger.tensor_names), len(job.data.train_y))
         args = (pg, job, server, ranks, self.events, bounds, window)
-        if turn is None:  # the model's tensors: a rule run at the server computes its per-tensor statistics there
-            model = self.evaluate.model
-            self.ps = WireServer(*args, layout=zip(model.tensor_names, model.slices, strict=True))
+        if turn is None:
+            self.ps = WireServer(*args, layout=layout, shards=self.shards)
         else:
             self.ps = TurnServer(*args, turn=turn)
         self.ps.restore(states or {})

@@ -21,7 +21,7 @@ from gem.algorithms import AtServer, Commit
 from gem.engines.distributed.job import full_duplex
 from gem.engines.distributed.link import WAIT_S, RemoteLink, ServerGone
 from gem.engines.distributed.messages import ASK, PUSH, TAG_ASK, TAG_X, pack, wait
-from gem.engines.distributed.shards import shard_ranks, slices
+from gem.engines.distributed.shards import combine, shard_ranks, slices
 from gem.engines.server import Server
 
 
@@ -100,16 +100,42 @@ class WireLink(RemoteLink):
         into, nbytes = self.replica.theta if pull else self.back, torch.zeros(1, dtype=torch.long)
         if self.shards:  # each shard runs the part on its slice (shards.sliceable): slices up, slices back
             self.exchange_slices([t.contiguous() for t in sent.values()], into)
-            self._recv([nbytes], self.wait_s)
+            metrics, tensors = self.statistics_of_shards()
         else:
             self._send([torch.tensor([0, 0], dtype=torch.long), *(t.contiguous() for t in sent.values())])
             self._recv([into, nbytes], self.wait_s)
-        text = torch.empty(int(nbytes[0]), dtype=torch.uint8)
-        self._recv([text], self.wait_s)
-        metrics, tensors = json.loads(text.numpy().tobytes())
+            text = torch.empty(int(nbytes[0]), dtype=torch.uint8)
+            self._recv([text], self.wait_s)
+            metrics, tensors = json.loads(text.numpy().tobytes())
         # the row's wait for the server: for GO, and for θ to come back, as where GO brings θ
         self.extra["wait_s"] = self.waited + time.monotonic() - began
         return Commit(delta=into, pull=pull, metrics=metrics), tensors
+
+    def statistics_of_shards(self) -> tuple[dict, dict | None]:
+        """The statistics each shard made of this commit on its slice, which follow its slice of θ, added up into the
+        row's as the algorithm says (shards.combine)."""
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in self.shards]
+        self._each_shard([self.pg.recv([n], r, TAG_X) for n, (r, _, _) in zip(sizes, self.shards, strict=True)])
+        texts = [torch.empty(int(n[0]), dtype=torch.uint8) for n in sizes]
+        self._each_shard([self.pg.recv([t], r, TAG_X) for t, (r, _, _) in zip(texts, self.shards, strict=True)])
+        parts = [json.loads(t.numpy().tobytes()) for t in texts]
+        cuts = [(lo, hi) for _, lo, hi in self.shards]
+        return combine(self.replica.algo.over_slices, parts, self.worker.layout, cuts)
+
+    def _each_shard(self, works: list) -> None:
+        """Wait for one receive from each shard's server, in shard order."""
+        for k, ((r, _, _), work) in enumerate(zip(self.shards, works, strict=True)):
+            self._wait_shard(k, r, work)
+
+    def _wait_shard(self, k: int, r: int, work) -> None:
+        """A shard's server gone ends this worker with an error that names it (rank 0 ends the run: it has lost the
+        shard too); rank 0 gone, as with one server."""
+        try:
+            wait(work, self.wait_s)
+        except RuntimeError as e:
+            if r == 0:
+                raise ServerGone() from e
+            raise RuntimeError(f"server of shard {k} (rank {r}) lost: {str(e).splitlines()[0]}") from e
 
     def submit_sharded(self, commit: Commit) -> None:
         """Several servers: slice 0 of the commit to rank 0 and slice k to shard k, all on their way at once, then
@@ -131,12 +157,7 @@ class WireLink(RemoteLink):
             works += [(k, r, pg.send([t[lo:hi].contiguous()], r, TAG_X)) for t in up]
         works += [(k, r, pg.recv([back[lo:hi]], r, TAG_X)) for k, (r, lo, hi) in enumerate(self.shards)]
         for k, r, work in works:
-            try:
-                wait(work, self.wait_s)
-            except RuntimeError as e:
-                if r == 0:
-                    raise ServerGone() from e
-                raise RuntimeError(f"server of shard {k} (rank {r}) lost: {str(e).splitlines()[0]}") from e
+            self._wait_shard(k, r, work)
 
     def release(self) -> None:
         pass  # the exchange ended with the commit

@@ -23,7 +23,8 @@ TAG_SHARD, TAG_ALIVE = 4, 5
 # memory (a local launch: window.py)
 ASK, READY, FINISHED, DIVERGED, ERROR, SAVED, PULL, ROWS = range(8)
 # to a shard's rank on TAG_ASK (shards.py): a worker's PUSH (its slice of a commit follows); rank 0's requests
-PUSH, FETCH_THETA, FETCH_STATE, END = range(8, 12)
+# (FETCH_KEPT: a worker's tensors kept there, the worker's rank in the header's second word)
+PUSH, FETCH_THETA, FETCH_STATE, END, FETCH_KEPT = range(8, 13)
 # server → worker, first word of the reply to an ASK, PULL or FINISHED: [kind, t, τ]
 GO, STOP, BYE, SAVE, WAIT = range(5)
 HEADER = 4  # int64 words: [kind, rows_nbytes, rows_count, extra_nbytes]

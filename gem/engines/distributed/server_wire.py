@@ -63,6 +63,38 @@ def returned(part, commit: Commit | None, theta: torch.Tensor) -> torch.Tensor:
     return commit.delta if part is not None and part.finish is not None else theta
 
 
+def statistics(algo, made: Commit, layout, hp) -> bytes:
+    """What the worker's row takes of a commit made at a server, as JSON [metrics, per-tensor statistics or null]:
+    the commit's metrics, then its diagnostics (GEM's π statistics and energies), in the order a worker that made
+    the commit would put them in its row, over the model's tensors as `layout` gives them (all of θ at rank 0 with
+    one server; a shard's pieces of them with several, which the worker adds up: shards.combine). The server
+    computes them from the tensors the rule left there (π never travels); the worker builds and sends the row, as
+    for every commit."""
+    metrics, tensors = dict(made.metrics), None
+    if algo.diagnostics is not None:
+        more, tensors = algo.diagnostics(made, layout, hp)
+        metrics.update(more)
+    return json.dumps([metrics, tensors or None]).encode()
+
+
+def post_back(pg, outbox: Outbox, src: int, back: torch.Tensor, text, wait_s: float, failed) -> None:
+    """What goes back to `src` once its commit is applied (`back`: θ, or the commit's delta; a server's slice of
+    it with several), sent from a copy through the `outbox` while the server goes on; then, where the commit was
+    made here, its statistics (`text()`, computed while `back` is on its way). A send that cannot start raises
+    RuntimeError (the worker's loss alone); `failed(rank, error)` hears of an earlier send that failed."""
+    copy = outbox.free(wait_s, failed)
+    copy.copy_(back)
+    held, sends = [copy], []
+    try:
+        sends.append(pg.send([copy], src, TAG_X))
+        if text is not None:
+            data = bytearray(text())
+            held += [torch.tensor([len(data)], dtype=torch.long), torch.frombuffer(data, dtype=torch.uint8)]
+            sends += [pg.send([t], src, TAG_X) for t in held[1:]]
+    finally:
+        outbox.post(src, sends, held)
+
+
 class Outbox:
     """Model-sized messages on their way back to workers (θ, or a shard's slice of it), each from a copy of its own
     while the server goes on, at most SENDS_IN_FLIGHT at once: a send is waited for only when its copy is needed
@@ -107,8 +139,11 @@ class WireServer(ParameterServer):
     worker overlaps the next worker's commit where the algorithm's worker rule reads no θ, or runs its part that
     reads θ here (`duplex`; `at_server`)."""
 
-    def __init__(self, *args, layout=(), **kwargs):
+    def __init__(self, *args, layout=(), shards=None, **kwargs):
         super().__init__(*args, **kwargs)
+        # several servers: rank 0 serves θ's first slice (`server.theta`), and the others' servers keep their slices
+        # of the tensors kept for each worker, which a checkpoint's worker file takes whole (`on_saved`)
+        self.shards = shards
         self.early: deque = deque()  # ASKs that came before every worker was ready: all start from one θ
         self.delta = torch.empty_like(self.server.theta, device="cpu")  # Δ of the commit being applied
         # full duplex: the worker rule runs without the live θ, or its part that reads θ runs here, so θ need not go
@@ -122,7 +157,7 @@ class WireServer(ParameterServer):
         # for it, into buffers of the sizes the algorithm declares; the model's tensors, for its statistics
         self.kept: dict[int, dict[str, torch.Tensor]] = {}
         self.sent: dict[str, torch.Tensor] = {}
-        self.layout = list(layout)
+        self.layout = list(layout)  # (of rank 0's slice of θ, where θ is sharded: shards.pieces)
         if self.at_server is not None:
             made = self.server.algo.init_state(self.server.theta, self.job.hp)
             self.kept = {r: {k: made[k].clone() for k in self.at_server.keeps} for r in self.ranks}
@@ -258,33 +293,12 @@ class WireServer(ParameterServer):
         part of the rule run here made; then the commit's delta goes back instead of θ where it does not pull
         (the part's `finish`), and after it the row's metrics and per-tensor statistics, computed here while θ is
         on its way (`statistics`)."""
-        copy = self.outbox.free(self.wait_s, self.failed_back)
-        copy.copy_(returned(self.at_server if made is not None else None, made, self.server.theta))
-        held = [copy]
+        back = returned(self.at_server if made is not None else None, made, self.server.theta)
+        text = (lambda: statistics(self.server.algo, made, self.layout, self.job.hp)) if made is not None else None
         try:
-            sends = [self.pg.send([copy], src, TAG_X)]
+            post_back(self.pg, self.outbox, src, back, text, self.wait_s, self.failed_back)
         except RuntimeError as e:
             self.gone(src, e)
-            return
-        if made is not None:  # computed while θ is on its way, and sent after it
-            text = bytearray(self.statistics(made))
-            held += [torch.tensor([len(text)], dtype=torch.long), torch.frombuffer(text, dtype=torch.uint8)]
-            try:
-                sends += [self.pg.send([t], src, TAG_X) for t in held[1:]]
-            except RuntimeError as e:
-                self.gone(src, e)
-        self.outbox.post(src, sends, held)
-
-    def statistics(self, made: Commit) -> bytes:
-        """What the worker's row takes of a commit made here, as JSON [metrics, per-tensor statistics or null]: the
-        commit's metrics, then its diagnostics (GEM's π statistics and energies), in the order a worker that made the
-        commit would put them in its row. Rank 0 computes them from the tensors the rule left here (π never
-        travels); the worker builds and sends the row, as for every commit."""
-        metrics, tensors = dict(made.metrics), None
-        if self.server.algo.diagnostics is not None:
-            more, tensors = self.server.algo.diagnostics(made, self.layout, self.job.hp)
-            metrics.update(more)
-        return json.dumps([metrics, tensors or None]).encode()
 
     def failed_back(self, src: int, e: Exception) -> None:
         """θ's way back to `src` failed: it is lost, as in an exchange (one already lost: as expected)."""
@@ -298,7 +312,11 @@ class WireServer(ParameterServer):
             if not isinstance(state.get("state"), dict):
                 self.ban(src, "a saved state without its algorithm state (a dict of tensors)")
                 return
-            state["state"].update(self.kept[src])
+            kept = self.kept[src]
+            if self.shards is not None and kept:  # rank 0's slice, then each other server's
+                others = self.shards.fetch_kept(src, kept)
+                kept = {k: torch.cat([v, *(o[k] for o in others)]) for k, v in kept.items()}
+            state["state"].update(kept)
         super().on_saved(src, state)
 
     def restore(self, states: dict) -> None:
@@ -308,8 +326,8 @@ class WireServer(ParameterServer):
             return
         for r, saved in states.items():
             if r in self.kept and isinstance(saved, dict) and "state" in saved:
-                for k, v in self.kept[r].items():
-                    v.copy_(saved["state"][k])
+                for k, v in self.kept[r].items():  # (rank 0's slice, the first, where θ is sharded)
+                    v.copy_(saved["state"][k][: v.numel()])
 
     def pull(self, src: int) -> None:
         with self.lock:

@@ -7,17 +7,20 @@ with GO it sends slice 0 of its commit to rank 0 and slice k to shard k's rank (
 shard's θ slice back: full duplex on every link. A shard applies the commits it gets one at a time, in the order
 they arrive, on its own clock (τ per shard). Only rules that read neither θ nor the server's tensors and wait at no
 barrier are sharded (`refusal`): what they send a shard is its slice of Δ, of a size the shard knows, and nothing
-else; and those whose part that reads θ runs at the server keeping nothing there and making no statistics
-(`sliceable`: EASGD), which send each shard its slice of what the part takes (x) and get back their slice of the
-commit (E).
+else; and those whose part that reads θ runs at the server (`sliceable`: EASGD, GEM), which send each shard its
+slice of what the part takes (EASGD's x, GEM's gradient), and get back their slice of θ (or of the commit: EASGD's E)
+and the statistics of their commit made on that slice, which the worker adds up (`combine`). Each shard keeps its
+slice of each worker's tensors the part keeps (GEM's m and s).
 
 What rank 0 asks of a shard (`Shards`): its θ slice (an evaluation), its whole state (a checkpoint, taken at the
-checkpoint barrier, where every shard has applied the same commits), and the end. A shard that is lost ends the run:
-rank 0 keeps a receive posted from each (`Shards.watch`), which a shard answers only at its end.
+checkpoint barrier, where every shard has applied the same commits), a worker's kept tensors (the checkpoint's
+worker file), and the end. A shard that is lost ends the run: rank 0 keeps a receive posted from each
+(`Shards.watch`), which a shard answers only at its end.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -31,6 +34,7 @@ from gem.engines.distributed.headers import Headers
 from gem.engines.distributed.job import full_duplex
 from gem.engines.distributed.messages import (
     END,
+    FETCH_KEPT,
     FETCH_STATE,
     FETCH_THETA,
     PUSH,
@@ -42,7 +46,7 @@ from gem.engines.distributed.messages import (
     recv_tensors,
     wait,
 )
-from gem.engines.distributed.server_wire import Outbox, returned
+from gem.engines.distributed.server_wire import Outbox, post_back, returned, statistics
 from gem.engines.server import Server
 
 END_WAIT_S = 30.0  # a shard's wait at its end for the workers' connections to close
@@ -85,14 +89,62 @@ def refusal(algorithm: str, hp, engine) -> str | None:
 
 def sliceable(algo, hp) -> bool:
     """Whether the part of `algo`'s worker rule that reads θ runs at each shard on its slice (`Algorithm.at_server`):
-    one that keeps none of the worker's state there, makes no statistics, and takes θ-shaped tensors, which a worker
-    slices as θ is (EASGD's elastic term, on x; GEM's keeps m and s and makes π's statistics: not built,
-    docs/design.md)."""
+    one that takes θ-shaped tensors, which a worker slices as θ is, keeps θ-shaped tensors of the worker's, of which
+    each shard keeps its slice, and whose statistics say how they add up over slices (`Algorithm.over_slices`):
+    EASGD's elastic term, on x; GEM's whole rule, on the gradient, with m and s kept."""
     part = algo.at_server
-    if part is None or part.keeps or algo.diagnostics is not None:
+    if part is None or (algo.diagnostics is not None and algo.over_slices is None):
         return False
     theta = torch.zeros(3)
+    state = algo.init_state(theta, hp)
+    if any(state[k].shape != theta.shape for k in part.keeps):
+        return False
     return all(shape == [3] for _, shape in sent_spec(algo, theta, hp).values())
+
+
+def pieces(layout, lo: int, hi: int) -> list[tuple[str, slice]]:
+    """The model's tensors (`layout`: name and slice of θ's flat vector, in order) as they fall in θ[lo:hi]: each
+    piece's name and its slice within θ[lo:hi]. A tensor cut by a shard's boundary has a piece on each side."""
+    out = []
+    for name, sl in layout:
+        a, b = max(sl.start, lo), min(sl.stop, hi)
+        if a < b:
+            out.append((name, slice(a - lo, b - lo)))
+    return out
+
+
+def combine(over: dict[str, str] | None, parts: list, layout, cuts: list[tuple[int, int]]):
+    """A commit's row statistics from those each shard made on its slice (`parts`, in shard order: [metrics,
+    per-piece lists or None]), added up as the algorithm says (`Algorithm.over_slices`): (metrics, per-tensor lists
+    in layout order, or None)."""
+    sizes = [hi - lo for lo, hi in cuts]
+    metrics = {key: _add(over, key, [p[0][key] for p in parts], sizes) for key in parts[0][0]}
+    if parts[0][1] is None:
+        return metrics, None
+    where: list[list[tuple[int, int, int]]] = [[] for _ in layout]  # each tensor's pieces: (shard, index, size)
+    for k, (lo, hi) in enumerate(cuts):
+        j = 0
+        for i, (_, sl) in enumerate(layout):
+            a, b = max(sl.start, lo), min(sl.stop, hi)
+            if a < b:
+                where[i].append((k, j, b - a))
+                j += 1
+    tensors = {
+        key: [_add(over, key, [parts[k][1][key][j] for k, j, _ in w], [size for *_, size in w]) for w in where]
+        for key in parts[0][1]
+    }
+    return metrics, tensors
+
+
+def _add(over: dict[str, str] | None, key: str, values: list[float], sizes: list[int]) -> float:
+    how = (over or {}).get(key)
+    if how == "sum":
+        return math.fsum(values)
+    if how == "mean":
+        return math.fsum(v * n for v, n in zip(values, sizes, strict=True)) / sum(sizes)
+    if how == "median":  # exact where one slice holds every element; two slices' medians do not make one
+        return float(values[0]) if len(values) == 1 else math.nan
+    raise ValueError(f"the statistic {key!r} does not say how it adds up over θ's slices (Algorithm.over_slices)")
 
 
 def _first_line(e: Exception) -> str:
@@ -128,6 +180,17 @@ class ShardServer:
         self.sent = sent_buffers(algo, theta, job.hp)  # ({} for a rule that runs whole at the worker)
         self.outbox = Outbox(theta)  # θ slices on their way back to workers
         self.workers = list(range(1, n + 1))
+        # this slice of each worker's tensors the part keeps here (GEM's m and s), made as the worker would make them
+        # from θ₀, or as the checkpoint's worker files hold them (rank 0 sends them sliced); the model's tensors as
+        # they fall in this slice, for the part's statistics
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
+        if self.at_server is not None and self.at_server.keeps:
+            made, kept = algo.init_state(theta, job.hp), saved.get("kept") or {}
+            for r in self.workers:
+                self.kept[r] = {k: made[k].clone() for k in self.at_server.keeps}
+                for k, v in (kept.get(str(r)) or {}).items():
+                    self.kept[r][k].copy_(v)
+        self.layout = [(str(i), slice(a, b)) for i, (a, b) in enumerate(saved["pieces"].tolist())]
         self.commits = self.staleness = 0  # commits applied here, and their τ summed (rank 0 hears at the end)
         self.busy_s = 0.0  # seconds from a PUSH header to its θ slice on its way back (the shard's server_busy)
         self.started = time.monotonic()
@@ -149,7 +212,7 @@ class ShardServer:
                         word = torch.tensor([END, self.commits, self.staleness, *spans], dtype=torch.long)
                         wait(self.pg.send([word], 0, TAG_ALIVE), 60)
                         return
-                    self.answer(kind)
+                    self.answer(kind, int(header[1]))
                     headers.next(0)
                 elif kind == PUSH:
                     if self.apply(src):
@@ -175,14 +238,19 @@ class ShardServer:
             return False
         server = self.server
         view = server.view(src - 1)
-        commit = part.rule({}, self.sent, view, self.job.hp) if part is not None else Commit(delta=self.delta)
+        if part is not None:
+            commit = part.rule(self.kept.get(src, {}), self.sent, view, self.job.hp)
+        else:
+            commit = Commit(delta=self.delta)
         server.apply(view, commit)
         self.commits, self.staleness = self.commits + 1, self.staleness + view.staleness
-        # a send back that failed is that worker's loss alone: rank 0 records it
-        copy = self.outbox.free(self.wait_s, lambda rank, e: None)
-        copy.copy_(returned(part, commit, server.theta))
+        # a send back that failed is that worker's loss alone: rank 0 records it; after θ's slice, the statistics of
+        # the commit made here, on this slice
+        text = (lambda: statistics(server.algo, commit, self.layout, self.job.hp)) if part is not None else None
         try:
-            self.outbox.post(src, [self.pg.send([copy], src, TAG_X)], [copy])
+            post_back(
+                self.pg, self.outbox, src, returned(part, commit, server.theta), text, self.wait_s, lambda rank, e: None
+            )
         except RuntimeError:
             return False
         self.busy_s += time.monotonic() - began
@@ -192,8 +260,12 @@ class ShardServer:
     def wait_s(self) -> float:
         return 2 * self.job.engine.timeout_s + 10
 
-    def answer(self, kind: int) -> None:
-        if kind == FETCH_THETA:
+    def answer(self, kind: int, arg: int) -> None:
+        if kind == FETCH_KEPT:  # worker rank `arg`'s tensors kept here, for its checkpoint's file
+            works = [self.pg.send([t], 0, TAG_SHARD) for t in self.kept.get(arg, {}).values()]
+            for w in works:
+                wait(w, self.wait_s)
+        elif kind == FETCH_THETA:
             wait(self.pg.send([self.server.theta], 0, TAG_SHARD), self.wait_s)
         elif kind == FETCH_STATE:
             _, tensors = pack(self.server.state_dict())
@@ -267,21 +339,38 @@ class Shards:
             spec, _ = pack(Server.create(algo, job.hp, torch.zeros(hi - lo), n).state_dict())
             self.specs.append(spec)
 
-    def initial(self, theta: torch.Tensor, saved: list[dict] | None) -> dict[int, dict]:
-        """What each shard's rank gets after its job: its slice of θ₀, or its state from the checkpoint."""
+    def initial(self, theta: torch.Tensor, saved: list[dict] | None, layout, workers: dict) -> dict[int, dict]:
+        """What each shard's rank gets after its job: its slice of θ₀, or its state from the checkpoint; the model's
+        tensors as they fall in its slice; and where the part of the rule run there keeps tensors of each worker's,
+        their slices from the workers' saved states (`workers`, by rank: a resumed run's)."""
+        keeps = self.keeps
         out = {}
         for k, r in enumerate(self.ranks, 1):
             lo, hi = self.slices[k]
             state = dict(saved[k]) if saved else {"theta": theta[lo:hi].clone()}
-            out[r] = {**state, "numel": theta.numel()}
+            cut = [[sl.start, sl.stop] for _, sl in pieces(layout, lo, hi)]
+            state = {**state, "numel": theta.numel(), "pieces": torch.tensor(cut, dtype=torch.long)}
+            kept = {
+                str(w): {name: s["state"][name][lo:hi].clone() for name in keeps}
+                for w, s in workers.items()
+                if keeps and isinstance(s, dict) and isinstance(s.get("state"), dict)
+            }
+            out[r] = {**state, "kept": kept} if kept else state
         return out
 
-    def _ask(self, kind: int) -> None:
+    @property
+    def keeps(self) -> tuple[str, ...]:
+        """The names of the worker's tensors each shard keeps its slice of (the part of the rule run there)."""
+        duplex = full_duplex(self.job)
+        part = duplex.at_server if duplex is not None else None
+        return part.keeps if part is not None else ()
+
+    def _ask(self, kind: int, arg: int = 0) -> None:
         for k, r in enumerate(self.ranks, 1):
             self._from(
                 k,
                 lambda r=r: wait(
-                    self.pg.send([torch.tensor([kind, 0, 0, 0], dtype=torch.long)], r, TAG_ASK), self.wait_s
+                    self.pg.send([torch.tensor([kind, arg, 0, 0], dtype=torch.long)], r, TAG_ASK), self.wait_s
                 ),
             )
 
@@ -295,6 +384,18 @@ class Shards:
             self._ask(FETCH_THETA)
             for k, (r, (lo, hi)) in enumerate(zip(self.ranks, self.slices[1:], strict=True), 1):
                 self._from(k, lambda r=r, lo=lo, hi=hi: wait(self.pg.recv([theta[lo:hi]], r, TAG_SHARD), self.wait_s))
+
+    def fetch_kept(self, rank: int, like: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Each shard's slice of worker `rank`'s tensors kept there, named and ordered as `like` (rank 0's own)."""
+        with self.lock:
+            self._ask(FETCH_KEPT, rank)
+            out = []
+            for k, (r, (lo, hi)) in enumerate(zip(self.ranks, self.slices[1:], strict=True), 1):
+                got = {name: torch.empty(hi - lo, dtype=t.dtype) for name, t in like.items()}
+                for t in got.values():
+                    self._from(k, lambda r=r, t=t: wait(self.pg.recv([t], r, TAG_SHARD), self.wait_s))
+                out.append(got)
+            return out
 
     def fetch_states(self) -> list[dict]:
         """Each shard's whole state (θ slice, server tensors, clock, pull times), of the shapes rank 0 expects."""
