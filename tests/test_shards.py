@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from helpers.engines import Killed
 from helpers.procs import workers_of
 
@@ -18,7 +19,7 @@ from gem import algorithms
 from gem.data import make_synthetic
 from gem.engines import Job, checkpoint, distributed
 from gem.engines.distributed import launch
-from gem.engines.distributed.shards import combine, pieces, refusal, shard_ranks, slices
+from gem.engines.distributed.shards import Sharded, combine, pieces, refusal, shard_ranks, slices
 from gem.engines.options import DistributedOptions
 from gem.metrics import Recorder, read_table
 
@@ -66,6 +67,9 @@ def test_theta_is_cut_into_contiguous_slices_of_about_equal_size():
         sizes = [hi - lo for lo, hi in cuts]
         assert max(sizes) - min(sizes) <= servers  # about equal
     assert shard_ranks(4, 3) == [0, 5, 6]  # rank 0, then the ranks after the 4 workers
+    algo = algorithms.get("downpour")
+    with pytest.raises(ValueError, match=r"^engine.servers=3 is not allowed for a model of 4 parameters, which leaves"):
+        Sharded(algo, algo.Params(), torch.zeros(4), 1, 3)  # slices of 2, 2 and 0
 
 
 def test_only_full_duplex_rules_without_barriers_are_sharded_and_the_others_are_refused_in_one_line():

@@ -48,7 +48,7 @@ from gem.engines.distributed.messages import (
     recv_tensors,
     wait,
 )
-from gem.engines.distributed.server import ParameterServer, Standing, StepsLost, all_started
+from gem.engines.distributed.server import Fatal, ParameterServer, Standing, StepsLost, all_started
 
 # θ on its way back to workers at once, at most (each from a copy of its own, since θ changes meanwhile): two keep
 # the way out busy, one finishing while the next starts; a third would wait for the first, which the commit
@@ -84,15 +84,19 @@ def post_back(pg, outbox: Outbox, src: int, back: torch.Tensor, text, wait_s: fl
     RuntimeError (the worker's loss alone); `failed(rank, error)` hears of an earlier send that failed."""
     copy = outbox.free(wait_s, failed)
     copy.copy_(back)
-    held, sends = [copy], []
+    sends = []
     try:
         sends.append(pg.send([copy], src, TAG_X))
-        if text is not None:
-            data = bytearray(text())
-            held += [torch.tensor([len(data)], dtype=torch.long), torch.frombuffer(data, dtype=torch.uint8)]
-            sends += [pg.send([t], src, TAG_X) for t in held[1:]]
     finally:
-        outbox.post(src, sends, held)
+        outbox.post(src, sends, [copy])
+    if text is not None:
+        data = bytearray(text())
+        trailing = [torch.tensor([len(data)], dtype=torch.long), torch.frombuffer(data, dtype=torch.uint8)]
+        sends = []
+        try:
+            sends += [pg.send([t], src, TAG_X) for t in trailing]
+        finally:
+            outbox.trail(sends, trailing)
 
 
 class Outbox:
@@ -104,6 +108,11 @@ class Outbox:
     def __init__(self, like: torch.Tensor):
         self.like = like
         self.sending: deque = deque()  # (rank, its sends, the tensors they read), oldest first
+        # the small messages after them (a commit's statistics), which nothing waits for until the end: a worker on
+        # several servers takes them only once every server has sent its slice, and a server that waited for them
+        # before its next commit could wait on another that waits for it (two servers that took the same commits
+        # in different orders)
+        self.trailing: list[tuple[list, list]] = []
 
     def free(self, wait_s: float, failed) -> torch.Tensor:
         """A copy no send reads any more: a new one while fewer than SENDS_IN_FLIGHT are on their way, else the
@@ -123,15 +132,22 @@ class Outbox:
     def post(self, src: int, sends: list, held: list) -> None:
         self.sending.append((src, sends, held))
 
+    def trail(self, sends: list, held: list) -> None:
+        """Small sends after a post, held until they have gone (those that have are let go of here)."""
+        self.trailing = [(w, h) for w, h in self.trailing if not all(x.is_completed() for x in w)]
+        self.trailing.append((sends, held))
+
     def flush(self, wait_s: float) -> None:
         """Wait for every send on its way (the server's end); a failed one is its worker's loss, already known."""
-        while self.sending:
-            _, sends, _ = self.sending.popleft()
+        pending = [sends for _, sends, _ in self.sending] + [sends for sends, _ in self.trailing]
+        for sends in pending:
             for work in sends:
                 try:
                     wait(work, wait_s)
                 except RuntimeError:
                     pass
+        self.sending.clear()
+        self.trailing.clear()
 
 
 class WireServer(ParameterServer):
@@ -314,7 +330,11 @@ class WireServer(ParameterServer):
                 return
             kept = self.kept[src]
             if self.shards is not None and kept:  # rank 0's slice, then each other server's
-                others = self.shards.fetch_kept(src, kept)
+                try:
+                    others = self.shards.fetch_kept(src, kept)
+                except RuntimeError as e:  # a server lost: the run ends (this checkpoint is not finished)
+                    self.events.put(Fatal(str(e)))
+                    return
                 kept = {k: torch.cat([v, *(o[k] for o in others)]) for k, v in kept.items()}
             state["state"].update(kept)
         super().on_saved(src, state)

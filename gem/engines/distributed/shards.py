@@ -284,6 +284,11 @@ class Sharded(Server):
     and each shard's state under `shards`."""
 
     def __init__(self, algo, hp, theta: torch.Tensor, workers: int, servers: int):
+        if any(lo == hi for lo, hi in slices(theta.numel(), servers)):  # (a toy model: a slice for every server)
+            raise ValueError(
+                f"engine.servers={servers} is not allowed for a model of {theta.numel()} parameters, which leaves a "
+                "server without a slice of θ; use fewer servers"
+            )
         lo, hi = slices(theta.numel(), servers)[0]
         self.local = Server.create(algo, hp, theta[lo:hi], workers)  # a view: rank 0's commits land in θ
         super().__init__(algo, hp, theta, {}, self.local.clock, self.local.pulled_at)
