@@ -441,7 +441,11 @@ def profile_png(runs: pd.DataFrame, hit: pd.DataFrame) -> tuple[bytes | None, st
     clocks = sorted(set(methods["clock"].dropna()))
     names = sorted(prof["method"].unique(), key=lambda v: (plots.algorithm_order(str(v).split(" ")[0]), str(v)))
     with plt.rc_context(STYLE):
-        fig, ax = plt.subplots(figsize=(10.0, 4.6), layout="constrained")  # wider: the legend goes beside
+        # wider: the legend goes beside, in as many columns as it needs (target.legend_columns), and the figure as
+        # tall as the longest column of names
+        cols = target.legend_columns(len(names))
+        rows = -(-len(names) // cols)
+        fig, ax = plt.subplots(figsize=(10.0 + 3.6 * (cols - 1), max(4.6, 0.19 * rows + 1.0)), layout="constrained")
         k = int(prof["workloads"].max())
         target.profile_figure(
             prof,

@@ -311,6 +311,28 @@ def test_the_performance_profile_is_the_share_of_workloads_within_tau_of_the_fas
     assert dropped == ["n = 50"] and set(prof["workloads"]) == {3}
 
 
+def test_a_profile_of_many_methods_keeps_each_line_at_its_value_and_its_legend_on_the_figure():
+    """27 methods tied at ρ = 1 (the twelve methods' variants at two n): each line is nudged apart by a hair, all
+    within 0.015 of 1 (a nudge that grew with the count drew the best method at 0.95), and the legend takes two
+    columns rather than running off the figure's foot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [f"m{i:02d}" for i in range(27)]
+    methods = pd.DataFrame({"workers": [5] * 27, "method": names, "time": [10.0] * 27})
+    prof, _ = target.profile(methods, at=[1.0, 2.0, 4.0])
+    fig, ax = plt.subplots()
+    try:
+        target.profile_figure(prof, ax)
+        ys = np.concatenate([line.get_ydata() for line in ax.get_lines()])
+        assert len(ax.get_lines()) == 27 and np.all(np.abs(ys - 1.0) <= 0.015) and len(set(ys.round(6))) == 27
+        assert ax.get_legend()._ncols == 2 and target.legend_columns(16) == 1
+    finally:
+        plt.close(fig)
+
+
 def test_the_report_sets_its_targets_per_setting_and_says_where_none_was_announced(tmp_path, sweep):
     """gem at κ = 1 (0.10, 0.11) and κ = 4 (1.0, 1.1) are two methods: κ = 1 sets the target, not a pool of both
     (whose median, 1.0, would let downpour's 0.30 set it)."""
