@@ -30,10 +30,3 @@ def _no_wandb_network(monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-
-
-def pytest_collection_modifyitems(config, items):
-    """The slow tests first (in their order), then the others. pytest-xdist hands the test processes their work in
-    this order (groups of tests first, `--dist loadgroup`), so a test of a minute that came last in the files'
-    order (tests/test_slurm.py) ran while the other processes had nothing left to do."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
