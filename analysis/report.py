@@ -1,6 +1,6 @@
 """The report of one or more sweeps: every algorithm × n, as a page, a tidy CSV or a LaTeX table.
 
-    python -m analysis.report <sweep>... --out report.html [--target 0.08 | --target-from <tuning sweep>]
+    python -m analysis.report <sweep>... --out report.html [--target 0.08 | --target-from <tuning sweep>...]
 
 `--out` picks the format by its suffix: `.html` (one self-contained page, the figures embedded), `.md` (the figures
 beside it as `<name>.png` and `<name>_profile.png`), `.csv` (the table's numbers, one row per table row) or `.tex`
@@ -19,7 +19,8 @@ sentence and lists each under "Runs left out of the means". The staleness model 
 
 Time to the target (`analysis.target`): the validation loss that the best method reaches, per workload (data,
 engine, staleness model, n), AlgoPerf's rule. `--target-from` reads targets announced before (the `targets.csv` that
-`python -m analysis.tune` writes from a tuning sweep); `--target` gives one for every workload; without either, the
+`python -m analysis.tune` writes from a tuning sweep; several, one per n, are put together); `--target` gives one
+for every workload; without either, the
 targets are set from the very runs of the report, and the report says they were not announced in advance. For each
 row: the median over its runs that ended (completed or diverged: a failed or killed run might have got there) of
 the worker steps and of the engine's own time to the target (wall-clock seconds on process and distributed, the
@@ -130,9 +131,10 @@ def targets_for(
         return float(given), f"the validation loss {given:g}, given on the command line"
     if source is not None:
         t = target.read_targets(source)
+        sources = source if isinstance(source, (list, tuple)) else [source]
         return t, (
-            f"announced before these runs: {Path(source)} (per workload, the best tuned method's median final "
-            "validation loss, AlgoPerf's rule)"
+            f"announced before these runs: {', '.join(str(Path(s)) for s in sources)} (per workload, the best tuned "
+            "method's median final validation loss, AlgoPerf's rule)"
         )
     t = target.announce(runs.assign(variant=variants(runs)[0]))  # per variant: κ = 1 and κ = 4 are two methods
     return t, (
@@ -512,7 +514,8 @@ def title(runs: pd.DataFrame, paths) -> str:
 def command(paths, out: Path, given: float | None, source) -> str:
     """The command line that writes this report."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
-    extra = (f" --target {given:g}" if given is not None else "") + (f" --target-from {source}" if source else "")
+    sources = " ".join(map(str, source)) if isinstance(source, (list, tuple)) else source
+    extra = (f" --target {given:g}" if given is not None else "") + (f" --target-from {sources}" if source else "")
     return f"python -m analysis.report {' '.join(map(str, paths))} --out {out}{extra}"
 
 
@@ -688,8 +691,10 @@ def main(argv=None) -> int:
     group.add_argument(
         "--target-from",
         metavar="SWEEP_OR_CSV",
+        nargs="+",
         help="targets announced before: a tuning sweep (its targets.csv, written by analysis.tune) "
-        "or the file itself; default: set from these runs, and said so",
+        "or the file itself, or several (one tuning sweep per n, say: give them after the sweeps); default: set "
+        "from these runs, and said so",
     )
     p.add_argument(
         "--band",

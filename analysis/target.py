@@ -292,9 +292,22 @@ def legend_columns(methods: int) -> int:
     return 1 if methods <= 16 else 2
 
 
-def read_targets(path: str | Path) -> pd.DataFrame:
+def read_targets(path) -> pd.DataFrame:
     """Targets announced earlier: a CSV that `announce` wrote (`targets.csv`: the workload's columns and
-    `target`), or a sweep folder holding one."""
+    `target`), or a sweep folder holding one; or several of them (a list: the tuning sweeps of n = 5, 10 and 30,
+    say), whose workloads are put together, a workload announced twice with two targets refused in one line."""
+    if isinstance(path, (list, tuple)):
+        if len(path) == 1:
+            return read_targets(path[0])
+        parts = [read_targets(p).assign(_from=str(p)) for p in path]
+        t = pd.concat(parts, ignore_index=True)
+        keys = [k for k in WORKLOAD if k in t.columns]
+        for key, g in t.groupby(keys, dropna=False) if keys else []:
+            if g["target"].nunique() > 1:
+                said = " and ".join(f"{v:g} ({f})" for v, f in zip(g["target"], g["_from"], strict=True))
+                where = describe_workload(dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True)))
+                raise ValueError(f"--target-from: the workload {where} has two announced targets, {said}")
+        return t.drop(columns="_from").drop_duplicates(keys + ["target"] if keys else ["target"], ignore_index=True)
     p = Path(path)
     if p.is_dir():
         p = p / "targets.csv"

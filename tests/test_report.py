@@ -349,6 +349,38 @@ def test_the_report_sets_its_targets_per_setting_and_says_where_none_was_announc
     assert t.loc["gem", "time to target"] == "n/a (no target announced for this workload)"
 
 
+def test_targets_announced_by_several_tuning_sweeps_are_put_together(tmp_path, capsys):
+    """`--target-from` with one tuning sweep per n: their workloads together; the same workload announced twice
+    with two targets is refused in one line naming both."""
+    head = "data,engine,staleness_model,workers,target,set_by,from_runs\n"
+    for name, rows in {
+        "n5": "mnist,sim,gamma (CV 0.25),5,0.0628,gem,18\n",
+        "n10": "mnist,sim,gamma (CV 0.25),10,0.0575,gem,18\n",
+        "n10again": "mnist,sim,gamma (CV 0.25),10,0.0518,gem,18\n",
+    }.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "targets.csv").write_text(head + rows)
+    t = target.read_targets([tmp_path / "n5", tmp_path / "n10", tmp_path / "n10" / "targets.csv"])
+    assert t.sort_values("workers")[["workers", "target"]].values.tolist() == [[5, 0.0628], [10, 0.0575]]
+    with pytest.raises(ValueError, match=r"^--target-from: the workload .*n = 10.* has two announced targets, 0.0575"):
+        target.read_targets([tmp_path / "n10", tmp_path / "n10again"])
+    _run(tmp_path / "runs" / "g0", "gem", 10, 0, loss=0.1, accuracy=0.9)
+    out = tmp_path / "r.md"
+    argv = [
+        str(tmp_path / "runs"),
+        "--out",
+        str(out),
+        "--target-from",
+        str(tmp_path / "n10"),
+        str(tmp_path / "n10again"),
+    ]
+    assert report.main(argv) == 2 and not out.exists()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --target-from: the workload") and "0.0518" in line
+    assert report.main([*argv[:-1], str(tmp_path / "n5")]) == 0 and out.is_file()
+    assert "announced before these runs: " + str(tmp_path / "n10") in out.read_text()
+
+
 def test_a_folder_without_runs_is_named_as_typed(tmp_path, capsys):
     """The report said `no runs found under ['<folder>']`, a Python list; it names the folders as typed, and what
     it looked for."""
