@@ -223,6 +223,33 @@ def test_a_lost_server_ends_the_run_failed_naming_it_and_its_checkpoint_resumes(
     assert m["step"].tolist() == list(range(1, len(m) + 1))
 
 
+def test_a_server_keeps_the_statistics_it_sent_each_worker_until_that_worker_s_next_commit_only():
+    """The small sends after θ (a commit's statistics) are not waited for before the server's next commit, which
+    could wait on another server, but at the same worker's next commit, which comes after the worker took them: one
+    entry per worker however many commits (a gloo send says it has completed only once waited for, so a list that
+    let go of completed ones grew by one entry a commit)."""
+    from gem.engines.distributed.server_wire import Outbox
+
+    class Send:
+        def __init__(self):
+            self.waited = False
+
+        def wait(self, timeout):
+            self.waited = True
+
+    outbox, sent = Outbox(torch.zeros(3)), []
+    for commit in range(100):
+        src = 1 + commit % 3
+        sends = [Send(), Send()]
+        outbox.trail(src, sends, [torch.zeros(1)], 1.0)
+        sent.append(sends)
+    assert sorted(outbox.trailing) == [1, 2, 3]
+    assert all(s.waited for sends in sent[:-3] for s in sends)  # each at its worker's next commit
+    assert not any(s.waited for sends in sent[-3:] for s in sends)
+    outbox.flush(1.0)  # the server's end: the last ones too
+    assert all(s.waited for sends in sent for s in sends) and not outbox.trailing
+
+
 def test_statistics_made_on_slices_add_up_as_the_algorithm_says():
     """A tensor cut by a shard's boundary has a piece on each side; a sum adds, a mean is weighted by the pieces'
     sizes, and a median is kept where one piece holds the tensor and NaN where it spans two."""

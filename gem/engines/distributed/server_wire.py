@@ -96,7 +96,7 @@ def post_back(pg, outbox: Outbox, src: int, back: torch.Tensor, text, wait_s: fl
         try:
             sends += [pg.send([t], src, TAG_X) for t in trailing]
         finally:
-            outbox.trail(sends, trailing)
+            outbox.trail(src, sends, trailing, wait_s)
 
 
 class Outbox:
@@ -108,11 +108,13 @@ class Outbox:
     def __init__(self, like: torch.Tensor):
         self.like = like
         self.sending: deque = deque()  # (rank, its sends, the tensors they read), oldest first
-        # the small messages after them (a commit's statistics), which nothing waits for until the end: a worker on
-        # several servers takes them only once every server has sent its slice, and a server that waited for them
-        # before its next commit could wait on another that waits for it (two servers that took the same commits
-        # in different orders)
-        self.trailing: list[tuple[list, list]] = []
+        # the small messages after them (a commit's statistics), by worker rank: the last ones to each worker, which
+        # the server waits for only at that worker's next commit. A worker on several servers takes them only once
+        # every server has sent its slice, so a server that waited for them before its next commit (anyone's) could
+        # wait on another that waits for it (two servers that took the same commits in different orders); by the
+        # worker's next commit, it has taken them (it does before it sends again). One entry per worker: a gloo
+        # send says it has completed only once waited for, so they cannot be let go of as they arrive
+        self.trailing: dict[int, tuple[list, list]] = {}
 
     def free(self, wait_s: float, failed) -> torch.Tensor:
         """A copy no send reads any more: a new one while fewer than SENDS_IN_FLIGHT are on their way, else the
@@ -132,14 +134,19 @@ class Outbox:
     def post(self, src: int, sends: list, held: list) -> None:
         self.sending.append((src, sends, held))
 
-    def trail(self, sends: list, held: list) -> None:
-        """Small sends after a post, held until they have gone (those that have are let go of here)."""
-        self.trailing = [(w, h) for w, h in self.trailing if not all(x.is_completed() for x in w)]
-        self.trailing.append((sends, held))
+    def trail(self, src: int, sends: list, held: list, wait_s: float) -> None:
+        """Small sends to `src` after a post, held until its next ones: the previous ones, which `src` has taken
+        by now, are waited for here (one that failed is that worker's loss, known already)."""
+        for work in self.trailing.pop(src, ([], []))[0]:
+            try:
+                wait(work, wait_s)
+            except RuntimeError:
+                pass
+        self.trailing[src] = (sends, held)
 
     def flush(self, wait_s: float) -> None:
         """Wait for every send on its way (the server's end); a failed one is its worker's loss, already known."""
-        pending = [sends for _, sends, _ in self.sending] + [sends for sends, _ in self.trailing]
+        pending = [sends for _, sends, _ in self.sending] + [sends for sends, _ in self.trailing.values()]
         for sends in pending:
             for work in sends:
                 try:
