@@ -299,20 +299,29 @@ def read_targets(path) -> pd.DataFrame:
     if isinstance(path, (list, tuple)):
         if len(path) == 1:
             return read_targets(path[0])
+        if not path:
+            raise ValueError("--target-from needs a tuning sweep or its targets.csv")
         parts = [read_targets(p).assign(_from=str(p)) for p in path]
+        columns = [[k for k in WORKLOAD if k in t.columns] for t in parts]
+        if any(c != columns[0] for c in columns):  # a workload described two ways would match no run or two
+            said = "; ".join(f"{p}: {', '.join(c) or 'none'}" for p, c in zip(path, columns, strict=True))
+            raise ValueError(f"--target-from: the files describe their workloads by different columns ({said})")
         t = pd.concat(parts, ignore_index=True)
-        keys = [k for k in WORKLOAD if k in t.columns]
-        for key, g in t.groupby(keys, dropna=False) if keys else []:
-            if g["target"].nunique() > 1:
-                said = " and ".join(f"{v:g} ({f})" for v, f in zip(g["target"], g["_from"], strict=True))
+        keys = columns[0]
+        for key, g in t.groupby(keys, dropna=False) if keys else [((), t)]:
+            if g["target"].nunique(dropna=False) > 1:
+                said = " and ".join(f"{v:.10g} ({f})" for v, f in zip(g["target"], g["_from"], strict=True))
                 where = describe_workload(dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True)))
-                raise ValueError(f"--target-from: the workload {where} has two announced targets, {said}")
+                raise ValueError(f"--target-from: the workload {where} has different announced targets, {said}")
         return t.drop(columns="_from").drop_duplicates(keys + ["target"] if keys else ["target"], ignore_index=True)
     p = Path(path)
     if p.is_dir():
         p = p / "targets.csv"
     if not p.is_file():
-        raise FileNotFoundError(f"{path}: no targets.csv (python -m analysis.tune <tuning sweep> writes one)")
+        raise FileNotFoundError(
+            f"{path}: no targets.csv (python -m analysis.tune <tuning sweep> writes one; the sweeps to report go "
+            "before --target-from)"
+        )
     t = pd.read_csv(p)
     if "target" not in t.columns:
         raise ValueError(f"{p} has no target column; it is not a file of announced targets")

@@ -84,7 +84,9 @@ def main(argv=None) -> int:
     group.add_argument(
         "--target-from",
         metavar="SWEEP_OR_CSV",
-        help="baselines report: targets announced before (a tuning sweep's targets.csv)",
+        nargs="+",
+        help="baselines report: targets announced before (a tuning sweep's targets.csv, or several: one per n; "
+        "give them after the sweeps)",
     )
     p.add_argument(
         "--band",

@@ -285,9 +285,10 @@ class Sharded(Server):
 
     def __init__(self, algo, hp, theta: torch.Tensor, workers: int, servers: int):
         if any(lo == hi for lo, hi in slices(theta.numel(), servers)):  # (a toy model: a slice for every server)
+            fits = [s for s in range(1, servers) if all(lo < hi for lo, hi in slices(theta.numel(), s))]
             raise ValueError(
                 f"engine.servers={servers} is not allowed for a model of {theta.numel()} parameters, which leaves a "
-                "server without a slice of θ; use fewer servers"
+                f"server without a slice of θ; engine.servers={fits[-1]} gives each one"
             )
         lo, hi = slices(theta.numel(), servers)[0]
         self.local = Server.create(algo, hp, theta[lo:hi], workers)  # a view: rank 0's commits land in θ
