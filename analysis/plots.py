@@ -441,6 +441,10 @@ def final_loss(
     agg = pd.DataFrame(rows, columns=[hue, x, "min", "mean", "lo", "hi", "count"])
     palette = palette or colours(sorted(agg[hue].unique()))
     log_y(ax)
+    ys = agg[["mean", "lo", "hi"]].to_numpy(dtype=float)
+    ys = ys[np.isfinite(ys) & (ys > 0)]
+    if len(ys) and ys.min() == ys.max():  # one point, no spread (one run): a decade around it, set before the
+        ax.set_ylim(ys.min() / 3, ys.max() * 3)  # point is drawn (autoscaling to it warned of an empty range)
     bottom = floor(agg["min"])  # a t interval reaching 0 or below is cut at the lowest seed in the panel
     for v in [v for v in palette if v in set(agg[hue])]:  # the palette's order, as in the curves' legends
         g = agg[agg[hue] == v]

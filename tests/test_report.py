@@ -351,6 +351,30 @@ def test_the_report_sets_its_targets_per_setting_and_says_where_none_was_announc
     assert t.loc["gem", "time to target"] == "n/a (no target announced for this workload)"
 
 
+def test_a_final_loss_panel_of_one_run_has_a_range_around_its_point():
+    """One run (one n, one seed): no spread, and the panel spans a decade around its point instead of an empty
+    range, which matplotlib warned of and widened on its own."""
+    import warnings
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from analysis import plots
+
+    runs = pd.DataFrame({"workers": [10], "algorithm": ["gem"], "final_train_loss": [0.1], "status": ["completed"]})
+    fig, ax = plt.subplots()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            plots.final_loss(runs, ax, x="workers", hue="algorithm")
+            fig.canvas.draw()
+        assert ax.get_ylim() == pytest.approx((0.1 / 3, 0.3))
+    finally:
+        plt.close(fig)
+
+
 def test_targets_announced_by_several_tuning_sweeps_are_put_together(tmp_path, capsys):
     """`--target-from` with one tuning sweep per n: their workloads together; the same workload announced twice
     with two targets is refused in one line naming both."""
