@@ -101,7 +101,7 @@ def _commit_cost(job, model) -> float:
     x = theta.clone()
     state = algo.init_state(x, job.hp)
     grad = torch.randn_like(theta) * 1e-3
-    layout = list(zip(model.tensor_names, model.slices, strict=True))
+    layout = model.layout
 
     def one():
         if algo.prepare is not None:

@@ -237,6 +237,12 @@ class FlatModel:
         ]
 
     @property
+    def layout(self) -> list[tuple[str, slice]]:
+        """Each parameter tensor's name and its slice of the flat vector, in order (what per-tensor statistics
+        read)."""
+        return list(zip(self.tensor_names, self.slices, strict=True))
+
+    @property
     def numel(self) -> int:
         return self.param.numel()
 

@@ -280,7 +280,7 @@ class Worker:
         self.device = device_of(job, w)
         self.model = model if model is not None else build_flat_model(job, self.device)
         self.x = self.model.param if x is None else x
-        self.layout = list(zip(self.model.tensor_names, self.model.slices, strict=True))
+        self.layout = self.model.layout
         self.state = algo.init_state(self.x, self.hp)
         self.data = job.data
         self.stream = WorkerStream(len(self.data.train_y), job.batch_size, job.seed, w)

@@ -202,7 +202,7 @@ def run(job: Job, recorder) -> Result:
         states = {r: saved.get(r - 1, DONE if resumed else None) for r in range(1, n + 1)}
         if sharded is not None:  # each other shard's rank: its slice of θ₀, or its state from the checkpoint
             sharded.shards = Shards(pg, job, theta.numel())
-            states.update(sharded.shards.initial(theta, sharded.saved, coord.layout, states))
+            states.update(sharded.shards.initial(theta, sharded.saved, coord.evaluate.model.layout, states))
         result = _serve(coord, pg, secret, encoded, states, children, store, window, turn)
         ended = True
         return result
@@ -327,12 +327,6 @@ class _Coordinator(Coordinator):
         self.placement: Placement | None = None  # where θ lives (`run` decides it)
         self.shards: Shards | None = None  # the other shards' servers, where θ is sharded (shards.py)
 
-    @property
-    def layout(self) -> list:
-        """The model's tensors, each its name and its slice of θ's flat vector."""
-        model = self.evaluate.model
-        return list(zip(model.tensor_names, model.slices, strict=True))
-
     def attach(
         self,
         pg,
@@ -348,7 +342,7 @@ class _Coordinator(Coordinator):
         needs of it)."""
         ranks = [w + 1 for w in range(self.job.workers)]
         job, server = self.job, self.server
-        layout = self.layout  # the model's tensors: a rule run at the server computes its per-tensor statistics there
+        layout = self.evaluate.model.layout  # a rule run at the server makes its per-tensor statistics
         if isinstance(server, Sharded):  # rank 0 serves shard 0's slice; a shard lost ends the run
             server, self.shards = server.local, server.shards
             self.shards.watch(lambda why: self.events.put(Fatal(why)))
