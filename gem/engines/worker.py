@@ -148,6 +148,7 @@ def worker_context(job=None):
     The forkserver's imports are fixed when it starts (with this process's first run): torchvision is among them
     when that run's model uses it (`uses_torchvision`)."""
     import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
 
     import torch.multiprocessing as tmp
 
@@ -155,18 +156,21 @@ def worker_context(job=None):
         return tmp.get_context("spawn")
     ctx = tmp.get_context("forkserver")
     ctx.set_forkserver_preload(["gem.engines.preload"] + (["torchvision"] if job and uses_torchvision(job) else []))
-    # started here with Ctrl-C ignored, which it inherits: a terminal's Ctrl-C reaches the whole process group, and
-    # the forkserver, which ignores it only once it has imported torch (seconds), died of it with a traceback under
-    # the coordinator's own lines. Ctrl-C is the coordinator's to act on (interrupts_held); one that comes in the
-    # milliseconds this takes is lost. A forkserver running already is kept
-    old = signal.getsignal(signal.SIGINT) if _main_thread() else None  # (None: a handler Python did not set)
-    if old is not None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # started here with Ctrl-C blocked, which it inherits (a blocked signal stays blocked across fork and exec): a
+    # terminal's Ctrl-C reaches the whole process group, and the forkserver, which ignores it only once it has
+    # imported torch (seconds), died of it with a traceback under the coordinator's own lines. There it waits,
+    # pending, until the forkserver ignores it, which discards it; here, until the block ends, and then the
+    # coordinator acts on it (interrupts_held). Ignoring it here instead, as before, lost a Ctrl-C that came while
+    # the forkserver started: the run went on (seen on a loaded machine). multiprocessing's resource tracker, which
+    # the forkserver needs, starts first: it blocks Ctrl-C for its own start the same way, but unblocks it after
+    # (Python 3.11), which would end this block early. A forkserver running already is kept
+    multiprocessing.resource_tracker.ensure_running()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") else None
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        if old is not None:
-            signal.signal(signal.SIGINT, old)
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return ctx
 
 
@@ -208,6 +212,8 @@ def setup_process(threads: int, ignore_sigint: bool = True) -> None:
     terminal's Ctrl-C reaches the whole process group; the coordinator stops its workers itself)."""
     if ignore_sigint:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # a worker forked from the forkserver inherits its blocked Ctrl-C
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     torch.set_num_threads(threads)
     keep_heap()
 
