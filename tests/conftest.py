@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import pytest
@@ -15,6 +16,15 @@ from helpers.paths import ROOT, SHARED_DATA  # noqa: E402
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 sys.path.insert(0, str(ROOT))
+
+# Ctrl-C at its default in every test process, and so in every process a test starts. A shell ignores it for a job
+# it runs in the background (`pytest &` in a script, `nohup pytest &`), an ignored signal stays ignored across exec,
+# and Python then installs no handler for it: every run.py the Ctrl-C tests started ignored their Ctrl-C, and they
+# failed after 180 s, except on a test process where the notebook test (whose Jupyter client sets Ctrl-C's handler)
+# had run first. A run started so ignores Ctrl-C as it should; a terminal's Ctrl-C is what these tests are about.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 @pytest.fixture
