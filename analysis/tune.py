@@ -403,6 +403,7 @@ def sensitivity_figure(trial_table: pd.DataFrame, out: Path) -> Path:
     """Final validation loss against η, one panel per n, one line per algorithm (at each η its best knob value:
     how forgiving the method is of η, given its knob); a trial with a diverged seed is an × at the panel's top."""
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     from analysis import plots
@@ -413,6 +414,7 @@ def sensitivity_figure(trial_table: pd.DataFrame, out: Path) -> Path:
     fig, axes = plt.subplots(1, len(ns), figsize=(4.6 * len(ns), 4.2), sharey=True, squeeze=False)
     finite = trial_table.loc[np.isfinite(trial_table["score"]), "score"]
     top = float(finite.max()) * 1.15 if len(finite) else 3.0
+    crossed = False  # an × drawn in some panel
     for ax, n in zip(axes[0], ns, strict=True):
         here = trial_table[trial_table["workers"] == n]
         for a in algorithms:
@@ -424,6 +426,7 @@ def sensitivity_figure(trial_table: pd.DataFrame, out: Path) -> Path:
             ax.plot(chosen["lr"], chosen["score"], "o", ms=10, mfc="none", mec=colours[a], mew=1.5)
             bad = best[~np.isfinite(best)]
             ax.plot(bad.index, [top] * len(bad), "x", color=colours[a], ms=8, mew=2)
+            crossed = crossed or len(bad) > 0
         ax.set_xscale("log")
         grid = sorted(here["lr"].unique())
         ax.xaxis.set_major_locator(FixedLocator(grid))
@@ -432,19 +435,15 @@ def sensitivity_figure(trial_table: pd.DataFrame, out: Path) -> Path:
         ax.set_title(f"n = {n}")
         ax.set_xlabel("η (learning rate)")
         ax.axhline(top, color="lightgrey", lw=0.8, zorder=0)
-        ax.text(
-            0.01,
-            top,
-            " ×: at this η, every trial of the algorithm had a diverged seed",
-            va="bottom",
-            fontsize=7,
-            color="grey",
-            transform=ax.get_yaxis_transform(),
-        )
         ax.grid(True, which="major", alpha=0.3)
     plots.log_y(axes[0][0])
     axes[0][0].set_ylabel("final validation loss (mean over tuning seeds)")
-    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    # the ×'s meaning in the legend, beside the panels: written above the line in the panel, an × there covered it
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    if crossed:
+        handles.append(Line2D([], [], marker="x", ls="", color="grey", ms=7, mew=2))
+        labels.append("× on the top line: every\ntrial at this η had a\ndiverged seed")
+    axes[0][-1].legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(
         "Sensitivity to η: each algorithm's best knob value at each η (circled: chosen; ×: diverged)", fontsize=11
     )
