@@ -680,6 +680,7 @@ print("worker exit code", p.exitcode, flush=True)
 """
 
 
+@pytest.mark.slow  # an interpreter that imports torch, and a forkserver that does
 def test_a_ctrl_c_while_the_forkserver_starts_reaches_the_coordinator_and_spares_the_forkserver():
     """The forkserver is started with Ctrl-C held off, so that a terminal's Ctrl-C does not kill it while it imports
     torch. It was ignored in the coordinator for that moment, and a Ctrl-C that came then was lost: the run went on
