@@ -414,19 +414,23 @@ def sensitivity_figure(trial_table: pd.DataFrame, out: Path) -> Path:
     fig, axes = plt.subplots(1, len(ns), figsize=(4.6 * len(ns), 4.2), sharey=True, squeeze=False)
     finite = trial_table.loc[np.isfinite(trial_table["score"]), "score"]
     top = float(finite.max()) * 1.15 if len(finite) else 3.0
-    crossed = False  # an × drawn in some panel
+    crossed, crosses = False, []  # an × drawn in some panel; this panel's: (η, colour)
     for ax, n in zip(axes[0], ns, strict=True):
         here = trial_table[trial_table["workers"] == n]
         for a in algorithms:
             g = here[here["algorithm"] == a]
             best = g.groupby("lr")["score"].min().sort_index()
-            ok = best[np.isfinite(best)]
+            ok = best.where(np.isfinite(best))  # NaN at a crossed η: the line breaks there rather than bridge it
             ax.plot(ok.index, ok.values, "-o", color=colours[a], ms=4, lw=1.5, label=a)
             chosen = g[g["chosen"] & np.isfinite(g["score"])]
             ax.plot(chosen["lr"], chosen["score"], "o", ms=10, mfc="none", mec=colours[a], mew=1.5)
-            bad = best[~np.isfinite(best)]
-            ax.plot(bad.index, [top] * len(bad), "x", color=colours[a], ms=8, mew=2)
-            crossed = crossed or len(bad) > 0
+            crosses += [(lr, colours[a]) for lr in best[~np.isfinite(best)].index]
+        # the ×'s of several algorithms at one η, side by side (one on another, only the last one drawn showed)
+        for lr in sorted({lr for lr, _ in crosses}):
+            here_x = [c for x, c in crosses if x == lr]
+            for k, colour in enumerate(here_x):
+                ax.plot(lr * 1.12 ** (k - (len(here_x) - 1) / 2), top, "x", color=colour, ms=8, mew=2)
+        crossed, crosses = crossed or bool(crosses), []
         ax.set_xscale("log")
         grid = sorted(here["lr"].unique())
         ax.xaxis.set_major_locator(FixedLocator(grid))

@@ -89,18 +89,25 @@ def test_a_trial_is_scored_by_its_mean_validation_loss_and_a_diverged_seed_makes
 
 def test_the_sensitivity_figure_explains_its_crosses_in_the_legend_only_where_it_draws_one(tmp_path, monkeypatch):
     """An η at which every trial of an algorithm had a diverged seed is an × on the panel's top line, explained in the
-    legend (written in the panel, above that line, an × covered the words); a figure with no × does not explain it."""
+    legend (written in the panel, above that line, an × covered the words); a figure with no × does not explain it.
+    Two algorithms crossed at one η are two ×'s side by side (drawn at one point, one hid the other: n = 30)."""
     import matplotlib.pyplot as plt
 
     drawn = []
     monkeypatch.setattr(plt, "close", drawn.append)  # the figure, kept to be read
     t = tune.trials(load.runs(_tuning_sweep(tmp_path)))  # GEM's only trial at η 0.2 has a diverged seed
-    for table in (t, t[t["lr"] != 0.2]):
+    both = t.copy()
+    both.loc[(both["algorithm"] == "downpour") & (both["lr"] == 0.2), "score"] = float("inf")  # DOWNPOUR's too
+    for table in (t, t[t["lr"] != 0.2], both):
         tune.sensitivity_figure(table, tmp_path / "sensitivity.png")
     legends = [[x.get_text() for x in f.axes[-1].get_legend().get_texts()] for f in drawn]
     crosses = [[label for label in legend if label.startswith("×")] for legend in legends]
     assert crosses[0] == ["× on the top line: every\ntrial at this η had a\ndiverged seed"] and crosses[1] == []
     assert "gem" in legends[0] and "gem" in legends[1]
+    # two algorithms crossed at one η: two ×'s, side by side, each in its algorithm's colour
+    marks = [line for line in drawn[2].axes[0].get_lines() if line.get_marker() == "x"]
+    assert len(marks) == 2 and len({float(m.get_xdata()[0]) for m in marks}) == 2
+    assert len({m.get_color() for m in marks}) == 2
 
 
 @pytest.mark.slow
