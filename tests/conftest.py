@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT))
 # had run first. A run started so ignores Ctrl-C as it should; a terminal's Ctrl-C is what these tests are about.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+if hasattr(signal, "pthread_sigmask"):
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 @pytest.fixture

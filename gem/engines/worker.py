@@ -159,18 +159,21 @@ def worker_context(job=None):
     # started here with Ctrl-C blocked, which it inherits (a blocked signal stays blocked across fork and exec): a
     # terminal's Ctrl-C reaches the whole process group, and the forkserver, which ignores it only once it has
     # imported torch (seconds), died of it with a traceback under the coordinator's own lines. There it waits,
-    # pending, until the forkserver ignores it, which discards it; here, until the block ends, and then the
-    # coordinator acts on it (interrupts_held). Ignoring it here instead, as before, lost a Ctrl-C that came while
-    # the forkserver started: the run went on (seen on a loaded machine). multiprocessing's resource tracker, which
-    # the forkserver needs, starts first: it blocks Ctrl-C for its own start the same way, but unblocks it after
-    # (Python 3.11), which would end this block early. A forkserver running already is kept
+    # pending, until the forkserver ignores it, which discards it. Here it is held (interrupts_held: the mask is
+    # this thread's only, and the kernel gives a process's signal to any thread not blocking it) and acted on once
+    # the forkserver is recorded: raised inside ensure_running, it left a forkserver nobody knew of, and a notebook
+    # kernel started a second. Ignoring it here instead, as before, lost it: the run went on (seen on a loaded
+    # machine). multiprocessing's resource tracker, which the forkserver needs, starts first: it blocks Ctrl-C for
+    # its own start the same way, but unblocks it after (Python 3.11), which would end this block early. A
+    # forkserver running already is kept
     multiprocessing.resource_tracker.ensure_running()
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") else None
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        if mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    with interrupts_held():
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") else None
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return ctx
 
 
