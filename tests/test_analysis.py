@@ -99,6 +99,7 @@ def test_a_damaged_run_file_leaves_that_run_out_naming_it(tmp_path, name, text, 
     assert commits(tmp_path / "sweep").empty  # its rows are not read
 
 
+@pytest.mark.slow  # over 3 s in the fast tier (2026-11-29)
 def test_one_damaged_run_does_not_hide_its_sweep(sweep, tmp_path):
     """`analysis.report` over a sweep with one run's metrics.parquet cut short: the others are reported, the
     damaged run is left out of the means and named with its file (it stopped the report with pyarrow's error)."""

@@ -100,6 +100,7 @@ def test_a_budget_that_cannot_run_is_refused_in_one_line_before_anything_is_writ
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # over 3 s in the fast tier (2026-11-29)
 def test_a_run_reports_three_splits_and_its_staleness_model(tmp_path, capsys):
     s, _ = _run(tmp_path, "epochs=1")
     out = capsys.readouterr().out
@@ -114,6 +115,7 @@ def test_a_run_reports_three_splits_and_its_staleness_model(tmp_path, capsys):
     assert s["staleness_model"] == "round_robin"
 
 
+@pytest.mark.slow  # over 3 s in the fast tier (2026-11-29)
 def test_the_plan_counts_the_evaluations_and_names_the_knob_that_shortens_them(capsys, monkeypatch):
     from experiments import command, plan
 

@@ -37,7 +37,9 @@ def test_default_config_composes_and_validates():
     validate(cfg)
 
 
-@pytest.mark.parametrize("group", ["algorithm", "engine", "model", "data", "logger", "experiment"])
+@pytest.mark.parametrize(
+    "group", ["algorithm", "engine", "model", "data", "logger", pytest.param("experiment", marks=pytest.mark.slow)]
+)
 def test_every_group_option_composes(group, monkeypatch):
     from gem.engines import memory
 
@@ -205,6 +207,7 @@ def test_good_input_passes_and_sweeps_expand(tmp_path):
         check_job(["workers=-3"])
 
 
+@pytest.mark.slow  # over 3 s in the fast tier (2026-11-29)
 def test_a_sweeps_jobs_composed_from_their_group_choices_are_hydras_whole_compositions():
     """check_sweep composes each group choice once and sets each job's values on a copy (config._composed_from):
     the configs are those Hydra composes job by job, and a job the shortcut cannot make is composed whole, with

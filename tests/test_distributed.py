@@ -76,6 +76,7 @@ def run(job_, d):
     return result, read_table(d), rec
 
 
+@pytest.mark.slow  # over 3 s in the fast tier (2026-11-29)
 def test_a_run_closes_each_of_its_descriptors_once(data, tmp_path, monkeypatch):
     """The job store owns rank 0's listening socket: TCPStore closes the descriptor it is given when it goes. The
     engine closed it as well, so its number went back to the system while the store still held it: a file opened
@@ -154,6 +155,7 @@ def _sockets() -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="doors.py works on Linux only (/proc, socket filters)")
+@pytest.mark.slow  # 2-3.5 s a case in the fast tier (2026-11-29)
 def test_once_the_group_has_formed_nobody_new_reaches_a_rank(data, tmp_path, monkeypatch):
     """torch's two holes (doors.py): a connection to a gloo listener that closes before gloo's handshake costs the
     rank a descriptor for good, and the job's store keeps what anyone connected stores. Once every worker has
@@ -240,6 +242,7 @@ def test_commits_are_served_first_come_first_served(data, tmp_path):
 
 
 @pytest.mark.parametrize("algorithm", ["downpour", "dcasgd", "ssgd", "gem"])
+@pytest.mark.slow  # 2-3.5 s a case in the fast tier (2026-11-29)
 def test_three_workers_in_full_duplex_commit_once_each_with_staleness_on_the_servers_clock(data, tmp_path, algorithm):
     """Over the wire, rules that read no θ run in full duplex, and so does GEM's, at rank 0: θ goes back to one
     worker while the next one's commit arrives. The commits are still applied one at a time: each step once, every
@@ -270,6 +273,7 @@ def test_three_workers_in_full_duplex_commit_once_each_with_staleness_on_the_ser
 
 
 @pytest.mark.parametrize("algorithm", ["ringmaster", "rennala", "dylu"])
+@pytest.mark.slow  # 2-3.5 s a case in the fast tier (2026-11-29)
 def test_a_rule_that_reads_the_servers_counters_gets_them_with_go_in_full_duplex(data, tmp_path, algorithm):
     """Ringmaster's and Rennala's worker rules read no θ, only the server's counters (their delay, in each row), and
     DyLU's the workers' paces (its next window): over the wire GO carries those, as they are when the commit is
@@ -370,6 +374,7 @@ def test_a_rule_run_at_rank_0_gives_the_half_duplex_exchanges_rows(data, tmp_pat
 
 
 @pytest.mark.parametrize("proxy", ["local", "global"])
+@pytest.mark.slow  # over 3 s in the fast tier (2026-11-29)
 def test_a_resumed_run_of_gems_rule_at_rank_0_is_the_uninterrupted_run(data, tmp_path, monkeypatch, proxy):
     """GEM's m and s live at rank 0 over the wire: a checkpoint takes them from there into the worker's file, and
     a resumed run puts them back there. Killed the moment its first checkpoint is on disk and resumed, a run at n = 1
@@ -1134,6 +1139,7 @@ def test_with_a_local_turn_a_worker_in_line_is_to_blame_only_for_ignoring_a_chec
     assert coord.ps.lost == [2, 3] and coord.lost_workers == [1, 2]
 
 
+@pytest.mark.slow  # over 3 s in the fast tier (2026-11-29)
 def test_a_checkpoint_blames_only_the_worker_frozen_inside_the_turn_s_lock(data, tmp_path):
     """As above, but worker 2 froze inside the turn's `meta` while asked for its state: worker 1, in line and asked
     too, cannot answer before `meta` is let go of. Only worker 2 is to blame."""
@@ -1233,6 +1239,7 @@ def test_a_local_worker_waiting_in_line_exits_once_rank_0_is_gone():
     assert out == ["gone"]
 
 
+@pytest.mark.slow  # 2-3.5 s a case in the fast tier (2026-11-29)
 def test_a_worker_waiting_for_the_server_says_so_on_the_store():
     store = dist.HashStore()
     key = waiting_key(2)

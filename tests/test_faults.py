@@ -496,6 +496,7 @@ def test_resume_says_whether_the_directory_holds_no_run_or_one_without_a_checkpo
     assert snapshot(early) == before and sorted(p.name for p in tmp_path.iterdir()) == ["early", "empty"]
 
 
+@pytest.mark.slow  # over 3 s in the fast tier (2026-11-29)
 def test_a_plan_lists_no_run_its_command_would_refuse(tmp_path, capsys):
     """`plan=true` on a run directory that holds a completed run listed the job and its time, and the same command
     without plan=true was then refused: a sweep's plan refuses a folder that holds results, a run's plan now too,

@@ -117,6 +117,7 @@ def test_a_coordinator_waits_on_the_turn_a_bounded_step_at_a_time():
     assert turn.try_release() and int(turn.state[0]) == -1
 
 
+@pytest.mark.slow  # over 3 s in the fast tier (2026-11-29)
 def test_a_participant_frozen_inside_the_turn_s_lock_is_the_one_waited_on():
     """Frozen inside `meta` (held a few instructions at a time), a participant stalls whoever next asks for the
     turn before it can queue: `peek` names every other participant as waiting through no fault of its own, and

@@ -93,6 +93,7 @@ def test_sgd_on_real_mnist(tmp_path, mnist_root):
 # Ctrl-C and SIGTERM close the run directory on every engine: tests/test_engines.py.
 
 
+@pytest.mark.slow  # 2-3.5 s a case in the fast tier (2026-11-29)
 def test_online_init_failure_falls_back_to_offline_once_per_process(tmp_path, monkeypatch, capsys):
     import wandb
 

@@ -65,6 +65,7 @@ def test_run_names_show_the_algorithm_n_the_seed_and_the_keys_set():
     assert wandb_name(_cfg("sgd", 1, 3), []) == "sgd n=1 s3"
 
 
+@pytest.mark.slow  # over 3 s in the fast tier (2026-11-29)
 def test_run_names_are_unique_within_every_experiment_sweep():
     for experiment in options("experiment"):
         names = []
