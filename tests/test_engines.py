@@ -637,7 +637,7 @@ def test_a_worker_hung_holding_the_server_is_lost_and_the_others_go_on(data, tmp
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_ctrl_c_and_sigterm_leave_no_child_behind(tmp_path, sig, code, engine):
-    p, d = _start(tmp_path, "epochs=1000", engine=engine)
+    p, d = _start(tmp_path, "epochs=1000", engine=engine, fresh=True)
     kids = descendants(p.pid)
     if sig == "SIGINT":
         os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
@@ -777,10 +777,11 @@ def test_an_interruption_while_a_worker_starts_waits_for_it_to_be_recorded():
 
 
 def _fresh(args, start_new_session=True):
-    """`python run.py <args>` in a fresh interpreter, as a terminal starts it, which imports torch itself: for the
-    tests of an interruption while the workers start. (The other Ctrl-C tests use the warm server again: they had
-    been moved here when runs it forked did not end on a Ctrl-C in the whole suite; the cause was the suite's own
-    start in the background, with Ctrl-C ignored, which tests/conftest.py now undoes.)"""
+    """`python run.py <args>` in a fresh interpreter, as a terminal starts it: for the Ctrl-C tests. Runs forked by
+    the warm server did not end on a Ctrl-C in some whole suites. One cause was the suite's own start in the
+    background, with Ctrl-C ignored, which tests/conftest.py now undoes; but a warm run on `distributed` missed its
+    Ctrl-C once more after that (CI, 2026-11-29, one of three suites), not yet explained, and a warm run dumps no
+    stacks (PYTHONFAULTHANDLER is read when an interpreter starts). So these tests stay fresh."""
     return subprocess.Popen(
         [sys.executable, "run.py", *args],
         cwd=ROOT,
