@@ -414,9 +414,10 @@ def sensitivity_figure(trial_table: pd.DataFrame, out: Path) -> Path:
     fig, axes = plt.subplots(1, len(ns), figsize=(4.6 * len(ns), 4.2), sharey=True, squeeze=False)
     finite = trial_table.loc[np.isfinite(trial_table["score"]), "score"]
     top = float(finite.max()) * 1.15 if len(finite) else 3.0
-    crossed, crosses = False, []  # an × drawn in some panel; this panel's: (η, colour)
+    crossed = False  # an × drawn in some panel
     for ax, n in zip(axes[0], ns, strict=True):
         here = trial_table[trial_table["workers"] == n]
+        crosses = []  # (η, colour): the panel's ×'s
         for a in algorithms:
             g = here[here["algorithm"] == a]
             best = g.groupby("lr")["score"].min().sort_index()
@@ -430,7 +431,7 @@ def sensitivity_figure(trial_table: pd.DataFrame, out: Path) -> Path:
             here_x = [c for x, c in crosses if x == lr]
             for k, colour in enumerate(here_x):
                 ax.plot(lr * 1.12 ** (k - (len(here_x) - 1) / 2), top, "x", color=colour, ms=8, mew=2)
-        crossed, crosses = crossed or bool(crosses), []
+        crossed = crossed or bool(crosses)
         ax.set_xscale("log")
         grid = sorted(here["lr"].unique())
         ax.xaxis.set_major_locator(FixedLocator(grid))
